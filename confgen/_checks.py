@@ -1,0 +1,256 @@
+"""Checks that span fields: references, duplicates, cycles, ambiguity, address syntax.
+
+Each check yields (path, message, severity); the caller pins the path to its place in the
+file. They run only on a model that decoded cleanly, so every value here is well typed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Iterator
+
+from ._fields import COMPILED
+from .model import Pool, Topology, is_ip, split_address
+
+Finding = tuple[str, str, str]  # path, message, severity
+
+
+def check(topo: Topology) -> list[Finding]:
+    found: list[Finding] = []
+    for checker in (_duplicates, _addresses, _references, _fallback_cycles, _model_routing,
+                    _pool_settings, _routes, _auth_and_limits, _canned):
+        found.extend(checker(topo))
+    return found
+
+
+def _dupes(items: list[str]) -> set[str]:
+    return {name for name, count in Counter(items).items() if count > 1}
+
+
+def _later_duplicates(path: str, items: list[str], what: str, key: str = "name") -> Iterator[Finding]:
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        if item in seen:
+            yield f"{path}[{index}].{key}", f"duplicate {what} {item!r}", "error"
+        seen.add(item)
+
+
+def _duplicates(topo: Topology) -> Iterator[Finding]:
+    yield from _later_duplicates("pools", [p.name for p in topo.pools], "pool name")
+    yield from _later_duplicates("routes", [r.name for r in topo.routes], "route name")
+    yield from _later_duplicates("listeners", [lst.name for lst in topo.listeners], "listener name")
+    binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
+    yield from _later_duplicates("listeners", binds, "listen address", key="port")
+    for index, lst in enumerate(topo.listeners):
+        if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
+            yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", "error"
+    for pi, pool in enumerate(topo.pools):
+        yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers],
+                                     "worker", key="address")
+        for name in sorted(_dupes(pool.served_names)):
+            yield f"pools[{pi}].aliases", f"model name {name!r} is listed twice", "error"
+    if topo.auth is not None:
+        yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys],
+                                     "client", key="client")
+
+
+def _addresses(topo: Topology) -> Iterator[Finding]:
+    for name, address in [("admin.address", topo.admin.address)] + [
+        (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
+    ]:
+        if not is_ip(address):
+            yield name, f"{address!r} is not an IP address", "error"
+    if is_ip(topo.admin.address) and not ipaddress.ip_address(topo.admin.address).is_loopback:
+        yield "admin.address", (
+            "the admin interface can reconfigure and stop Envoy; it should listen on loopback"
+        ), "warning"
+    for pi, pool in enumerate(topo.pools):
+        names = 0
+        for wi, worker in enumerate(pool.workers):
+            path = f"pools[{pi}].workers[{wi}].address"
+            parts = split_address(worker.address)
+            if parts is None:
+                yield path, f"{worker.address!r} is not host:port (use [v6]:port for IPv6)", "error"
+                continue
+            host, _ = parts
+            if is_ip(host):
+                if worker.address.startswith("[") != (":" in host):
+                    yield path, "write IPv6 workers as [address]:port", "error"
+                continue
+            if not COMPILED["host"].fullmatch(host):
+                yield path, f"{host!r} is neither an IP address nor a DNS name", "error"
+                continue
+            names += 1
+        if names and pool.discovery == "eds":
+            yield f"pools[{pi}].workers", (
+                f"{names} worker(s) are DNS names: the sidecar resolves them into the EDS file "
+                "(until it runs they take no traffic); set discovery: strict_dns to let Envoy "
+                "resolve them without a sidecar"
+            ), "warning"
+
+
+def _references(topo: Topology) -> Iterator[Finding]:
+    pools = {p.name for p in topo.pools}
+    clients = {k.client for k in topo.auth.api_keys} if topo.auth else set()
+
+    def unknown_pool(path: str, name: str) -> Iterator[Finding]:
+        if name not in pools:
+            yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", "error"
+
+    def unknown_clients(path: str, names: list[str] | None) -> Iterator[Finding]:
+        for index, name in enumerate(names or []):
+            if topo.auth is None:
+                yield f"{path}[{index}]", "allow_clients needs auth.api_keys", "error"
+                return
+            if name not in clients:
+                yield f"{path}[{index}]", f"unknown client {name!r}", "error"
+
+    for ri, route in enumerate(topo.routes):
+        yield from unknown_pool(f"routes[{ri}].pool", route.pool)
+        yield from unknown_clients(f"routes[{ri}].allow_clients", route.allow_clients)
+    for pi, pool in enumerate(topo.pools):
+        if pool.fallback is not None:
+            yield from unknown_pool(f"pools[{pi}].fallback", pool.fallback)
+            if pool.fallback == pool.name:
+                yield f"pools[{pi}].fallback", "a pool cannot fall back to itself", "error"
+        yield from unknown_clients(f"pools[{pi}].allow_clients", pool.allow_clients)
+    if topo.default_pool is not None:
+        yield from unknown_pool("default_pool", topo.default_pool)
+
+
+def fallback_chain(topo: Topology, pool: Pool) -> list[Pool]:
+    """The pool and the pools it falls back to, in order (stops at a cycle or unknown)."""
+    by_name = {p.name: p for p in topo.pools}
+    chain = [pool]
+    while chain[-1].fallback in by_name and by_name[chain[-1].fallback] not in chain:
+        chain.append(by_name[chain[-1].fallback])  # type: ignore[index]
+    return chain
+
+
+def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
+    by_name = {p.name: p for p in topo.pools}
+    reported: set[str] = set()
+    for pi, pool in enumerate(topo.pools):
+        seen = [pool.name]
+        current = pool
+        while current.fallback in by_name and current.fallback != current.name:
+            nxt = by_name[current.fallback]
+            if nxt.name in seen:
+                cycle = seen[seen.index(nxt.name):] + [nxt.name]
+                if pool.name in cycle and not reported & set(cycle):
+                    reported.update(cycle)
+                    yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), "error"
+                break
+            seen.append(nxt.name)
+            current = nxt
+
+
+def primary_pool_for(topo: Topology, model: str) -> Pool | None:
+    """The pool that answers `model` by the implicit per-model routes, if unambiguous.
+
+    A name served by several pools belongs to the one whose fallback chain holds all the
+    others (70B -> 7B both serving "chat": the 70B pool answers, the 7B one is its fallback).
+    """
+    serving = [p for p in topo.pools if model in p.served_names]
+    for pool in serving:
+        chain = {p.name for p in fallback_chain(topo, pool)}
+        if all(p.name in chain for p in serving):
+            return pool
+    return None
+
+
+def _model_routing(topo: Topology) -> Iterator[Finding]:
+    explicit = {m for r in topo.routes for m in (r.match.models or [])}
+    seen: set[str] = set()
+    for pi, pool in enumerate(topo.pools):
+        for name in pool.served_names:
+            if name in seen or name in explicit:
+                continue
+            seen.add(name)
+            if primary_pool_for(topo, name) is None:
+                owners = [p.name for p in topo.pools if name in p.served_names]
+                yield f"pools[{pi}].models", (
+                    f"model {name!r} is served by pools {', '.join(owners)}, none of which falls "
+                    "back to the others; add a route saying which pool answers it"
+                ), "error"
+        if pool.fallback is not None:
+            try:
+                fb = topo.pool(pool.fallback)
+            except KeyError:
+                continue
+            if not set(pool.served_names) & set(fb.served_names):
+                yield f"pools[{pi}].fallback", (
+                    f"fallback pool {fb.name!r} serves none of this pool's model names; its workers "
+                    "will reject the requests it takes over (give it a shared alias)"
+                ), "warning"
+
+
+def _pool_settings(topo: Topology) -> Iterator[Finding]:
+    for pi, pool in enumerate(topo.pools):
+        base = f"pools[{pi}]"
+        bal = pool.balancing
+        hashing = bal.policy in ("ring_hash", "maglev")
+        if bal.hash_on is not None:
+            given = [k for k in ("header", "cookie") if getattr(bal.hash_on, k) is not None]
+            if len(given) != 1:
+                yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", "error"
+            if not hashing:
+                yield f"{base}.balancing.hash_on", f"hash_on needs policy ring_hash or maglev, not {bal.policy}", "error"
+        elif hashing:
+            yield f"{base}.balancing.hash_on", (
+                f"{bal.policy} without hash_on hashes nothing: every request lands at random"
+            ), "error"
+        hc = pool.health
+        if hc.enabled and hc.timeout >= hc.interval:
+            yield f"{base}.health.timeout", "must be shorter than health.interval", "error"
+        if pool.retries.attempts > 0 and not pool.retries.retry_on:
+            yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", "error"
+        for name in sorted(_dupes(list(pool.retries.retry_on))):
+            yield f"{base}.retries.retry_on", f"{name!r} is listed twice", "error"
+        if pool.discovery == "strict_dns" and any(w.drain for w in pool.workers):
+            yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", "error"
+
+
+def _routes(topo: Topology) -> Iterator[Finding]:
+    for ri, route in enumerate(topo.routes):
+        base = f"routes[{ri}]"
+        match = route.match
+        for hi, header in enumerate(match.headers or []):
+            given = [k for k in ("exact", "prefix", "present") if getattr(header, k) is not None]
+            if len(given) != 1:
+                yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", "error"
+            if topo.auth is not None and header.name in (topo.auth.client_header, "authorization"):
+                yield f"{base}.match.headers[{hi}].name", "routing on credentials or the client header is refused", "error"
+        try:
+            pool = topo.pool(route.pool)
+        except KeyError:
+            continue
+        for mi, model in enumerate(match.models or []):
+            if model not in pool.served_names:
+                yield f"{base}.match.models[{mi}]", (
+                    f"pool {pool.name!r} does not serve {model!r} (it serves: "
+                    f"{', '.join(pool.served_names)})"
+                ), "error"
+        catch_all = match.models is None and match.headers is None and match.path_prefix is None
+        if catch_all and ri < len(topo.routes) - 1:
+            yield f"{base}.match", "matches every request, so the routes after it are never used", "warning"
+
+
+def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
+    if topo.auth is not None:
+        for ki, key in enumerate(topo.auth.api_keys):
+            if (key.env is None) == (key.file is None):
+                yield f"auth.api_keys[{ki}]", "give exactly one of env or file", "error"
+    if topo.limits.per_key is not None and topo.auth is None:
+        yield "limits.per_key", "per-key limits need auth.api_keys", "error"
+
+
+def _canned(topo: Topology) -> Iterator[Finding]:
+    canned = topo.last_resort
+    if canned is None:
+        return
+    if canned.kind == "error" and canned.status < 400:
+        yield "last_resort.status", "an error answer needs a 4xx or 5xx status", "error"
+    if canned.kind == "completion" and canned.status != 200:
+        yield "last_resort.status", "a canned completion is answered with status 200", "error"

@@ -1,0 +1,341 @@
+"""Turn a YAML node tree into the typed model, collecting every error with its place.
+
+The decoder is driven by the model's type hints and field specs, so the model stays the
+single statement of what a topology may hold. It is strict where YAML 1.1 is loose: a
+quoted "8000" is not a port, an unquoted `no` is not a string, 0755 is not a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from ._fields import COMPILED, DURATION_HINT, PATTERNS, Duration, parse_duration, spec_of, yaml_key
+from ._yaml import Mark, mark_of
+from .errors import Diagnostic
+
+MAX_EXPANDED_NODES = 500_000
+
+_STR = "tag:yaml.org,2002:str"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_BOOL = "tag:yaml.org,2002:bool"
+_NULL = "tag:yaml.org,2002:null"
+_MERGE = "tag:yaml.org,2002:merge"
+_MAP = "tag:yaml.org,2002:map"
+_SEQ = "tag:yaml.org,2002:seq"
+_KNOWN_TAGS = {_STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE, _MAP, _SEQ}
+_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_FLOAT_TEXT = re.compile(r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
+
+_TAG_WORDS = {_INT: "a number", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
+
+
+class _Invalid:
+    """Marks a value that failed to decode (its error is already recorded)."""
+
+
+INVALID = _Invalid()
+
+
+def path_join(parent: str, key: str) -> str:
+    return f"{parent}.{key}" if parent else key
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def expanded_size(root: yaml.Node) -> int | None:
+    """Nodes the document has once aliases are expanded; None for a recursive alias."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int | None:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            return None
+        active.add(key)
+        total = 1
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        for child in children:
+            sub = size(child)
+            if sub is None:
+                return None
+            total += sub
+            if total > MAX_EXPANDED_NODES:
+                break
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        return size(root)
+    except RecursionError:
+        return None
+
+
+class Decoder:
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.diagnostics: list[Diagnostic] = []
+        self.marks: dict[str, Mark] = {}
+
+    # -- reporting ---------------------------------------------------------------------
+    def error(self, where: yaml.Node | Mark, path: str, message: str) -> _Invalid:
+        mark = where if isinstance(where, Mark) else mark_of(where)
+        self.diagnostics.append(Diagnostic(self.filename, mark.line, mark.col, path, message))
+        return INVALID
+
+    # -- entry -------------------------------------------------------------------------
+    def decode_root(self, node: yaml.Node, cls: type) -> Any:
+        size = expanded_size(node)
+        if size is None:
+            return self.error(node, "", "an alias refers to itself (recursive anchors are refused)")
+        if size > MAX_EXPANDED_NODES:
+            return self.error(
+                node, "", f"the document expands to more than {MAX_EXPANDED_NODES:,} nodes through "
+                "anchors and aliases (an alias bomb?)",
+            )
+        return self.decode(node, cls, "", None)
+
+    def decode(self, node: yaml.Node, tp: Any, path: str, pattern: str | None) -> Any:
+        self.marks.setdefault(path, mark_of(node))
+        if node.tag not in _KNOWN_TAGS:
+            return self.error(node, path, f"the tag {node.tag!r} is not allowed")
+        origin = typing.get_origin(tp)
+        if origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if node.tag == _NULL:
+                return None
+            return self.decode(node, args[0], path, pattern)
+        if origin is Literal:
+            return self._literal(node, tp, path)
+        if origin is list:
+            return self._list(node, typing.get_args(tp)[0], path, pattern)
+        if origin is dict:
+            return self._dict(node, path, pattern)
+        if tp is bool:
+            return self._bool(node, path)
+        if tp is int:
+            return self._int(node, path)
+        if tp is float:
+            return self._float(node, path)
+        if tp is str:
+            return self._str(node, path, pattern)
+        if tp is Duration:
+            return self._duration(node, path)
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            return self._dataclass(node, tp, path)
+        raise TypeError(f"model type {tp!r} has no decoder")  # a bug in the model, not input
+
+    # -- scalars -----------------------------------------------------------------------
+    def _scalar(self, node: yaml.Node, path: str, want: str) -> str | _Invalid:
+        if not isinstance(node, yaml.ScalarNode):
+            kind = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+            return self.error(node, path, f"expected {want}, got {kind}")
+        return str(node.value)
+
+    def _str(self, node: yaml.Node, path: str, pattern: str | None) -> str | _Invalid:
+        text = self._scalar(node, path, "a string")
+        if isinstance(text, _Invalid):
+            return text
+        if node.tag != _STR:
+            hint = ""
+            if node.tag == _BOOL:
+                hint = f" (YAML 1.1 reads an unquoted {text!r} as a boolean; quote it)"
+            elif node.tag in (_INT, _FLOAT):
+                hint = " (quote it if it is meant as text)"
+            return self.error(node, path, f"expected a string, got {_TAG_WORDS[node.tag]} {text!r}{hint}")
+        return self._check_pattern(node, path, text, pattern)
+
+    def _check_pattern(self, node: yaml.Node, path: str, text: str, pattern: str | None) -> str | _Invalid:
+        if pattern is None:
+            # Free-form fields are still refused anything that could carry structure.
+            if not re.fullmatch(r"[A-Za-z0-9._:\[\]/@+=-]{1,300}", text):
+                return self.error(node, path, f"{_show(text)} has characters that are not allowed here")
+            return text
+        if not COMPILED[pattern].fullmatch(text):
+            return self.error(node, path, f"{_show(text)} is not valid: expected {PATTERNS[pattern][1]}")
+        return text
+
+    def _bool(self, node: yaml.Node, path: str) -> bool | _Invalid:
+        text = self._scalar(node, path, "true or false")
+        if isinstance(text, _Invalid):
+            return text
+        if node.tag != _BOOL or text not in ("true", "false"):
+            hint = " (YAML 1.1 spellings like yes/no/on/off are refused)" if node.tag == _BOOL else ""
+            return self.error(node, path, f"expected true or false, got {_show(text)}{hint}")
+        return text == "true"
+
+    def _int(self, node: yaml.Node, path: str) -> int | _Invalid:
+        text = self._scalar(node, path, "an integer")
+        if isinstance(text, _Invalid):
+            return text
+        if node.tag == _STR:
+            return self.error(node, path, f"expected an integer, got the string {_show(text)}; remove the quotes")
+        if node.tag != _INT or not _DECIMAL.fullmatch(text):
+            return self.error(node, path, f"expected a decimal integer, got {_show(text)}")
+        return int(text)
+
+    def _float(self, node: yaml.Node, path: str) -> float | _Invalid:
+        text = self._scalar(node, path, "a number")
+        if isinstance(text, _Invalid):
+            return text
+        if node.tag not in (_INT, _FLOAT) or not _FLOAT_TEXT.fullmatch(text):
+            return self.error(node, path, f"expected a number, got {_show(text)}")
+        return float(text)
+
+    def _duration(self, node: yaml.Node, path: str) -> Duration | _Invalid:
+        text = self._scalar(node, path, DURATION_HINT)
+        if isinstance(text, _Invalid):
+            return text
+        parsed = parse_duration(text) if node.tag == _STR else None
+        if parsed is None:
+            return self.error(node, path, f"expected {DURATION_HINT}, got {_show(text)}")
+        return parsed
+
+    def _literal(self, node: yaml.Node, tp: Any, path: str) -> str | _Invalid:
+        choices = [str(c) for c in typing.get_args(tp)]
+        text = self._scalar(node, path, "one of " + ", ".join(choices))
+        if isinstance(text, _Invalid):
+            return text
+        if node.tag != _STR or text not in choices:
+            near = difflib.get_close_matches(text, choices, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            return self.error(node, path, f"{_show(text)} is not one of: {', '.join(choices)}{hint}")
+        return text
+
+    # -- collections -------------------------------------------------------------------
+    def _list(self, node: yaml.Node, item: Any, path: str, pattern: str | None) -> list[Any] | _Invalid:
+        if not isinstance(node, yaml.SequenceNode):
+            return self.error(node, path, "expected a list")
+        out: list[Any] = []
+        ok = True
+        for index, child in enumerate(node.value):
+            value = self.decode(child, item, f"{path}[{index}]", pattern)
+            ok = ok and not isinstance(value, _Invalid)
+            out.append(value)
+        return out if ok else INVALID
+
+    def _dict(self, node: yaml.Node, path: str, pattern: str | None) -> dict[str, str] | _Invalid:
+        pairs = self._pairs(node, path)
+        if isinstance(pairs, _Invalid):
+            return pairs
+        out: dict[str, str] = {}
+        ok = True
+        for key, (key_node, value_node) in pairs.items():
+            sub = path_join(path, key)
+            if self._check_pattern(key_node, sub, key, "label") is INVALID:
+                ok = False
+                continue
+            value = self._str(value_node, sub, pattern)
+            if isinstance(value, _Invalid):
+                ok = False
+            else:
+                out[key] = value
+        return out if ok else INVALID
+
+    def _pairs(self, node: yaml.Node, path: str) -> dict[str, tuple[yaml.Node, yaml.Node]] | _Invalid:
+        """A mapping's keys in order, with merge keys applied and duplicates refused."""
+        if not isinstance(node, yaml.MappingNode):
+            what = "a list" if isinstance(node, yaml.SequenceNode) else _show(str(node.value))
+            return self.error(node, path, f"expected a mapping, got {what}")
+        own: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        merged: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    sub = self._pairs(source, path)
+                    if isinstance(sub, _Invalid):
+                        return sub
+                    for key, pair in sub.items():
+                        merged.setdefault(key, pair)
+                continue
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _STR:
+                return self.error(key_node, path, "mapping keys must be plain strings")
+            key = str(key_node.value)
+            if key in own:
+                first = mark_of(own[key][0])
+                self.error(key_node, path_join(path, key),
+                           f"duplicate key {key!r} (first defined at line {first.line})")
+                continue
+            own[key] = (key_node, value_node)
+        return {**merged, **own}
+
+    def _dataclass(self, node: yaml.Node, cls: type, path: str) -> Any:
+        shorthand = getattr(cls, "__shorthand__", None)
+        if shorthand is not None and isinstance(node, yaml.ScalarNode):
+            fld = next(f for f in dataclasses.fields(cls) if f.name == shorthand)
+            value = self.decode(node, _hints(cls)[shorthand], path_join(path, shorthand), spec_of(fld).pattern)
+            return INVALID if isinstance(value, _Invalid) else cls(**{shorthand: value})
+        pairs = self._pairs(node, path)
+        if isinstance(pairs, _Invalid):
+            return pairs
+        fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
+        hints = _hints(cls)
+        kwargs: dict[str, Any] = {}
+        ok = True
+        for key, (key_node, value_node) in pairs.items():
+            fld = fields.get(key)
+            if fld is None:
+                near = difflib.get_close_matches(key, list(fields), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                self.error(key_node, path_join(path, key), f"unknown field{hint}")
+                ok = False
+                continue
+            spec = spec_of(fld)
+            sub = path_join(path, key)
+            value = self.decode(value_node, hints[fld.name], sub, spec.pattern)
+            if isinstance(value, _Invalid):
+                ok = False
+                continue
+            if not self._check_range(value_node, sub, value, spec.minimum, spec.maximum, spec.min_items):
+                ok = False
+                continue
+            kwargs[fld.name] = value
+        for fld in dataclasses.fields(cls):
+            required = fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING
+            if required and fld.name not in kwargs and yaml_key(fld) not in pairs:
+                self.error(node, path_join(path, yaml_key(fld)), "required field is missing")
+                ok = False
+        return cls(**kwargs) if ok else INVALID
+
+    def _check_range(self, node: yaml.Node, path: str, value: Any, lo: float | None,
+                     hi: float | None, min_items: int | None) -> bool:
+        if isinstance(value, list) and min_items is not None and len(value) < min_items:
+            self.error(node, path, f"needs at least {min_items} item{'s' if min_items > 1 else ''}")
+            return False
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if lo is not None and value < lo:
+                self.error(node, path, f"{value} is below the minimum {_num(lo)}")
+                return False
+            if hi is not None and value > hi:
+                self.error(node, path, f"{value} is above the maximum {_num(hi)}")
+                return False
+        return True
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def _show(text: str) -> str:
+    """Quote a value for a message without letting control characters through."""
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    return repr(shown)

@@ -1,0 +1,106 @@
+"""Field declarations shared by the model, its decoder and its JSON Schema.
+
+A field's constraints live next to its type, once: the decoder enforces them and the
+schema generator publishes them. String fields always name a pattern from `PATTERNS`;
+none of them admits a control character or a character that has structure in an Envoy,
+Nginx or shell file, so no topology value can change the structure of an output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# Each pattern is a whole-string match. None admits `;{}#$"'\` `, newline or NUL.
+PATTERNS: dict[str, tuple[str, str]] = {
+    "name": (r"[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?", "lowercase letters, digits, '-' and '_' (1-63)"),
+    "model": (r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}", "letters, digits and . _ : / @ + - (1-128)"),
+    "header": (r"[a-z0-9][a-z0-9-]{0,63}", "a lowercase HTTP header name"),
+    "header_value": (r"[A-Za-z0-9._:/@+=,-]{1,128}", "letters, digits and . _ : / @ + = , -"),
+    "http_path": (r"/[A-Za-z0-9._~/-]{0,255}", "an absolute URL path of letters, digits and . _ ~ / -"),
+    "host": (
+        r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
+        "a DNS host name",
+    ),
+    "env_var": (r"[A-Za-z_][A-Za-z0-9_]{0,127}", "an environment variable name"),
+    "file_path": (r"/[A-Za-z0-9._/-]{1,1023}", "an absolute file path of letters, digits and . _ / -"),
+    "text": (r"[A-Za-z0-9 .,:!?()/_+-]{1,512}", "plain text: letters, digits, spaces and . , : ! ? ( ) / _ + -"),
+    "label": (r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}", "letters, digits and . _ / - (1-63)"),
+    "cookie": (r"[A-Za-z0-9_-]{1,64}", "letters, digits, '_' and '-'"),
+}
+COMPILED = {key: re.compile(rx) for key, (rx, _) in PATTERNS.items()}
+
+
+@dataclass(frozen=True)
+class Spec:
+    doc: str
+    key: str | None = None  # the YAML key when it differs from the attribute name
+    pattern: str | None = None  # for str and list[str] / dict[str, str] values
+    minimum: float | None = None
+    maximum: float | None = None
+    min_items: int | None = None
+
+
+def field(default: Any = dataclasses.MISSING, *, doc: str, factory: Any = dataclasses.MISSING,
+          key: str | None = None, pattern: str | None = None, minimum: float | None = None,
+          maximum: float | None = None, min_items: int | None = None) -> Any:
+    """A dataclass field carrying its YAML key, docs and constraints."""
+    if pattern is not None and pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern}")
+    meta = {"spec": Spec(doc, key, pattern, minimum, maximum, min_items)}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def spec_of(f: dataclasses.Field[Any]) -> Spec:
+    spec = f.metadata.get("spec")
+    if not isinstance(spec, Spec):
+        raise TypeError(f"field {f.name} was not declared with confgen._fields.field")
+    return spec
+
+
+def yaml_key(f: dataclasses.Field[Any]) -> str:
+    return spec_of(f).key or f.name
+
+
+@dataclass(frozen=True, order=True)
+class Duration:
+    """A span of time written with a unit: 250ms, 5s, 2m, 1h. Stored in milliseconds."""
+
+    ms: int
+
+    @property
+    def seconds(self) -> float:
+        return self.ms / 1000
+
+    def envoy(self) -> str:
+        """Protobuf JSON duration text."""
+        whole, frac = divmod(self.ms, 1000)
+        return f"{whole}.{frac:03d}s" if frac else f"{whole}s"
+
+    def nginx(self) -> str:
+        return f"{self.ms}ms" if self.ms % 1000 else f"{self.ms // 1000}s"
+
+    def __str__(self) -> str:
+        return self.nginx()
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def parse_duration(text: str) -> Duration | None:
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        return None
+    ms = float(match.group(1)) * _UNIT_MS[match.group(2)]
+    if ms != int(ms) or ms > 30 * 86_400_000:
+        return None
+    return Duration(int(ms))
+
+
+DURATION_HINT = "a duration with a unit, such as 250ms, 5s, 2m or 1h (at most 30 days)"

@@ -1,0 +1,325 @@
+"""The typed topology: the single source of truth every renderer reads.
+
+A topology describes listeners, pools of inference workers, how requests are routed to
+pools, and the limits and failure handling around them. The YAML file maps 1:1 onto these
+frozen dataclasses (keys are the attribute names unless a field says otherwise); defaults
+here are the ones fit for LLM traffic (long streams, slow first tokens, costly retries).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Literal
+
+from ._fields import Duration, field
+
+Engine = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
+Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev"]
+RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
+Discovery = Literal["eds", "strict_dns"]
+CannedKind = Literal["error", "completion"]
+
+# The health path each engine answers on (see the engines' docs; sglang's /health runs a
+# one-token generation, which is what we want to know).
+DEFAULT_HEALTH_PATH: dict[str, str] = {
+    "vllm": "/health",
+    "sglang": "/health",
+    "tgi": "/health",
+    "llamacpp": "/health",
+    "openai": "/v1/models",
+}
+
+
+def _d(text: str) -> Duration:
+    from ._fields import parse_duration
+
+    parsed = parse_duration(text)
+    assert parsed is not None, text
+    return parsed
+
+
+@dataclass(frozen=True)
+class Admin:
+    address: str = field("127.0.0.1", doc="Address of Envoy's admin interface; keep it on loopback.")
+    port: int = field(9901, doc="Port of Envoy's admin interface.", minimum=1, maximum=65535)
+
+
+@dataclass(frozen=True)
+class Listener:
+    name: str = field(doc="Listener name.", pattern="name")
+    port: int = field(doc="Port clients connect to.", minimum=1, maximum=65535)
+    address: str = field("0.0.0.0", doc="IP address to listen on.")
+    stream_idle_timeout: Duration = field(
+        _d("5m"), doc="Close a stream with no bytes in either direction for this long."
+    )
+    request_headers_timeout: Duration = field(
+        _d("10s"), doc="Time a client has to send its request headers."
+    )
+    max_request_bytes: int = field(
+        8 * 1024 * 1024, doc="Largest request body accepted (prompts are buffered to read `model`).",
+        minimum=1024, maximum=256 * 1024 * 1024,
+    )
+
+
+@dataclass(frozen=True)
+class Worker:
+    __shorthand__ = "address"  # a plain "host:port" string stands for a worker
+
+    address: str = field(
+        doc="host:port of one inference server (IPv4, [IPv6] or a DNS name). A tensor- or "
+        "pipeline-parallel server spanning several GPUs is one worker."
+    )
+    weight: int = field(1, doc="Static share of traffic relative to the pool's other workers.", minimum=1, maximum=128)
+    capacity: int | None = field(
+        None, doc="Max concurrent sequences this worker runs (vLLM --max-num-seqs); defaults to the pool's.",
+        minimum=1, maximum=100_000,
+    )
+    zone: str | None = field(None, doc="Zone or rack, published as the endpoint's locality.", pattern="label")
+    labels: dict[str, str] = field(factory=dict, doc="Free-form labels (for example gpu: a100).", pattern="label")
+    drain: bool = field(False, doc="Planned drain: finish in-flight requests, take no new ones.")
+
+
+@dataclass(frozen=True)
+class HashOn:
+    header: str | None = field(None, doc="Hash on this request header (e.g. x-session-id).", pattern="header")
+    cookie: str | None = field(None, doc="Hash on this cookie's value.", pattern="cookie")
+
+
+@dataclass(frozen=True)
+class Balancing:
+    policy: Policy = field("least_request", doc="Load-balancing policy.")
+    choice_count: int = field(2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100)
+    active_request_bias: float = field(
+        1.0, doc="least_request: how strongly in-flight requests lower a weighted host's share.",
+        minimum=0.0, maximum=10.0,
+    )
+    hash_on: HashOn | None = field(None, doc="ring_hash/maglev: what keeps a session on one worker.")
+    hash_balance_factor: int = field(
+        150, doc="ring_hash/maglev: a host takes at most this percent of the average load "
+        "before a session spills to the next host (bounded-load hashing).",
+        minimum=100, maximum=1000,
+    )
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    enabled: bool = field(True, doc="Let the proxy actively probe each worker.")
+    path: str | None = field(None, doc="Health path; defaults to the engine's.", pattern="http_path")
+    interval: Duration = field(_d("5s"), doc="Time between probes.")
+    timeout: Duration = field(_d("2s"), doc="A probe slower than this fails.")
+    healthy_threshold: int = field(2, doc="Passing probes before a worker is readmitted.", minimum=1, maximum=100)
+    unhealthy_threshold: int = field(3, doc="Failing probes before a worker is evicted.", minimum=1, maximum=100)
+    no_traffic_interval: Duration = field(
+        _d("5s"), doc="Probe interval for a pool with no traffic (Envoy's default of 60 s misses dead workers)."
+    )
+
+
+@dataclass(frozen=True)
+class OutlierDetection:
+    enabled: bool = field(True, doc="Eject workers that fail real requests.")
+    consecutive_5xx: int = field(5, doc="Consecutive 5xx answers before ejection.", minimum=1, maximum=1000)
+    consecutive_gateway_failure: int = field(
+        3, doc="Consecutive 502/503/504 or connection failures before ejection.", minimum=1, maximum=1000
+    )
+    interval: Duration = field(_d("5s"), doc="How often ejections are evaluated.")
+    base_ejection_time: Duration = field(_d("30s"), doc="First ejection length (grows with repeats).")
+    max_ejection_percent: int = field(50, doc="Never eject more than this share of a pool.", minimum=0, maximum=100)
+
+
+@dataclass(frozen=True)
+class Retries:
+    attempts: int = field(2, doc="Retries per request (0 disables).", minimum=0, maximum=10)
+    retry_on: list[RetryOn] = field(
+        factory=lambda: ["connect-failure", "reset", "refused-stream"],
+        doc="Failures that are retried, always on a different worker. A generation is only "
+        "retried before its first byte reached the client.",
+    )
+    budget_percent: float = field(
+        20.0, doc="Retries may add at most this percent to the requests in flight.", minimum=0.0, maximum=100.0
+    )
+    min_concurrency: int = field(3, doc="Retries always allowed regardless of the budget.", minimum=0, maximum=10_000)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.")
+    request: Duration = field(
+        _d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut)."
+    )
+    idle: Duration = field(_d("60s"), doc="Longest silence between two chunks of a streamed answer.")
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str = field(doc="Pool name; also the Envoy cluster name.", pattern="name")
+    engine: Engine = field(doc="Inference engine the workers run.")
+    models: list[str] = field(doc="Model names the workers serve (--served-model-name).", pattern="model", min_items=1)
+    workers: list[Worker] = field(doc="The inference servers of this pool.", min_items=1)
+    aliases: list[str] = field(factory=list, doc="More names clients may ask for.", pattern="model")
+    capacity: int = field(
+        256, doc="Default max concurrent sequences per worker (vLLM --max-num-seqs).", minimum=1, maximum=100_000
+    )
+    balancing: Balancing = field(factory=Balancing, doc="How requests are spread over workers.")
+    health: HealthCheck = field(factory=HealthCheck, doc="Active health checks.")
+    outlier_detection: OutlierDetection = field(factory=OutlierDetection, doc="Passive ejection on failures.")
+    retries: Retries = field(factory=Retries, doc="Retries on connection failures.")
+    timeouts: Timeouts = field(factory=Timeouts, doc="Timeouts fit for long generations.")
+    fallback: str | None = field(
+        None, doc="Pool that takes this pool's traffic when it has no healthy worker.", pattern="name"
+    )
+    discovery: Discovery = field(
+        "eds", doc="eds: endpoints in a file the sidecar rewrites (DNS names are resolved by the "
+        "sidecar); strict_dns: the proxy resolves the names itself (no sidecar).",
+    )
+    metrics_path: str = field("/metrics", doc="Prometheus metrics path (read by the sidecar).", pattern="http_path")
+    allow_clients: list[str] | None = field(
+        None, doc="API-key clients allowed to use this pool (default: every client).", pattern="name"
+    )
+
+    @property
+    def health_path(self) -> str:
+        return self.health.path or DEFAULT_HEALTH_PATH[self.engine]
+
+    @property
+    def served_names(self) -> list[str]:
+        return [*self.models, *self.aliases]
+
+
+@dataclass(frozen=True)
+class HeaderMatch:
+    name: str = field(doc="Header name.", pattern="header")
+    exact: str | None = field(None, doc="Match this value exactly.", pattern="header_value")
+    prefix: str | None = field(None, doc="Match values starting with this.", pattern="header_value")
+    present: bool | None = field(None, doc="Match when the header is (true) or is not (false) sent.")
+
+
+@dataclass(frozen=True)
+class Match:
+    models: list[str] | None = field(None, doc="The JSON body's `model` is one of these.", pattern="model")
+    headers: list[HeaderMatch] | None = field(None, doc="Every listed header matches.")
+    path_prefix: str | None = field(None, doc="The URL path starts with this.", pattern="http_path")
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str = field(doc="Route name.", pattern="name")
+    pool: str = field(doc="Pool that serves matching requests.", pattern="name")
+    match: Match = field(factory=Match, doc="All given conditions must hold; none given matches every request.")
+    allow_clients: list[str] | None = field(
+        None, doc="API-key clients allowed on this route (default: the pool's).", pattern="name"
+    )
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    client: str = field(doc="Client id, forwarded to workers and used for per-key limits.", pattern="name")
+    env: str | None = field(None, doc="Environment variable that holds the key at render time.", pattern="env_var")
+    file: str | None = field(None, doc="File that holds the key at render time.", pattern="file_path")
+    rate_limit: RateLimit | None = field(None, doc="This client's own bucket (overrides limits.per_key).")
+
+
+@dataclass(frozen=True)
+class Auth:
+    api_keys: list[ApiKey] = field(doc="Accepted keys, sent as `Authorization: Bearer <key>`.", min_items=1)
+    client_header: str = field(
+        "x-confgen-client", doc="Header that carries the authenticated client id to workers.", pattern="header"
+    )
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    requests: int = field(doc="Tokens added every `per`.", minimum=1, maximum=10_000_000)
+    per: Duration = field(doc="Refill period.")
+    burst: int | None = field(None, doc="Bucket size (default: requests).", minimum=1, maximum=10_000_000)
+
+    @property
+    def bucket(self) -> int:
+        return self.burst or self.requests
+
+
+@dataclass(frozen=True)
+class Limits:
+    global_: RateLimit | None = field(None, key="global", doc="One token bucket for all requests on a listener.")
+    per_key: RateLimit | None = field(None, doc="A token bucket per API-key client.")
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    max_utilization: float = field(
+        0.8, doc="Shed load (429) once in-flight requests pass this share of a pool's capacity.",
+        minimum=0.05, maximum=1.0,
+    )
+    retry_after: Duration = field(_d("2s"), doc="Sent as retry-after on 429 answers (whole seconds).")
+
+
+@dataclass(frozen=True)
+class Canned:
+    kind: CannedKind = field("error", doc="error: an OpenAI error object; completion: a chat completion.")
+    status: int = field(503, doc="HTTP status of the canned answer.", minimum=200, maximum=599)
+    message: str = field(
+        "All inference capacity is busy or unavailable. Please retry shortly.",
+        doc="Text of the error message or of the assistant's reply.", pattern="text",
+    )
+
+
+@dataclass(frozen=True)
+class EnvoyOptions:
+    config_dir: str | None = field(
+        None, doc="Where the rendered files live when Envoy runs (default: the output directory).",
+        pattern="file_path",
+    )
+    node_id: str | None = field(None, doc="Envoy node id (default: the topology name).", pattern="name")
+    configmap: bool = field(
+        False, doc="The files come from a Kubernetes ConfigMap mount (watch the directory's symlink swap)."
+    )
+
+
+@dataclass(frozen=True)
+class Topology:
+    version: int = field(doc="Format version; must be 1.", minimum=1, maximum=1)
+    name: str = field(doc="Name of this deployment (Envoy node cluster).", pattern="name")
+    listeners: list[Listener] = field(doc="Where clients connect.", min_items=1)
+    pools: list[Pool] = field(doc="Pools of inference workers.", min_items=1)
+    routes: list[Route] = field(
+        factory=list, doc="Explicit routes, tried in order before the per-model routes implied by pools."
+    )
+    default_pool: str | None = field(
+        None, doc="Pool for requests that name no model (bodies without `model`).", pattern="name"
+    )
+    admin: Admin = field(factory=Admin, doc="Envoy's admin interface.")
+    auth: Auth | None = field(None, doc="API-key authentication at the edge.")
+    limits: Limits = field(factory=Limits, doc="Token-bucket rate limits (429 when empty).")
+    backpressure: Backpressure = field(factory=Backpressure, doc="Load shedding when pools are nearly full.")
+    last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
+    models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
+    envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
+
+    def pool(self, name: str) -> Pool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+
+def split_address(text: str) -> tuple[str, int] | None:
+    """Split host:port ([v6]:port for IPv6); None when it is not of that form."""
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            return None
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or ":" in host:
+            return None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return host, int(port)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

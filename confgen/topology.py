@@ -1,0 +1,62 @@
+"""Load a topology file: bytes -> nodes -> typed model -> cross-field checks.
+
+`load` raises TopologyError with every error found (warnings ride along); `parse` returns
+the model and the warnings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _checks, _yaml
+from ._decode import Decoder, _Invalid
+from .errors import Diagnostic, TopologyError
+from .model import Topology
+
+
+def parse(text: bytes, filename: str = "<topology>") -> tuple[Topology, list[Diagnostic]]:
+    """The model for `text` and its warnings; TopologyError lists every error."""
+    node, diagnostics = _yaml.compose(text, filename)
+    if node is None:
+        raise TopologyError(diagnostics)
+    decoder = Decoder(filename)
+    topo = decoder.decode_root(node, Topology)
+    if isinstance(topo, _Invalid) or decoder.diagnostics:
+        raise TopologyError(decoder.diagnostics)
+    assert isinstance(topo, Topology)
+    found = []
+    for path, message, severity in _checks.check(topo):
+        mark = _nearest_mark(decoder.marks, path)
+        found.append(Diagnostic(filename, mark.line, mark.col, path, message, severity))  # type: ignore[arg-type]
+    errors = [d for d in found if d.severity == "error"]
+    if errors:
+        raise TopologyError(found)
+    return topo, sorted(found)
+
+
+def load(path: str | Path) -> tuple[Topology, list[Diagnostic]]:
+    """Read and parse a topology file (refusing oversized files before reading them whole)."""
+    file = Path(path)
+    name = str(path)
+    try:
+        size = file.stat().st_size
+        if size > _yaml.MAX_BYTES:
+            raise TopologyError([Diagnostic(
+                name, 1, 1, "",
+                f"file is {size / (1024 * 1024):.1f} MiB; a topology may be at most "
+                f"{_yaml.MAX_BYTES // (1024 * 1024)} MiB",
+            )])
+        text = file.read_bytes()
+    except OSError as exc:
+        raise TopologyError([Diagnostic(name, 0, 0, "", f"cannot read: {exc.strerror}")]) from exc
+    return parse(text, name)
+
+
+def _nearest_mark(marks: dict[str, _yaml.Mark], path: str) -> _yaml.Mark:
+    probe = path
+    while probe:
+        if probe in marks:
+            return marks[probe]
+        cut = max(probe.rfind("."), probe.rfind("["))
+        probe = probe[:cut] if cut > 0 else ""
+    return marks.get("", _yaml.Mark(1, 1))
