@@ -1,0 +1,308 @@
+"""Pick an inference engine's load numbers out of its Prometheus metrics body.
+
+A vLLM body is 30-50 KB of histograms; a full parse costs 6-17 ms per scrape. Only a
+handful of series matter, so `extract` searches for the wanted metric names directly
+(C-speed `str.find` on "\\n<name>"), checks the name ends there (exact match:
+`vllm:num_requests_waiting` must not pick up `vllm:num_requests_waiting_by_reason`),
+and parses only those lines.
+
+Errors, by design:
+- `extract` returns None for engine kinds that expose no metrics ("openai": health only).
+- It raises `MetricsFormatError` when the body is unusable: empty, truncated (the last
+  line has no newline, so its value may be cut mid-number; OpenMetrics bodies end at
+  `# EOF` instead), not exposition text (HTML, JSON), or missing the running/waiting
+  gauges. Optional fields (KV use, prefix counters, token counter) are None when absent.
+- It raises plain `ValueError` for an unknown engine kind (a configuration error, kept
+  apart from body errors so a probe that catches MetricsFormatError does not hide it).
+- Nothing else: decoding never fails (invalid UTF-8 is replaced) and a malformed line
+  among the wanted ones is skipped, as if absent.
+
+Aggregation rules:
+- Series are grouped by data-parallel identity, the values of the `engine` and `dp_rank`
+  labels. Groups are summed (each is a separate engine with its own queue).
+- Several series within one group are views of the same engine (SGLang `tp_rank`
+  replicas, a per-model breakdown): the largest is taken, never the sum.
+- When some series carry a data-parallel label, series without one are aggregates
+  (totals) and are ignored, so a total is never added to its parts.
+- KV usage is a fraction per engine: it is averaged over groups (DP engines are
+  identical replicas behind one internal balancer), not summed, and clamped to 0..1.
+- Non-finite values (NaN, +Inf, -Inf) count as absent; negative gauges are clamped to 0.
+- Renamed metrics: for each field the first name that has any series wins, so vLLM
+  0.9.2-0.10 (which emit old and new names) are not double counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = ["ENGINE_KINDS", "LoadSample", "MetricsFormatError", "extract"]
+
+
+class MetricsFormatError(ValueError):
+    """The metrics body holds no usable load numbers (empty, truncated, HTML, JSON...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """Load of one worker (all its data-parallel engines) at one scrape.
+
+    `generated_tokens` is a monotonic progress counter that must move on every engine
+    step while requests run (stall detection relies on it): vLLM's generated-token
+    counter, llama.cpp's decode-call counter. It is None for engines whose token
+    counters only move when a request completes (SGLang, TGI), where a long generation
+    would look like a stall.
+    """
+
+    running: float
+    waiting: float
+    kv_usage: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    generated_tokens: float | None = None
+    engines: int = 1
+
+
+_Combine = Literal["sum", "mean"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    names: tuple[str, ...]  # suffixes after the engine prefix; preferred (newest) first
+    combine: _Combine = "sum"
+
+
+@dataclass(frozen=True, slots=True)
+class _Engine:
+    prefixes: tuple[str, ...]  # tried in order; the first with running/waiting wins
+    running: _Field
+    waiting: _Field
+    kv_usage: _Field | None = None
+    prefix_queries: _Field | None = None
+    prefix_hits: _Field | None = None
+    generated_tokens: _Field | None = None
+    # TGI has no KV gauge; reserved batch tokens / token budget is the closest proxy.
+    kv_ratio: tuple[str, str] | None = None
+
+
+_ENGINES: Final[dict[str, _Engine | None]] = {
+    "vllm": _Engine(
+        # "vllm_": prometheus_client mangles ':' when OpenMetrics was negotiated.
+        prefixes=("vllm:", "vllm_"),
+        running=_Field(("num_requests_running",)),
+        waiting=_Field(("num_requests_waiting",)),
+        kv_usage=_Field(("kv_cache_usage_perc", "gpu_cache_usage_perc"), "mean"),
+        prefix_queries=_Field(("prefix_cache_queries_total", "gpu_prefix_cache_queries_total")),
+        prefix_hits=_Field(("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")),
+        generated_tokens=_Field(("generation_tokens_total",)),
+    ),
+    "sglang": _Engine(
+        prefixes=("sglang:", "sglang_"),
+        running=_Field(("num_running_reqs",)),
+        waiting=_Field(("num_queue_reqs",)),
+        kv_usage=_Field(("token_usage",), "mean"),
+    ),
+    "tgi": _Engine(
+        prefixes=("tgi_",),
+        running=_Field(("batch_current_size",)),
+        waiting=_Field(("queue_size",)),
+        kv_ratio=("batch_current_max_tokens", "batch_max_total_tokens"),
+    ),
+    "llamacpp": _Engine(
+        prefixes=("llamacpp:", "llamacpp_"),
+        running=_Field(("requests_processing",)),
+        waiting=_Field(("requests_deferred",)),
+        kv_usage=_Field(("kv_cache_usage_ratio",), "mean"),
+        generated_tokens=_Field(("n_decode_total",)),
+    ),
+    "openai": None,  # generic OpenAI-compatible server: health only
+}
+
+ENGINE_KINDS: Final[frozenset[str]] = frozenset(_ENGINES)
+
+_DP_LABELS: Final = ("engine", "dp_rank")
+_ESCAPES: Final = {"n": "\n", "\\": "\\", '"': '"'}
+
+_Series = tuple[dict[str, str], float]
+
+
+def extract(engine_kind: str, body: bytes) -> LoadSample | None:
+    """Return the load in `body` for `engine_kind`; None for health-only kinds.
+
+    Raises MetricsFormatError for an unusable body, ValueError for an unknown kind.
+    """
+    if engine_kind not in _ENGINES:
+        raise ValueError(f"unknown engine kind {engine_kind!r}; known: {sorted(ENGINE_KINDS)}")
+    spec = _ENGINES[engine_kind]
+    if spec is None:
+        return None
+    if not body.strip():
+        raise MetricsFormatError("empty metrics body")
+    text, complete = _prepare(body.decode("utf-8", "replace"))
+    for prefix in spec.prefixes:
+        running = _aggregate(_first_named(text, prefix, spec.running))
+        waiting = _aggregate(_first_named(text, prefix, spec.waiting))
+        if running[0] is not None or waiting[0] is not None:
+            break
+    if not complete:
+        raise MetricsFormatError(
+            f"truncated metrics body: the last line has no newline ({_describe(body)})"
+        )
+    if running[0] is None or waiting[0] is None:
+        if running[0] is None and waiting[0] is None:
+            prefix = spec.prefixes[0]
+        missing = [
+            prefix + f.names[0]
+            for f, (v, _) in ((spec.running, running), (spec.waiting, waiting))
+            if v is None
+        ]
+        raise MetricsFormatError(f"no {', '.join(missing)} in body ({_describe(body)})")
+
+    def field(f: _Field | None) -> float | None:
+        return None if f is None else _aggregate(_first_named(text, prefix, f))[0]
+
+    kv = field(spec.kv_usage)
+    if spec.kv_ratio is not None:
+        used = field(_Field((spec.kv_ratio[0],)))
+        total = field(_Field((spec.kv_ratio[1],)))
+        kv = used / total if used is not None and total else None
+    return LoadSample(
+        running=running[0],
+        waiting=waiting[0],
+        kv_usage=None if kv is None else min(kv, 1.0),
+        prefix_queries=field(spec.prefix_queries),
+        prefix_hits=field(spec.prefix_hits),
+        generated_tokens=field(spec.generated_tokens),
+        engines=max(running[1], 1),
+    )
+
+
+def _prepare(raw: str) -> tuple[str, bool]:
+    """Return ("\\n" + lines up to `# EOF`, ending in a newline), and whether it was complete."""
+    text = "\n" + raw
+    eof = text.find("\n# EOF")
+    while eof != -1:
+        after = text[eof + 6 : eof + 7]
+        if after in ("", "\n", "\r", " "):
+            return text[: eof + 1], True
+        eof = text.find("\n# EOF", eof + 6)
+    if text.endswith("\n"):
+        return text, True
+    return text + "\n", False
+
+
+def _describe(body: bytes) -> str:
+    head = body.lstrip()[:1]
+    if head == b"<":
+        return "looks like HTML"
+    if head in (b"{", b"["):
+        return "looks like JSON"
+    return f"{len(body)} bytes"
+
+
+def _first_named(text: str, prefix: str, f: _Field) -> tuple[list[_Series], _Combine]:
+    for name in f.names:
+        series = _find_series(text, prefix + name)
+        if series:
+            return series, f.combine
+    return [], f.combine
+
+
+def _find_series(text: str, name: str) -> list[_Series]:
+    """All samples named exactly `name`; `text` starts with and ends in a newline."""
+    needle = "\n" + name
+    skip = len(needle)
+    found: list[_Series] = []
+    at = text.find(needle)
+    while at != -1:
+        after = at + skip
+        if text[after] not in "{ \t":  # a longer name sharing this prefix, or a newline
+            at = text.find(needle, after)
+            continue
+        end = text.find("\n", after)  # never -1: text ends in a newline
+        parsed = _parse_after_name(text[after:end])
+        if parsed is not None:
+            found.append(parsed)
+        at = text.find(needle, end)
+    return found
+
+
+def _parse_after_name(rest: str) -> _Series | None:
+    """Parse `{labels} value [timestamp] [# exemplar]`; None when malformed."""
+    labels: dict[str, str] = {}
+    i = 0
+    if rest.startswith("{"):
+        parsed = _parse_labels(rest)
+        if parsed is None:
+            return None
+        labels, i = parsed
+    fields = rest[i:].split(None, 1)
+    if not fields:
+        return None
+    try:
+        return labels, float(fields[0])
+    except ValueError:
+        return None
+
+
+def _parse_labels(s: str) -> tuple[dict[str, str], int] | None:
+    """Parse `{a="x",b="y\\"z"}` from s[0]; return the labels and the index after `}`."""
+    labels: dict[str, str] = {}
+    n = len(s)
+    i = 1
+    while True:
+        while i < n and s[i] in " \t":
+            i += 1
+        if i >= n:
+            return None
+        if s[i] == "}":
+            return labels, i + 1
+        eq = s.find("=", i)
+        if eq == -1:
+            return None
+        key = s[i:eq].strip()
+        i = eq + 1
+        while i < n and s[i] in " \t":
+            i += 1
+        if i >= n or s[i] != '"':
+            return None
+        i += 1
+        parts: list[str] = []
+        while True:  # a quoted value may hold `}`, `,`, spaces and escapes
+            quote = s.find('"', i)
+            if quote == -1:
+                return None
+            backslash = s.find("\\", i, quote)
+            if backslash == -1:
+                parts.append(s[i:quote])
+                i = quote + 1
+                break
+            parts.append(s[i:backslash])
+            escaped = s[backslash + 1 : backslash + 2]
+            parts.append(_ESCAPES.get(escaped, "\\" + escaped))
+            i = backslash + 2
+        labels[key] = "".join(parts)
+        while i < n and s[i] in " \t":
+            i += 1
+        if i < n and s[i] == ",":
+            i += 1
+
+
+def _aggregate(found: tuple[list[_Series], _Combine]) -> tuple[float | None, int]:
+    """Combine series per the module rules; return (value or None, engine groups)."""
+    series, combine = found
+    has_dp = any(label in labels for labels, _ in series for label in _DP_LABELS)
+    groups: dict[tuple[str, ...], float] = {}
+    for labels, value in series:
+        if not math.isfinite(value):
+            continue
+        key = tuple(labels.get(label, "") for label in _DP_LABELS)
+        if has_dp and not any(key):
+            continue  # a total next to per-engine series
+        value = max(value, 0.0)
+        groups[key] = max(groups.get(key, value), value)
+    if not groups:
+        return None, 0
+    total = sum(groups.values())
+    return (total / len(groups) if combine == "mean" else total), len(groups)

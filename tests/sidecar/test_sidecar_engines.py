@@ -1,0 +1,219 @@
+"""Metric extraction from engine bodies: per engine, malformed bodies, exact names, DP sums."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as om_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from sidecar_fixtures import BAD, EXPECTED, FIXTURES, GENERATORS
+
+from sidecar.engines import ENGINE_KINDS, LoadSample, MetricsFormatError, extract
+
+
+def _body(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
+
+def test_committed_fixtures_match_generator() -> None:
+    """The committed fixture files are exactly what the generator script produces."""
+    for name, make in GENERATORS.items():
+        assert _body(name) == make().encode(), f"{name}: rerun tests/sidecar/sidecar_fixtures.py"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_extract_each_fixture(name: str) -> None:
+    """Each engine's fixture yields the hand-computed sums (DP summed, renames not doubled)."""
+    kind, running, waiting, kv, queries, hits, tokens, engines = EXPECTED[name]
+    sample = extract(kind, _body(name))
+    assert sample is not None
+    assert sample.running == running
+    assert sample.waiting == waiting
+    assert sample.engines == engines
+    for got, want in ((sample.kv_usage, kv), (sample.prefix_queries, queries),
+                      (sample.prefix_hits, hits), (sample.generated_tokens, tokens)):
+        if want is None:
+            assert got is None
+        else:
+            assert got == pytest.approx(want)
+
+
+def _reference(name: str) -> tuple[float, float, int]:
+    """Running/waiting/engine count via prometheus_client's full parser (independent parse)."""
+    kind = EXPECTED[name][0]
+    text = _body(name).decode()
+    families = om_families(text) if name.endswith(".txt") else text_string_to_metric_families(text)
+    wanted = {
+        "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+        "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+        "tgi": ("tgi_batch_current_size", "tgi_queue_size"),
+        "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    }[kind]
+    if name.startswith("sglang_underscore"):
+        wanted = ("sglang_num_running_reqs", "sglang_num_queue_reqs")
+    per_engine: dict[str, dict[str, float]] = {w: {} for w in wanted}
+    for family in families:
+        for s in family.samples:
+            if s.name in wanted:
+                key = s.labels.get("engine", "") + "/" + s.labels.get("dp_rank", "")
+                prev = per_engine[s.name].get(key, s.value)
+                per_engine[s.name][key] = max(prev, s.value)  # tp replicas: one value
+    running, waiting = (per_engine[w] for w in wanted)
+    return sum(running.values()), sum(waiting.values()), len(running)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_extract_agrees_with_prometheus_client(name: str) -> None:
+    """The line-picking scanner finds the same series and values as a full parse."""
+    running, waiting, engines = _reference(name)
+    sample = extract(EXPECTED[name][0], _body(name))
+    assert sample is not None
+    assert (sample.running, sample.waiting, sample.engines) == (running, waiting, engines)
+
+
+@pytest.mark.parametrize("name", BAD)
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi", "llamacpp"])
+def test_malformed_bodies_raise_metrics_format_error(name: str, kind: str) -> None:
+    """Empty, HTML, JSON, truncated and foreign bodies raise MetricsFormatError, nothing else."""
+    with pytest.raises(MetricsFormatError):
+        extract(kind, _body(name))
+
+
+def test_truncated_body_is_reported_as_truncated() -> None:
+    """A body whose last line lacks its newline is refused: the value may be cut mid-number."""
+    body = _body("vllm_0.9.1_old_names.prom")
+    cut = body.index(b"vllm:num_requests_running{") + 200
+    cut = body.index(b"\n", cut) - 1  # inside the digits of some later line
+    with pytest.raises(MetricsFormatError, match="truncated"):
+        extract("vllm", body[:cut])
+
+
+def test_error_messages_name_html_and_json() -> None:
+    """The error says what the body looked like, for the operator reading the log."""
+    with pytest.raises(MetricsFormatError, match="HTML"):
+        extract("vllm", _body("bad_html.prom"))
+    with pytest.raises(MetricsFormatError, match=r"JSON.*|.*JSON"):
+        extract("vllm", _body("bad_json.prom") + b"\n")
+
+
+def test_openai_kind_is_health_only() -> None:
+    """The generic OpenAI kind has no metrics: extract returns None whatever the body."""
+    assert extract("openai", b"") is None
+    assert extract("openai", _body("vllm_v1_dp2.prom")) is None
+
+
+def test_unknown_kind_is_a_value_error_not_a_body_error() -> None:
+    """A misconfigured engine kind raises ValueError, distinct from MetricsFormatError."""
+    with pytest.raises(ValueError, match="unknown engine kind") as info:
+        extract("triton", b"x 1\n")
+    assert not isinstance(info.value, MetricsFormatError)
+    assert {"vllm", "sglang", "tgi", "llamacpp", "openai"} == ENGINE_KINDS
+
+
+def test_names_match_exactly_not_by_prefix() -> None:
+    """`..._waiting_by_reason` and `..._waiting_created` never count as `..._waiting`."""
+    body = (b"vllm:num_requests_waiting_by_reason{reason=\"capacity\"} 40\n"
+            b"vllm:num_requests_waitingX 99\n"
+            b"vllm:num_requests_running 1\n"
+            b"vllm:num_requests_waiting 2\n")
+    sample = extract("vllm", body)
+    assert sample is not None and sample.waiting == 2.0
+    with pytest.raises(MetricsFormatError, match="num_requests_waiting"):
+        extract("vllm", body.replace(b"vllm:num_requests_waiting 2\n", b""))
+
+
+def test_data_parallel_engines_are_summed_and_totals_ignored() -> None:
+    """Per-engine series are summed; an unlabelled total beside them is not added again."""
+    body = (b'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+            b'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+            b'vllm:num_requests_running{model_name="m"} 7\n'
+            b'vllm:num_requests_waiting{engine="0",model_name="m"} 1\n'
+            b'vllm:num_requests_waiting{engine="1",model_name="m"} 2\n'
+            b'vllm:kv_cache_usage_perc{engine="0"} 0.9\n'
+            b'vllm:kv_cache_usage_perc{engine="1"} 0.5\n')
+    assert extract("vllm", body) == LoadSample(running=7.0, waiting=3.0, kv_usage=0.7,
+                                               engines=2)
+
+
+def test_sglang_tp_ranks_are_one_engine_dp_ranks_are_many() -> None:
+    """SGLang tp_rank series are replicas (largest taken); dp_rank series are summed."""
+    body = (b'sglang:num_running_reqs{tp_rank="0",dp_rank="0"} 4\n'
+            b'sglang:num_running_reqs{tp_rank="1",dp_rank="0"} 5\n'
+            b'sglang:num_running_reqs{tp_rank="0",dp_rank="1"} 2\n'
+            b'sglang:num_running_reqs{tp_rank="1",dp_rank="1"} 2\n'
+            b'sglang:num_queue_reqs{tp_rank="0",dp_rank="0"} 1\n'
+            b'sglang:num_queue_reqs{tp_rank="1",dp_rank="0"} 1\n')
+    sample = extract("sglang", body)
+    assert sample is not None
+    assert (sample.running, sample.waiting, sample.engines) == (7.0, 1.0, 2)
+
+
+def test_label_values_with_escapes_braces_and_spaces() -> None:
+    """Quoted label values may hold \\\\, \\", \\n, `}`, `,`, `=` and spaces."""
+    body = (b'vllm:num_requests_running{model_name="a\\"} b\\\\",engine="1",x="p q} 9"} 5 17\n'
+            b'vllm:num_requests_waiting{engine="1" , model_name="x\\ny"} 1e+01\n')
+    sample = extract("vllm", body)
+    assert sample is not None
+    assert (sample.running, sample.waiting, sample.engines) == (5.0, 10.0, 1)
+
+
+def test_special_values_exponents_timestamps() -> None:
+    """NaN/±Inf series count as absent; exponent values and timestamps parse."""
+    body = (b'vllm:num_requests_running{engine="0"} NaN\n'
+            b'vllm:num_requests_running{engine="1"} 4.5e+00 1732870000123\n'
+            b'vllm:num_requests_waiting{engine="0"} +Inf\n'
+            b'vllm:num_requests_waiting{engine="1"} 0\n'
+            b'vllm:generation_tokens_total{engine="0"} 4.81234e+06\n'
+            b'vllm:generation_tokens_total{engine="1"} -Inf\n')
+    assert extract("vllm", body) == LoadSample(running=4.5, waiting=0.0,
+                                               generated_tokens=4.81234e6, engines=1)
+
+
+def test_openmetrics_eof_and_exemplars() -> None:
+    """OpenMetrics: exemplars are ignored, nothing after `# EOF` counts, no final newline needed."""
+    body = (b'vllm:num_requests_running 2\n'
+            b'vllm:num_requests_waiting 1\n'
+            b'vllm:generation_tokens_total 10 # {trace_id="a b}"} 1.0 1.5\n'
+            b'# EOF')
+    assert extract("vllm", body) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0)
+    after = body + b"\nvllm:num_requests_waiting 50\n"
+    assert extract("vllm", after) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0)
+
+
+def test_openmetrics_mangled_names_fall_back() -> None:
+    """A body with ':' mangled to '_' (OpenMetrics negotiated by mistake) still extracts."""
+    body = b"vllm_num_requests_running 2\nvllm_num_requests_waiting 1\n# EOF\n"
+    assert extract("vllm", body) == LoadSample(running=2.0, waiting=1.0)
+
+
+def test_crlf_line_endings() -> None:
+    """Windows line endings do not break value parsing."""
+    body = b"llamacpp:requests_processing 3\r\nllamacpp:requests_deferred 1\r\n"
+    assert extract("llamacpp", body) == LoadSample(running=3.0, waiting=1.0)
+
+
+def test_mutated_bodies_only_raise_metrics_format_error() -> None:
+    """Random corruption of real bodies never raises anything but MetricsFormatError."""
+    rng = random.Random(42)
+    sources = [(EXPECTED[n][0], _body(n)) for n in sorted(EXPECTED)]
+    junk = [b"\xff", b"{", b"}", b'"', b"\\", b"\n", b" ", b"#", b"=", b",", b"\x00", b"e+"]
+    for _ in range(400):
+        kind, body = rng.choice(sources)
+        data = bytearray(body)
+        for _ in range(rng.randrange(1, 20)):
+            pos = rng.randrange(len(data))
+            data[pos:pos + rng.randrange(0, 3)] = rng.choice(junk)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(len(data))]
+        try:
+            sample = extract(kind, bytes(data))
+        except MetricsFormatError:
+            continue
+        assert sample is not None
+        for value in (sample.running, sample.waiting):
+            assert math.isfinite(value) and value >= 0
+        assert sample.kv_usage is None or 0.0 <= sample.kv_usage <= 1.0
