@@ -18,8 +18,17 @@ Finding = tuple[str, str, str]  # path, message, severity
 
 def check(topo: Topology) -> list[Finding]:
     found: list[Finding] = []
-    for checker in (_duplicates, _addresses, _references, _fallback_cycles, _model_routing,
-                    _pool_settings, _routes, _auth_and_limits, _canned):
+    for checker in (
+        _duplicates,
+        _addresses,
+        _references,
+        _fallback_cycles,
+        _model_routing,
+        _pool_settings,
+        _routes,
+        _auth_and_limits,
+        _canned,
+    ):
         found.extend(checker(topo))
     return found
 
@@ -46,13 +55,11 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
         if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
             yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", "error"
     for pi, pool in enumerate(topo.pools):
-        yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers],
-                                     "worker", key="address")
+        yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
         for name in sorted(_dupes(pool.served_names)):
             yield f"pools[{pi}].aliases", f"model name {name!r} is listed twice", "error"
     if topo.auth is not None:
-        yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys],
-                                     "client", key="client")
+        yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys], "client", key="client")
 
 
 def _addresses(topo: Topology) -> Iterator[Finding]:
@@ -62,9 +69,11 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
         if not is_ip(address):
             yield name, f"{address!r} is not an IP address", "error"
     if is_ip(topo.admin.address) and not ipaddress.ip_address(topo.admin.address).is_loopback:
-        yield "admin.address", (
-            "the admin interface can reconfigure and stop Envoy; it should listen on loopback"
-        ), "warning"
+        yield (
+            "admin.address",
+            ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
+            "warning",
+        )
     for pi, pool in enumerate(topo.pools):
         names = 0
         for wi, worker in enumerate(pool.workers):
@@ -83,11 +92,15 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                 continue
             names += 1
         if names and pool.discovery == "eds":
-            yield f"pools[{pi}].workers", (
-                f"{names} worker(s) are DNS names: the sidecar resolves them into the EDS file "
-                "(until it runs they take no traffic); set discovery: strict_dns to let Envoy "
-                "resolve them without a sidecar"
-            ), "warning"
+            yield (
+                f"pools[{pi}].workers",
+                (
+                    f"{names} worker(s) are DNS names: the sidecar resolves them into the EDS file "
+                    "(until it runs they take no traffic); set discovery: strict_dns to let Envoy "
+                    "resolve them without a sidecar"
+                ),
+                "warning",
+            )
 
 
 def _references(topo: Topology) -> Iterator[Finding]:
@@ -124,7 +137,7 @@ def fallback_chain(topo: Topology, pool: Pool) -> list[Pool]:
     by_name = {p.name: p for p in topo.pools}
     chain = [pool]
     while chain[-1].fallback in by_name and by_name[chain[-1].fallback] not in chain:
-        chain.append(by_name[chain[-1].fallback])  # type: ignore[index]
+        chain.append(by_name[chain[-1].fallback])
     return chain
 
 
@@ -137,7 +150,7 @@ def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
         while current.fallback in by_name and current.fallback != current.name:
             nxt = by_name[current.fallback]
             if nxt.name in seen:
-                cycle = seen[seen.index(nxt.name):] + [nxt.name]
+                cycle = [*seen[seen.index(nxt.name) :], nxt.name]
                 if pool.name in cycle and not reported & set(cycle):
                     reported.update(cycle)
                     yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), "error"
@@ -170,20 +183,28 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
             seen.add(name)
             if primary_pool_for(topo, name) is None:
                 owners = [p.name for p in topo.pools if name in p.served_names]
-                yield f"pools[{pi}].models", (
-                    f"model {name!r} is served by pools {', '.join(owners)}, none of which falls "
-                    "back to the others; add a route saying which pool answers it"
-                ), "error"
+                yield (
+                    f"pools[{pi}].models",
+                    (
+                        f"model {name!r} is served by pools {', '.join(owners)}, none of which falls "
+                        "back to the others; add a route saying which pool answers it"
+                    ),
+                    "error",
+                )
         if pool.fallback is not None:
             try:
                 fb = topo.pool(pool.fallback)
             except KeyError:
                 continue
             if not set(pool.served_names) & set(fb.served_names):
-                yield f"pools[{pi}].fallback", (
-                    f"fallback pool {fb.name!r} serves none of this pool's model names; its workers "
-                    "will reject the requests it takes over (give it a shared alias)"
-                ), "warning"
+                yield (
+                    f"pools[{pi}].fallback",
+                    (
+                        f"fallback pool {fb.name!r} serves none of this pool's model names; its workers "
+                        "will reject the requests it takes over (give it a shared alias)"
+                    ),
+                    "warning",
+                )
 
 
 def _pool_settings(topo: Topology) -> Iterator[Finding]:
@@ -196,11 +217,17 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             if len(given) != 1:
                 yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", "error"
             if not hashing:
-                yield f"{base}.balancing.hash_on", f"hash_on needs policy ring_hash or maglev, not {bal.policy}", "error"
+                yield (
+                    f"{base}.balancing.hash_on",
+                    f"hash_on needs policy ring_hash or maglev, not {bal.policy}",
+                    "error",
+                )
         elif hashing:
-            yield f"{base}.balancing.hash_on", (
-                f"{bal.policy} without hash_on hashes nothing: every request lands at random"
-            ), "error"
+            yield (
+                f"{base}.balancing.hash_on",
+                (f"{bal.policy} without hash_on hashes nothing: every request lands at random"),
+                "error",
+            )
         hc = pool.health
         if hc.enabled and hc.timeout >= hc.interval:
             yield f"{base}.health.timeout", "must be shorter than health.interval", "error"
@@ -221,17 +248,22 @@ def _routes(topo: Topology) -> Iterator[Finding]:
             if len(given) != 1:
                 yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", "error"
             if topo.auth is not None and header.name in (topo.auth.client_header, "authorization"):
-                yield f"{base}.match.headers[{hi}].name", "routing on credentials or the client header is refused", "error"
+                yield (
+                    f"{base}.match.headers[{hi}].name",
+                    "routing on credentials or the client header is refused",
+                    "error",
+                )
         try:
             pool = topo.pool(route.pool)
         except KeyError:
             continue
         for mi, model in enumerate(match.models or []):
             if model not in pool.served_names:
-                yield f"{base}.match.models[{mi}]", (
-                    f"pool {pool.name!r} does not serve {model!r} (it serves: "
-                    f"{', '.join(pool.served_names)})"
-                ), "error"
+                yield (
+                    f"{base}.match.models[{mi}]",
+                    (f"pool {pool.name!r} does not serve {model!r} (it serves: {', '.join(pool.served_names)})"),
+                    "error",
+                )
         catch_all = match.models is None and match.headers is None and match.path_prefix is None
         if catch_all and ri < len(topo.routes) - 1:
             yield f"{base}.match", "matches every request, so the routes after it are never used", "warning"

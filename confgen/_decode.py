@@ -292,13 +292,13 @@ class Decoder:
         kwargs: dict[str, Any] = {}
         ok = True
         for key, (key_node, value_node) in pairs.items():
-            fld = fields.get(key)
-            if fld is None:
+            if key not in fields:
                 near = difflib.get_close_matches(key, list(fields), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 self.error(key_node, path_join(path, key), f"unknown field{hint}")
                 ok = False
                 continue
+            fld = fields[key]
             spec = spec_of(fld)
             sub = path_join(path, key)
             value = self.decode(value_node, hints[fld.name], sub, spec.pattern)

@@ -17,7 +17,7 @@ MAX_BYTES = 4 * 1024 * 1024  # a topology of 10,000 workers is ~400 KB
 MAX_DEPTH = 64
 
 try:  # libyaml's composer is ~10x faster on large topologies and keeps marks the same
-    _Loader: type[yaml.SafeLoader] = yaml.CSafeLoader  # type: ignore[assignment,misc]
+    _Loader: type[yaml.SafeLoader] = yaml.CSafeLoader  # type: ignore[assignment]
 except AttributeError:  # pragma: no cover - pyyaml built without libyaml
     _Loader = yaml.SafeLoader
 
@@ -69,8 +69,6 @@ def compose(text: bytes, filename: str) -> tuple[yaml.Node | None, list[Diagnost
     if not nodes:
         return None, [Diagnostic(filename, 1, 1, "", "the file is empty")]
     if len(nodes) > 1:
-        mark = mark_of(nodes[1])
-        return None, [
-            Diagnostic(filename, mark.line, mark.col, "", "expected one YAML document, found several")
-        ]
+        second = mark_of(nodes[1])
+        return None, [Diagnostic(filename, second.line, second.col, "", "expected one YAML document, found several")]
     return nodes[0], []

@@ -53,12 +53,12 @@ class Listener:
     stream_idle_timeout: Duration = field(
         _d("5m"), doc="Close a stream with no bytes in either direction for this long."
     )
-    request_headers_timeout: Duration = field(
-        _d("10s"), doc="Time a client has to send its request headers."
-    )
+    request_headers_timeout: Duration = field(_d("10s"), doc="Time a client has to send its request headers.")
     max_request_bytes: int = field(
-        8 * 1024 * 1024, doc="Largest request body accepted (prompts are buffered to read `model`).",
-        minimum=1024, maximum=256 * 1024 * 1024,
+        8 * 1024 * 1024,
+        doc="Largest request body accepted (prompts are buffered to read `model`).",
+        minimum=1024,
+        maximum=256 * 1024 * 1024,
     )
 
 
@@ -72,8 +72,10 @@ class Worker:
     )
     weight: int = field(1, doc="Static share of traffic relative to the pool's other workers.", minimum=1, maximum=128)
     capacity: int | None = field(
-        None, doc="Max concurrent sequences this worker runs (vLLM --max-num-seqs); defaults to the pool's.",
-        minimum=1, maximum=100_000,
+        None,
+        doc="Max concurrent sequences this worker runs (vLLM --max-num-seqs); defaults to the pool's.",
+        minimum=1,
+        maximum=100_000,
     )
     zone: str | None = field(None, doc="Zone or rack, published as the endpoint's locality.", pattern="label")
     labels: dict[str, str] = field(factory=dict, doc="Free-form labels (for example gpu: a100).", pattern="label")
@@ -89,16 +91,22 @@ class HashOn:
 @dataclass(frozen=True)
 class Balancing:
     policy: Policy = field("least_request", doc="Load-balancing policy.")
-    choice_count: int = field(2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100)
+    choice_count: int = field(
+        2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100
+    )
     active_request_bias: float = field(
-        1.0, doc="least_request: how strongly in-flight requests lower a weighted host's share.",
-        minimum=0.0, maximum=10.0,
+        1.0,
+        doc="least_request: how strongly in-flight requests lower a weighted host's share.",
+        minimum=0.0,
+        maximum=10.0,
     )
     hash_on: HashOn | None = field(None, doc="ring_hash/maglev: what keeps a session on one worker.")
     hash_balance_factor: int = field(
-        150, doc="ring_hash/maglev: a host takes at most this percent of the average load "
+        150,
+        doc="ring_hash/maglev: a host takes at most this percent of the average load "
         "before a session spills to the next host (bounded-load hashing).",
-        minimum=100, maximum=1000,
+        minimum=100,
+        maximum=1000,
     )
 
 
@@ -144,9 +152,7 @@ class Retries:
 @dataclass(frozen=True)
 class Timeouts:
     connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.")
-    request: Duration = field(
-        _d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut)."
-    )
+    request: Duration = field(_d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut).")
     idle: Duration = field(_d("60s"), doc="Longest silence between two chunks of a streamed answer.")
 
 
@@ -169,7 +175,8 @@ class Pool:
         None, doc="Pool that takes this pool's traffic when it has no healthy worker.", pattern="name"
     )
     discovery: Discovery = field(
-        "eds", doc="eds: endpoints in a file the sidecar rewrites (DNS names are resolved by the "
+        "eds",
+        doc="eds: endpoints in a file the sidecar rewrites (DNS names are resolved by the "
         "sidecar); strict_dns: the proxy resolves the names itself (no sidecar).",
     )
     metrics_path: str = field("/metrics", doc="Prometheus metrics path (read by the sidecar).", pattern="http_path")
@@ -247,8 +254,10 @@ class Limits:
 @dataclass(frozen=True)
 class Backpressure:
     max_utilization: float = field(
-        0.8, doc="Shed load (429) once in-flight requests pass this share of a pool's capacity.",
-        minimum=0.05, maximum=1.0,
+        0.8,
+        doc="Shed load (429) once in-flight requests pass this share of a pool's capacity.",
+        minimum=0.05,
+        maximum=1.0,
     )
     retry_after: Duration = field(_d("2s"), doc="Sent as retry-after on 429 answers (whole seconds).")
 
@@ -259,20 +268,19 @@ class Canned:
     status: int = field(503, doc="HTTP status of the canned answer.", minimum=200, maximum=599)
     message: str = field(
         "All inference capacity is busy or unavailable. Please retry shortly.",
-        doc="Text of the error message or of the assistant's reply.", pattern="text",
+        doc="Text of the error message or of the assistant's reply.",
+        pattern="text",
     )
 
 
 @dataclass(frozen=True)
 class EnvoyOptions:
     config_dir: str | None = field(
-        None, doc="Where the rendered files live when Envoy runs (default: the output directory).",
+        None,
+        doc="Where the rendered files live when Envoy runs (default: the output directory).",
         pattern="file_path",
     )
     node_id: str | None = field(None, doc="Envoy node id (default: the topology name).", pattern="name")
-    configmap: bool = field(
-        False, doc="The files come from a Kubernetes ConfigMap mount (watch the directory's symlink swap)."
-    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,193 @@
+"""The `confgen` command: render, validate, schema, simulate, demo.
+
+Exit codes scripts can trust:
+  0  success (valid; rendered; no drift)
+  1  the input is invalid, the output drifted, or a real proxy rejected the output
+  2  usage error (bad flags, unreadable arguments)
+  3  a check could not run (e.g. the envoy or nginx binary is missing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from . import __version__
+from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError
+from .model import Topology
+from .topology import load
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+TARGETS = ("envoy", "nginx")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="confgen",
+        description="One topology file for a fleet of LLM inference servers -> proxy configuration.",
+    )
+    parser.add_argument("--version", action="version", version=f"confgen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    render = sub.add_parser("render", help="render a topology into proxy configuration files")
+    render.add_argument("topology", type=Path)
+    where = render.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--out", type=Path, help="output directory (written atomically)")
+    where.add_argument("--check", type=Path, metavar="DIR",
+                       help="compare with DIR instead of writing; exit 1 when it differs")
+    render.add_argument("--target", choices=TARGETS, default="envoy")
+    render.add_argument("--config-dir", help="where the files will live when the proxy reads them "
+                        "(default: envoy.config_dir from the topology, else the output directory)")
+    render.add_argument("--placeholder-secrets", action="store_true",
+                        help="write placeholder API keys instead of reading them (for CI drift checks)")
+
+    validate = sub.add_parser("validate", help="check topology files; print every problem")
+    validate.add_argument("topology", type=Path, nargs="+")
+    validate.add_argument("--envoy", action="store_true", help="also run the real Envoy on the rendered output")
+    validate.add_argument("--nginx", action="store_true", help="also run the real nginx -t on the rendered output")
+    validate.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    validate.add_argument("--format", choices=("text", "json"), default="text")
+
+    sub.add_parser("schema", help="print the topology's JSON Schema (draft-07)")
+
+    simulate = sub.add_parser("simulate", help="run simulated inference engines on loopback",
+                              add_help=False)
+    simulate.add_argument("args", nargs=argparse.REMAINDER)
+
+    demo = sub.add_parser("demo", help="render the built-in example, check it with the real Envoy, "
+                          "and serve a few requests through it from a simulated fleet")
+    demo.add_argument("--topology", type=Path, help="a topology to use instead of the built-in example")
+    demo.add_argument("--requests", type=int, default=20)
+    return parser
+
+
+def _print_diagnostics(diagnostics: Sequence[Diagnostic], stream: TextIO) -> None:
+    for diag in diagnostics:
+        print(diag, file=stream)
+
+
+def _config_dir(topo: Topology, args: argparse.Namespace, out: Path) -> str:
+    if args.config_dir:
+        return str(args.config_dir)
+    if topo.envoy.config_dir:
+        return topo.envoy.config_dir
+    return str(out.resolve())
+
+
+def render_files(topo: Topology, target: str, config_dir: str, secrets: dict[str, str] | None) -> dict[str, bytes]:
+    if target == "envoy":
+        from . import envoy
+
+        return envoy.render(topo, config_dir=config_dir, secrets=secrets)
+    from . import nginx  # type: ignore[attr-defined,unused-ignore]
+
+    result: dict[str, bytes] = nginx.render(topo, config_dir=config_dir, secrets=secrets)
+    return result
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from . import secrets as secret_mod
+    from .output import diff_tree, write_tree
+
+    try:
+        topo, warnings = load(args.topology)
+    except TopologyError as exc:
+        _print_diagnostics(exc.diagnostics, sys.stderr)
+        return EXIT_INVALID
+    _print_diagnostics(warnings, sys.stderr)
+    out: Path = args.out or args.check
+    try:
+        keys = None if args.placeholder_secrets else secret_mod.resolve(topo)
+        files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
+        if args.check is not None:
+            drift = diff_tree(files, args.check)
+            for line in drift:
+                print(f"{args.check}: {line}", file=sys.stderr)
+            if drift:
+                print(f"{args.check} differs from what {args.topology} renders to", file=sys.stderr)
+                return EXIT_INVALID
+            return EXIT_OK
+        has_keys = topo.auth is not None and keys is not None
+        write_tree(files, args.out, mode=0o600 if has_keys else 0o644)
+    except SecretError as exc:
+        print(f"{args.topology}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except OutputError as exc:
+        print(f"confgen: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"wrote {len(files)} files to {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from . import verify
+
+    status = EXIT_OK
+    report: list[dict[str, object]] = []
+    for path in args.topology:
+        try:
+            topo, diags = load(path)
+        except TopologyError as exc:
+            diags, topo = list(exc.diagnostics), None
+        findings = list(diags)
+        if topo is not None and (args.envoy or args.nginx):
+            targets = [t for t, on in (("envoy", args.envoy), ("nginx", args.nginx)) if on]
+            for target in targets:
+                try:
+                    problems = verify.verify(topo, target)
+                except verify.ProxyUnavailableError as exc:
+                    print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
+                    return EXIT_UNAVAILABLE
+                findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
+        errors = [d for d in findings if d.severity == "error" or args.strict]
+        if errors:
+            status = EXIT_INVALID
+        if args.format == "json":
+            report.extend({"file": d.file, "line": d.line, "column": d.col, "path": d.path,
+                           "severity": d.severity, "message": d.message} for d in findings)
+        else:
+            _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
+            if not errors:
+                print(f"{path}: ok", file=sys.stdout)
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    return status
+
+
+def cmd_schema(_: argparse.Namespace) -> int:
+    from .schema import schema_text
+
+    sys.stdout.write(schema_text())
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        from .simulate import main as simulate_main
+
+        return simulate_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "render":
+            return cmd_render(args)
+        if args.command == "validate":
+            return cmd_validate(args)
+        if args.command == "schema":
+            return cmd_schema(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.topology, args.requests)
+    except ConfgenError as exc:
+        print(f"confgen: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Envoy target: a pure function from the topology to file-based xDS files.
+
+    render(topo, config_dir=..., secrets=...) -> {relative path: bytes}
+
+`config_dir` is where the files will live when Envoy reads them (file xDS paths are
+absolute). `static_bootstrap` inlines everything into one static config, which is what
+`envoy --mode validate` can actually check (it does not read file-based xDS).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from ..model import Topology
+from . import layout
+from ._clusters import assignments, clusters
+from ._listener import listeners
+from ._proto import Json, dumps
+from .eds import Endpoint, build_cla, eds_document, render_eds
+
+__all__ = ["Endpoint", "build_cla", "eds_document", "layout", "render", "render_eds", "static_bootstrap"]
+
+
+def _placeholder_secrets(topo: Topology) -> dict[str, str]:
+    keys = topo.auth.api_keys if topo.auth else []
+    return {k.client: f"placeholder-key-{k.client}" for k in keys}
+
+
+def bootstrap(topo: Topology, config_dir: str) -> Json:
+    def source(name: str) -> Json:
+        return {
+            "resource_api_version": "V3",
+            # Watching the directory also catches a ConfigMap's atomic symlink swap.
+            "path_config_source": {"path": f"{config_dir}/{name}", "watched_directory": {"path": config_dir}},
+        }
+
+    return {
+        "node": {"id": topo.envoy.node_id or topo.name, "cluster": topo.name},
+        "admin": {"address": {"socket_address": {"address": topo.admin.address, "port_value": topo.admin.port}}},
+        "dynamic_resources": {"lds_config": source(layout.LDS), "cds_config": source(layout.CDS)},
+        "layered_runtime": {"layers": [
+            {"name": "static", "static_layer": {"overload.global_downstream_max_connections": 50000}},
+            {"name": "admin", "admin_layer": {}},
+        ]},
+    }
+
+
+def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Every file of the Envoy output, keyed by path relative to the output directory.
+
+    `secrets` maps API-key clients to their keys; without it placeholders are written
+    (fine for validation, useless for serving).
+    """
+    keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
+    config_dir = config_dir.rstrip("/") or "/"
+    files = {
+        layout.BOOTSTRAP: dumps(bootstrap(topo, config_dir)),
+        layout.LDS: dumps({"version_info": topo.name, "resources": listeners(topo, keys)}),
+        layout.CDS: dumps({"version_info": topo.name, "resources": clusters(topo, config_dir)}),
+    }
+    for pool, cla in assignments(topo).items():
+        files[layout.eds_path(pool)] = eds_document(cla)
+    return files
+
+
+def static_bootstrap(files: Mapping[str, bytes]) -> Json:
+    """One static bootstrap holding what the rendered files hold, for `envoy --mode validate`.
+
+    EDS clusters become STATIC ones carrying their assignment inline; that is how Envoy
+    checks endpoint addresses, ports and weights too.
+    """
+    boot: Json = json.loads(files[layout.BOOTSTRAP])
+    lds = [dict(r) for r in json.loads(files[layout.LDS])["resources"]]
+    cds = [dict(r) for r in json.loads(files[layout.CDS])["resources"]]
+    for cluster in cds:
+        if cluster.get("type") == "EDS":
+            service = cluster.pop("eds_cluster_config")["service_name"]
+            eds = json.loads(files[layout.eds_path(service)])["resources"]
+            assignment = dict(eds[0])
+            assignment.pop("@type", None)
+            cluster["type"] = "STATIC"
+            cluster["load_assignment"] = assignment
+    for resource in lds + cds:
+        resource.pop("@type", None)
+    boot.pop("dynamic_resources", None)
+    boot["static_resources"] = {"listeners": lds, "clusters": cds}
+    return boot
+
+

@@ -1,0 +1,177 @@
+"""Pools -> Envoy clusters (CDS), and the aggregate clusters that implement fallback."""
+
+from __future__ import annotations
+
+import math
+
+from .._checks import fallback_chain
+from ..model import Pool, Topology, is_ip, split_address
+from . import layout
+from ._proto import Json, dur, typed
+from .eds import Endpoint, build_cla
+
+_LB_POLICY = {
+    "round_robin": "ROUND_ROBIN",
+    "random": "RANDOM",
+    "least_request": "LEAST_REQUEST",
+    "ring_hash": "RING_HASH",
+    "maglev": "MAGLEV",
+}
+
+
+def pool_capacity(pool: Pool) -> int:
+    return sum(w.capacity or pool.capacity for w in pool.workers)
+
+
+def in_flight_limit(topo: Topology, pool: Pool) -> int:
+    """Requests in flight to a pool before it sheds load (the 80 % rule)."""
+    return max(1, math.floor(pool_capacity(pool) * topo.backpressure.max_utilization))
+
+
+def initial_endpoints(pool: Pool) -> list[Endpoint]:
+    """Endpoints as the topology states them: IP workers only (names wait for the sidecar)."""
+    out: list[Endpoint] = []
+    for worker in pool.workers:
+        parts = split_address(worker.address)
+        assert parts is not None  # checked on load
+        host, port = parts
+        if not is_ip(host):
+            continue
+        out.append(Endpoint(
+            address=host, port=port, weight=worker.weight,
+            health="DRAINING" if worker.drain else "HEALTHY",
+            zone=worker.zone, worker=worker.address,
+        ))
+    return out
+
+
+def _dns_assignment(pool: Pool) -> Json:
+    endpoints = []
+    for worker in pool.workers:
+        parts = split_address(worker.address)
+        assert parts is not None
+        host, port = parts
+        endpoints.append({
+            "endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}},
+            "load_balancing_weight": worker.weight,
+        })
+    return {"cluster_name": pool.name, "endpoints": [{"lb_endpoints": endpoints}]}
+
+
+def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
+    cluster: Json = {
+        "name": pool.name,
+        "connect_timeout": dur(pool.timeouts.connect),
+        "lb_policy": _LB_POLICY[pool.balancing.policy],
+        "ignore_health_on_host_removal": True,
+        "circuit_breakers": {"thresholds": [_thresholds(topo, pool)]},
+        "common_lb_config": _common_lb(topo, pool),
+    }
+    if pool.discovery == "eds":
+        eds_file = f"{config_dir}/{layout.eds_path(pool.name)}"
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {
+            "service_name": pool.name,
+            "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": eds_file,
+                    "watched_directory": {"path": eds_file.rsplit("/", 1)[0]},
+                },
+            },
+        }
+    else:
+        cluster["type"] = "STRICT_DNS"
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+        cluster["load_assignment"] = _dns_assignment(pool)
+    bal = pool.balancing
+    if bal.policy == "least_request":
+        cluster["least_request_lb_config"] = {
+            "choice_count": bal.choice_count,
+            "active_request_bias": {
+                "default_value": bal.active_request_bias,
+                "runtime_key": f"confgen.{pool.name}.active_request_bias",
+            },
+        }
+    elif bal.policy == "ring_hash":
+        cluster["ring_hash_lb_config"] = {"hash_function": "XX_HASH", "minimum_ring_size": 1024}
+    if pool.health.enabled:
+        hc = pool.health
+        cluster["health_checks"] = [{
+            "timeout": dur(hc.timeout),
+            "interval": dur(hc.interval),
+            "interval_jitter_percent": 10,
+            "healthy_threshold": hc.healthy_threshold,
+            "unhealthy_threshold": hc.unhealthy_threshold,
+            "no_traffic_interval": dur(hc.no_traffic_interval),
+            "http_health_check": {"path": pool.health_path},
+        }]
+    od = pool.outlier_detection
+    if od.enabled:
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": od.consecutive_5xx,
+            "consecutive_gateway_failure": od.consecutive_gateway_failure,
+            "enforcing_consecutive_5xx": 100,
+            "enforcing_consecutive_gateway_failure": 100,
+            "interval": dur(od.interval),
+            "base_ejection_time": dur(od.base_ejection_time),
+            "max_ejection_percent": od.max_ejection_percent,
+            # success-rate ejection needs more traffic than an LLM pool sees per interval
+            "enforcing_success_rate": 0,
+        }
+    return typed("config.cluster.v3.Cluster", cluster)
+
+
+def _thresholds(topo: Topology, pool: Pool) -> Json:
+    limit = in_flight_limit(topo, pool)
+    return {
+        "priority": "DEFAULT",
+        "max_requests": limit,
+        "max_pending_requests": limit,
+        "max_connections": limit,
+        "retry_budget": {
+            "budget_percent": {"value": pool.retries.budget_percent},
+            "min_retry_concurrency": pool.retries.min_concurrency,
+        },
+        "track_remaining": True,
+    }
+
+
+def _common_lb(topo: Topology, pool: Pool) -> Json:
+    common: Json = {}
+    bal = pool.balancing
+    if bal.policy in ("ring_hash", "maglev"):
+        common["consistent_hashing_lb_config"] = {"hash_balance_factor": bal.hash_balance_factor}
+    if pool.fallback is not None or topo.last_resort is not None:
+        # With somewhere better to go, never spray traffic over workers known to be down.
+        common["healthy_panic_threshold"] = {"value": 0.0}
+    return common
+
+
+def failover_cluster(topo: Topology, pool: Pool) -> Json:
+    chain = [p.name for p in fallback_chain(topo, pool)]
+    return typed("config.cluster.v3.Cluster", {
+        "name": layout.failover_cluster(pool.name),
+        "connect_timeout": dur(pool.timeouts.connect),
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.aggregate",
+            "typed_config": typed("extensions.clusters.aggregate.v3.ClusterConfig", {"clusters": chain}),
+        },
+    })
+
+
+def target_cluster(pool: Pool) -> str:
+    """The cluster a route to `pool` names: the pool's own, or its failover aggregate."""
+    return layout.failover_cluster(pool.name) if pool.fallback is not None else pool.name
+
+
+def clusters(topo: Topology, config_dir: str) -> list[Json]:
+    out = [pool_cluster(topo, pool, config_dir) for pool in topo.pools]
+    out += [failover_cluster(topo, pool) for pool in topo.pools if pool.fallback is not None]
+    return out
+
+
+def assignments(topo: Topology) -> dict[str, Json]:
+    """The first EDS content of every EDS pool, keyed by pool name."""
+    return {p.name: build_cla(p.name, initial_endpoints(p)) for p in topo.pools if p.discovery == "eds"}

@@ -1,0 +1,296 @@
+"""Listeners (LDS): the HTTP filter chain and the routes to pools.
+
+Filter order, and why:
+  1. header_mutation  - drop client-sent copies of our internal header and of Envoy's
+                        x-envoy-* request controls before anything reads them.
+  2. api_key_auth     - reject unauthenticated requests before buffering their bodies;
+                        forward the client id, strip the key.
+  3. local_ratelimit  - global bucket, then one bucket per client (429).
+  4. json_to_metadata - read the body's `model` into dynamic metadata; routes match on it
+                        (no header a client could forge decides the pool).
+  5. rbac             - per-route client allow lists, evaluated on the final route.
+  6. router
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .._checks import primary_pool_for
+from ..model import Listener, Pool, RateLimit, Route, Topology
+from ._clusters import target_cluster
+from ._proto import Json, dur, extension, typed
+from ._replies import META_NS, local_reply_config
+
+# Request headers Envoy would obey from a client (retries, timeouts, routing hints).
+ENVOY_CONTROL_HEADERS = (
+    "x-envoy-max-retries",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-alt-stat-name",
+    "x-envoy-priority",
+    "x-envoy-original-path",
+    "x-envoy-internal",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+)
+
+
+def _bucket(limit: RateLimit) -> Json:
+    return {"max_tokens": limit.bucket, "tokens_per_fill": limit.requests, "fill_interval": dur(limit.per)}
+
+
+def _percent(key: str) -> Json:
+    return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": key}
+
+
+def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> list[Json]:
+    internal = [*ENVOY_CONTROL_HEADERS]
+    if topo.auth is not None:
+        internal.insert(0, topo.auth.client_header)
+    filters = [extension(
+        "envoy.filters.http.header_mutation",
+        "extensions.filters.http.header_mutation.v3.HeaderMutation",
+        {"mutations": {"request_mutations": [{"remove": name} for name in internal]}},
+    )]
+    if topo.auth is not None:
+        filters.append(extension(
+            "envoy.filters.http.api_key_auth",
+            "extensions.filters.http.api_key_auth.v3.ApiKeyAuth",
+            {
+                "credentials": [{"key": secrets[k.client], "client": k.client} for k in topo.auth.api_keys],
+                "key_sources": [{"header": "Authorization"}],
+                "forwarding": {"header": topo.auth.client_header, "hide_credentials": True},
+            },
+        ))
+    limits = topo.limits
+    if limits.global_ is not None:
+        filters.append(extension(
+            "envoy.filters.http.local_ratelimit",
+            "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            {
+                "stat_prefix": "global",
+                "token_bucket": _bucket(limits.global_),
+                "filter_enabled": _percent("confgen.ratelimit.global.enabled"),
+                "filter_enforced": _percent("confgen.ratelimit.global.enforced"),
+            },
+        ))
+    per_client = _per_client_limits(topo)
+    if per_client:
+        assert topo.auth is not None
+        filters.append(extension(
+            "envoy.filters.http.local_ratelimit.per_key",
+            "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            {
+                "stat_prefix": "per_key",
+                # Every request also draws from this bucket; make it never the one that empties.
+                "token_bucket": {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"},
+                "always_consume_default_token_bucket": False,
+                "filter_enabled": _percent("confgen.ratelimit.per_key.enabled"),
+                "filter_enforced": _percent("confgen.ratelimit.per_key.enforced"),
+                "descriptors": [
+                    {"entries": [{"key": "client", "value": client}], "token_bucket": _bucket(limit)}
+                    for client, limit in per_client
+                ],
+                "rate_limits": [{"actions": [{"request_headers": {
+                    "header_name": topo.auth.client_header, "descriptor_key": "client"}}]}],
+            },
+        ))
+    filters.append(extension(
+        "envoy.filters.http.json_to_metadata",
+        "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+        {"request_rules": {"rules": [{
+            "selectors": [{"key": "model"}],
+            "on_present": {"metadata_namespace": META_NS, "key": "model", "type": "STRING"},
+        }]}},
+    ))
+    if restricted:
+        # No rules here: allow everything unless a route narrows it (typed_per_filter_config).
+        filters.append(extension("envoy.filters.http.rbac", "extensions.filters.http.rbac.v3.RBAC", {}))
+    filters.append(extension(
+        "envoy.filters.http.router", "extensions.filters.http.router.v3.Router",
+        {"suppress_envoy_headers": True},
+    ))
+    return filters
+
+
+def _per_client_limits(topo: Topology) -> list[tuple[str, RateLimit]]:
+    if topo.auth is None:
+        return []
+    out = []
+    for key in topo.auth.api_keys:
+        limit = key.rate_limit or topo.limits.per_key
+        if limit is not None:
+            out.append((key.client, limit))
+    return out
+
+
+def _rbac_only(topo: Topology, clients: list[str]) -> Json:
+    assert topo.auth is not None
+    header = topo.auth.client_header
+    principals = [{"header": {"name": header, "string_match": {"exact": c}}} for c in clients]
+    return typed("extensions.filters.http.rbac.v3.RBACPerRoute", {"rbac": {"rules": {
+        "action": "ALLOW",
+        "policies": {"allowed-clients": {
+            "permissions": [{"any": True}],
+            "principals": [{"or_ids": {"ids": principals}}] if principals else [{"not_id": {"any": True}}],
+        }},
+    }}})
+
+
+def _model_matcher(model: str, present: bool = True) -> Json:
+    if present:
+        return {"filter": META_NS, "path": [{"key": "model"}], "value": {"string_match": {"exact": model}}}
+    return {"filter": META_NS, "path": [{"key": "model"}], "value": {"present_match": True}, "invert": True}
+
+
+def _action(topo: Topology, pool: Pool) -> Json:
+    action: Json = {
+        "cluster": target_cluster(pool),
+        "timeout": dur(pool.timeouts.request),
+        "idle_timeout": dur(pool.timeouts.idle),
+    }
+    if pool.retries.attempts > 0:
+        action["retry_policy"] = {
+            "retry_on": ",".join(pool.retries.retry_on),
+            "num_retries": pool.retries.attempts,
+            "retry_host_predicate": [extension(
+                "envoy.retry_host_predicates.previous_hosts",
+                "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate", {},
+            )],
+            "host_selection_retry_max_attempts": 5,
+        }
+    hash_on = pool.balancing.hash_on
+    if hash_on is not None and pool.balancing.policy in ("ring_hash", "maglev"):
+        if hash_on.header is not None:
+            action["hash_policy"] = [{"header": {"header_name": hash_on.header}}]
+        elif hash_on.cookie is not None:
+            # A session cookie: Envoy sets it on the first answer when the client has none.
+            action["hash_policy"] = [{"cookie": {"name": hash_on.cookie, "ttl": "0s"}}]
+    return action
+
+
+def _route(topo: Topology, name: str, pool: Pool, match: Json, clients: list[str] | None) -> Json:
+    route: Json = {"name": name, "match": match, "route": _action(topo, pool)}
+    if clients is not None:
+        route["typed_per_filter_config"] = {"envoy.filters.http.rbac": _rbac_only(topo, clients)}
+    return route
+
+
+def _explicit(topo: Topology, index: int, route: Route) -> list[Json]:
+    pool = topo.pool(route.pool)
+    clients = route.allow_clients if route.allow_clients is not None else pool.allow_clients
+    base: Json = {"prefix": route.match.path_prefix or "/"}
+    if route.match.headers:
+        base["headers"] = [_header_matcher(h.name, h.exact, h.prefix, h.present) for h in route.match.headers]
+    if not route.match.models:
+        return [_route(topo, route.name, pool, base, clients)]
+    return [
+        _route(topo, f"{route.name}/{mi}", pool, {**base, "dynamic_metadata": [_model_matcher(model)]}, clients)
+        for mi, model in enumerate(route.match.models)
+    ]
+
+
+def _header_matcher(name: str, exact: str | None, prefix: str | None, present: bool | None) -> Json:
+    if exact is not None:
+        return {"name": name, "string_match": {"exact": exact}}
+    if prefix is not None:
+        return {"name": name, "string_match": {"prefix": prefix}}
+    return {"name": name, "present_match": True, "invert_match": not present}
+
+
+def models_list(topo: Topology) -> Json:
+    names = sorted({n for p in topo.pools for n in p.served_names})
+    return {"object": "list", "data": [
+        {"id": n, "object": "model", "created": 0, "owned_by": "confgen"} for n in names
+    ]}
+
+
+def routes(topo: Topology) -> list[Json]:
+    import json
+
+    out: list[Json] = []
+    if topo.models_endpoint:
+        out.append({
+            "name": "models-list",
+            "match": {"path": "/v1/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+            "direct_response": {"status": 200, "body": {
+                "inline_string": json.dumps(models_list(topo), sort_keys=True, separators=(",", ":"))}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        })
+    for index, route in enumerate(topo.routes):
+        out.extend(_explicit(topo, index, route))
+    seen: set[str] = set()
+    for pool in topo.pools:
+        for model in pool.served_names:
+            if model in seen:
+                continue
+            seen.add(model)
+            owner = primary_pool_for(topo, model)
+            if owner is None:  # claimed by an explicit route (checked on load)
+                continue
+            out.append(_route(topo, f"model/{model}", owner,
+                              {"prefix": "/", "dynamic_metadata": [_model_matcher(model)]}, owner.allow_clients))
+    if topo.default_pool is not None:
+        pool = topo.pool(topo.default_pool)
+        out.append(_route(topo, "default", pool,
+                          {"prefix": "/", "dynamic_metadata": [_model_matcher("", present=False)]},
+                          pool.allow_clients))
+    return out
+
+
+def listener(topo: Topology, lst: Listener, secrets: Mapping[str, str]) -> Json:
+    restricted = any(r.allow_clients is not None for r in topo.routes) or any(
+        p.allow_clients is not None for p in topo.pools)
+    hcm: Json = {
+        "stat_prefix": lst.name,
+        "codec_type": "AUTO",
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
+        "stream_idle_timeout": dur(lst.stream_idle_timeout),
+        "request_timeout": "0s",  # a generation may take minutes; idle timeouts bound silence
+        "request_headers_timeout": dur(lst.request_headers_timeout),
+        "route_config": {
+            "name": f"{lst.name}-routes",
+            "max_direct_response_body_size_bytes": 1024 * 1024,
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo)}],
+        },
+        "http_filters": _filters(topo, secrets, restricted),
+        "local_reply_config": local_reply_config(topo),
+        "access_log": [extension(
+            "envoy.access_loggers.stdout",
+            "extensions.access_loggers.stream.v3.StdoutAccessLog",
+            {"log_format": {"json_format": {
+                "time": "%START_TIME%", "method": "%REQ(:METHOD)%", "path": "%REQ(:PATH)%",
+                "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%",
+                "model": f"%DYNAMIC_METADATA({META_NS}:model)%",
+                "cluster": "%UPSTREAM_CLUSTER%", "upstream": "%UPSTREAM_HOST%",
+                "duration_ms": "%DURATION%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+            }}},
+        )],
+    }
+    if topo.auth is not None:
+        hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]["client"] = (
+            f"%REQ({topo.auth.client_header})%")
+    return typed("config.listener.v3.Listener", {
+        "name": lst.name,
+        "address": {"socket_address": {"address": lst.address, "port_value": lst.port}},
+        "per_connection_buffer_limit_bytes": lst.max_request_bytes,  # json_to_metadata buffers the body
+        "filter_chains": [{"filters": [extension(
+            "envoy.filters.network.http_connection_manager",
+            "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            hcm,
+        )]}],
+    })
+
+
+def listeners(topo: Topology, secrets: Mapping[str, str]) -> list[Json]:
+    return [listener(topo, lst, secrets) for lst in topo.listeners]

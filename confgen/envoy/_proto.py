@@ -1,0 +1,31 @@
+"""Tiny helpers for writing Envoy's protobuf JSON: typed resources and durations."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._fields import Duration
+
+Json = dict[str, Any]
+
+_PREFIX = "type.googleapis.com/envoy."
+
+
+def typed(type_name: str, body: Json) -> Json:
+    """`body` with its "@type"; type_name is relative to `envoy.` (e.g. config.cluster.v3.Cluster)."""
+    return {"@type": _PREFIX + type_name, **body}
+
+
+def extension(name: str, type_name: str, body: Json) -> Json:
+    """A named extension with its typed_config."""
+    return {"name": name, "typed_config": typed(type_name, body)}
+
+
+def dur(value: Duration) -> str:
+    return value.envoy()
+
+
+def dumps(document: Json) -> bytes:
+    """Deterministic JSON: sorted keys, fixed indentation, trailing newline."""
+    return (json.dumps(document, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode()

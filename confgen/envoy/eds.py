@@ -1,0 +1,78 @@
+"""The one place that knows Envoy's EDS format: endpoints -> ClusterLoadAssignment file.
+
+`confgen render` writes the first version of each file from the topology; the sidecar
+calls the same builder with the health and weights it measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from ._proto import Json, dumps, typed
+
+HealthStatus = Literal["HEALTHY", "DEGRADED", "UNHEALTHY", "DRAINING"]
+
+# Envoy's default: a priority (or, through an aggregate cluster, a pool) at 50 % health
+# keeps 70 % of its traffic and spills the rest to the next one.
+OVERPROVISIONING_FACTOR = 140
+MAX_WEIGHT = 128
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    """One worker as Envoy should see it. `address` must be an IP literal."""
+
+    address: str
+    port: int
+    weight: int = 1
+    health: HealthStatus = "HEALTHY"
+    zone: str | None = None
+    worker: str = ""  # the worker as written in the topology (host:port), for humans
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.weight <= MAX_WEIGHT:
+            # Envoy rejects a whole EDS file for one weight of 0.
+            raise ValueError(f"weight {self.weight} outside 1..{MAX_WEIGHT}")
+
+
+def build_cla(cluster: str, endpoints: Iterable[Endpoint]) -> Json:
+    """A ClusterLoadAssignment grouping endpoints by zone (locality), in a stable order."""
+    by_zone: dict[str, list[Endpoint]] = {}
+    for ep in sorted(endpoints, key=lambda e: (e.zone or "", e.address, e.port)):
+        by_zone.setdefault(ep.zone or "", []).append(ep)
+    groups: list[Json] = []
+    for zone, members in sorted(by_zone.items()):
+        group: Json = {"lb_endpoints": [_lb_endpoint(ep) for ep in members]}
+        if zone:
+            group["locality"] = {"zone": zone}
+        groups.append(group)
+    return typed("config.endpoint.v3.ClusterLoadAssignment", {
+        "cluster_name": cluster,
+        "endpoints": groups,
+        "policy": {"overprovisioning_factor": OVERPROVISIONING_FACTOR},
+    })
+
+
+def _lb_endpoint(ep: Endpoint) -> Json:
+    body: Json = {
+        "endpoint": {"address": {"socket_address": {"address": ep.address, "port_value": ep.port}}},
+        "health_status": ep.health,
+        "load_balancing_weight": ep.weight,
+    }
+    if ep.worker:
+        body["metadata"] = {"filter_metadata": {"confgen": {"worker": ep.worker}}}
+    return body
+
+
+def eds_document(cla: Json) -> bytes:
+    """The file content for one CLA; version_info is a hash of the content itself."""
+    body = dumps({"resources": [cla]})
+    version = hashlib.sha256(body).hexdigest()[:16]
+    return dumps({"version_info": version, "resources": [cla]})
+
+
+def render_eds(cluster: str, endpoints: Iterable[Endpoint]) -> bytes:
+    return eds_document(build_cla(cluster, endpoints))

@@ -1,0 +1,128 @@
+"""Put rendered files on disk without ever exposing a half-written one.
+
+A render is complete in memory before anything is written. Then:
+- a new output directory is built beside its final place and renamed into it, so it
+  appears whole or not at all;
+- an existing one (maybe watched by a running Envoy, whose inotify watches follow the
+  directory's inode, so the directory itself must stay) has each file replaced atomically
+  (temp file in the same directory, fsync, rename, fsync the directory), in the order
+  Envoy needs: EDS before the clusters naming it, clusters before the routes naming them.
+  Files of the previous render that are no longer produced are removed last.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import OutputError
+
+MANIFEST = ".confgen-files"  # what the last render wrote, so stale files can be removed
+
+
+def _order(path: str) -> tuple[int, str]:
+    rank = 0 if path.startswith("eds/") else 1 if path == "cds.json" else 2 if path == "lds.json" else 3
+    return rank, path
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so readers see the old or the new content, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        Path(tmp).chmod(mode)
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _check_relative(rel: str) -> None:
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or ".." in parts or not parts:
+        raise OutputError(f"refusing to write outside the output directory: {rel!r}")
+
+
+def write_tree(files: Mapping[str, bytes], out_dir: Path, mode: int = 0o644) -> None:
+    for rel in files:
+        _check_relative(rel)
+    manifest = "".join(f"{rel}\n" for rel in sorted(files)).encode()
+    try:
+        if not out_dir.exists():
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+            try:
+                for rel, data in files.items():
+                    atomic_write(staging / rel, data, mode)
+                atomic_write(staging / MANIFEST, manifest)
+                staging.chmod(0o755)
+                staging.rename(out_dir)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            _fsync_dir(out_dir.parent)
+            return
+        if not out_dir.is_dir():
+            raise OutputError(f"{out_dir} exists and is not a directory")
+        previous = _previous_files(out_dir)
+        for rel in sorted(files, key=_order):
+            target = out_dir / rel
+            if not target.exists() or target.read_bytes() != files[rel]:
+                atomic_write(target, files[rel], mode)
+        for rel in sorted(previous - set(files), key=_order, reverse=True):
+            stale = out_dir / rel
+            stale.unlink(missing_ok=True)
+            if stale.parent != out_dir and not any(stale.parent.iterdir()):
+                stale.parent.rmdir()
+        atomic_write(out_dir / MANIFEST, manifest)
+    except OSError as exc:
+        raise OutputError(f"cannot write {out_dir}: {exc.strerror or exc}") from exc
+
+
+def _previous_files(out_dir: Path) -> set[str]:
+    try:
+        lines = (out_dir / MANIFEST).read_text().splitlines()
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for line in lines:
+        try:
+            _check_relative(line)
+        except OutputError:
+            continue
+        out.add(line)
+    return out
+
+
+def diff_tree(files: Mapping[str, bytes], out_dir: Path) -> list[str]:
+    """What differs between `files` and the directory: one line per file, [] when equal."""
+    found = {
+        str(p.relative_to(out_dir))
+        for p in out_dir.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    } if out_dir.is_dir() else set()
+    lines = []
+    for rel in sorted(set(files) | found):
+        if rel not in found:
+            lines.append(f"missing: {rel}")
+        elif rel not in files:
+            lines.append(f"extra:   {rel}")
+        elif (out_dir / rel).read_bytes() != files[rel]:
+            lines.append(f"differs: {rel}")
+    return lines

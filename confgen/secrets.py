@@ -1,0 +1,43 @@
+"""Read API keys named by the topology (environment variables or files) at render time.
+
+The topology holds only where a key is; the key itself reaches the rendered Envoy config
+(api_key_auth takes inline credentials), which is why the Envoy output is written 0600
+when auth is configured.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import SecretError
+from .model import Topology
+
+
+def resolve(topo: Topology, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """client -> key; SecretError names every key that could not be read."""
+    env = os.environ if environ is None else environ
+    keys: dict[str, str] = {}
+    problems: list[str] = []
+    for index, key in enumerate(topo.auth.api_keys if topo.auth else []):
+        where = f"auth.api_keys[{index}]"
+        if key.env is not None:
+            value = env.get(key.env, "")
+            if not value:
+                problems.append(f"{where}.env: environment variable {key.env} is not set or empty")
+                continue
+        else:
+            assert key.file is not None
+            try:
+                value = Path(key.file).read_text().strip()
+            except OSError as exc:
+                problems.append(f"{where}.file: cannot read {key.file}: {exc.strerror}")
+                continue
+        if not value.isprintable() or any(c.isspace() for c in value) or len(value) > 512:
+            problems.append(f"{where}: the key for {key.client!r} must be one printable word (at most 512 characters)")
+            continue
+        keys[key.client] = value
+    if problems:
+        raise SecretError("cannot read API keys:\n  " + "\n  ".join(problems))
+    return keys
