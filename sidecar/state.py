@@ -244,19 +244,21 @@ class EndpointState:
                                failures=(), stalled=False, fresh=False)
             return nxt
         eject = None
+        by_stall = False
         if failed and nxt.fail_streak >= threshold:
             eject = f"{nxt.fail_streak} consecutive failures, last: {what}"
         elif failed and len(failures) >= policy.error_burst:
             eject = (f"error burst: {len(failures)} failures in "
                      f"{policy.error_burst_window_s:g} s, last: {what}")
         elif stalled_now:
+            by_stall = True
             eject = (f"stalled: running > 0 and progress counter flat for {stall_streak} "
                      f"probes / {at - (progress_at or at):.0f} s")
         if eject is not None:
             return replace(nxt, status=Status.UNHEALTHY, since=at, reason=eject,
                            last_serving=self.status, ejections=(*nxt.ejections, at),
                            failures=(), ok_streak=0, warm_since=None,
-                           stalled=stalled_now and not failed)
+                           stalled=by_stall)
         if self.status is Status.HEALTHY and nxt.slow_streak >= policy.degraded_probes:
             return replace(nxt, status=Status.DEGRADED, since=at,
                            reason=f"slow: {nxt.slow_streak} slow answers ({what})")

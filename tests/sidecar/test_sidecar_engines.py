@@ -10,9 +10,9 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as om_families,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_fixtures import BAD, EXPECTED, FIXTURES, GENERATORS
 
 from sidecar.engines import ENGINE_KINDS, LoadSample, MetricsFormatError, extract
+from tests.sidecar.sidecar_fixtures import BAD, EXPECTED, FIXTURES, GENERATORS
 
 
 def _body(name: str) -> bytes:
