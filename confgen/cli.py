@@ -60,7 +60,6 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="render the built-in example, check it with the real Envoy, "
                           "and serve a few requests through it from a simulated fleet")
-    demo.add_argument("--topology", type=Path, help="a topology to use instead of the built-in example")
     demo.add_argument("--requests", type=int, default=20)
     return parser
 
@@ -182,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return run_demo(args.topology, args.requests)
+            return run_demo(args.requests)
     except ConfgenError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
         return EXIT_INVALID
