@@ -18,7 +18,7 @@ HealthStatus = Literal["HEALTHY", "DEGRADED", "UNHEALTHY", "DRAINING"]
 # Envoy's default: a priority (or, through an aggregate cluster, a pool) at 50 % health
 # keeps 70 % of its traffic and spills the rest to the next one.
 OVERPROVISIONING_FACTOR = 140
-MAX_WEIGHT = 128
+MAX_WEIGHT = 10_000  # the sidecar publishes up to this; Envoy allows far more per endpoint
 
 
 @dataclass(frozen=True, order=True)
