@@ -45,7 +45,14 @@ class _Invalid:
 INVALID = _Invalid()
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.:/@+-]{1,63}")
+
+
 def path_join(parent: str, key: str) -> str:
+    # A key from the file may hold anything (a newline would split a diagnostic line):
+    # unusual keys are shown quoted, like values are.
+    if not _PLAIN_KEY.fullmatch(key):
+        return f"{parent}[{_show(key)}]"
     return f"{parent}.{key}" if parent else key
 
 
