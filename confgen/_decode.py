@@ -22,6 +22,9 @@ from ._yaml import Mark, mark_of
 from .errors import Diagnostic
 
 MAX_EXPANDED_NODES = 500_000
+# Aliases can repeat one bad mapping thousands of times: a 15 KB file produced 240,000
+# errors and took seconds. Nobody reads past a few hundred; stop there.
+MAX_ERRORS = 200
 
 _STR = "tag:yaml.org,2002:str"
 _INT = "tag:yaml.org,2002:int"
@@ -43,6 +46,10 @@ class _Invalid:
 
 
 INVALID = _Invalid()
+
+
+class _TooManyErrors(Exception):
+    """Raised inside the decoder once MAX_ERRORS have been recorded."""
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.:/@+-]{1,63}")
@@ -106,6 +113,8 @@ class Decoder:
     def error(self, where: yaml.Node | Mark, path: str, message: str) -> _Invalid:
         mark = where if isinstance(where, Mark) else mark_of(where)
         self.diagnostics.append(Diagnostic(self.filename, mark.line, mark.col, path, message))
+        if len(self.diagnostics) >= MAX_ERRORS:
+            raise _TooManyErrors
         return INVALID
 
     # -- entry -------------------------------------------------------------------------
@@ -118,7 +127,14 @@ class Decoder:
                 node, "", f"the document expands to more than {MAX_EXPANDED_NODES:,} nodes through "
                 "anchors and aliases (an alias bomb?)",
             )
-        return self.decode(node, cls, "", None)
+        try:
+            return self.decode(node, cls, "", None)
+        except _TooManyErrors:
+            mark = mark_of(node)
+            self.diagnostics.append(Diagnostic(
+                self.filename, mark.line, mark.col, "", f"stopped after {MAX_ERRORS} errors; fix these first"
+            ))
+            return INVALID
 
     def decode(self, node: yaml.Node, tp: Any, path: str, pattern: str | None) -> Any:
         self.marks.setdefault(path, mark_of(node))
