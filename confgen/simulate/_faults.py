@@ -110,8 +110,12 @@ def html_metrics() -> str:
 
 
 def truncate_metrics(text: str, fraction: float) -> str:
-    """Cut inside a line (not at a newline) so the last sample is broken."""
+    """Cut about `fraction` in, inside a label set where there is one, so the last sample
+    is broken for any parser (a cut inside a value could still parse: `12` -> `1`)."""
     cut = max(1, min(len(text) - 1, int(len(text) * fraction)))
+    brace = text.find("{", cut)
+    if brace != -1:
+        return text[: brace + 3]
     while cut > 1 and text[cut - 1] == "\n":
         cut -= 1
     return text[:cut]

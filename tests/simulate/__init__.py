@@ -1,0 +1,1 @@
+"""Tests of the simulated inference fleet (confgen.simulate)."""
