@@ -69,6 +69,18 @@ def _print_diagnostics(diagnostics: Sequence[Diagnostic], stream: TextIO) -> Non
         print(diag, file=stream)
 
 
+def _unreadable(paths: Sequence[Path]) -> list[str]:
+    """A usage error per topology argument that cannot be opened (exit 2, not 1: no input was judged)."""
+    problems = []
+    for path in paths:
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as exc:
+            problems.append(f"confgen: cannot read {path}: {exc.strerror or exc}")
+    return problems
+
+
 def _config_dir(topo: Topology, args: argparse.Namespace, out: Path) -> str:
     if args.config_dir:
         return str(args.config_dir)
@@ -92,6 +104,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     from . import secrets as secret_mod
     from .output import diff_tree, write_tree
 
+    for problem in _unreadable([args.topology]):
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     try:
         topo, warnings = load(args.topology)
     except TopologyError as exc:
@@ -125,6 +140,10 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from . import verify
 
+    unreadable = _unreadable(args.topology)
+    if unreadable:
+        print("\n".join(unreadable), file=sys.stderr)
+        return EXIT_USAGE
     status = EXIT_OK
     report: list[dict[str, object]] = []
     for path in args.topology:
