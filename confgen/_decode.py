@@ -202,6 +202,8 @@ class Decoder:
             return text
         if node.tag != _BOOL or text not in ("true", "false"):
             hint = " (YAML 1.1 spellings like yes/no/on/off are refused)" if node.tag == _BOOL else ""
+            if _quoted(node):
+                return self.error(node, path, f"expected true or false, {_got_string(text, text in ('true', 'false'))}")
             return self.error(node, path, f"expected true or false, got {_show(text)}{hint}")
         return text == "true"
 
@@ -209,8 +211,8 @@ class Decoder:
         text = self._scalar(node, path, "an integer")
         if isinstance(text, _Invalid):
             return text
-        if node.tag == _STR:
-            return self.error(node, path, f"expected an integer, got the string {_show(text)}; remove the quotes")
+        if _quoted(node):
+            return self.error(node, path, f"expected an integer, {_got_string(text, bool(_DECIMAL.fullmatch(text)))}")
         if node.tag != _INT or not _DECIMAL.fullmatch(text):
             return self.error(node, path, f"expected a decimal integer, got {_show(text)}")
         return int(text)
@@ -220,6 +222,9 @@ class Decoder:
         if isinstance(text, _Invalid):
             return text
         if node.tag not in (_INT, _FLOAT) or not _FLOAT_TEXT.fullmatch(text):
+            if _quoted(node):
+                got = _got_string(text, bool(_FLOAT_TEXT.fullmatch(text)))
+                return self.error(node, path, f"expected a number, {got}")
             return self.error(node, path, f"expected a number, got {_show(text)}")
         return float(text)
 
@@ -356,6 +361,15 @@ class Decoder:
 
 def _num(value: float) -> str:
     return str(int(value)) if value == int(value) else str(value)
+
+
+def _quoted(node: yaml.Node) -> bool:
+    """Whether a scalar was written in quotes (a plain `1e1` is a string too, but unquoted)."""
+    return isinstance(node, yaml.ScalarNode) and node.style in ("'", '"')
+
+
+def _got_string(text: str, fine_unquoted: bool) -> str:
+    return f"got the string {_show(text)}" + ("; remove the quotes" if fine_unquoted else "")
 
 
 def _show(text: str) -> str:
