@@ -251,7 +251,9 @@ class Decoder:
     # -- collections -------------------------------------------------------------------
     def _list(self, node: yaml.Node, item: Any, path: str, pattern: str | None) -> list[Any] | _Invalid:
         if not isinstance(node, yaml.SequenceNode):
-            return self.error(node, path, "expected a list")
+            shown = f"{_show(str(node.value))} (write [item] for one item)"
+            what = "a mapping" if isinstance(node, yaml.MappingNode) else shown
+            return self.error(node, path, f"expected a list, got {what}")
         out: list[Any] = []
         ok = True
         for index, child in enumerate(node.value):
@@ -289,6 +291,8 @@ class Decoder:
             if key_node.tag == _MERGE:
                 sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
                 for source in sources:
+                    if not isinstance(source, yaml.MappingNode):
+                        return self.error(source, path, "a merge key (<<) takes a mapping or a list of mappings")
                     sub = self._pairs(source, path)
                     if isinstance(sub, _Invalid):
                         return sub
