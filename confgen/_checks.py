@@ -57,7 +57,8 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
         for name in sorted(_dupes(pool.served_names)):
-            yield f"pools[{pi}].aliases", f"model name {name!r} is listed twice", "error"
+            where = "models" if pool.models.count(name) > 1 else "aliases"
+            yield f"pools[{pi}].{where}", f"model name {name!r} is listed twice", "error"
     if topo.auth is not None:
         yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys], "client", key="client")
 
