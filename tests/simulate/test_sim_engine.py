@@ -32,8 +32,9 @@ def test_slower_worker_takes_longer_for_the_same_request() -> None:
 def test_prefill_grows_with_uncached_prompt_tokens() -> None:
     """Time to first token of a lone request = prefill(prompt) + one decode step."""
     model = LatencyModel(prefill_ms_per_1k=100, decode_ms=10, decode_growth=0)
-    short, long_ = simulate(model, [EngineRequest("a", 1000, 1, 0.0)]), simulate(
-        model, [EngineRequest("b", 4000, 1, 0.0)]
+    short, long_ = (
+        simulate(model, [EngineRequest("a", 1000, 1, 0.0)]),
+        simulate(model, [EngineRequest("b", 4000, 1, 0.0)]),
     )
     assert short[0].first_token_at is not None and long_[0].first_token_at is not None
     assert abs(short[0].first_token_at - (0.1 + 0.01)) < 1e-9

@@ -176,7 +176,9 @@ def test_openai_kind_has_no_metrics() -> None:
     assert render("openai", _busy_input("vllm")) is None
 
 
-@pytest.mark.parametrize("body", [garbage_metrics(3), html_metrics(), truncate_metrics(render("vllm", _busy_input("vllm")) or "", 0.5)])
+@pytest.mark.parametrize(
+    "body", [garbage_metrics(3), html_metrics(), truncate_metrics(render("vllm", _busy_input("vllm")) or "", 0.5)]
+)
 def test_broken_bodies_do_not_parse(body: str) -> None:
     """Garbage, HTML and truncated bodies are rejected by a real parser."""
     with pytest.raises(ValueError):
