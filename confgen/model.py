@@ -281,6 +281,14 @@ class EnvoyOptions:
         pattern="file_path",
     )
     node_id: str | None = field(None, doc="Envoy node id (default: the topology name).", pattern="name")
+    max_eds_files: int = field(
+        100,
+        doc="Most pools with discovery: eds. Envoy opens one inotify instance per watched xDS file and "
+        "fs.inotify.max_user_instances is often 128: past it Envoy aborts, even on a live CDS update. "
+        "Raise both together.",
+        minimum=1,
+        maximum=100_000,
+    )
 
 
 @dataclass(frozen=True)

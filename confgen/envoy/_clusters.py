@@ -74,10 +74,9 @@ def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
             "service_name": pool.name,
             "eds_config": {
                 "resource_api_version": "V3",
-                "path_config_source": {
-                    "path": eds_file,
-                    "watched_directory": {"path": eds_file.rsplit("/", 1)[0]},
-                },
+                # Its own directory, no watched_directory: only a rename of this very file
+                # reloads this cluster, and no other cluster's subscription wakes up.
+                "path_config_source": {"path": eds_file},
             },
         }
     else:

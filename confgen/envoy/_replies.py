@@ -68,18 +68,6 @@ def canned_body(topo: Topology) -> Json:
 
 def local_reply_config(topo: Topology) -> Json:
     mappers: list[Json] = [
-        {  # local rate limit
-            "filter": _flag("RL"),
-            "status_code": 429,
-            "headers_to_add": _retry_after(topo),
-            "body_format_override": _json_format(
-                _error(
-                    "Rate limit exceeded. Retry after the time in the retry-after header.",
-                    "rate_limit_error",
-                    "rate_limit_exceeded",
-                )
-            ),
-        },
         {  # circuit breaker: the pool is at its share of capacity (backpressure)
             "filter": _flag("UO"),
             "status_code": 429,
@@ -89,6 +77,17 @@ def local_reply_config(topo: Topology) -> Json:
                     "The model is overloaded. Retry after the time in the retry-after header.",
                     "server_overloaded",
                     "overloaded",
+                )
+            ),
+        },
+        {  # local rate limit: its RL flag is set after the reply is mapped, so match the status
+            "filter": _status(429),
+            "headers_to_add": _retry_after(topo),
+            "body_format_override": _json_format(
+                _error(
+                    "Rate limit exceeded. Retry after the time in the retry-after header.",
+                    "rate_limit_error",
+                    "rate_limit_exceeded",
                 )
             ),
         },

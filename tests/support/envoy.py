@@ -17,7 +17,9 @@ from confgen.runtime import EnvoyProcess
 
 
 @contextmanager
-def running_envoy(topology_yaml: str, out_dir: Path, secrets: Mapping[str, str] | None = None) -> Iterator[EnvoyProcess]:
+def running_envoy(
+    topology_yaml: str, out_dir: Path, secrets: Mapping[str, str] | None = None
+) -> Iterator[EnvoyProcess]:
     topo, _ = parse_topology(topology_yaml.encode(), "test-topology.yaml")
     files = envoy.render(topo, config_dir=str(out_dir), secrets=secrets)
     write_tree(files, out_dir)
@@ -25,8 +27,13 @@ def running_envoy(topology_yaml: str, out_dir: Path, secrets: Mapping[str, str] 
         yield proc
 
 
-def request(url: str, body: Any = None, headers: Mapping[str, str] | None = None,
-            method: str | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def request(
+    url: str,
+    body: Any = None,
+    headers: Mapping[str, str] | None = None,
+    method: str | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, dict[str, str], bytes]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"))
     req.add_header("content-type", "application/json")
