@@ -18,7 +18,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from ._fields import COMPILED, DURATION_HINT, PATTERNS, Duration, parse_duration, spec_of, yaml_key
-from ._yaml import Mark, mark_of
+from ._yaml import MAX_DEPTH, Mark, mark_of
 from .errors import Diagnostic
 
 MAX_EXPANDED_NODES = 500_000
@@ -68,8 +68,16 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+class _TooDeep(Exception):
+    """The document nests deeper than MAX_DEPTH."""
+
+
 def expanded_size(root: yaml.Node) -> int | None:
-    """Nodes the document has once aliases are expanded; None for a recursive alias."""
+    """Nodes the document has once aliases are expanded; None for a recursive alias.
+
+    Raises _TooDeep past MAX_DEPTH levels, before Python's recursion limit could be mistaken
+    for a recursive alias.
+    """
     sizes: dict[int, int] = {}
     active: set[int] = set()
 
@@ -79,6 +87,8 @@ def expanded_size(root: yaml.Node) -> int | None:
             return sizes[key]
         if key in active:
             return None
+        if len(active) >= MAX_DEPTH:
+            raise _TooDeep
         active.add(key)
         total = 1
         children: list[yaml.Node] = []
@@ -97,10 +107,7 @@ def expanded_size(root: yaml.Node) -> int | None:
         sizes[key] = total
         return total
 
-    try:
-        return size(root)
-    except RecursionError:
-        return None
+    return size(root)
 
 
 class Decoder:
@@ -119,7 +126,10 @@ class Decoder:
 
     # -- entry -------------------------------------------------------------------------
     def decode_root(self, node: yaml.Node, cls: type) -> Any:
-        size = expanded_size(node)
+        try:
+            size = expanded_size(node)
+        except _TooDeep:
+            return self.error(node, "", f"the document nests more than {MAX_DEPTH} levels deep")
         if size is None:
             return self.error(node, "", "an alias refers to itself (recursive anchors are refused)")
         if size > MAX_EXPANDED_NODES:
