@@ -101,6 +101,8 @@ class WorkerSpec:
     metrics_variant: MetricsVariant = "default"
 
     def __post_init__(self) -> None:
+        # Python callers may pass a list; keep the spec hashable and immutable.
+        object.__setattr__(self, "models", tuple(self.models))
         if self.engine not in ENGINE_KINDS:
             raise SpecError(f"unknown engine {self.engine!r}; expected one of {ENGINE_KINDS}")
         if not self.models or not all(isinstance(m, str) for m in self.models):
