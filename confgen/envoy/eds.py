@@ -31,6 +31,7 @@ class Endpoint:
     health: HealthStatus = "HEALTHY"
     zone: str | None = None
     worker: str = ""  # the worker as written in the topology (host:port), for humans
+    labels: tuple[tuple[str, str], ...] = ()  # the topology's labels, as endpoint metadata
 
     def __post_init__(self) -> None:
         if not 1 <= self.weight <= MAX_WEIGHT:
@@ -62,8 +63,11 @@ def _lb_endpoint(ep: Endpoint) -> Json:
         "health_status": ep.health,
         "load_balancing_weight": ep.weight,
     }
+    meta: dict[str, str] = dict(ep.labels)
     if ep.worker:
-        body["metadata"] = {"filter_metadata": {"confgen": {"worker": ep.worker}}}
+        meta["worker"] = ep.worker
+    if meta:
+        body["metadata"] = {"filter_metadata": {"confgen": meta}}
     return body
 
 
