@@ -161,6 +161,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
                     return EXIT_UNAVAILABLE
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
+            if args.nginx:
+                from . import nginx  # type: ignore[attr-defined,unused-ignore]
+                from .topology import pin
+
+                findings += pin(path, nginx.unsupported(topo))
         errors = [d for d in findings if d.severity == "error" or args.strict]
         if errors:
             status = EXIT_INVALID

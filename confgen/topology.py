@@ -6,11 +6,12 @@ the model and the warnings.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from . import _checks, _yaml
 from ._decode import Decoder, _Invalid
-from .errors import Diagnostic, TopologyError
+from .errors import Diagnostic, Severity, TopologyError
 from .model import Topology
 
 
@@ -60,3 +61,18 @@ def _nearest_mark(marks: dict[str, _yaml.Mark], path: str) -> _yaml.Mark:
         cut = max(probe.rfind("."), probe.rfind("["))
         probe = probe[:cut] if cut > 0 else ""
     return marks.get("", _yaml.Mark(1, 1))
+
+
+def pin(path: str | Path, findings: Iterable[tuple[str, str]], severity: Severity = "warning") -> list[Diagnostic]:
+    """Diagnostics for (field path, message) pairs about the topology in `path`, each placed
+    at the field's line and column (findings a renderer makes after loading)."""
+    name = str(path)
+    node, _ = _yaml.compose(Path(path).read_bytes(), name)
+    decoder = Decoder(name)
+    if node is not None:
+        decoder.decode_root(node, Topology)
+    out = []
+    for field_path, message in findings:
+        mark = _nearest_mark(decoder.marks, field_path)
+        out.append(Diagnostic(name, mark.line, mark.col, field_path, message, severity))
+    return out

@@ -1,0 +1,116 @@
+"""Nginx target (open-source nginx with njs): a pure function from the topology to files.
+
+    render(topo, config_dir=..., secrets=...) -> {relative path: bytes}
+
+    nginx.conf                 http block: upstreams, listeners, limits, replies
+    upstreams/<pool>.conf      one pool's `server` lines (the sidecar replaces these)
+    njs/confgen.js             routing on the body's `model`, the status page
+    auth/clients.map           API key -> client id (only with auth; written 0600)
+    auth/limit-<n>.map         API key -> bucket key for one per-client rate limit
+
+`config_dir` is where the files live when nginx reads them (include and js paths are
+absolute). `render_for_test` renders a copy that binds only free loopback ports and keeps
+pid, logs and temp files under a prefix, for `nginx -t` and tests. `unsupported` lists
+what the topology asks for that open-source nginx cannot do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+
+from ..errors import SecretError
+from ..model import Topology
+from ..runtime import free_port
+from ._context import build_context
+from ._features import unsupported
+from ._guard import BEARER_TOKEN, UnsafeValueError
+from ._templates import environment
+from .upstream import UpstreamServer, render_upstream, upstream_name, upstream_path
+
+__all__ = [
+    "STATUS",
+    "UnsafeValueError",
+    "UpstreamServer",
+    "render",
+    "render_for_test",
+    "render_upstream",
+    "unsupported",
+    "upstream_name",
+    "upstream_path",
+]
+
+CONF = "nginx.conf"
+STATUS = "_status"  # key of the status server in `ports` (no listener name starts with "_")
+NJS = "njs/confgen.js"
+
+
+def _placeholder_secrets(topo: Topology) -> dict[str, str]:
+    keys = topo.auth.api_keys if topo.auth else []
+    return {k.client: f"placeholder-key-{k.client}" for k in keys}
+
+
+def _checked_secrets(topo: Topology, secrets: Mapping[str, str] | None) -> dict[str, str]:
+    keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
+    bad = [client for client, key in keys.items() if not BEARER_TOKEN.fullmatch(key)]
+    if bad:
+        raise SecretError(
+            "the nginx target needs API keys made of Bearer-token characters (letters, digits and "
+            f"- . _ ~ + / then optional =); not so for: {', '.join(sorted(bad))}"
+        )
+    missing = [k.client for k in (topo.auth.api_keys if topo.auth else []) if k.client not in keys]
+    if missing:
+        raise SecretError(f"no API key given for: {', '.join(missing)}")
+    return keys
+
+
+def _render(
+    topo: Topology,
+    *,
+    config_dir: str,
+    secrets: Mapping[str, str] | None,
+    test_prefix: str | None = None,
+    ports: Mapping[str, int] | None = None,
+) -> dict[str, bytes]:
+    config_dir = str(PurePosixPath(config_dir))
+    keys = _checked_secrets(topo, secrets)
+    ctx = build_context(topo, config_dir=config_dir, secrets=keys, test_prefix=test_prefix, ports=ports)
+    env = environment()
+    files: dict[str, bytes] = {
+        CONF: env.get_template("nginx/nginx.conf.j2").render(ctx.main).encode(),
+        NJS: env.get_template("nginx/confgen.js.j2").render(ctx.main).encode(),
+    }
+    for pool, servers, options in ctx.upstreams:
+        files[upstream_path(pool)] = render_upstream(pool, servers, **options)
+    for rel, entries in ctx.maps.items():
+        lines = [f'"Bearer {env.filters["ngx"](key)}" {env.filters["ngx"](value)};' for key, value in entries]
+        files[rel] = ("\n".join(lines) + "\n").encode()
+    return files
+
+
+def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Every file of the nginx output, keyed by path relative to the output directory.
+
+    `secrets` maps API-key clients to their keys; without it placeholders are written
+    (fine for validation, useless for serving).
+    """
+    return _render(topo, config_dir=config_dir, secrets=secrets)
+
+
+def render_for_test(
+    topo: Topology,
+    *,
+    prefix: str,
+    ports: Mapping[str, int] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> dict[str, bytes]:
+    """The output made harmless to run under `prefix` (which is also the config dir).
+
+    Every listener and the status server listen on 127.0.0.1: on `ports[<listener name>]`
+    / `ports[STATUS]` when given, else on a port that was free a moment ago. pid and
+    temp paths sit under `prefix`; DNS-named workers become `down` loopback entries, so
+    `nginx -t` resolves nothing.
+    """
+    chosen = {lst.name: free_port() for lst in topo.listeners} | {STATUS: free_port()}
+    chosen.update(ports or {})
+    return _render(topo, config_dir=prefix, secrets=secrets, test_prefix=prefix, ports=chosen)

@@ -1,0 +1,260 @@
+"""Topology -> the values the nginx templates interpolate (and nothing else decides).
+
+Mirrors the Envoy target: the same pools, the same route order (explicit routes, then one
+route per served model to its primary pool, then the default pool), the same limits and
+the same answers; where nginx can only approximate, `_features.unsupported` says so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._checks import fallback_chain, primary_pool_for
+from .._fields import Duration
+from ..envoy._clusters import in_flight_limit
+from ..envoy._listener import models_list
+from ..envoy._replies import canned_body
+from ..model import Pool, RateLimit, Route, Topology, is_ip, split_address
+from ._replies import replies, retry_after_seconds
+from .upstream import UpstreamServer, upstream_name, upstream_path
+
+UNAVAILABLE = "confgen_unavailable"  # named location answering when a whole chain failed
+_NO_TIMEOUT = "24h"  # nginx has no "never" for proxy timeouts; Envoy's 0s means none
+
+
+@dataclass(frozen=True)
+class Context:
+    main: dict[str, Any]
+    upstreams: list[tuple[str, list[UpstreamServer], dict[str, Any]]]
+    maps: dict[str, list[tuple[str, str]]]  # auth map file -> [(api key, value)]
+
+
+def timeout(d: Duration) -> str:
+    return d.nginx() if d.ms else _NO_TIMEOUT
+
+
+def rate(limit: RateLimit) -> str:
+    """nginx's rate for a token bucket: whole requests per second or per minute."""
+    per_ms = limit.per.ms
+    if (limit.requests * 1000) % per_ms == 0:
+        return f"{limit.requests * 1000 // per_ms}r/s"
+    return f"{max(1, round(limit.requests * 60_000 / per_ms))}r/m"
+
+
+def burst(limit: RateLimit) -> int:
+    # With nodelay nginx admits burst + 1 requests at once: the bucket's size.
+    return limit.bucket - 1
+
+
+def listen(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{port}"
+
+
+def next_upstream(pool: Pool) -> list[str]:
+    """proxy_next_upstream conditions; [] turns retries off."""
+    if pool.retries.attempts == 0:
+        return []
+    conds: list[str] = []
+    on = set(pool.retries.retry_on)
+    if on & {"connect-failure", "reset", "refused-stream"}:
+        conds.append("error")  # connect error, or the connection broke before the answer's header
+    if "gateway-error" in on:
+        conds += ["timeout", "http_502", "http_503", "http_504"]
+    if not conds:  # only retriable-4xx (409), which nginx cannot select
+        return []
+    # LLM calls are POSTs: nginx never retries them unless told to.
+    return [*conds, "non_idempotent"]
+
+
+def servers(pool: Pool, *, test: bool) -> list[UpstreamServer]:
+    out = []
+    for worker in pool.workers:
+        parts = split_address(worker.address)
+        assert parts is not None  # checked on load
+        host, port = parts
+        dns = not is_ip(host)
+        if dns and pool.discovery == "eds":
+            continue  # the sidecar resolves names into this file, as for Envoy's EDS
+        if dns and test:
+            out.append(UpstreamServer("127.0.0.1", port, worker.weight, down=True, worker=worker.address))
+            continue
+        out.append(UpstreamServer(host, port, worker.weight, down=worker.drain, worker=worker.address))
+    return out
+
+
+def _hash_var(pool: Pool, index: int) -> str | None:
+    hash_on = pool.balancing.hash_on
+    if hash_on is None or pool.balancing.policy not in ("ring_hash", "maglev"):
+        return None
+    if hash_on.header is not None:
+        return "http_" + hash_on.header.replace("-", "_")
+    return f"confgen_hash_{index}"
+
+
+def _balance(pool: Pool) -> str:
+    policy = pool.balancing.policy
+    if policy in ("ring_hash", "maglev"):
+        return "hash"
+    if policy == "least_request":
+        return "random_two" if pool.balancing.choice_count == 2 else "least_conn"
+    return policy  # round_robin (nginx's default) or random
+
+
+def _route_entry(pool: Pool, clients: list[str] | None, **match: Any) -> dict[str, Any]:
+    entry = {k: v for k, v in match.items() if v is not None}
+    entry["pool"] = pool.name
+    if clients is not None:
+        entry["clients"] = list(clients)
+    return entry
+
+
+def _explicit(topo: Topology, route: Route) -> dict[str, Any]:
+    pool = topo.pool(route.pool)
+    clients = route.allow_clients if route.allow_clients is not None else pool.allow_clients
+    headers = None
+    if route.match.headers:
+        headers = [
+            {k: v for k, v in (("name", h.name), ("exact", h.exact), ("prefix", h.prefix), ("present", h.present))
+             if v is not None}
+            for h in route.match.headers
+        ]
+    return _route_entry(pool, clients, path_prefix=route.match.path_prefix, headers=headers,
+                        models=route.match.models)
+
+
+def route_table(topo: Topology) -> list[dict[str, Any]]:
+    """The routes njs tries in order, as plain data."""
+    table = [_explicit(topo, route) for route in topo.routes]
+    seen: set[str] = set()
+    for pool in topo.pools:
+        for model in pool.served_names:
+            if model in seen:
+                continue
+            seen.add(model)
+            owner = primary_pool_for(topo, model)
+            if owner is None:  # claimed by an explicit route (checked on load)
+                continue
+            table.append(_route_entry(owner, owner.allow_clients, models=[model]))
+    if topo.default_pool is not None:
+        pool = topo.pool(topo.default_pool)
+        table.append(_route_entry(pool, pool.allow_clients, no_model=True))
+    return table
+
+
+MapFiles = dict[str, list[tuple[str, str]]]  # auth map file -> [(api key, value)]
+
+
+def _key_limits(topo: Topology, secrets: Mapping[str, str]) -> tuple[list[dict[str, Any]], MapFiles]:
+    """One limit_req zone per distinct per-client bucket, and the map file feeding each."""
+    if topo.auth is None:
+        return [], {}
+    groups: dict[RateLimit, list[str]] = {}
+    for key in topo.auth.api_keys:
+        limit = key.rate_limit or topo.limits.per_key
+        if limit is not None:
+            groups.setdefault(limit, []).append(key.client)
+    limits: list[dict[str, Any]] = []
+    maps: MapFiles = {}
+    for index, (limit, clients) in enumerate(groups.items()):
+        limits.append({"rate": rate(limit), "burst": burst(limit)})
+        maps[f"auth/limit-{index}.map"] = [(secrets[c], c) for c in clients]
+    return limits, maps
+
+
+def _bucket_size(secrets: Mapping[str, str]) -> int:
+    longest = max((len(k) for k in secrets.values()), default=0) + len("Bearer ") + 16
+    size = 64
+    while size < longest:
+        size *= 2
+    return size
+
+
+def build_context(
+    topo: Topology,
+    *,
+    config_dir: str,
+    secrets: Mapping[str, str],
+    test_prefix: str | None,
+    ports: Mapping[str, int] | None,
+) -> Context:
+    test = test_prefix is not None
+    pools: list[dict[str, Any]] = []
+    upstreams: list[tuple[str, list[UpstreamServer], dict[str, Any]]] = []
+    for index, pool in enumerate(topo.pools):
+        chain = fallback_chain(topo, pool)
+        hash_on = pool.balancing.hash_on
+        cookie = hash_on.cookie if hash_on is not None and _balance(pool) == "hash" else None
+        od = pool.outlier_detection
+        next_up = next_upstream(pool)
+        pools.append({
+            "index": index,
+            "name": pool.name,
+            "upstream": upstream_name(pool.name),
+            "include": upstream_path(pool.name),
+            "balance": _balance(pool),
+            "hash_var": _hash_var(pool, index),
+            "cookie": cookie,
+            "inflight": in_flight_limit(topo, pool),
+            "connect_timeout": timeout(pool.timeouts.connect),
+            "idle_timeout": timeout(pool.timeouts.idle),
+            "next_upstream": next_up,
+            "tries": pool.retries.attempts + 1,
+            "on_failure": f"pool_{chain[1].name}" if len(chain) > 1 else UNAVAILABLE,
+        })
+        upstreams.append((pool.name, servers(pool, test=test), {
+            "max_fails": od.consecutive_gateway_failure if od.enabled else 0,
+            "fail_timeout": od.base_ejection_time.nginx(),
+            "hashing": _balance(pool) in ("hash", "random", "random_two"),
+        }))
+    listeners = []
+    for lst in topo.listeners:
+        address, port = (("127.0.0.1", ports[lst.name]) if test and ports else (lst.address, lst.port))
+        listeners.append({
+            "name": lst.name,
+            "listen": listen(address, port),
+            "header_timeout": timeout(lst.request_headers_timeout),
+            "idle_timeout": timeout(lst.stream_idle_timeout),
+            "max_body": lst.max_request_bytes,
+        })
+    admin_address, admin_port = topo.admin.address, topo.admin.port
+    if test and ports:
+        admin_address, admin_port = "127.0.0.1", ports["_status"]
+    elif not ipaddress.ip_address(admin_address).is_loopback:
+        admin_address = "127.0.0.1"  # the status page stays on loopback (see unsupported())
+    key_limits, maps = _key_limits(topo, secrets)
+    if topo.auth is not None:
+        maps["auth/clients.map"] = [(secrets[k.client], k.client) for k in topo.auth.api_keys]
+    canned = None
+    if topo.last_resort is not None:
+        canned = {"status": topo.last_resort.status, "body": canned_body(topo)}
+    main: dict[str, Any] = {
+        "name": topo.name,
+        "config_dir": config_dir,
+        "test": {"prefix": test_prefix} if test else None,
+        "access_log": f"{test_prefix}/access.log" if test else "/dev/stdout",
+        "auth": None if topo.auth is None else {
+            "client_header": topo.auth.client_header,
+            "bucket_size": _bucket_size(secrets),
+        },
+        "global_limit": None if topo.limits.global_ is None else {
+            "rate": rate(topo.limits.global_), "burst": burst(topo.limits.global_),
+        },
+        "key_limits": key_limits,
+        "listeners": listeners,
+        "admin": {"listen": listen(admin_address, admin_port)},
+        "pools": pools,
+        "replies": replies(),
+        "retry_after": retry_after_seconds(topo),
+        "canned": canned,
+        "models_list": models_list(topo) if topo.models_endpoint else None,
+        "table": {
+            "name": topo.name,
+            "routes": route_table(topo),
+            "pools": {p["name"]: {"balance": p["balance"], "fallback": p["on_failure"]} for p in pools},
+        },
+    }
+    return Context(main=main, upstreams=upstreams, maps=maps)

@@ -1,0 +1,75 @@
+"""What a topology asks for that open-source nginx cannot honour (or only approximately).
+
+Each finding is (path, message); `confgen validate --nginx` prints them as warnings pinned
+to the field's place in the file. docs/targets.md has the whole feature matrix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from ..model import Topology
+from ._context import rate
+
+Finding = tuple[str, str]
+
+
+def unsupported(topo: Topology) -> list[Finding]:
+    found: list[Finding] = []
+    for pi, pool in enumerate(topo.pools):
+        base = f"pools[{pi}]"
+        bal = pool.balancing
+        if pool.health.enabled:
+            found.append((f"{base}.health", (
+                "active health checks are NGINX Plus only; nginx notices a dead worker only when real "
+                "requests fail (max_fails from outlier_detection.consecutive_gateway_failure)")))
+        if bal.policy in ("ring_hash", "maglev"):
+            found.append((f"{base}.balancing.hash_balance_factor", (
+                "bounded-load hashing is Envoy-only: nginx's consistent hash keeps a hot session on "
+                "its worker however loaded it is")))
+        if bal.policy == "maglev":
+            found.append((f"{base}.balancing.policy", "maglev is rendered as nginx's consistent (ketama) hash"))
+        if bal.policy == "least_request":
+            if bal.choice_count != 2:
+                found.append((f"{base}.balancing.choice_count", (
+                    "nginx samples two workers (random two least_conn) or all of them (least_conn); "
+                    f"choice_count {bal.choice_count} is rendered as least_conn over all workers")))
+            if bal.active_request_bias != 1.0:
+                found.append((f"{base}.balancing.active_request_bias", "nginx has no active request bias; ignored"))
+        for wi, worker in enumerate(pool.workers):
+            if worker.drain:
+                found.append((f"{base}.workers[{wi}].drain", (
+                    "nginx has no draining state: the worker is marked down; requests in flight finish "
+                    "only because a reload lets old nginx workers complete them")))
+            if worker.zone is not None:
+                found.append((f"{base}.workers[{wi}].zone", "nginx has no locality-aware balancing; zone is ignored"))
+        if pool.timeouts.request.ms:
+            found.append((f"{base}.timeouts.request", (
+                "nginx has no whole-request timeout for proxied requests; only timeouts.idle "
+                "(proxy_read_timeout) bounds a generation")))
+        if pool.retries.attempts and pool.retries.retry_on == ["retriable-4xx"]:
+            found.append((f"{base}.retries.retry_on", "nginx cannot retry on 409; retries are off for this pool"))
+        elif "retriable-4xx" in pool.retries.retry_on:
+            found.append((f"{base}.retries.retry_on", "nginx cannot retry on 409; retriable-4xx is ignored"))
+        if pool.discovery == "strict_dns":
+            found.append((f"{base}.discovery", (
+                "nginx resolves the worker names when it starts or reloads, not continuously; the "
+                "sidecar (discovery: eds) keeps them current")))
+        if pool.fallback is not None:
+            found.append((f"{base}.fallback", (
+                "nginx falls back to the next pool when every try in this one failed (its own 502/504); "
+                "there is no partial spill-over while some workers are still healthy")))
+    for name, limit in (("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)):
+        if limit is not None and not _exact(limit.requests, limit.per.ms):
+            found.append((name, f"nginx rates are whole requests per second or minute; rendered as {rate(limit)}"))
+    for ki, key in enumerate(topo.auth.api_keys if topo.auth else []):
+        if key.rate_limit is not None and not _exact(key.rate_limit.requests, key.rate_limit.per.ms):
+            found.append((f"auth.api_keys[{ki}].rate_limit",
+                          f"nginx rates are whole requests per second or minute; rendered as {rate(key.rate_limit)}"))
+    if not ipaddress.ip_address(topo.admin.address).is_loopback:
+        found.append(("admin.address", "the nginx status page listens on 127.0.0.1 only"))
+    return found
+
+
+def _exact(requests: int, per_ms: int) -> bool:
+    return (requests * 1000) % per_ms == 0 or (requests * 60_000) % per_ms == 0
