@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = ["ENGINE_KINDS", "LoadSample", "MetricsFormatError", "extract"]
+__all__ = ["ENGINE_KINDS", "LoadSample", "MetricsFormatError", "extract", "has_metrics"]
 
 
 class MetricsFormatError(ValueError):
@@ -125,6 +125,13 @@ _DP_LABELS: Final = ("engine", "dp_rank")
 _ESCAPES: Final = {"n": "\n", "\\": "\\", '"': '"'}
 
 _Series = tuple[dict[str, str], float]
+
+
+def has_metrics(engine_kind: str) -> bool:
+    """Whether `engine_kind` exposes load metrics worth fetching ("openai" does not)."""
+    if engine_kind not in _ENGINES:
+        raise ValueError(f"unknown engine kind {engine_kind!r}; known: {sorted(ENGINE_KINDS)}")
+    return _ENGINES[engine_kind] is not None
 
 
 def extract(engine_kind: str, body: bytes) -> LoadSample | None:

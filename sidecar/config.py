@@ -1,0 +1,146 @@
+"""The daemon's settings: one frozen `SidecarConfig`, built from argv by `from_argv`.
+
+Kept apart from the server and the loop so they can be built in tests without argv, and
+so every default is in one place. Durations are seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from sidecar.state import HealthPolicy
+from sidecar.weights import WeightPolicy
+
+__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
+
+LogFormat = Literal["json", "text"]
+_P = TypeVar("_P", HealthPolicy, WeightPolicy)
+
+
+class ConfigError(ValueError):
+    """The command line asks for something impossible."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything the daemon needs besides the topology itself."""
+
+    topology: Path
+    xds_dir: Path | None = None  # where Envoy reads the files; default: the topology's envoy.config_dir
+    envoy_admin: str | None = None  # default: http://<topology admin address>:<port>
+    interval_s: float = 2.0
+    jitter: float = 0.1  # each sleep is interval * (1 +- jitter)
+    max_concurrency: int = 64
+    probe_deadline_s: float = 1.5  # whole probe: connect, health, metrics, body reads
+    body_cap_bytes: int = 1024 * 1024
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9109
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    weights: WeightPolicy = field(default_factory=WeightPolicy)
+    publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
+    confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
+    watch_debounce_s: float = 0.2
+    dns_timeout_s: float = 2.0
+    log_format: LogFormat = "json"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.probe_deadline_s <= 0:
+            raise ConfigError("interval and probe deadline must be > 0")
+        if not 0 <= self.jitter < 1:
+            raise ConfigError("jitter must be within [0, 1)")
+        if self.max_concurrency < 1 or self.body_cap_bytes < 1024:
+            raise ConfigError("max concurrency must be >= 1 and the body cap >= 1024 bytes")
+        if not 0 <= self.listen_port <= 65535:
+            raise ConfigError(f"listen port {self.listen_port} out of range")
+        if min(self.publish_debounce_s, self.confirm_timeout_s, self.watch_debounce_s, self.dns_timeout_s) < 0:
+            raise ConfigError("debounces and timeouts must be >= 0")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="confgen-sidecar",
+        description="Probe the inference workers of a confgen topology and publish Envoy EDS "
+        "health and load-aware weights; reload the topology when it changes.",
+    )
+    p.add_argument("--topology", required=True, type=Path, help="topology YAML (the same file confgen renders)")
+    p.add_argument("--xds-dir", type=Path, help="directory Envoy reads its xDS files from "
+                   "(default: the topology's envoy.config_dir)")
+    p.add_argument("--envoy-admin", help="Envoy admin URL (default: from the topology's admin)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between probe cycles (default 2)")
+    p.add_argument("--jitter", type=float, default=0.1, help="fraction of the interval to jitter by (0.1)")
+    p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")
+    p.add_argument("--probe-deadline", type=float, help="seconds for one whole probe (default: 0.75 * interval)")
+    p.add_argument("--body-cap", type=int, default=1024 * 1024, help="largest metrics body read, bytes (1 MiB)")
+    p.add_argument("--listen", default="127.0.0.1:9109", help="host:port of the sidecar's own HTTP server")
+    p.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
+    p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+    p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
+    p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
+    p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
+    p.add_argument("--log-format", choices=["json", "text"], default="json")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _split_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--listen must be host:port, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _override(policy: _P, pairs: Sequence[str], flag: str) -> _P:
+    """`policy` with KEY=VALUE pairs applied, each value converted to the field's type."""
+    if not pairs:
+        return policy
+    current = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in current:
+            raise ConfigError(f"{flag} {pair!r}: expected KEY=VALUE with KEY one of {sorted(current)}")
+        kind = type(current[key])
+        try:
+            changes[key] = kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {key}: {raw!r} is not a {kind.__name__}") from exc
+    try:
+        return dataclasses.replace(policy, **changes)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from exc
+
+
+def from_argv(argv: Sequence[str]) -> SidecarConfig:
+    """Parse argv (without the program name); argparse exits 2 on usage errors."""
+    args = parser().parse_args(list(argv))
+    host, port = _split_listen(args.listen)
+    health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
+    weights = _override(WeightPolicy(), args.weights, "--weights")
+    deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
+    return SidecarConfig(
+        topology=args.topology,
+        xds_dir=args.xds_dir,
+        envoy_admin=args.envoy_admin.rstrip("/") if args.envoy_admin else None,
+        interval_s=args.interval,
+        jitter=args.jitter,
+        max_concurrency=args.max_concurrency,
+        probe_deadline_s=deadline,
+        body_cap_bytes=args.body_cap,
+        listen_host=host,
+        listen_port=port,
+        health=health,
+        weights=weights,
+        publish_debounce_s=args.publish_debounce,
+        confirm_timeout_s=args.confirm_timeout,
+        watch_debounce_s=args.watch_debounce,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,133 @@
+"""`confgen-sidecar`: the daemon's lifecycle.
+
+    startup   load the topology (refuse to start on an invalid one, printing every
+              diagnostic); adopt the EDS files already published (a restart changes
+              nothing); start the probe session, the admin client, the HTTP server and
+              the topology watcher
+    loop      every interval (+- jitter): resolve, probe, decide, weigh, publish
+    shutdown  on SIGTERM/SIGINT: stop the watcher, let a write in progress finish, close
+              the sessions, stop the server; exit 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from aiohttp import web
+from prometheus_client.registry import CollectorRegistry
+
+from confgen.errors import TopologyError
+from confgen.topology import load as load_topology
+from sidecar import config as config_mod
+from sidecar.config import ConfigError, SidecarConfig
+from sidecar.daemon import Daemon, xds_dir_for
+from sidecar.logs import configure, log_event
+from sidecar.metrics import register
+from sidecar.probe import Prober
+from sidecar.publish import EdsPublisher, EnvoyAdmin
+from sidecar.resolve import Resolver
+from sidecar.server import build_app
+from sidecar.watch import TopologyWatcher
+
+__all__ = ["main", "run"]
+
+_log = logging.getLogger("sidecar.main")
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def _admin_url(config: SidecarConfig, host: str, port: int) -> str:
+    if config.envoy_admin:
+        return config.envoy_admin
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(seconds, 0.0)):
+            await stop.wait()
+
+
+async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
+              registry: CollectorRegistry | None = None) -> int:
+    """Run until `stop` is set (or SIGTERM/SIGINT when on the main thread); the exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        topo, warnings = await asyncio.to_thread(load_topology, config.topology)
+        xds_dir = xds_dir_for(config, topo)
+    except TopologyError as exc:
+        log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
+                  errors=[str(d) for d in exc.diagnostics])
+        return EXIT_INVALID
+    except ValueError as exc:
+        log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
+        return EXIT_USAGE
+    for w in warnings:
+        log_event(_log, logging.WARNING, "topology.warning", diagnostic=str(w))
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    registry = registry or CollectorRegistry()
+    admin_url = _admin_url(config, topo.admin.address, topo.admin.port)
+    rng = random.Random()
+    async with (
+        Prober(max_concurrency=config.max_concurrency, deadline_s=config.probe_deadline_s,
+               body_cap=config.body_cap_bytes, clock=loop.time) as prober,
+        EnvoyAdmin(admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)) as admin,
+    ):
+        publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
+                                 confirm_timeout_s=config.confirm_timeout_s)
+        daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
+                        publisher=publisher, clock=loop.time)
+        daemon.adopt_published()
+        register(registry, daemon.view)
+        runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, config.listen_host, config.listen_port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
+                      port=config.listen_port, error=str(exc))
+            return EXIT_USAGE
+        bound = runner.addresses[0]
+        watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
+        watcher.start()
+        log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir),
+                  envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s)
+        try:
+            while not stop.is_set():
+                started = loop.time()
+                await daemon.cycle()
+                pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
+                await _sleep_or_stop(stop, started + pause - loop.time())
+        finally:
+            log_event(_log, logging.INFO, "shutdown.begin")
+            await watcher.stop()
+            await publisher.close()
+            await runner.cleanup()
+    log_event(_log, logging.INFO, "shutdown.done")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = config_mod.from_argv(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"confgen-sidecar: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure(config.log_format, config.log_level, sys.stderr)
+    return asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

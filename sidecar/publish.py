@@ -1,0 +1,307 @@
+"""Put endpoints where Envoy reads them, and make sure Envoy took them.
+
+- EDS: one file per pool (`confgen.envoy.layout.eds_path`), built only by confgen's EDS
+  builder (`render_eds`), replaced atomically (`confgen.output.atomic_write`: temp file in
+  the same directory, fsync, rename, fsync the directory), only when the bytes change, at
+  most once per pool per `debounce_s` (the newest content wins).
+- After each write the publisher polls Envoy's admin stats for the pool's cluster:
+  `version_text` equal to the file's version_info confirms it; `update_rejected` moving
+  means Envoy refused it and keeps the previous endpoints (file xDS has no ACK). A
+  rejection is logged at error level, counted, and keeps the pool in `rejected` (the
+  daemon reports not-ready) until a write of that pool is confirmed.
+- The whole tree (topology reload): written with `confgen.output.write_tree`, which
+  orders EDS before CDS before LDS; skipped entirely when the disk already holds it, since
+  any rename in a watched directory makes Envoy reload everything watching it.
+- An empty endpoint list is never published for a pool (Envoy would drop every host).
+
+Disk writes run in a thread (fsync blocks) under one lock, so a tree write and a pool
+write never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+
+from confgen.envoy import Endpoint, layout, render_eds
+from confgen.output import atomic_write, diff_tree, write_tree
+from sidecar.logs import log_event
+
+__all__ = ["EdsPublisher", "EnvoyAdmin", "read_published"]
+
+_log = logging.getLogger("sidecar.publish")
+_POLL_S = 0.02
+
+
+class EnvoyAdmin:
+    """Reads Envoy's admin stats; None answers mean Envoy could not be asked."""
+
+    def __init__(self, base_url: str, timeout_s: float = 1.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def stats(self, pattern: str) -> dict[str, int | str] | None:
+        """Stats whose name matches the regex `pattern` (anchored by the caller)."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        url = f"{self.base_url}/stats"
+        try:
+            async with self._session.get(url, params={"filter": pattern, "format": "json"}) as resp:
+                if resp.status != 200:
+                    return None
+                body: Any = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        out: dict[str, int | str] = {}
+        for item in body.get("stats", []) if isinstance(body, dict) else []:
+            if isinstance(item, dict) and "name" in item and "value" in item:
+                value = item["value"]
+                out[str(item["name"])] = value if isinstance(value, int) else str(value)
+        return out
+
+
+def _int(stats: Mapping[str, int | str], name: str) -> int:
+    value = stats.get(name, 0)
+    return value if isinstance(value, int) else 0
+
+
+def read_published(xds_dir: Path, pool: str) -> tuple[bytes, list[Endpoint]] | None:
+    """The pool's EDS file as on disk and its endpoints, or None when absent or unreadable.
+
+    Reading is the inverse of `render_eds`; the endpoints are only returned when
+    re-rendering them reproduces the file byte for byte, so nothing is guessed.
+    """
+    path = xds_dir / layout.eds_path(pool)
+    try:
+        data = path.read_bytes()
+        doc = json.loads(data)
+        cla = doc["resources"][0]
+        endpoints: list[Endpoint] = []
+        for group in cla.get("endpoints", []):
+            zone = group.get("locality", {}).get("zone")
+            for lb in group.get("lb_endpoints", []):
+                sock = lb["endpoint"]["address"]["socket_address"]
+                worker = lb.get("metadata", {}).get("filter_metadata", {}).get("confgen", {}).get("worker", "")
+                endpoints.append(Endpoint(
+                    address=str(sock["address"]), port=int(sock["port_value"]),
+                    weight=int(lb.get("load_balancing_weight", 1)), health=lb.get("health_status", "HEALTHY"),
+                    zone=zone, worker=str(worker),
+                ))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        log_event(_log, logging.WARNING, "eds.adopt_unreadable", pool=pool, file=str(path), error=str(exc))
+        return None
+    if render_eds(pool, endpoints) != data:
+        log_event(_log, logging.WARNING, "eds.adopt_mismatch", pool=pool, file=str(path),
+                  note="file not in the form confgen writes; endpoints not adopted")
+        return None
+    return data, endpoints
+
+
+class EdsPublisher:
+    """Writes EDS files and the whole tree; confirms through the admin stats."""
+
+    def __init__(self, xds_dir: Path, admin: EnvoyAdmin, *, debounce_s: float, confirm_timeout_s: float) -> None:
+        self.xds_dir = xds_dir
+        self._admin = admin
+        self._debounce_s = debounce_s
+        self._confirm_timeout_s = confirm_timeout_s
+        self._written: dict[str, bytes] = {}
+        self._pending: dict[str, bytes] = {}
+        self._last_write_at: dict[str, float] = {}
+        self._flushers: dict[str, asyncio.Task[None]] = {}
+        self._write_lock = asyncio.Lock()
+        self.publishes: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+        self.rejected: set[str] = set()  # pools (or "cds"/"lds") whose last write Envoy refused
+        self.versions: dict[str, str] = {}
+
+    def adopt(self, pool: str, data: bytes) -> None:
+        """The content already on disk for `pool` (no write needed to reach it)."""
+        self._written[pool] = data
+
+    def written(self, pool: str) -> bytes | None:
+        return self._written.get(pool)
+
+    def forget(self, pool: str) -> None:
+        """A pool left the topology: drop its bookkeeping (its file goes with the tree)."""
+        for table in (self._written, self._pending, self._last_write_at, self.versions):
+            table.pop(pool, None)
+        self.rejected.discard(pool)
+        self.publishes.pop(pool, None)
+        self.rejections.pop(pool, None)
+
+    def render(self, pool: str, endpoints: Sequence[Endpoint]) -> bytes:
+        return render_eds(pool, endpoints)
+
+    def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
+        """Publish `endpoints` for `pool` if they differ from what is on disk (debounced)."""
+        if not endpoints:
+            log_event(_log, logging.WARNING, "eds.empty_refused", pool=pool,
+                      note="no endpoint to publish; keeping the current file")
+            return
+        data = self.render(pool, endpoints)
+        if data == self._written.get(pool) and pool not in self._pending:
+            return
+        self._pending[pool] = data
+        if pool not in self._flushers:
+            task = asyncio.create_task(self._flush(pool), name=f"eds-flush-{pool}")
+            self._flushers[pool] = task
+            task.add_done_callback(functools.partial(self._flushed, pool))
+
+    def _flushed(self, pool: str, task: asyncio.Task[None]) -> None:
+        self._flushers.pop(pool, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log_event(_log, logging.ERROR, "eds.write_failed", pool=pool, error=f"{type(exc).__name__}: {exc}")
+
+    async def _flush(self, pool: str) -> None:
+        loop = asyncio.get_running_loop()
+        while pool in self._pending:
+            wait = self._last_write_at.get(pool, -1e9) + self._debounce_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            data = self._pending.pop(pool, None)
+            if data is None or data == self._written.get(pool):
+                continue
+            before = await self._admin.stats(_eds_pattern(pool))
+            path = self.xds_dir / layout.eds_path(pool)
+            async with self._write_lock:
+                await asyncio.to_thread(atomic_write, path, data)
+            self._written[pool] = data
+            self._last_write_at[pool] = loop.time()
+            self.publishes[pool] += 1
+            version = json.loads(data)["version_info"]
+            self.versions[pool] = version
+            log_event(_log, logging.INFO, "eds.published", pool=pool, version=version, file=str(path))
+            await self._confirm_eds(pool, version, before)
+
+    async def _confirm_eds(self, pool: str, version: str, before: dict[str, int | str] | None) -> None:
+        prefix = f"cluster.{pool}."
+        rejected_before = _int(before, prefix + "update_rejected") if before is not None else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._confirm_timeout_s
+        seen: dict[str, int | str] | None = None
+        while loop.time() < deadline:
+            seen = await self._admin.stats(_eds_pattern(pool))
+            if seen is not None:
+                if str(seen.get(prefix + "version_text", "")).strip('"') == version:
+                    self.rejected.discard(pool)
+                    return
+                if rejected_before is None:
+                    rejected_before = _int(seen, prefix + "update_rejected")
+                elif _int(seen, prefix + "update_rejected") > rejected_before:
+                    self.rejections[pool] += 1
+                    self.rejected.add(pool)
+                    log_event(_log, logging.ERROR, "eds.rejected", pool=pool, version=version,
+                              envoy_version=str(seen.get(prefix + "version_text", "")).strip('"'),
+                              update_rejected=_int(seen, prefix + "update_rejected"),
+                              file=str(self.xds_dir / layout.eds_path(pool)),
+                              note="Envoy refused the file and keeps its previous endpoints; see its log")
+                    return
+            await asyncio.sleep(_POLL_S)
+        log_event(_log, logging.WARNING, "eds.unconfirmed", pool=pool, version=version,
+                  admin=self._admin.base_url, reachable=seen is not None, timeout_s=self._confirm_timeout_s)
+
+    async def write_tree(self, files: Mapping[str, bytes], mode: int) -> bool:
+        """Write the whole rendered output if it differs from the disk; False when it did not."""
+        async with self._write_lock:
+            changed = await asyncio.to_thread(_changed_files, files, self.xds_dir)
+            if not changed:
+                return False
+            eds_before = {pool: await self._admin.stats(_eds_pattern(pool))
+                          for pool in (_eds_pool(rel) for rel in changed) if pool is not None}
+            before = await self._admin.stats(_XDS_PATTERN)
+            await asyncio.to_thread(write_tree, files, self.xds_dir, mode)
+        loop = asyncio.get_running_loop()
+        for rel, data in files.items():
+            pool = _eds_pool(rel)
+            if pool is not None:
+                self._written[pool] = data
+                if rel in changed:
+                    self._last_write_at[pool] = loop.time()
+                    self.publishes[pool] += 1
+                    self.versions[pool] = json.loads(data)["version_info"]
+        log_event(_log, logging.INFO, "tree.written", dir=str(self.xds_dir), changed=sorted(changed))
+        kinds = {kind for kind, rel in (("cds", layout.CDS), ("lds", layout.LDS)) if rel in changed}
+        await self._confirm_tree(before, kinds)
+        for pool, pool_before in eds_before.items():
+            await self._confirm_eds(pool, self.versions[pool], pool_before)
+        return True
+
+    async def _confirm_tree(self, before: dict[str, int | str] | None, kinds: set[str]) -> None:
+        if not kinds:
+            return
+        if before is None:
+            log_event(_log, logging.WARNING, "tree.unconfirmed", admin=self._admin.base_url, reachable=False)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._confirm_timeout_s
+        prefixes = {"cds": "cluster_manager.cds.", "lds": "listener_manager.lds."}
+        pending = {kind: prefixes[kind] for kind in kinds}
+        while pending and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
+            seen = await self._admin.stats(_XDS_PATTERN)
+            if seen is None:
+                continue
+            for kind, prefix in list(pending.items()):
+                if _int(seen, prefix + "update_rejected") > _int(before, prefix + "update_rejected"):
+                    self.rejections[kind] += 1
+                    self.rejected.add(kind)
+                    log_event(_log, logging.ERROR, f"{kind}.rejected",
+                              note="Envoy refused the file and keeps its previous config; see its log")
+                    del pending[kind]
+                elif _int(seen, prefix + "update_success") > _int(before, prefix + "update_success"):
+                    self.rejected.discard(kind)
+                    del pending[kind]
+        if pending:
+            log_event(_log, logging.WARNING, "tree.unconfirmed", admin=self._admin.base_url,
+                      kinds=sorted(pending), timeout_s=self._confirm_timeout_s)
+
+    async def close(self, grace_s: float = 2.0) -> None:
+        """Let a write in progress finish (never leave one half done), then stop."""
+        tasks = list(self._flushers.values())
+        if tasks:
+            _done, still = await asyncio.wait(tasks, timeout=grace_s)
+            for task in still:
+                task.cancel()
+            await asyncio.gather(*still, return_exceptions=True)
+
+
+_XDS_PATTERN = r"^(cluster_manager\.cds|listener_manager\.lds)\.update_(success|rejected)$"
+
+
+def _eds_pattern(pool: str) -> str:
+    return rf"^cluster\.{re.escape(pool)}\.(update_(success|rejected)|version_text)$"
+
+
+def _eds_pool(rel: str) -> str | None:
+    parts = rel.split("/")
+    return parts[1] if len(parts) == 3 and rel == layout.eds_path(parts[1]) else None
+
+
+def _changed_files(files: Mapping[str, bytes], out_dir: Path) -> set[str]:
+    """Files whose bytes on disk differ from `files` (missing ones included)."""
+    if not out_dir.is_dir():
+        return set(files)
+    return {line.split(":", 1)[1].strip() for line in diff_tree(files, out_dir) if not line.startswith("extra:")}

@@ -1,0 +1,113 @@
+"""The sidecar's own HTTP server: metrics, probes of the sidecar itself, state, drain calls.
+
+    GET  /metrics    Prometheus text from the registry passed in
+    GET  /healthz    200 while the process serves (liveness)
+    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes
+    GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
+    POST /drain?pool=P&worker=HOST:PORT     planned drain (published DRAINING)
+    POST /undrain?pool=P&worker=HOST:PORT   end it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from sidecar.daemon import Daemon, Snapshot
+
+__all__ = ["build_app", "state_json"]
+
+_DAEMON = web.AppKey("daemon", Daemon)
+_REGISTRY = web.AppKey("registry", CollectorRegistry)
+
+
+def state_json(snap: Snapshot) -> dict[str, Any]:
+    return {
+        "topology": snap.topology,
+        "cycles": snap.cycles,
+        "ready": not snap.not_ready,
+        "not_ready": list(snap.not_ready),
+        "reloads": dict(snap.reloads),
+        "last_reload_error": snap.last_reload_error,
+        "pools": {
+            pool.name: {
+                "engine": pool.engine,
+                "saturation": pool.saturation,
+                "queue_depth": pool.queue_depth,
+                "publishes": pool.publishes,
+                "rejections": pool.rejections,
+                "rejected": pool.rejected,
+                "endpoints": [
+                    {
+                        "worker": ep.key.worker,
+                        "address": ep.key.address,
+                        "port": ep.key.port,
+                        "status": ep.status,
+                        "reason": ep.reason,
+                        "weight": ep.weight,
+                        "sample": dataclasses.asdict(ep.sample) if ep.sample is not None else None,
+                        "probe_latency_s": ep.probe_latency_s,
+                        "last_outcome": ep.last_outcome,
+                        "last_error": ep.last_error,
+                        "errors": dict(ep.errors),
+                    }
+                    for ep in pool.endpoints
+                ],
+            }
+            for pool in snap.pools
+        },
+    }
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[_REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    reasons = request.app[_DAEMON].not_ready()
+    return web.json_response({"ready": not reasons, "not_ready": reasons}, status=503 if reasons else 200)
+
+
+async def _state(request: web.Request) -> web.Response:
+    return web.json_response(state_json(request.app[_DAEMON].view()))
+
+
+async def _set_drain(request: web.Request, drained: bool) -> web.Response:
+    pool, worker = request.query.get("pool", ""), request.query.get("worker", "")
+    daemon = request.app[_DAEMON]
+    if not pool or not worker:
+        return web.json_response({"error": "pool and worker query parameters are required"}, status=400)
+    if not daemon.set_drain(pool, worker, drained):
+        return web.json_response({"error": f"no worker {worker!r} in pool {pool!r}"}, status=404)
+    await daemon.republish()
+    return web.json_response({"pool": pool, "worker": worker, "drained": drained})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    return await _set_drain(request, True)
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    return await _set_drain(request, False)
+
+
+def build_app(daemon: Daemon, registry: CollectorRegistry) -> web.Application:
+    app = web.Application()
+    app[_DAEMON] = daemon
+    app[_REGISTRY] = registry
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/state", _state)
+    app.router.add_post("/drain", _drain)
+    app.router.add_post("/undrain", _undrain)
+    return app
