@@ -243,6 +243,9 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", "error"
         for name in sorted(_dupes(list(pool.retries.retry_on))):
             yield f"{base}.retries.retry_on", f"{name!r} is listed twice", "error"
+        scale = pool.autoscale
+        if scale is not None and scale.min_replicas > scale.max_replicas:
+            yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", "error"
         if pool.discovery == "strict_dns" and any(w.drain for w in pool.workers):
             yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", "error"
 

@@ -30,6 +30,14 @@ PATTERNS: dict[str, tuple[str, str]] = {
     "text": (r"[A-Za-z0-9 .,:!?()/_+-]{1,512}", "plain text: letters, digits, spaces and . , : ! ? ( ) / _ + -"),
     "label": (r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}", "letters, digits and . _ / - (1-63)"),
     "cookie": (r"[A-Za-z0-9_-]{1,64}", "letters, digits, '_' and '-'"),
+    "image": (
+        r"[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[a-f0-9]{64})?",
+        "a container image reference (registry/name:tag or @sha256:digest)",
+    ),
+    "scale_target": (
+        r"(deployment|statefulset)/[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?",
+        "deployment/<name> or statefulset/<name>",
+    ),
 }
 COMPILED = {key: re.compile(rx) for key, (rx, _) in PATTERNS.items()}
 
@@ -44,9 +52,17 @@ class Spec:
     min_items: int | None = None
 
 
-def field(default: Any = dataclasses.MISSING, *, doc: str, factory: Any = dataclasses.MISSING,
-          key: str | None = None, pattern: str | None = None, minimum: float | None = None,
-          maximum: float | None = None, min_items: int | None = None) -> Any:
+def field(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    factory: Any = dataclasses.MISSING,
+    key: str | None = None,
+    pattern: str | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    min_items: int | None = None,
+) -> Any:
     """A dataclass field carrying its YAML key, docs and constraints."""
     if pattern is not None and pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern}")

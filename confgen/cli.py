@@ -22,7 +22,7 @@ from .model import Topology
 from .topology import load
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-TARGETS = ("envoy", "nginx")
+TARGETS = ("envoy", "nginx", "kubernetes", "compose")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +94,15 @@ def render_files(topo: Topology, target: str, config_dir: str, secrets: dict[str
         from . import envoy
 
         return envoy.render(topo, config_dir=config_dir, secrets=secrets)
-    from . import nginx  # type: ignore[attr-defined,unused-ignore]
+    if target == "kubernetes":
+        from .deploy import render_kubernetes
+
+        return render_kubernetes(topo)
+    if target == "compose":
+        from .deploy import render_compose
+
+        return render_compose(topo)
+    from . import nginx
 
     result: dict[str, bytes] = nginx.render(topo, config_dir=config_dir, secrets=secrets)
     return result
@@ -162,7 +170,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     return EXIT_UNAVAILABLE
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
             if args.nginx:
-                from . import nginx  # type: ignore[attr-defined,unused-ignore]
+                from . import nginx
                 from .topology import pin
 
                 findings += pin(path, nginx.unsupported(topo))

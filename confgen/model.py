@@ -157,6 +157,19 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class Autoscale:
+    target: str = field(doc="The workers' Kubernetes object the HPA scales.", pattern="scale_target")
+    min_replicas: int = field(1, doc="Fewest workers.", minimum=1, maximum=10_000)
+    max_replicas: int = field(8, doc="Most workers.", minimum=1, maximum=10_000)
+    queue_depth_per_replica: float = field(
+        4.0,
+        doc="Target of llm_queue_depth (requests waiting in the engines) per worker.",
+        minimum=0.1,
+        maximum=10_000.0,
+    )
+
+
+@dataclass(frozen=True)
 class Pool:
     name: str = field(doc="Pool name; also the Envoy cluster name.", pattern="name")
     engine: Engine = field(doc="Inference engine the workers run.")
@@ -182,6 +195,9 @@ class Pool:
     metrics_path: str = field("/metrics", doc="Prometheus metrics path (read by the sidecar).", pattern="http_path")
     allow_clients: list[str] | None = field(
         None, doc="API-key clients allowed to use this pool (default: every client).", pattern="name"
+    )
+    autoscale: Autoscale | None = field(
+        None, doc="Kubernetes target: an HPA that scales the workers on the sidecar's llm_queue_depth."
     )
 
     @property
@@ -292,6 +308,17 @@ class EnvoyOptions:
 
 
 @dataclass(frozen=True)
+class Kubernetes:
+    namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="name")
+    replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar).", minimum=1, maximum=1000)
+    envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
+    sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
+    keys_secret: str | None = field(
+        None, doc="Secret whose keys are the environment variables auth.api_keys[].env name.", pattern="name"
+    )
+
+
+@dataclass(frozen=True)
 class Topology:
     version: int = field(doc="Format version; must be 1.", minimum=1, maximum=1)
     name: str = field(doc="Name of this deployment (Envoy node cluster).", pattern="name")
@@ -310,6 +337,7 @@ class Topology:
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
+    kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
 
     def pool(self, name: str) -> Pool:
         for pool in self.pools:

@@ -26,6 +26,12 @@ FULL: dict[str, Any] = {
     "name": "full",
     "admin": {"address": "127.0.0.1", "port": 9901},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1"},
+    "kubernetes": {
+        "namespace": "inference",
+        "envoy_image": "envoyproxy/envoy:v1.40.0",
+        "sidecar_image": "registry.example/confgen/sidecar:0.1.0",
+        "keys_secret": "confgen-keys",
+    },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
     "auth": {
         "client_header": "x-client",
@@ -60,6 +66,7 @@ FULL: dict[str, Any] = {
             "balancing": {"policy": "ring_hash", "hash_on": {"header": "x-session-id"}},
             "health": {"path": "/health"},
             "retries": {"retry_on": ["connect-failure", "reset"]},
+            "autoscale": {"target": "statefulset/vllm-big"},
             "workers": [
                 {"address": "10.0.0.1:8000", "zone": "rack-a", "labels": {"gpu": "a100"}},
                 "10.0.0.2:8000",

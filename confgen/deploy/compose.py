@@ -1,0 +1,47 @@
+"""Docker Compose: Envoy and the sidecar sharing the rendered xDS directory on one host."""
+
+from __future__ import annotations
+
+from ..model import Topology
+from ._canonical import dump, topology_yaml
+
+XDS_DIR = "/var/run/confgen/envoy"
+
+
+def render_compose(topo: Topology) -> dict[str, bytes]:
+    k8s = topo.kubernetes
+    key_env = [k.env for k in (topo.auth.api_keys if topo.auth else []) if k.env is not None]
+    topology_file = "/etc/confgen/topology.yaml"
+    shared = ["./topology.yaml:/etc/confgen/topology.yaml:ro", "xds:" + XDS_DIR]
+    services = {
+        "render": {
+            "image": k8s.sidecar_image,
+            "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
+            "volumes": shared,
+            "environment": key_env,
+        },
+        "sidecar": {
+            "image": k8s.sidecar_image,
+            "command": ["confgen-sidecar", "--topology", topology_file, "--xds-dir", XDS_DIR,
+                        "--listen", "0.0.0.0:9109"],
+            "volumes": shared,
+            "environment": key_env,
+            "network_mode": "host",
+            "depends_on": {"render": {"condition": "service_completed_successfully"}},
+            "restart": "unless-stopped",
+        },
+        "envoy": {
+            "image": k8s.envoy_image,
+            "command": ["envoy", "-c", f"{XDS_DIR}/bootstrap.json"],
+            "volumes": [f"xds:{XDS_DIR}:ro"],
+            # host networking: workers and the admin interface stay on the host's addresses
+            "network_mode": "host",
+            "depends_on": {"render": {"condition": "service_completed_successfully"}},
+            "restart": "unless-stopped",
+        },
+    }
+    doc = {"name": f"confgen-{topo.name}", "services": services, "volumes": {"xds": {}}}
+    return {
+        "compose.yaml": dump(doc).encode(),
+        "topology.yaml": topology_yaml(topo).encode(),
+    }
