@@ -85,7 +85,9 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                 continue
             host, _ = parts
             if is_ip(host):
-                if worker.address.startswith("[") != (":" in host):
+                if worker.address.startswith("[") and ":" not in host:
+                    yield path, "write IPv4 workers without brackets: address:port", "error"
+                elif ":" in host and not worker.address.startswith("["):
                     yield path, "write IPv6 workers as [address]:port", "error"
                 continue
             if not COMPILED["host"].fullmatch(host):

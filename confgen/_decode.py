@@ -334,6 +334,8 @@ class Decoder:
         kwargs: dict[str, Any] = {}
         ok = True
         for key, (key_node, value_node) in pairs.items():
+            if key.startswith("x-"):
+                continue  # extension keys (as in Compose files): a place for anchors, ignored
             if key not in fields:
                 near = difflib.get_close_matches(key, list(fields), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -364,11 +366,12 @@ class Decoder:
             self.error(node, path, f"needs at least {min_items} item{'s' if min_items > 1 else ''}")
             return False
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            shown = node.value if isinstance(node, yaml.ScalarNode) else value  # as written in the file
             if lo is not None and value < lo:
-                self.error(node, path, f"{value} is below the minimum {_num(lo)}")
+                self.error(node, path, f"{shown} is below the minimum {_num(lo)}")
                 return False
             if hi is not None and value > hi:
-                self.error(node, path, f"{value} is above the maximum {_num(hi)}")
+                self.error(node, path, f"{shown} is above the maximum {_num(hi)}")
                 return False
         return True
 

@@ -82,6 +82,7 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     body: dict[str, Any] = {
         "type": "object",
         "properties": props,
+        "patternProperties": {"^x-": {}},  # extension keys, ignored (a place for anchors)
         "additionalProperties": False,
     }
     if required:

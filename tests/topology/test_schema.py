@@ -47,7 +47,7 @@ def test_valid_topologies_validate_against_the_schema(path: Path) -> None:
 @pytest.mark.parametrize(
     ("mutate", "fragment"),
     [
-        (lambda d: d["listeners"][0].update(adress="0.0.0.0"), "Additional properties"),
+        (lambda d: d["listeners"][0].update(adress="0.0.0.0"), "'adress' does not match any of the regexes"),
         (lambda d: d["listeners"][0].update(port="8080"), "is not of type 'integer'"),
         (lambda d: d["pools"][0].update(engine="vlm"), "is not one of"),
         (lambda d: d["pools"][0].update(name="Bad Name"), "does not match"),
