@@ -6,6 +6,7 @@ reads Envoy's own view (admin /clusters) to see what actually takes traffic.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -90,7 +91,7 @@ def test_flapping_worker_is_damped(tmp_path: Path) -> None:
             watch(0.45)
             worker.revive()
             watch(0.6)  # 2-3 ok probes: enough for rise=2, never for the damped rise=4
-        returns = sum(1 for before, after in zip(statuses, statuses[1:], strict=False)
+        returns = sum(1 for before, after in itertools.pairwise(statuses)
                       if before == "UNHEALTHY" and after == "HEALTHY")
         assert statuses.count("UNHEALTHY") >= 1
         assert returns <= 1, statuses  # undamped it would be `rounds`
