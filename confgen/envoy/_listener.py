@@ -165,6 +165,16 @@ def _action(topo: Topology, pool: Pool) -> Json:
             )],
             "host_selection_retry_max_attempts": 5,
         }
+        if pool.fallback is not None:
+            # The failover aggregate re-reads its pools' health only on membership changes
+            # (measured: ~1 s of failures after health checks failed every primary
+            # worker), so it may still pick a dead pool. The last retry moves on to the
+            # next pool (the aggregate's next priority); earlier ones stay in this pool.
+            action["retry_policy"]["retry_priority"] = extension(
+                "envoy.retry_priorities.previous_priorities",
+                "extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                {"update_frequency": pool.retries.attempts},
+            )
     hash_on = pool.balancing.hash_on
     if hash_on is not None and pool.balancing.policy in ("ring_hash", "maglev"):
         if hash_on.header is not None:
