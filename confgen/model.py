@@ -9,6 +9,7 @@ here are the ones fit for LLM traffic (long streams, slow first tokens, costly r
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -208,6 +209,11 @@ class Pool:
     def served_names(self) -> list[str]:
         return [*self.models, *self.aliases]
 
+    @property
+    def total_capacity(self) -> int:
+        """Concurrent sequences the pool's workers run in all."""
+        return sum(w.capacity or self.capacity for w in self.workers)
+
 
 @dataclass(frozen=True)
 class HeaderMatch:
@@ -338,6 +344,10 @@ class Topology:
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
+
+    def in_flight_limit(self, pool: Pool) -> int:
+        """Requests in flight to `pool` before the proxy sheds load (the 80 % rule)."""
+        return max(1, math.floor(pool.total_capacity * self.backpressure.max_utilization))
 
     def pool(self, name: str) -> Pool:
         for pool in self.pools:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from .._checks import fallback_chain
 from ..model import Pool, Topology, is_ip, split_address
 from . import layout
@@ -17,15 +15,6 @@ _LB_POLICY = {
     "ring_hash": "RING_HASH",
     "maglev": "MAGLEV",
 }
-
-
-def pool_capacity(pool: Pool) -> int:
-    return sum(w.capacity or pool.capacity for w in pool.workers)
-
-
-def in_flight_limit(topo: Topology, pool: Pool) -> int:
-    """Requests in flight to a pool before it sheds load (the 80 % rule)."""
-    return max(1, math.floor(pool_capacity(pool) * topo.backpressure.max_utilization))
 
 
 def initial_endpoints(pool: Pool) -> list[Endpoint]:
@@ -122,7 +111,7 @@ def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
 
 
 def _thresholds(topo: Topology, pool: Pool) -> Json:
-    limit = in_flight_limit(topo, pool)
+    limit = topo.in_flight_limit(pool)
     return {
         "priority": "DEFAULT",
         "max_requests": limit,

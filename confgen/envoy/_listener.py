@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._checks import primary_pool_for
+from .._openai import models_list
 from ..model import Listener, Pool, RateLimit, Route, Topology
 from ._clusters import target_cluster
 from ._proto import Json, dur, extension, typed
@@ -212,13 +213,6 @@ def _header_matcher(name: str, exact: str | None, prefix: str | None, present: b
     if prefix is not None:
         return {"name": name, "string_match": {"prefix": prefix}}
     return {"name": name, "present_match": True, "invert_match": not present}
-
-
-def models_list(topo: Topology) -> Json:
-    names = sorted({n for p in topo.pools for n in p.served_names})
-    return {"object": "list", "data": [
-        {"id": n, "object": "model", "created": 0, "owned_by": "confgen"} for n in names
-    ]}
 
 
 def routes(topo: Topology) -> list[Json]:

@@ -14,11 +14,8 @@ from typing import Any
 
 from .._checks import fallback_chain, primary_pool_for
 from .._fields import Duration
-from ..envoy._clusters import in_flight_limit
-from ..envoy._listener import models_list
-from ..envoy._replies import canned_body
+from .._openai import REPLIES, canned_body, error_body, models_list, retry_after_seconds
 from ..model import Pool, RateLimit, Route, Topology, is_ip, split_address
-from ._replies import replies, retry_after_seconds
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
 UNAVAILABLE = "confgen_unavailable"  # named location answering when a whole chain failed
@@ -198,7 +195,7 @@ def build_context(
             "balance": _balance(pool),
             "hash_var": _hash_var(pool, index),
             "cookie": cookie,
-            "inflight": in_flight_limit(topo, pool),
+            "inflight": topo.in_flight_limit(pool),
             "connect_timeout": timeout(pool.timeouts.connect),
             "idle_timeout": timeout(pool.timeouts.idle),
             "next_upstream": next_up,
@@ -247,13 +244,16 @@ def build_context(
         "listeners": listeners,
         "admin": {"listen": listen(admin_address, admin_port)},
         "pools": pools,
-        "replies": replies(),
+        "replies": {name: error_body(name) for name in REPLIES if name != "model_not_found"},
         "retry_after": retry_after_seconds(topo),
         "canned": canned,
         "models_list": models_list(topo) if topo.models_endpoint else None,
         "table": {
             "name": topo.name,
             "routes": route_table(topo),
+            # the texts the router answers with itself, shared with the Envoy target
+            "forbidden": error_body("forbidden"),
+            "model_not_found": list(REPLIES["model_not_found"]),
             "pools": {p["name"]: {"balance": p["balance"], "fallback": p["on_failure"]} for p in pools},
         },
     }
