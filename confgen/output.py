@@ -90,6 +90,9 @@ def write_tree(files: Mapping[str, bytes], out_dir: Path, mode: int = 0o644) -> 
             stale.unlink(missing_ok=True)
             if stale.parent != out_dir and not any(stale.parent.iterdir()):
                 stale.parent.rmdir()
+        # Any rename in this directory wakes Envoy's LDS/CDS watches: skip a no-op manifest.
+        if (out_dir / MANIFEST).exists() and (out_dir / MANIFEST).read_bytes() == manifest:
+            return
         atomic_write(out_dir / MANIFEST, manifest)
     except OSError as exc:
         raise OutputError(f"cannot write {out_dir}: {exc.strerror or exc}") from exc

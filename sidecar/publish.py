@@ -33,7 +33,7 @@ from typing import Any, Self
 
 import aiohttp
 
-from confgen.envoy import Endpoint, layout, render_eds
+from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.output import atomic_write, diff_tree, write_tree
 from sidecar.logs import log_event
 
@@ -96,25 +96,13 @@ def read_published(xds_dir: Path, pool: str) -> tuple[bytes, list[Endpoint]] | N
     path = xds_dir / layout.eds_path(pool)
     try:
         data = path.read_bytes()
-        doc = json.loads(data)
-        cla = doc["resources"][0]
-        endpoints: list[Endpoint] = []
-        for group in cla.get("endpoints", []):
-            zone = group.get("locality", {}).get("zone")
-            for lb in group.get("lb_endpoints", []):
-                sock = lb["endpoint"]["address"]["socket_address"]
-                worker = lb.get("metadata", {}).get("filter_metadata", {}).get("confgen", {}).get("worker", "")
-                endpoints.append(Endpoint(
-                    address=str(sock["address"]), port=int(sock["port_value"]),
-                    weight=int(lb.get("load_balancing_weight", 1)), health=lb.get("health_status", "HEALTHY"),
-                    zone=zone, worker=str(worker),
-                ))
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        _, endpoints = parse_eds(data)
+    except OSError as exc:
         log_event(_log, logging.WARNING, "eds.adopt_unreadable", pool=pool, file=str(path), error=str(exc))
         return None
-    if render_eds(pool, endpoints) != data:
+    except ValueError as exc:
         log_event(_log, logging.WARNING, "eds.adopt_mismatch", pool=pool, file=str(path),
-                  note="file not in the form confgen writes; endpoints not adopted")
+                  note=f"endpoints not adopted: {exc}")
         return None
     return data, endpoints
 

@@ -17,9 +17,9 @@ from . import layout
 from ._clusters import assignments, clusters
 from ._listener import listeners
 from ._proto import Json, dumps
-from .eds import Endpoint, build_cla, eds_document, render_eds
+from .eds import Endpoint, build_cla, eds_document, parse_eds, render_eds
 
-__all__ = ["Endpoint", "build_cla", "eds_document", "layout", "render", "render_eds", "static_bootstrap"]
+__all__ = ["Endpoint", "build_cla", "eds_document", "layout", "parse_eds", "render", "render_eds", "static_bootstrap"]
 
 
 def _placeholder_secrets(topo: Topology) -> dict[str, str]:

@@ -7,6 +7,7 @@ calls the same builder with the health and weights it measured.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -80,3 +81,37 @@ def eds_document(cla: Json) -> bytes:
 
 def render_eds(cluster: str, endpoints: Iterable[Endpoint]) -> bytes:
     return eds_document(build_cla(cluster, endpoints))
+
+
+def parse_eds(data: bytes) -> tuple[str, list[Endpoint]]:
+    """The inverse of `render_eds`: (cluster, endpoints) of a file confgen wrote.
+
+    ValueError when the file is not in that form; a file that re-renders to other bytes
+    (written by hand or by another tool) is refused too, so nothing is guessed.
+    """
+    try:
+        cla = json.loads(data)["resources"][0]
+        cluster = str(cla["cluster_name"])
+        endpoints: list[Endpoint] = []
+        for group in cla.get("endpoints", []):
+            zone = group.get("locality", {}).get("zone")
+            for lb in group.get("lb_endpoints", []):
+                sock = lb["endpoint"]["address"]["socket_address"]
+                meta = dict(lb.get("metadata", {}).get("filter_metadata", {}).get("confgen", {}))
+                worker = str(meta.pop("worker", ""))
+                endpoints.append(
+                    Endpoint(
+                        address=str(sock["address"]),
+                        port=int(sock["port_value"]),
+                        weight=int(lb.get("load_balancing_weight", 1)),
+                        health=lb.get("health_status", "HEALTHY"),
+                        zone=zone,
+                        worker=worker,
+                        labels=tuple(sorted((str(k), str(v)) for k, v in meta.items())),
+                    )
+                )
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not an EDS file confgen wrote: {exc!r}") from exc
+    if render_eds(cluster, endpoints) != data:
+        raise ValueError("the file is not in the form confgen writes")
+    return cluster, endpoints
