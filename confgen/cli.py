@@ -84,9 +84,8 @@ def _unreadable(paths: Sequence[Path]) -> list[str]:
 def _config_dir(topo: Topology, args: argparse.Namespace, out: Path) -> str:
     if args.config_dir:
         return str(args.config_dir)
-    if topo.envoy.config_dir:
-        return topo.envoy.config_dir
-    return str(out.resolve())
+    configured = {"envoy": topo.envoy.config_dir, "nginx": topo.nginx.config_dir}.get(args.target)
+    return configured or str(out.resolve())
 
 
 def render_files(topo: Topology, target: str, config_dir: str, secrets: dict[str, str] | None) -> dict[str, bytes]:
@@ -120,6 +119,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     except TopologyError as exc:
         _print_diagnostics(exc.diagnostics, sys.stderr)
         return EXIT_INVALID
+    if args.target == "nginx":
+        from . import nginx
+        from .topology import pin
+
+        warnings = sorted([*warnings, *pin(args.topology, nginx.unsupported(topo))])
     _print_diagnostics(warnings, sys.stderr)
     out: Path = args.out or args.check
     try:

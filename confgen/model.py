@@ -314,6 +314,14 @@ class EnvoyOptions:
 
 
 @dataclass(frozen=True)
+class NginxOptions:
+    config_dir: str | None = field(
+        None, doc="Where the rendered files live when nginx reads them (default: the output directory).",
+        pattern="file_path",
+    )
+
+
+@dataclass(frozen=True)
 class Kubernetes:
     namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="name")
     replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar).", minimum=1, maximum=1000)
@@ -343,6 +351,7 @@ class Topology:
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
+    nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
 
     def in_flight_limit(self, pool: Pool) -> int:

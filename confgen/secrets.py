@@ -8,11 +8,15 @@ when auth is configured.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import SecretError
 from .model import Topology
+
+# RFC 6750 b64token: what a client can send as `Authorization: Bearer <key>`.
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 
 
 def resolve(topo: Topology, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -34,8 +38,11 @@ def resolve(topo: Topology, environ: Mapping[str, str] | None = None) -> dict[st
             except OSError as exc:
                 problems.append(f"{where}.file: cannot read {key.file}: {exc.strerror}")
                 continue
-        if not value.isprintable() or any(c.isspace() for c in value) or len(value) > 512:
-            problems.append(f"{where}: the key for {key.client!r} must be one printable word (at most 512 characters)")
+        if not BEARER_TOKEN.fullmatch(value) or len(value) > 512:
+            problems.append(
+                f"{where}: the key for {key.client!r} must be a bearer token: letters, digits and - . _ ~ + / "
+                "with optional trailing '=' (at most 512 characters)"
+            )
             continue
         keys[key.client] = value
     if problems:

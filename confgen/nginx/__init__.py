@@ -22,9 +22,10 @@ from pathlib import PurePosixPath
 from ..errors import SecretError
 from ..model import Topology
 from ..runtime import free_port
+from ..secrets import BEARER_TOKEN
 from ._context import build_context
 from ._features import unsupported
-from ._guard import BEARER_TOKEN, UnsafeValueError
+from ._guard import UnsafeValueError
 from ._templates import environment
 from .upstream import UpstreamServer, render_upstream, upstream_name, upstream_path
 

@@ -17,8 +17,6 @@ _BARE = re.compile(r"[A-Za-z0-9._:/@+=,~\[\]-]+")
 # Text inside a single-quoted nginx string: no quote, backslash, `$` (variable
 # expansion in `return`) or control character.
 _QUOTED_FORBIDDEN = re.compile(r"['\\$\x00-\x1f\x7f]")
-# RFC 6750 b64token: the characters a Bearer credential may have.
-BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 
 
 class UnsafeValueError(ValueError):

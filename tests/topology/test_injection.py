@@ -26,6 +26,7 @@ FULL: dict[str, Any] = {
     "name": "full",
     "admin": {"address": "127.0.0.1", "port": 9901},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1"},
+    "nginx": {"config_dir": "/etc/confgen/nginx"},
     "kubernetes": {
         "namespace": "inference",
         "envoy_image": "envoyproxy/envoy:v1.40.0",
