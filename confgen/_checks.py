@@ -213,11 +213,15 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
 def _pool_settings(topo: Topology) -> Iterator[Finding]:
     eds_pools = sum(1 for p in topo.pools if p.discovery == "eds")
     if eds_pools > topo.envoy.max_eds_files:
-        yield "pools", (
-            f"{eds_pools} pools use EDS files but envoy.max_eds_files is {topo.envoy.max_eds_files}: Envoy opens "
-            "one inotify instance per file and aborts past fs.inotify.max_user_instances (often 128); raise "
-            "that sysctl and envoy.max_eds_files together, or merge pools"
-        ), "error"
+        yield (
+            "pools",
+            (
+                f"{eds_pools} pools use EDS files but envoy.max_eds_files is {topo.envoy.max_eds_files}: Envoy opens "
+                "one inotify instance per file and aborts past fs.inotify.max_user_instances (often 128); raise "
+                "that sysctl and envoy.max_eds_files together, or merge pools"
+            ),
+            "error",
+        )
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
         bal = pool.balancing

@@ -115,6 +115,10 @@ class Decoder:
         self.filename = filename
         self.diagnostics: list[Diagnostic] = []
         self.marks: dict[str, Mark] = {}
+        # Set when a failed object or list was left out of its parent (which then holds a
+        # default): cross-field checks would judge the default, so they must not run.
+        self.dropped = False
+        self.defaulted: list[str] = []  # leaves that failed and hold their default instead
 
     # -- reporting ---------------------------------------------------------------------
     def error(self, where: yaml.Node | Mark, path: str, message: str) -> _Invalid:
@@ -332,6 +336,8 @@ class Decoder:
         fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
         hints = _hints(cls)
         kwargs: dict[str, Any] = {}
+        # An unknown key or a bad optional field is reported, yet the object is still built
+        # (with that field's default) so the cross-field checks can run on the rest.
         ok = True
         for key, (key_node, value_node) in pairs.items():
             if key.startswith("x-"):
@@ -340,25 +346,30 @@ class Decoder:
                 near = difflib.get_close_matches(key, list(fields), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 self.error(key_node, path_join(path, key), f"unknown field{hint}")
-                ok = False
                 continue
             fld = fields[key]
             spec = spec_of(fld)
             sub = path_join(path, key)
             value = self.decode(value_node, hints[fld.name], sub, spec.pattern)
-            if isinstance(value, _Invalid):
+            valid = not isinstance(value, _Invalid) and self._check_range(
+                value_node, sub, value, spec.minimum, spec.maximum, spec.min_items
+            )
+            if valid:
+                kwargs[fld.name] = value
+            elif _required(fld):
                 ok = False
-                continue
-            if not self._check_range(value_node, sub, value, spec.minimum, spec.maximum, spec.min_items):
-                ok = False
-                continue
-            kwargs[fld.name] = value
+            elif isinstance(value_node, yaml.ScalarNode):
+                self.defaulted.append(sub)
+            else:
+                self.dropped = True  # a whole subtree is missing from the model, not just a leaf
         for fld in dataclasses.fields(cls):
-            required = fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING
-            if required and fld.name not in kwargs and yaml_key(fld) not in pairs:
+            if _required(fld) and fld.name not in kwargs and yaml_key(fld) not in pairs:
                 self.error(node, path_join(path, yaml_key(fld)), "required field is missing")
                 ok = False
-        return cls(**kwargs) if ok else INVALID
+        if not ok:
+            self.dropped = True
+            return INVALID
+        return cls(**kwargs)
 
     def _check_range(self, node: yaml.Node, path: str, value: Any, lo: float | None,
                      hi: float | None, min_items: int | None) -> bool:
@@ -374,6 +385,10 @@ class Decoder:
                 self.error(node, path, f"{shown} is above the maximum {_num(hi)}")
                 return False
         return True
+
+
+def _required(fld: dataclasses.Field[Any]) -> bool:
+    return fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING
 
 
 def _num(value: float) -> str:

@@ -22,17 +22,28 @@ def parse(text: bytes, filename: str = "<topology>") -> tuple[Topology, list[Dia
         raise TopologyError(diagnostics)
     decoder = Decoder(filename)
     topo = decoder.decode_root(node, Topology)
-    if isinstance(topo, _Invalid) or decoder.diagnostics:
+    if isinstance(topo, _Invalid) or decoder.dropped:
         raise TopologyError(decoder.diagnostics)
     assert isinstance(topo, Topology)
-    found = []
+    # Only leaves failed (unknown keys, bad scalars now holding defaults): the checks still
+    # judge everything else, and say nothing about the fields already reported.
+    found = list(decoder.diagnostics)
     for path, message, severity in _checks.check(topo):
+        if any(_near(path, leaf) for leaf in decoder.defaulted):
+            continue  # it may be judging a default that stands in for a reported value
+
         mark = _nearest_mark(decoder.marks, path)
         found.append(Diagnostic(filename, mark.line, mark.col, path, message, severity))  # type: ignore[arg-type]
-    errors = [d for d in found if d.severity == "error"]
-    if errors:
+    if any(d.severity == "error" for d in found):
         raise TopologyError(found)
     return topo, sorted(found)
+
+
+def _near(path: str, leaf: str) -> bool:
+    """Whether `path` lies in the object that holds `leaf` (or is it, or contains it)."""
+    cut = max(leaf.rfind("."), leaf.rfind("["))
+    parent = leaf[:cut] if cut > 0 else ""
+    return not parent or path == parent or path.startswith((parent + ".", parent + "[")) or leaf.startswith(path)
 
 
 def load(path: str | Path) -> tuple[Topology, list[Diagnostic]]:
