@@ -11,7 +11,8 @@
 `config_dir` is where the files live when nginx reads them (include and js paths are
 absolute). `render_for_test` renders a copy that binds only free loopback ports and keeps
 pid, logs and temp files under a prefix, for `nginx -t` and tests. `unsupported` lists
-what the topology asks for that open-source nginx cannot do.
+what the topology asks for that open-source nginx cannot do. `upstream_options(pool)` and
+`render_upstream` let a sidecar rewrite one pool's file exactly as `render` would.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import SecretError
 from ..model import Topology
 from ..runtime import free_port
 from ..secrets import BEARER_TOKEN
-from ._context import build_context
+from ._context import build_context, upstream_options
 from ._features import unsupported
 from ._guard import UnsafeValueError
 from ._templates import environment
@@ -38,6 +39,7 @@ __all__ = [
     "render_upstream",
     "unsupported",
     "upstream_name",
+    "upstream_options",
     "upstream_path",
 ]
 

@@ -83,6 +83,16 @@ def servers(pool: Pool, *, test: bool) -> list[UpstreamServer]:
     return out
 
 
+def upstream_options(pool: Pool) -> dict[str, Any]:
+    """`render_upstream`'s keyword options for a pool: passive checks and balancing kind."""
+    od = pool.outlier_detection
+    return {
+        "max_fails": od.consecutive_gateway_failure if od.enabled else 0,
+        "fail_timeout": od.base_ejection_time.nginx(),
+        "hashing": _balance(pool) in ("hash", "random", "random_two"),
+    }
+
+
 def _hash_var(pool: Pool, index: int) -> str | None:
     hash_on = pool.balancing.hash_on
     if hash_on is None or pool.balancing.policy not in ("ring_hash", "maglev"):
@@ -185,7 +195,6 @@ def build_context(
         chain = fallback_chain(topo, pool)
         hash_on = pool.balancing.hash_on
         cookie = hash_on.cookie if hash_on is not None and _balance(pool) == "hash" else None
-        od = pool.outlier_detection
         next_up = next_upstream(pool)
         pools.append({
             "index": index,
@@ -202,11 +211,7 @@ def build_context(
             "tries": pool.retries.attempts + 1,
             "on_failure": f"pool_{chain[1].name}" if len(chain) > 1 else UNAVAILABLE,
         })
-        upstreams.append((pool.name, servers(pool, test=test), {
-            "max_fails": od.consecutive_gateway_failure if od.enabled else 0,
-            "fail_timeout": od.base_ejection_time.nginx(),
-            "hashing": _balance(pool) in ("hash", "random", "random_two"),
-        }))
+        upstreams.append((pool.name, servers(pool, test=test), upstream_options(pool)))
     listeners = []
     for lst in topo.listeners:
         address, port = (("127.0.0.1", ports[lst.name]) if test and ports else (lst.address, lst.port))
