@@ -1,0 +1,250 @@
+"""The proxies under test: Envoy rendered by confgen from a topology, and the peer vLLM Router.
+
+Envoy's config comes from the product path (topology YAML -> parse -> envoy.render ->
+write_tree), with one documented bench-only change: `lift_circuit_breakers` raises the
+pool's in-flight limit, because the topology's backpressure (429 past 80 % of the declared
+capacity) would shed exactly the queueing the routing comparison measures, and the peer
+does not shed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confgen import envoy, runtime
+from confgen.output import atomic_write, write_tree
+from confgen.topology import parse
+
+POOL = "chat"
+MODEL = "sim-model"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    policy: str = "least_request"  # round_robin | least_request | ring_hash
+    choice_count: int = 2
+    capacity: int = 8
+    health_interval: str = "1s"
+    outlier: str = "{consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}"
+    retries: str = "{attempts: 2}"
+    lift_circuit_breakers: bool = True
+
+
+def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port: int, admin: int) -> str:
+    """A one-pool topology; workers are (host, port, capacity)."""
+    balancing = f"{{policy: {cfg.policy}, choice_count: {cfg.choice_count}}}"
+    if cfg.policy == "ring_hash":
+        balancing = "{policy: ring_hash, hash_on: {header: x-session-id}, hash_balance_factor: 150}"
+    lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
+    return f"""\
+version: 1
+name: bench
+admin: {{address: 127.0.0.1, port: {admin}}}
+listeners:
+  - {{name: public, address: 127.0.0.1, port: {port}}}
+pools:
+  - name: {POOL}
+    engine: vllm
+    models: [{MODEL}]
+    capacity: {cfg.capacity}
+    balancing: {balancing}
+    health: {{interval: {cfg.health_interval}, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}}
+    outlier_detection: {cfg.outlier}
+    retries: {cfg.retries}
+    workers:
+{lines}
+"""
+
+
+def lift_circuit_breakers(files: dict[str, bytes]) -> dict[str, bytes]:
+    cds = json.loads(files[envoy.layout.CDS])
+    for cluster in cds["resources"]:
+        for t in cluster.get("circuit_breakers", {}).get("thresholds", []):
+            for key in ("max_requests", "max_pending_requests", "max_connections"):
+                if key in t:
+                    t[key] = 100_000
+    out = dict(files)
+    out[envoy.layout.CDS] = json.dumps(cds, indent=1).encode()
+    return out
+
+
+@dataclass
+class RenderedEnvoy:
+    dir: Path
+    port: int
+    admin: int
+    files: dict[str, bytes]
+    topology: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def eds_file(self) -> Path:
+        return self.dir / envoy.layout.eds_path(POOL)
+
+
+def render(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, out_dir: Path) -> RenderedEnvoy:
+    port, admin = runtime.free_port(), runtime.free_port()
+    text = topology_yaml(workers, cfg, port, admin)
+    topo, _ = parse(text.encode(), "<bench>")
+    files = envoy.render(topo, config_dir=str(out_dir))
+    if cfg.lift_circuit_breakers:
+        files = lift_circuit_breakers(files)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    write_tree(files, out_dir)
+    topo_path = out_dir.parent / f"{out_dir.name}.topology.yaml"
+    topo_path.write_text(text)
+    return RenderedEnvoy(out_dir, port, admin, files, topo_path)
+
+
+def relift(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess) -> None:
+    """Re-apply lift_circuit_breakers after the sidecar's first full-tree write put the limit back."""
+    cds_path = rendered.dir / envoy.layout.CDS
+    current = {envoy.layout.CDS: cds_path.read_bytes()}
+    lifted = lift_circuit_breakers(current)[envoy.layout.CDS]
+    if json.loads(lifted) == json.loads(current[envoy.layout.CDS]):
+        return
+    before = proc.stats().get("cluster_manager.cds.update_success", 0)
+    atomic_write(cds_path, lifted)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.stats().get("cluster_manager.cds.update_success", 0) == before:
+        time.sleep(0.05)
+    _wait_hosts(proc, 0)
+
+
+@contextlib.contextmanager
+def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, interval_s: float,
+                extra: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """The real sidecar daemon (python -m sidecar.main) for one Envoy; stopped by its pid."""
+    listen = runtime.free_port()
+    args = [os.sys.executable, "-m", "sidecar.main", "--topology", str(rendered.topology),
+            "--xds-dir", str(rendered.dir), "--envoy-admin", proc.admin_url, "--interval", str(interval_s),
+            "--listen", f"127.0.0.1:{listen}", "--log-format", "text", "--log-level", "WARNING", *extra]
+    with log.open("wb") as out:
+        child = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"sidecar exited {child.returncode}: {log.read_text()[-1500:]}")
+            if _http_ok(f"http://127.0.0.1:{listen}/readyz"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar not ready in 30 s: {log.read_text()[-1500:]}")
+            time.sleep(0.1)
+        yield child
+        if child.poll() is not None:
+            raise RuntimeError(f"the sidecar died during the run ({child.returncode}): {log.read_text()[-1500:]}")
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def run_envoy(rendered: RenderedEnvoy) -> Iterator[runtime.EnvoyProcess]:
+    with runtime.EnvoyProcess(rendered.dir / envoy.layout.BOOTSTRAP, log_level="warning", concurrency=1) as proc:
+        _wait_hosts(proc, len([1 for _ in _hosts(proc)]))
+        yield proc
+
+
+def _hosts(proc: runtime.EnvoyProcess) -> list[str]:
+    return [line for line in proc.clusters_text().splitlines()
+            if line.startswith(f"{POOL}::") and "::hostname::" in line]
+
+
+def _wait_hosts(proc: runtime.EnvoyProcess, _: int, timeout: float = 10.0) -> None:
+    """Wait until the pool's hosts are known and have passed a first health check."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = proc.clusters_text()
+        flags = [ln for ln in text.splitlines() if ln.startswith(f"{POOL}::") and "::health_flags::" in ln]
+        if flags and all(ln.endswith("::healthy") for ln in flags):
+            return
+        time.sleep(0.1)
+
+
+def vllm_router_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm-router")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@contextlib.contextmanager
+def run_vllm_router(urls: Sequence[str], policy: str, log: Path) -> Iterator[str]:
+    """The peer router on a free loopback port; stopped by its pid."""
+    binary = shutil.which("vllm-router") or str(Path(os.sys.executable).parent / "vllm-router")
+    port = runtime.free_port()
+    args = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+            "--log-level", "warning", "--max-concurrent-requests", "4096", "--queue-size", "4096",
+            "--request-timeout-secs", "120", "--health-check-interval-secs", "1"]
+    env = {**os.environ, "RUST_LOG": "warn"}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-1500:]}")
+            if _http_ok(f"{url}/health"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm-router not healthy in 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return int(resp.status) == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def envoy_version() -> str:
+    try:
+        out = subprocess.run([str(runtime.find_envoy()), "--version"], capture_output=True, timeout=10, check=False)
+    except (OSError, runtime.BinaryNotFoundError) as exc:
+        return f"unavailable ({exc})"
+    text = out.stdout.decode().strip()
+    return text.split("version:", 1)[-1].strip() if text else "unknown"
+
+
+def admin_json(proc: runtime.EnvoyProcess, path: str) -> Any:
+    status, body = proc.admin_get(path)
+    if status != 200:
+        raise RuntimeError(f"admin {path}: {status}")
+    return json.loads(body)

@@ -1,0 +1,14 @@
+"""One module per scenario; each exposes NAME, TITLE and run(ctx) -> Result."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+ORDER = ("routing", "two_ingress", "overhead", "failover", "reload", "sidecar_cost", "render_scale")
+
+
+def load(name: str) -> ModuleType:
+    if name not in ORDER:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(ORDER)}")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,44 @@
+"""Smoke test of the benchmark suite: it runs end to end and writes its report (no performance assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_report_with_sections(tmp_path: Path) -> None:
+    """`python -m bench run --quick --only ...` exits 0 and writes report.md (machine, targets, one section
+    per scenario), chart.png and results.json with every target row; it measures, it does not judge."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "run", "--quick", "--only", "render_scale", "reload", "--seed", "3",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, timeout=170, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    report = (out / "report.md").read_text()
+    for section in ("## Machine", "## Targets", "## Render scale", "## Reload", "| seed | 3 |", "| envoy |"):
+        assert section in report, section
+    assert (out / "chart.png").read_bytes().startswith(b"\x89PNG")
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["scenarios"]) == {"render_scale", "reload"}
+    assert not data["errors"]
+    for scenario in data["scenarios"].values():
+        for row in scenario["targets"]:
+            assert {"name", "goal", "measured", "ratio", "met"} <= set(row)
+
+
+def test_unknown_scenario_is_a_usage_error(tmp_path: Path) -> None:
+    """Naming a scenario that does not exist is refused before anything starts (argparse exit 2)."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--only", "nope", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert b"nope" in proc.stderr
+    assert not (tmp_path / "report.md").exists()
