@@ -46,6 +46,7 @@ class SidecarConfig:
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
     dns_timeout_s: float = 2.0
+    ingresses: int = 1  # Envoys sharing the fleet: each takes 1/ingresses of the in-flight limit
     log_format: LogFormat = "json"
     log_level: str = "INFO"
 
@@ -60,6 +61,8 @@ class SidecarConfig:
             raise ConfigError(f"listen port {self.listen_port} out of range")
         if min(self.publish_debounce_s, self.confirm_timeout_s, self.watch_debounce_s, self.dns_timeout_s) < 0:
             raise ConfigError("debounces and timeouts must be >= 0")
+        if self.ingresses < 1:
+            raise ConfigError(f"ingresses must be >= 1, got {self.ingresses}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,6 +88,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
+    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet; each one's "
+                   "in-flight limit is its 1/N share of the pool's (default 1)")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -141,6 +146,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         publish_debounce_s=args.publish_debounce,
         confirm_timeout_s=args.confirm_timeout,
         watch_debounce_s=args.watch_debounce,
+        ingresses=args.ingresses,
         log_format=args.log_format,
         log_level=args.log_level,
     )

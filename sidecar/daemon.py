@@ -22,6 +22,7 @@ from confgen.errors import SecretError, TopologyError
 from confgen.model import Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
+from sidecar.backpressure import InflightLimiter, PoolLoad
 from sidecar.config import SidecarConfig
 from sidecar.engines import LoadSample
 from sidecar.logs import log_event
@@ -52,6 +53,8 @@ class _Tracked:
     capacity: int
     zone: str | None
     engine: str
+    share: int = 1  # the worker's static weight: multiplies the computed one
+    labels: tuple[tuple[str, str], ...] = ()
     weight: int | None = None  # last weight published
     sample: LoadSample | None = None
     report: ProbeReport | None = None
@@ -82,6 +85,7 @@ class PoolView:
     rejections: int
     rejected: bool
     endpoints: tuple[EndpointView, ...]
+    inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +124,7 @@ class Daemon:
         resolver: Resolver,
         publisher: EdsPublisher,
         clock: Callable[[], float],
+        limiter: InflightLimiter | None = None,
     ) -> None:
         self.config = config
         self._topo = topo
@@ -127,6 +132,7 @@ class Daemon:
         self._resolver = resolver
         self._publisher = publisher
         self._clock = clock
+        self._limiter = limiter
         self._tracked: dict[EndpointKey, _Tracked] = {}
         self._adopted: dict[EndpointKey, Endpoint] = {}
         self._admin_drains: set[tuple[str, str]] = set()
@@ -195,6 +201,8 @@ class Daemon:
         async with self._lock:
             for gone in {p.name for p in self._topo.pools} - {p.name for p in topo.pools}:
                 self._publisher.forget(gone)
+                if self._limiter is not None:
+                    self._limiter.forget(gone)
             self._topo = topo
             self._tree_due = True
             self._reloads["ok"] += 1
@@ -244,16 +252,20 @@ class Daemon:
                           address=key.address)
         for key, (pool, worker) in wanted.items():
             capacity = worker.capacity or pool.capacity
+            labels = tuple(sorted(worker.labels.items()))
             tracked = self._tracked.get(key)
             if tracked is not None:
                 tracked.capacity, tracked.zone, tracked.engine = capacity, worker.zone, pool.engine
+                tracked.share, tracked.labels = worker.weight, labels
                 continue
             adopted = self._adopted.pop(key, None)
             if adopted is not None:
                 state = EndpointState.adopt(adopted.health, now)
-                self._tracked[key] = _Tracked(state, capacity, worker.zone, pool.engine, weight=adopted.weight)
+                self._tracked[key] = _Tracked(state, capacity, worker.zone, pool.engine, worker.weight, labels,
+                                              weight=adopted.weight)
             else:
-                self._tracked[key] = _Tracked(EndpointState.new(now), capacity, worker.zone, pool.engine)
+                self._tracked[key] = _Tracked(EndpointState.new(now), capacity, worker.zone, pool.engine,
+                                              worker.weight, labels)
                 log_event(_log, logging.INFO, "endpoint.added", pool=key.pool, worker=key.worker,
                           address=key.address)
 
@@ -299,10 +311,11 @@ class Daemon:
             elif decision.status is Status.DRAINING:
                 w = tracked.weight or 1
             else:
-                w = weight(tracked.sample, tracked.capacity, tracked.weight, self.config.weights, ramp=decision.ramp)
+                w = weight(tracked.sample, tracked.capacity, tracked.weight, self.config.weights,
+                           ramp=decision.ramp, share=tracked.share)
             tracked.weight = w
             out.append(Endpoint(key.address, key.port, weight=w, health=decision.status.value,
-                                zone=tracked.zone, worker=key.worker))
+                                zone=tracked.zone, worker=key.worker, labels=tracked.labels))
         return out
 
     async def _publish(self) -> None:
@@ -311,9 +324,23 @@ class Daemon:
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due:
             await self._write_tree(per_pool)
-            return
-        for pool_name, endpoints in per_pool.items():
-            self._publisher.offer(pool_name, endpoints)
+        else:
+            for pool_name, endpoints in per_pool.items():
+                self._publisher.offer(pool_name, endpoints)
+        if self._limiter is not None:
+            await self._limiter.apply({pool.name: self._pool_load(pool) for pool in self._eds_pools()})
+
+    def _pool_load(self, pool: Pool) -> PoolLoad:
+        """Capacity and saturation of the endpoints that serve (sidecar.backpressure's rule)."""
+        rotation = {k: t for k, t in self._tracked.items() if k.pool == pool.name and t.decision is not None
+                    and t.decision.status in (Status.HEALTHY, Status.DEGRADED)}
+        serving = {k: t for k, t in rotation.items() if t.decision is not None and not t.decision.min_weight}
+        counted = serving or rotation  # all failing: the sidecar stands back, as with ejections
+        samples = {k: t.sample for k, t in counted.items()}
+        capacities = {k: t.capacity for k, t in counted.items()}
+        sampled = any(sample is not None for sample in samples.values())
+        saturation = pool_saturation(samples, capacities, self.config.weights.kv_knee) if sampled else None
+        return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
 
     async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
         topo = self._topo
@@ -367,6 +394,7 @@ class Daemon:
                 rejections=self._publisher.rejections[pool.name],
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
+                inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
             ))
         return Snapshot(
             topology=self._topo.name,

@@ -26,6 +26,7 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
+from sidecar.backpressure import InflightLimiter
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
 from sidecar.logs import configure, log_event
@@ -86,7 +87,8 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
                                  confirm_timeout_s=config.confirm_timeout_s)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
-                        publisher=publisher, clock=loop.time)
+                        publisher=publisher, clock=loop.time,
+                        limiter=InflightLimiter(admin, config.ingresses))
         daemon.adopt_published()
         register(registry, daemon.view)
         runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)

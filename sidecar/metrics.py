@@ -46,11 +46,15 @@ class SidecarCollector(Collector):
         rejected = CounterMetricFamily(_PREFIX + "eds_rejected", "EDS writes Envoy refused.", labels=["pool"])
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
+                                  "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
         for pool in snap.pools:
             queue.add_metric([pool.name], pool.queue_depth)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
+            if pool.inflight_limit is not None:
+                limit.add_metric([pool.name], pool.inflight_limit)
             for ep in pool.endpoints:
                 labels = [pool.name, ep.key.worker, f"{ep.key.address}:{ep.key.port}"]
                 for state in Status:
@@ -70,7 +74,7 @@ class SidecarCollector(Collector):
             reloads.add_metric([result], snap.reloads.get(result, 0))
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (queue, saturation, health, running, waiting, kv, weight, latency, errors, publishes,
-                    rejected, reloads, ready)
+                    rejected, reloads, ready, limit)
 
 
 def register(registry: CollectorRegistry, snapshot: Callable[[], Snapshot]) -> SidecarCollector:

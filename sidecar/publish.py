@@ -81,6 +81,34 @@ class EnvoyAdmin:
                 out[str(item["name"])] = value if isinstance(value, int) else str(value)
         return out
 
+    async def runtime(self) -> dict[str, str] | None:
+        """Every runtime key Envoy knows and its final value (GET /runtime)."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        try:
+            async with self._session.get(f"{self.base_url}/runtime") as resp:
+                if resp.status != 200:
+                    return None
+                body: Any = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        entries = body.get("entries", {}) if isinstance(body, dict) else {}
+        if not isinstance(entries, dict):
+            return None
+        return {str(key): str(entry.get("final_value", "")) for key, entry in entries.items()
+                if isinstance(entry, dict)}
+
+    async def set_runtime(self, values: Mapping[str, str]) -> bool:
+        """Set keys in Envoy's admin runtime layer (POST /runtime_modify); False when refused."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        try:
+            async with self._session.post(f"{self.base_url}/runtime_modify", params=dict(values)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
 
 def _int(stats: Mapping[str, int | str], name: str) -> int:
     value = stats.get(name, 0)

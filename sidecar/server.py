@@ -41,6 +41,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "publishes": pool.publishes,
                 "rejections": pool.rejections,
                 "rejected": pool.rejected,
+                "inflight_limit": pool.inflight_limit,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,

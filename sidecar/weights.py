@@ -9,12 +9,14 @@ big idle worker draws more than a small one and a busy one draws little:
 default: a queue only forms once the batch is full, so each one is load the worker has
 not even started. `kv_headroom` is 1 below `kv_knee` (0.8, the peers' saturation knee)
 and falls linearly to 0 at a full KV cache (new sequences would be preempted). The
-target is smoothed with an EWMA over the previously published weight and rounded toward
-the target (so small steps still converge instead of sticking), then clamped to
-[1, max_weight]: Envoy rejects a 0 weight, and a full worker keeps a trickle.
+target is multiplied by the worker's static share (the topology's `weight`), smoothed
+with an EWMA over the previously published weight and rounded toward the target (so
+small steps still converge instead of sticking), then clamped to [1, max_weight]: Envoy
+rejects a 0 weight, and a full worker keeps a trickle.
 
 Without a sample (health-only engine, unusable metrics) the target is the static weight
-`capacity * weight_per_slot`, what a config without the sidecar would publish.
+`confgen.envoy.eds.static_weight(capacity, share) * weight_per_slot`, which with the
+default weight_per_slot of 1 is exactly what `confgen render` wrote first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from confgen.envoy.eds import MAX_WEIGHT, clamp_weight, static_weight
 from sidecar.engines import LoadSample
 
 __all__ = ["WeightPolicy", "pool_saturation", "queue_depth", "weight"]
@@ -35,15 +38,15 @@ K = TypeVar("K", bound=Hashable)
 class WeightPolicy:
     """Knobs of the weight model (see the module docstring)."""
 
-    max_weight: int = 1000
+    max_weight: int = MAX_WEIGHT
     weight_per_slot: float = 1.0
     waiting_penalty: float = 2.0
     kv_knee: float = 0.8
     smoothing: float = 0.5  # weight of the new target in the EWMA; 1 = no smoothing
 
     def __post_init__(self) -> None:
-        if self.max_weight < 1 or self.weight_per_slot <= 0 or self.waiting_penalty < 0:
-            raise ValueError("max_weight >= 1, weight_per_slot > 0, waiting_penalty >= 0")
+        if not 1 <= self.max_weight <= MAX_WEIGHT or self.weight_per_slot <= 0 or self.waiting_penalty < 0:
+            raise ValueError(f"max_weight within 1..{MAX_WEIGHT}, weight_per_slot > 0, waiting_penalty >= 0")
         if not 0 < self.kv_knee <= 1 or not 0 < self.smoothing <= 1:
             raise ValueError("kv_knee and smoothing must be within (0, 1]")
 
@@ -54,27 +57,31 @@ def weight(
     previous: int | None,
     policy: WeightPolicy,
     ramp: float = 1.0,
+    share: int = 1,
 ) -> int:
-    """EDS weight in [1, max_weight] for one endpoint; `previous` is the last published one."""
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
-    target = _target(sample, capacity, policy) * min(max(ramp, 0.0), 1.0)
+    """EDS weight in [1, max_weight] for one endpoint; `previous` is the last published one.
+
+    `share` is the worker's static weight from the topology: it multiplies the target.
+    """
+    if capacity < 1 or share < 1:
+        raise ValueError(f"capacity and share must be >= 1, got {capacity} and {share}")
+    target = _target(sample, capacity, share, policy) * min(max(ramp, 0.0), 1.0)
     if previous is not None:
         blended = policy.smoothing * target + (1 - policy.smoothing) * previous
         # Round toward the target, so that from previous=1 a target of 2 is reached.
         target = math.ceil(blended) if target > previous else math.floor(blended)
-    return int(min(max(round(target), 1), policy.max_weight))
+    return clamp_weight(target, policy.max_weight)
 
 
-def _target(sample: LoadSample | None, capacity: int, policy: WeightPolicy) -> float:
+def _target(sample: LoadSample | None, capacity: int, share: int, policy: WeightPolicy) -> float:
     if sample is None:
-        return capacity * policy.weight_per_slot
+        return static_weight(capacity, share, policy.max_weight) * policy.weight_per_slot
     free = capacity - sample.running - policy.waiting_penalty * sample.waiting
     kv = sample.kv_usage
     headroom = 1.0
     if kv is not None and kv > policy.kv_knee:
         headroom = max(1.0 - kv, 0.0) / (1.0 - policy.kv_knee) if policy.kv_knee < 1 else 0.0
-    return max(free, 0.0) * headroom * policy.weight_per_slot
+    return max(free, 0.0) * headroom * share * policy.weight_per_slot
 
 
 def pool_saturation(

@@ -6,7 +6,7 @@ from .._checks import fallback_chain
 from ..model import Pool, Topology, is_ip, split_address
 from . import layout
 from ._proto import Json, dur, typed
-from .eds import Endpoint, build_cla
+from .eds import Endpoint, build_cla, static_weight
 
 _LB_POLICY = {
     "round_robin": "ROUND_ROBIN",
@@ -18,7 +18,11 @@ _LB_POLICY = {
 
 
 def initial_endpoints(pool: Pool) -> list[Endpoint]:
-    """Endpoints as the topology states them: IP workers only (names wait for the sidecar)."""
+    """Endpoints as the topology states them: IP workers only (names wait for the sidecar).
+
+    Weights and labels are those the sidecar publishes for an endpoint it has no load
+    sample of yet (`static_weight`), so its first start changes no weight.
+    """
     out: list[Endpoint] = []
     for worker in pool.workers:
         parts = split_address(worker.address)
@@ -27,9 +31,9 @@ def initial_endpoints(pool: Pool) -> list[Endpoint]:
         if not is_ip(host):
             continue
         out.append(Endpoint(
-            address=host, port=port, weight=worker.weight,
+            address=host, port=port, weight=static_weight(worker.capacity or pool.capacity, worker.weight),
             health="DRAINING" if worker.drain else "HEALTHY",
-            zone=worker.zone, worker=worker.address,
+            zone=worker.zone, worker=worker.address, labels=tuple(sorted(worker.labels.items())),
         ))
     return out
 

@@ -40,6 +40,22 @@ class Endpoint:
             raise ValueError(f"weight {self.weight} outside 1..{MAX_WEIGHT}")
 
 
+def clamp_weight(value: float, max_weight: int = MAX_WEIGHT) -> int:
+    """`value` rounded into [1, max_weight]: Envoy rejects a weight of 0."""
+    return int(min(max(round(value), 1), max_weight))
+
+
+def static_weight(capacity: int, share: int = 1, max_weight: int = MAX_WEIGHT) -> int:
+    """The weight of an endpoint whose load is unknown: capacity x the worker's static share.
+
+    capacity is the worker's max concurrent sequences, share its topology `weight`. The
+    first render publishes this, and the sidecar publishes the same for an endpoint with
+    no load sample (its load-based weights are scaled by the same share), so the
+    sidecar's first cycle after a render leaves an idle fleet's weights as they are.
+    """
+    return clamp_weight(capacity * share, max_weight)
+
+
 def build_cla(cluster: str, endpoints: Iterable[Endpoint]) -> Json:
     """A ClusterLoadAssignment grouping endpoints by zone (locality), in a stable order."""
     by_zone: dict[str, list[Endpoint]] = {}

@@ -90,10 +90,20 @@ def test_models_endpoint_answered_at_the_edge(tmp_path: Path) -> None:
 
 
 def test_rendered_eds_matches_topology_workers() -> None:
-    """The first EDS file lists the topology's IP workers with their weights and zones."""
+    """The first EDS file lists the topology's IP workers with the weight the sidecar would
+    publish for them without a load sample (static share x capacity: the pool's default 256
+    here) and their labels as metadata."""
     topo, _ = parse_topology(TOPOLOGY.format(admin=9901, port=8080, a=9001, b=9002).encode())
     files = envoy.render(topo, config_dir="/cfg")
     cla = json.loads(files["eds/big/endpoints.json"])["resources"][0]
     ep = cla["endpoints"][0]["lb_endpoints"][0]
     assert ep["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9001}
-    assert ep["load_balancing_weight"] == 1
+    assert ep["load_balancing_weight"] == 256 == envoy.eds.static_weight(256, 1)
+    text = TOPOLOGY.format(admin=9901, port=8080, a=9001, b=9002).replace(
+        'workers: ["127.0.0.1:9002"]',
+        'workers: [{address: "127.0.0.1:9002", weight: 3, capacity: 8, labels: {gpu: l4}}]')
+    topo, _ = parse_topology(text.encode())
+    small = json.loads(envoy.render(topo, config_dir="/cfg")["eds/small/endpoints.json"])["resources"][0]
+    ep = small["endpoints"][0]["lb_endpoints"][0]
+    assert ep["load_balancing_weight"] == 24
+    assert ep["metadata"] == {"filter_metadata": {"confgen": {"gpu": "l4", "worker": "127.0.0.1:9002"}}}

@@ -94,3 +94,50 @@ def test_policy_validation() -> None:
         WeightPolicy(max_weight=0)
     with pytest.raises(ValueError, match="smoothing"):
         WeightPolicy(smoothing=0.0)
+
+
+def test_static_share_multiplies_the_weight() -> None:
+    """The topology's worker weight scales the load-based weight, still clamped to the
+    policy's maximum and never below 1."""
+    assert weight(load(8), 32, None, NO_SMOOTHING, share=3) == 3 * weight(load(8), 32, None, NO_SMOOTHING)
+    assert weight(load(0), 100, None, WeightPolicy(max_weight=250), share=4) == 250
+    assert weight(load(32, 10), 32, None, NO_SMOOTHING, share=5) == 1
+    with pytest.raises(ValueError, match="share"):
+        weight(None, 8, None, POLICY, share=0)
+
+
+def test_no_sample_weight_is_what_confgen_renders_first() -> None:
+    """Without a sample, a fresh endpoint gets confgen's static_weight(capacity, share),
+    the weight `confgen render` writes, so the sidecar's first start changes no weight."""
+    from confgen import envoy, parse_topology
+    from confgen.envoy.eds import MAX_WEIGHT, static_weight
+
+    for capacity, share in ((1, 1), (4, 3), (256, 1), (256, 128), (100_000, 2)):
+        assert weight(None, capacity, None, POLICY, share=share) == static_weight(capacity, share)
+    assert static_weight(100_000, 2) == MAX_WEIGHT
+    topo, _ = parse_topology(b"""
+version: 1
+name: w
+listeners: [{name: l, port: 8080}]
+pools:
+  - name: p
+    engine: vllm
+    models: [m]
+    capacity: 16
+    workers: ["10.0.0.1:8000", {address: "10.0.0.2:8000", weight: 3}, {address: "10.0.0.3:8000", capacity: 2}]
+""")
+    _, rendered = envoy.parse_eds(envoy.render(topo, config_dir="/cfg")["eds/p/endpoints.json"])
+    pool = topo.pools[0]
+    for ep, worker in zip(rendered, pool.workers, strict=True):
+        assert ep.weight == weight(None, worker.capacity or pool.capacity, None, POLICY, share=worker.weight)
+    assert [ep.weight for ep in rendered] == [16, 48, 2]
+
+
+def test_max_weight_cannot_pass_what_an_endpoint_accepts() -> None:
+    """A max_weight above confgen.envoy.eds.MAX_WEIGHT would build endpoints the EDS
+    builder refuses: refused up front."""
+    from confgen.envoy.eds import MAX_WEIGHT
+
+    assert WeightPolicy().max_weight == MAX_WEIGHT
+    with pytest.raises(ValueError, match="max_weight"):
+        WeightPolicy(max_weight=MAX_WEIGHT + 1)
