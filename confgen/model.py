@@ -147,7 +147,13 @@ class Retries:
     budget_percent: float = field(
         20.0, doc="Retries may add at most this percent to the requests in flight.", minimum=0.0, maximum=100.0
     )
-    min_concurrency: int = field(3, doc="Retries always allowed regardless of the budget.", minimum=0, maximum=10_000)
+    min_concurrency: int = field(
+        10,
+        doc="Retries always allowed regardless of the budget (a crashed worker fails all its in-flight requests "
+        "at once; Envoy's default of 3 let some of them fail in a 3-worker pool).",
+        minimum=0,
+        maximum=10_000,
+    )
 
 
 @dataclass(frozen=True)

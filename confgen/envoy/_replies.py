@@ -43,6 +43,12 @@ def _retry_after(topo: Topology) -> list[Json]:
 
 def local_reply_config(topo: Topology) -> Json:
     mappers: list[Json] = [
+        # First: a failed attempt whose retry was refused by the retry budget carries UO too,
+        # and is a worker failure, not overload.
+        {
+            "filter": {"or_filter": {"filters": [_flag("UF"), _flag("URX"), _flag("UC")]}},
+            "body_format_override": _json_format(error_body("upstream_failed")),
+        },
         {  # circuit breaker: the pool is at its share of capacity (backpressure)
             "filter": _flag("UO"),
             "status_code": 429,
@@ -91,10 +97,6 @@ def local_reply_config(topo: Topology) -> Json:
         {
             "filter": _status(413),
             "body_format_override": _json_format(error_body("too_large")),
-        },
-        {
-            "filter": {"or_filter": {"filters": [_flag("UF"), _flag("URX"), _flag("UC")]}},
-            "body_format_override": _json_format(error_body("upstream_failed")),
         },
         {
             "filter": {"or_filter": {"filters": [_flag("UT"), _flag("SI")]}},
