@@ -4,27 +4,49 @@ IP workers pass through. A DNS name is resolved with `loop.getaddrinfo` (the res
 runs in the loop's executor, never blocking the loop) under a timeout; every address it
 returns becomes an endpoint (a headless Service name gives one per pod). When a lookup
 fails the last good answer is kept, so a DNS outage never empties a pool.
+
+IPv4 is preferred, as Envoy's own `V4_PREFERRED` for strict_dns pools: when a name has
+IPv4 addresses only those are used, else its IPv6 ones. A dual-stack name (`localhost`
+is often 127.0.0.1 and ::1) is one server listening on one family more often than two:
+publishing both would count its capacity twice, double its share of traffic, and keep
+an endpoint that refuses connections in the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from confgen.model import is_ip
 from sidecar.logs import log_event
 
-__all__ = ["Resolver"]
+__all__ = ["GetAddrInfo", "Resolver", "prefer_ipv4"]
 
 _log = logging.getLogger("sidecar.resolve")
 
+# loop.getaddrinfo's shape: (host, port, *, type=, proto=) -> [(family, type, proto, canonname, sockaddr)]
+GetAddrInfo = Callable[..., Awaitable[Sequence[tuple[Any, ...]]]]
+
+
+def prefer_ipv4(addresses: set[str]) -> tuple[str, ...]:
+    """The IPv4 addresses when there are any, else the IPv6 ones; sorted."""
+    v4 = {a for a in addresses if ipaddress.ip_address(a).version == 4}
+    return tuple(sorted(v4 or addresses))
+
 
 class Resolver:
-    """Resolves hosts every cycle, remembering the last good answer per (host, port)."""
+    """Resolves hosts every cycle, remembering the last good answer per (host, port).
 
-    def __init__(self, timeout_s: float) -> None:
+    `getaddrinfo` defaults to the running loop's; tests pass one that fails on demand.
+    """
+
+    def __init__(self, timeout_s: float, getaddrinfo: GetAddrInfo | None = None) -> None:
         self._timeout_s = timeout_s
+        self._getaddrinfo = getaddrinfo
         self._last_good: dict[tuple[str, int], tuple[str, ...]] = {}
 
     async def resolve(self, host: str, port: int) -> tuple[str, ...]:
@@ -32,17 +54,16 @@ class Resolver:
         if is_ip(host):
             return (host,)
         key = (host, port)
+        lookup = self._getaddrinfo or asyncio.get_running_loop().getaddrinfo
         try:
             async with asyncio.timeout(self._timeout_s):
-                infos = await asyncio.get_running_loop().getaddrinfo(
-                    host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-                )
+                infos = await lookup(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
         except (OSError, TimeoutError) as exc:  # socket.gaierror is an OSError
             kept = self._last_good.get(key, ())
             log_event(_log, logging.WARNING, "dns.failed", host=host, error=str(exc) or type(exc).__name__,
                       kept=list(kept))
             return kept
-        addresses = tuple(sorted({str(info[4][0]) for info in infos if is_ip(str(info[4][0]))}))
+        addresses = prefer_ipv4({str(info[4][0]) for info in infos if is_ip(str(info[4][0]))})
         if not addresses:
             return self._last_good.get(key, ())
         if self._last_good.get(key) != addresses:

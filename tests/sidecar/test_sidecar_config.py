@@ -1,0 +1,106 @@
+"""The sidecar's command line (sidecar.config.from_argv and main's exit codes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar import main as main_mod
+from sidecar.config import ConfigError, SidecarConfig, from_argv
+from sidecar.state import HealthPolicy
+from sidecar.weights import WeightPolicy
+
+TOPO = ["--topology", "topo.yaml"]
+
+
+def test_defaults() -> None:
+    """Only --topology given: every documented default, the probe deadline 0.75 x interval,
+    the health policy's interval the cycle's, one ingress."""
+    config = from_argv(TOPO)
+    assert config.topology == Path("topo.yaml")
+    assert config.xds_dir is None and config.envoy_admin is None
+    assert (config.interval_s, config.jitter, config.max_concurrency) == (2.0, 0.1, 64)
+    assert config.probe_deadline_s == pytest.approx(1.5)
+    assert config.body_cap_bytes == 1024 * 1024
+    assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9109)
+    assert config.health == HealthPolicy(probe_interval_s=2.0)
+    assert config.weights == WeightPolicy()
+    assert (config.publish_debounce_s, config.confirm_timeout_s, config.watch_debounce_s) == (0.1, 2.0, 0.2)
+    assert config.ingresses == 1
+    assert (config.log_format, config.log_level) == ("json", "INFO")
+
+
+def test_overrides() -> None:
+    """Every flag reaches its field; KEY=VALUE policy overrides take the field's type; an
+    IPv6 listen address loses its brackets; a trailing slash leaves the admin URL."""
+    config = from_argv([
+        *TOPO, "--xds-dir", "/x", "--envoy-admin", "http://127.0.0.1:9901/", "--interval", "0.5",
+        "--jitter", "0", "--max-concurrency", "8", "--probe-deadline", "0.3", "--body-cap", "4096",
+        "--listen", "[::1]:9200", "--health", "fall=5", "--health", "slow_start_s=0",
+        "--weights", "smoothing=1.0", "--weights", "max_weight=50", "--publish-debounce", "0",
+        "--confirm-timeout", "0.5", "--watch-debounce", "0.05", "--ingresses", "3",
+        "--log-format", "text", "--log-level", "DEBUG",
+    ])
+    assert config.xds_dir == Path("/x") and config.envoy_admin == "http://127.0.0.1:9901"
+    assert (config.interval_s, config.jitter, config.max_concurrency, config.probe_deadline_s) == (0.5, 0, 8, 0.3)
+    assert config.body_cap_bytes == 4096
+    assert (config.listen_host, config.listen_port) == ("::1", 9200)
+    assert config.health == HealthPolicy(probe_interval_s=0.5, fall=5, slow_start_s=0.0)
+    assert config.weights == WeightPolicy(smoothing=1.0, max_weight=50)
+    assert (config.publish_debounce_s, config.confirm_timeout_s, config.watch_debounce_s) == (0, 0.5, 0.05)
+    assert config.ingresses == 3
+    assert (config.log_format, config.log_level) == ("text", "DEBUG")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--listen", "9109"], "--listen must be host:port"),
+    (["--listen", "127.0.0.1:http"], "--listen must be host:port"),
+    (["--listen", "127.0.0.1:70000"], "listen port 70000 out of range"),
+    (["--health", "bogus=1"], "--health 'bogus=1': expected KEY=VALUE"),
+    (["--health", "fall"], "expected KEY=VALUE"),
+    (["--health", "fall=three"], "--health fall: 'three' is not a int"),
+    (["--health", "rise=0"], "--health: probe counts must be >= 1"),
+    (["--weights", "smoothing=0"], "--weights: kv_knee and smoothing"),
+    (["--weights", "max_weight=100000"], "--weights: max_weight within"),
+    (["--interval", "0"], "interval and probe deadline must be > 0"),
+    (["--jitter", "1"], "jitter must be within"),
+    (["--max-concurrency", "0"], "max concurrency must be >= 1"),
+    (["--body-cap", "10"], "body cap >= 1024"),
+    (["--publish-debounce", "-1"], "debounces and timeouts must be >= 0"),
+    (["--ingresses", "0"], "ingresses must be >= 1"),
+])
+def test_impossible_values_are_config_errors(args: list[str], message: str) -> None:
+    """A value of the right type but an impossible meaning raises ConfigError naming it."""
+    with pytest.raises(ConfigError) as info:
+        from_argv([*TOPO, *args])
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("args", [
+    [],  # --topology is required
+    [*TOPO, "--interval", "fast"],
+    [*TOPO, "--ingresses", "1.5"],
+    [*TOPO, "--log-format", "xml"],
+    [*TOPO, "--no-such-flag"],
+])
+def test_usage_errors_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """What argparse refuses (missing, unparsable, unknown) exits 2 with a usage message."""
+    with pytest.raises(SystemExit) as info:
+        from_argv(args)
+    assert info.value.code == 2
+    assert "usage: confgen-sidecar" in capsys.readouterr().err
+
+
+def test_main_reports_config_errors_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """main() turns a ConfigError into exit code 2 and one line on stderr, before any I/O."""
+    assert main_mod.main([*TOPO, "--jitter", "2"]) == main_mod.EXIT_USAGE == 2
+    assert capsys.readouterr().err.strip() == "confgen-sidecar: jitter must be within [0, 1)"
+
+
+def test_config_built_in_code_is_checked_too() -> None:
+    """SidecarConfig checks its own fields, so a config built without argv is no looser."""
+    with pytest.raises(ConfigError, match="ingresses"):
+        SidecarConfig(topology=Path("t.yaml"), ingresses=0)
+    with pytest.raises(ConfigError, match="listen port"):
+        SidecarConfig(topology=Path("t.yaml"), listen_port=-1)

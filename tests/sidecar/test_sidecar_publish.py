@@ -1,0 +1,111 @@
+"""EdsPublisher's write discipline (sidecar.publish): debounce, no-op skips, and never an
+empty endpoint list. Envoy's admin is a closed loopback port here (stats unanswered, as
+when Envoy is down), so only the file side is under test; the live tests confirm writes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from confgen.envoy import Endpoint, layout, parse_eds, render_eds
+from confgen.runtime import free_port
+from sidecar.publish import EdsPublisher, EnvoyAdmin, read_published
+
+POOL = "chat"
+
+
+def eps(*weights: int) -> list[Endpoint]:
+    return [Endpoint("10.0.0.1", 8000 + i, weight=w, worker=f"10.0.0.1:{8000 + i}") for i, w in enumerate(weights)]
+
+
+async def wait_for(predicate: Callable[[], bool]) -> float:
+    """Poll `predicate` every 10 ms for at most 3 s; the loop time when it held."""
+    loop = asyncio.get_running_loop()
+    for _ in range(300):
+        if predicate():
+            return loop.time()
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 3 s")
+
+
+async def with_publisher(tmp: Path, debounce_s: float, body: Callable[[EdsPublisher], Awaitable[None]]) -> None:
+    async with EnvoyAdmin(f"http://127.0.0.1:{free_port()}", timeout_s=0.5) as admin:
+        publisher = EdsPublisher(tmp, admin, debounce_s=debounce_s, confirm_timeout_s=0.0)
+        try:
+            await body(publisher)
+        finally:
+            await publisher.close()
+
+
+def on_disk(tmp: Path) -> bytes:
+    return (tmp / layout.eds_path(POOL)).read_bytes()
+
+
+def test_writes_are_debounced_and_the_newest_content_wins(tmp_path: Path) -> None:
+    """The first offer is written at once; offers within the debounce collapse into one
+    write of the newest endpoints, no sooner than debounce_s after the previous write."""
+    debounce = 0.3
+
+    async def body(publisher: EdsPublisher) -> None:
+        publisher.offer(POOL, eps(5))
+        first = await wait_for(lambda: publisher.publishes[POOL] == 1)
+        for w in (6, 7, 8):
+            publisher.offer(POOL, eps(w))
+        await asyncio.sleep(0.05)
+        assert publisher.publishes[POOL] == 1  # still inside the debounce window
+        second = await wait_for(lambda: publisher.publishes[POOL] == 2)
+        assert second - first >= debounce - 0.02
+        assert on_disk(tmp_path) == render_eds(POOL, eps(8))
+        await asyncio.sleep(debounce + 0.1)
+        assert publisher.publishes[POOL] == 2  # 6 and 7 were never written
+
+    asyncio.run(with_publisher(tmp_path, debounce, body))
+
+
+def test_unchanged_endpoints_are_not_rewritten(tmp_path: Path) -> None:
+    """Offering what is on disk writes nothing (a rename would wake Envoy's watch), also
+    after a restart that adopted the file."""
+
+    async def body(publisher: EdsPublisher) -> None:
+        publisher.offer(POOL, eps(5, 3))
+        await wait_for(lambda: publisher.publishes[POOL] == 1)
+        inode = (tmp_path / layout.eds_path(POOL)).stat().st_ino
+        publisher.offer(POOL, list(reversed(eps(5, 3))))  # same set, other order
+        await asyncio.sleep(0.1)
+        assert publisher.publishes[POOL] == 1
+        assert (tmp_path / layout.eds_path(POOL)).stat().st_ino == inode
+
+    asyncio.run(with_publisher(tmp_path, 0.0, body))
+
+    async def restarted(publisher: EdsPublisher) -> None:
+        found = read_published(tmp_path, POOL)
+        assert found is not None
+        publisher.adopt(POOL, found[0])
+        assert found[1] == sorted(eps(5, 3))
+        publisher.offer(POOL, eps(5, 3))
+        await asyncio.sleep(0.1)
+        assert publisher.publishes[POOL] == 0
+
+    asyncio.run(with_publisher(tmp_path, 0.0, restarted))
+
+
+def test_an_empty_endpoint_list_is_never_published(tmp_path: Path) -> None:
+    """`endpoints: []` would make Envoy drop every host: an empty offer keeps the file as
+    it is (and writes nothing when there is none yet)."""
+
+    async def body(publisher: EdsPublisher) -> None:
+        publisher.offer(POOL, [])
+        await asyncio.sleep(0.05)
+        assert not (tmp_path / layout.eds_path(POOL)).exists()
+        publisher.offer(POOL, eps(4))
+        await wait_for(lambda: publisher.publishes[POOL] == 1)
+        publisher.offer(POOL, [])
+        await asyncio.sleep(0.05)
+        assert publisher.publishes[POOL] == 1
+        _, kept = parse_eds(on_disk(tmp_path))
+        assert kept == eps(4)
+        assert json.loads(on_disk(tmp_path))["resources"][0]["endpoints"]
+
+    asyncio.run(with_publisher(tmp_path, 0.0, body))
