@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,16 +210,18 @@ def live_rig(
     wrapper: Path | None = None,
     listed: int | None = None,
     configmap: bool = False,
+    worker_item: Callable[[int], str] = lambda port: f"127.0.0.1:{port}",
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
     `listed`: only the first N workers are in the topology. `configmap`: the topology is
     mounted the way Kubernetes mounts a ConfigMap (symlinks through `..data`).
+    `worker_item`: the YAML list item that names the worker listening on a port.
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
         port, admin, listen = free_port(), free_port(), free_port()
         chosen = fleet.workers[: listed or len(fleet.workers)]
-        text = topology_text([f"127.0.0.1:{w.port}" for w in chosen], admin=admin, port=port,
+        text = topology_text([worker_item(w.port) for w in chosen], admin=admin, port=port,
                              capacity=capacity, policy=policy)
         if configmap:
             topo_path = configmap_publish(tmp / "cm", text)
