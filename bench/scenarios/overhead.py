@@ -15,7 +15,7 @@ TITLE = "Proxy overhead (added latency vs calling the worker directly)"
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    count = int(ctx.scale(1500, 300))
+    count = int(ctx.scale(1000, 240))
     rate = 60.0
     requests = [{"i": i, "t": round(i / rate, 4), "headers": {},
                  "body": {"model": "sim-model", "prompt": f"ping {i}", "max_tokens": 1, "stream": False}}

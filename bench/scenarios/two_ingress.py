@@ -21,9 +21,11 @@ def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plan = THREE
     duration = ctx.scale(30, 6)
-    cap = plan.capacity_rps(wl.WorkloadSpec(rate=1, count=1))
+    outputs = (8, 32) if ctx.quick else (16, 64)
+    cap = plan.capacity_rps(wl.WorkloadSpec(rate=1, count=1, output_range=outputs))
     rate = cap * plan.load
-    requests = wl.build(wl.WorkloadSpec(rate=rate, count=int(rate * duration) + 1, seed=ctx.seed + 1))
+    requests = wl.build(wl.WorkloadSpec(rate=rate, count=int(rate * duration) + 1, seed=ctx.seed + 1,
+                                        output_range=outputs))
     rows, data = [], {}
     for v in VARIANTS:
         s = measure(ctx, plan, requests, v, f"2i-{v.key}", duration)
