@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from sidecar.nginx_config import NginxSettings
+from sidecar.nginx_config import add_arguments as add_nginx_arguments
+from sidecar.nginx_config import from_args as nginx_from_args
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
@@ -49,6 +52,7 @@ class SidecarConfig:
     ingresses: int = 1  # Envoys sharing the fleet: each takes 1/ingresses of the in-flight limit
     log_format: LogFormat = "json"
     log_level: str = "INFO"
+    nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -92,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
                    "in-flight limit is its 1/N share of the pool's (default 1)")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_nginx_arguments(p)
     return p
 
 
@@ -126,6 +131,10 @@ def _override(policy: _P, pairs: Sequence[str], flag: str) -> _P:
 def from_argv(argv: Sequence[str]) -> SidecarConfig:
     """Parse argv (without the program name); argparse exits 2 on usage errors."""
     args = parser().parse_args(list(argv))
+    try:
+        nginx = nginx_from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     host, port = _split_listen(args.listen)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
@@ -149,4 +158,5 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         ingresses=args.ingresses,
         log_format=args.log_format,
         log_level=args.log_level,
+        nginx=nginx,
     )

@@ -26,6 +26,7 @@ from sidecar.backpressure import InflightLimiter, PoolLoad
 from sidecar.config import SidecarConfig
 from sidecar.engines import LoadSample
 from sidecar.logs import log_event
+from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
@@ -122,7 +123,7 @@ class Daemon:
         *,
         prober: Prober,
         resolver: Resolver,
-        publisher: EdsPublisher,
+        publisher: EdsPublisher | NginxPublisher,
         clock: Callable[[], float],
         limiter: InflightLimiter | None = None,
     ) -> None:
@@ -150,6 +151,8 @@ class Daemon:
 
     def adopt_published(self) -> int:
         """Seed states and weights from the EDS files on disk, so a restart changes nothing."""
+        if not isinstance(self._publisher, EdsPublisher):
+            return 0  # nginx: its files hold health only, which the first probe cycle re-derives
         count = 0
         for pool in self._eds_pools():
             found = read_published(self._publisher.xds_dir, pool.name)
@@ -186,7 +189,8 @@ class Daemon:
         path = self.config.topology
         try:
             topo, warnings = await asyncio.to_thread(load_topology, path)
-            xds_dir_for(self.config, topo)
+            if self.config.nginx is None:
+                xds_dir_for(self.config, topo)
             if topo.auth is not None:
                 resolve_secrets(topo)
         except (TopologyError, SecretError, ValueError) as exc:
@@ -322,7 +326,7 @@ class Daemon:
         now = self._clock()
         self._apply_drains(now)
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
-        if self._tree_due:
+        if self._tree_due and isinstance(self._publisher, EdsPublisher):
             await self._write_tree(per_pool)
         else:
             for pool_name, endpoints in per_pool.items():
@@ -343,6 +347,7 @@ class Daemon:
         return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
 
     async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
+        assert isinstance(self._publisher, EdsPublisher)  # only the Envoy target writes a tree
         topo = self._topo
         secrets = resolve_secrets(topo) if topo.auth is not None else None
         files = envoy.render(topo, config_dir=config_dir_for(self.config, topo), secrets=secrets)
@@ -361,7 +366,10 @@ class Daemon:
         reasons = []
         if self._cycles == 0:
             reasons.append("first probe cycle not done")
-        reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
+        if isinstance(self._publisher, NginxPublisher):
+            reasons += self._publisher.problems()
+        else:
+            reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
         return reasons
 
     def view(self) -> Snapshot:

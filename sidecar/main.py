@@ -31,6 +31,7 @@ from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
+from sidecar.nginx_publish import NginxPublisher, register_nginx
 from sidecar.probe import Prober
 from sidecar.publish import EdsPublisher, EnvoyAdmin
 from sidecar.resolve import Resolver
@@ -63,7 +64,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
     loop = asyncio.get_running_loop()
     try:
         topo, warnings = await asyncio.to_thread(load_topology, config.topology)
-        xds_dir = xds_dir_for(config, topo)
+        xds_dir = xds_dir_for(config, topo) if config.nginx is None else config.nginx.directory
     except TopologyError as exc:
         log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
                   errors=[str(d) for d in exc.diagnostics])
@@ -84,11 +85,16 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                body_cap=config.body_cap_bytes, clock=loop.time) as prober,
         EnvoyAdmin(admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)) as admin,
     ):
-        publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
-                                 confirm_timeout_s=config.confirm_timeout_s)
+        publisher: EdsPublisher | NginxPublisher
+        if config.nginx is not None:
+            publisher = NginxPublisher(config.nginx, lambda: daemon.topology)
+            register_nginx(registry, publisher)
+        else:
+            publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
+                                     confirm_timeout_s=config.confirm_timeout_s)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time,
-                        limiter=InflightLimiter(admin, config.ingresses))
+                        limiter=InflightLimiter(admin, config.ingresses) if config.nginx is None else None)
         daemon.adopt_published()
         register(registry, daemon.view)
         runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)

@@ -108,7 +108,7 @@ class NginxPublisher:
         self.rejections: Counter[str] = Counter()  # candidates nginx -t refused, per pool
         self.rejected: set[str] = set()  # pools whose newest candidate was refused
         self.reloads = 0  # confirmed reloads
-        self.failures: Counter[str] = Counter()  # by stage: include, test, signal, confirm
+        self.failures: Counter[str] = Counter()  # by stage: include, test, write, signal, confirm
         self._reload_problem: str | None = None
 
     # -- what the daemon calls --------------------------------------------------------------
@@ -215,9 +215,8 @@ class NginxPublisher:
             self._last_attempt_at = loop.time()
             if batch:
                 checked = await self._check(batch)
-                if not checked.ok:
+                if not checked.ok or not await self._install(batch):
                     continue
-                await asyncio.to_thread(self._install, batch)
             await self._reload()
 
     async def _check(self, batch: Mapping[str, bytes]) -> _Outcome:
@@ -232,9 +231,6 @@ class NginxPublisher:
             self.failures["test"] += 1
             outcome = _Outcome(False, f"cannot prepare the test: {exc}")
         if outcome.ok:
-            for pool in batch:
-                self.rejected.discard(pool)
-                self._refused.pop(pool, None)
             return outcome
         for pool, data in batch.items():
             self.rejections[pool] += 1
@@ -298,15 +294,25 @@ class NginxPublisher:
         lines = [line for line in text.splitlines() if _NGINX_PROBLEM.search(line)]
         return _Outcome(False, "\n".join(lines) or text.strip() or f"nginx -t exited {proc.returncode}")
 
-    def _install(self, batch: Mapping[str, bytes]) -> None:
-        """Replace the live files (checked bytes) in one go, before the one reload."""
+    async def _install(self, batch: Mapping[str, bytes]) -> bool:
+        """Replace the live files with the checked bytes, all before the one reload."""
         for pool, data in batch.items():
-            atomic_write(self._path(pool), data)
+            path = self._path(pool)
+            try:
+                await asyncio.to_thread(atomic_write, path, data)
+            except OSError as exc:
+                self.failures["write"] += 1
+                self._reload_problem = f"cannot write {path}: {exc}"
+                log_event(_log, logging.ERROR, "nginx.write_failed", pool=pool, file=str(path), error=str(exc))
+                return False
             self._written[pool] = data
+            self.rejected.discard(pool)
+            self._refused.pop(pool, None)
             self.publishes[pool] += 1
-            log_event(_log, logging.INFO, "nginx.upstream_written", pool=pool, file=str(self._path(pool)),
+            self._reload_owed = True
+            log_event(_log, logging.INFO, "nginx.upstream_written", pool=pool, file=str(path),
                       down=data.count(b" down;"))
-        self._reload_owed = True
+        return True
 
     def _master_pid(self) -> int:
         if self.settings.pid is not None:
@@ -324,6 +330,7 @@ class NginxPublisher:
             pid = self._master_pid()
             before = await asyncio.to_thread(_child_pids, pid)
             os.kill(pid, signal.SIGHUP)
+            self._last_attempt_at = loop.time()  # the interval runs from one signal to the next
         except (OSError, ValueError) as exc:
             self.failures["signal"] += 1
             self._reload_problem = f"nginx reload not sent: {exc}"
@@ -369,9 +376,10 @@ class NginxCollector(Collector):
         reloads.add_metric([], pub.reloads)
         failures = CounterMetricFamily("confgen_sidecar_nginx_reload_failures",
                                        "Reloads not done, by stage: include (nginx.conf lacks the file), test "
-                                       "(nginx -t refused), signal (no master), confirm (no new workers).",
+                                       "(nginx -t refused), write (upstream file), signal (no master), confirm "
+                                       "(no new workers).",
                                        labels=["stage"])
-        for stage in ("include", "test", "signal", "confirm"):
+        for stage in ("include", "test", "write", "signal", "confirm"):
             failures.add_metric([stage], pub.failures[stage])
         writes = CounterMetricFamily("confgen_sidecar_nginx_upstream_writes", "Upstream files replaced.",
                                      labels=["pool"])
