@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=7)
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--keep-work", action="store_true", help="keep configs, logs and raw records under OUT/work")
+    redraw = sub.add_parser("chart", help="redraw DIR/chart.png from DIR/results.json (same numbers)")
+    redraw.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
+    if args.cmd == "chart":
+        report.chart(args.dir / "chart.png", report.results_from_json(args.dir / "results.json"))
+        return 0
     names = args.only or list(ORDER)
     info = report.machine(args.seed, args.quick)
     info["argv"] = " ".join(["run", *(sys.argv[2:] if argv is None else argv[1:])])

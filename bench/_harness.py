@@ -28,12 +28,13 @@ class Target:
     name: str
     goal: str  # human form, e.g. "<= 0.45x"
     measured: str
-    ratio: float | None
+    ratio: float | None  # measured / reference, or the measured value for absolute targets
     met: bool | None  # None = not measured
+    limit: float | None = None  # what `ratio` is held against (met when ratio <= limit)
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "goal": self.goal, "measured": self.measured,
-                "ratio": self.ratio, "met": self.met}
+                "ratio": self.ratio, "met": self.met, "limit": self.limit}
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from confgen import envoy, runtime
-from confgen.output import atomic_write, write_tree
+from confgen.output import write_tree
 from confgen.topology import parse
 
 POOL = "chat"
@@ -107,24 +107,12 @@ def render(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, out_dir: Pa
     if out_dir.exists():
         shutil.rmtree(out_dir)
     write_tree(files, out_dir)
-    topo_path = out_dir.parent / f"{out_dir.name}.topology.yaml"
+    # A directory of its own: the sidecar watches the topology's directory and reloads (writing the
+    # whole tree again) on any event there, so nothing else may be written next to it.
+    topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
+    topo_path.parent.mkdir(parents=True, exist_ok=True)
     topo_path.write_text(text)
     return RenderedEnvoy(out_dir, port, admin, files, topo_path)
-
-
-def relift(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess) -> None:
-    """Re-apply lift_circuit_breakers after the sidecar's first full-tree write put the limit back."""
-    cds_path = rendered.dir / envoy.layout.CDS
-    current = {envoy.layout.CDS: cds_path.read_bytes()}
-    lifted = lift_circuit_breakers(current)[envoy.layout.CDS]
-    if json.loads(lifted) == json.loads(current[envoy.layout.CDS]):
-        return
-    before = proc.stats().get("cluster_manager.cds.update_success", 0)
-    atomic_write(cds_path, lifted)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and proc.stats().get("cluster_manager.cds.update_success", 0) == before:
-        time.sleep(0.05)
-    _wait_hosts(proc, 0)
 
 
 @contextlib.contextmanager
@@ -163,24 +151,19 @@ def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, 
 @contextlib.contextmanager
 def run_envoy(rendered: RenderedEnvoy) -> Iterator[runtime.EnvoyProcess]:
     with runtime.EnvoyProcess(rendered.dir / envoy.layout.BOOTSTRAP, log_level="warning", concurrency=1) as proc:
-        _wait_hosts(proc, len([1 for _ in _hosts(proc)]))
+        _wait_hosts(proc)
         yield proc
 
 
-def _hosts(proc: runtime.EnvoyProcess) -> list[str]:
-    return [line for line in proc.clusters_text().splitlines()
-            if line.startswith(f"{POOL}::") and "::hostname::" in line]
-
-
-def _wait_hosts(proc: runtime.EnvoyProcess, _: int, timeout: float = 10.0) -> None:
-    """Wait until the pool's hosts are known and have passed a first health check."""
+def _wait_hosts(proc: runtime.EnvoyProcess, timeout: float = 10.0) -> None:
+    """Wait until every cluster's hosts are known and have passed a first health check."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = proc.clusters_text()
-        flags = [ln for ln in text.splitlines() if ln.startswith(f"{POOL}::") and "::health_flags::" in ln]
+        flags = [ln for ln in proc.clusters_text().splitlines() if "::health_flags::" in ln]
         if flags and all(ln.endswith("::healthy") for ln in flags):
             return
         time.sleep(0.1)
+    raise RuntimeError(f"envoy hosts not all healthy within {timeout} s")
 
 
 def vllm_router_version() -> str:
@@ -232,6 +215,30 @@ def _http_ok(url: str) -> bool:
             return int(resp.status) == 200
     except (OSError, urllib.error.URLError):
         return False
+
+
+@contextlib.contextmanager
+def run_weights_core(pool_endpoints: list[dict[str, Any]], eds_paths: Sequence[Path], work: Path, tag: str,
+                     interval_s: float, duration_s: float) -> Iterator[subprocess.Popen[bytes]]:
+    """bench._weights_core (the sidecar's pure weight core, no daemon) as a child; stopped by its pid."""
+    cfg = work / f"{tag}.weights-core.json"
+    cfg.write_text(json.dumps({"pool": POOL, "endpoints": pool_endpoints, "eds_paths": [str(p) for p in eds_paths],
+                               "interval_s": interval_s, "duration_s": duration_s}))
+    child = subprocess.Popen([os.sys.executable, "-m", "bench._weights_core", str(cfg)], stderr=subprocess.PIPE)
+    try:
+        time.sleep(2 * interval_s)  # the first weights are published
+        yield child
+        if child.poll() is not None:
+            raise RuntimeError(f"the weights core died ({child.returncode}): {child.stderr.read().decode()[-1500:]}"
+                               if child.stderr else "the weights core died")
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait(timeout=5)
 
 
 def envoy_version() -> str:

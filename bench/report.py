@@ -7,7 +7,6 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,32 @@ def machine(seed: int, quick: bool) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, timeout=10,
-                                check=False, cwd=Path(__file__).parent).stdout.decode().strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = _git_commit()
     load = os.getloadavg()
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "envoy": _proxies.envoy_version(),
             "vllm_router": _proxies.vllm_router_version(), "seed": seed, "mode": "quick" if quick else "full",
             "git_commit": commit, "started_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
             "loadavg_start": [round(x, 2) for x in load], "argv": " ".join(sys.argv[1:])}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, timeout=10, check=False, cwd=Path(__file__).parent)
+    except OSError:
+        return None
+    return out.stdout.decode().strip() if out.returncode == 0 else None
+
+
+def _git_commit() -> str:
+    """HEAD, marked dirty when tracked files differ from it; BENCH_GIT_COMMIT names an exported snapshot."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        snapshot = os.environ.get("BENCH_GIT_COMMIT")
+        return f"{snapshot} (git archive export of that commit)" if snapshot else "unknown (not a git checkout)"
+    changed = _git("status", "--porcelain", "--untracked-files=no") or ""
+    count = len([ln for ln in changed.splitlines() if ln.strip()])
+    return f"{commit} + {count} modified tracked files" if count else commit
 
 
 def _ratio(r: float | None) -> str:
@@ -57,16 +71,19 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
         lines.append(f"| {key} | {info[key]} |")
     lines.append(f"| load average at start / end | {info['loadavg_start']} / {info.get('loadavg_end')} |")
     lines.append(f"| wall time | {wall_s:.0f} s |")
-    lines += ["", "## Targets", "", "| scenario | target | goal | measured | ratio | met? |",
+    lines += ["", "## Targets", "", "| scenario | target | goal | measured | ratio or value (limit) | met? |",
               "|---|---|---|---|---|---|"]
     for r in results:
         for t in r.targets:
-            lines.append(f"| {r.name} | {t.name} | {t.goal} | {t.measured} | {_ratio(t.ratio)} | {_met(t.met)} |")
+            limit = "" if t.limit is None else f" ({t.limit:g})"
+            lines.append(f"| {r.name} | {t.name} | {t.goal} | {t.measured} | {_ratio(t.ratio)}{limit} | "
+                         f"{_met(t.met)} |")
     for name, err in errors.items():
         last = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["error"]
         lines.append(f"| {name} | scenario failed (see below) | - | {last[0].strip()[:120]} | - | **missed** |")
-    lines += ["", "Ratios: measured / reference (or / goal for absolute targets); a target missed stays missed "
-              "here — the code is what changes.", "", "![chart](chart.png)", ""]
+    lines += ["", "Relative targets show measured / reference, absolute ones the measured value; the limit is the "
+              "goal's bound. A missed target stays missed here: the code is what changes, never the target.", "",
+              "![chart](chart.png)", ""]
     for r in results:
         lines += [f"## {r.title}", "", f"Scenario `{r.name}`, {r.wall_s:.0f} s.", ""]
         if r.summary:
@@ -86,10 +103,43 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     path.write_text("\n".join(lines))
     raw = {"machine": info, "wall_s": wall_s, "errors": errors,
            "scenarios": {r.name: {"targets": [t.row() for t in r.targets], "raw": r.raw, "wall_s": r.wall_s,
-                                  "tables": r.tables, "notes": r.notes} for r in results}}
+                                  "tables": r.tables, "notes": r.notes, "chart": r.chart} for r in results}}
     (out / "results.json").write_text(json.dumps(raw, indent=1, default=str))
     chart(out / "chart.png", results)
     return path
+
+
+def _short(label: str) -> str:
+    for long, short in (("least_request P2C", "P2C"), (" (choice_count 2)", ""), ("sidecar weights", "weights"),
+                        (" (x-session-id, load bound 150 %)", " (session, bound)"), ("vLLM Router", "vllm-router"),
+                        (" (same EDS to both)", "")):
+        label = label.replace(long, short)
+    return label
+
+
+def results_from_json(path: Path) -> list[Result]:
+    """Scenario results as saved in results.json (for rebuilding the chart of a finished run)."""
+    data = json.loads(path.read_text())
+    out = []
+    for name, sc in data["scenarios"].items():
+        r = Result(name, name, raw=sc["raw"], chart=sc.get("chart") or _chart_from_raw(name, sc["raw"]))
+        from ._harness import Target
+
+        r.targets = [Target(t["name"], t["goal"], t["measured"], t["ratio"], t["met"], t.get("limit"))
+                     for t in sc["targets"]]
+        out.append(r)
+    return out
+
+
+def _chart_from_raw(name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    if name == "routing":
+        return {k: {"label": v["plan"], "bars": [(s["label"], s["p50_ms"], s["p99_ms"])
+                                                 for s in v["results"].values()]} for k, v in raw.items()}
+    if name == "two_ingress":
+        return {"bars": [(s["label"], s["p50_ms"], s["p99_ms"]) for s in raw["results"].values()]}
+    if name == "overhead":
+        return {"bars": [(n, s["p50_ms"], s["p99_ms"]) for n, s in raw.items()]}
+    return {}
 
 
 def chart(path: Path, results: list[Result]) -> None:
@@ -118,29 +168,31 @@ def chart(path: Path, results: list[Result]) -> None:
         return
     fig, axes = plt.subplots(n, 1, figsize=(11, 3.6 * n), squeeze=False)
     for ax, (title, bars) in zip(axes[:, 0], panels, strict=False):
-        labels = [b[0].replace(" + ", "\n+ ").replace(" (", "\n(") for b in bars]
+        labels = [_short(b[0]) for b in bars]
         p50 = [b[1] or 0 for b in bars]
         p99 = [b[2] or 0 for b in bars]
         xs = range(len(bars))
         ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="P50")
         ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="P99")
-        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_xticks(list(xs), labels, fontsize=7, rotation=20, ha="right")
         ax.set_ylabel("ms")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     if targets:
         ax = axes[-1, 0]
         names = [n for n, _ in targets]
+        scores = [min(t.ratio / t.limit, 3.0) if t.ratio is not None and t.limit else 0.0 for _, t in targets]
         colors = ["tab:green" if t.met else ("tab:gray" if t.met is None else "tab:red") for _, t in targets]
-        widths = [0.5 if t.met is None else 1 for _, t in targets]
-        ax.barh(range(len(targets)), widths, color=colors)
+        ax.barh(range(len(targets)), scores, color=colors)
+        for i, (_, t) in enumerate(targets):
+            if t.ratio is None or not t.limit:
+                ax.text(0.02, i, "met" if t.met else "missed" if t.met is False else "-", va="center", fontsize=7)
+        ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(targets)), names, fontsize=7)
-        ax.set_xticks([])
+        ax.set_xlabel("measured / limit (<= 1 is met; capped at 3)", fontsize=8)
         ax.invert_yaxis()
         ax.set_title("Targets (green met, red missed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-_ = asdict

@@ -22,14 +22,16 @@ class Variant:
     label: str
     router: str  # "envoy" | "vllm-router"
     policy: str
-    weights: bool = False
+    weights: str = ""  # "" none | "core": the sidecar's pure weight core | "daemon": the sidecar as shipped
     ingresses: int = 1
 
 
 VARIANTS = (
     Variant("envoy_rr", "Envoy round_robin", "envoy", "round_robin"),
     Variant("envoy_p2c", "Envoy least_request P2C (choice_count 2)", "envoy", "least_request"),
-    Variant("envoy_p2c_w", "Envoy least_request P2C + sidecar weights", "envoy", "least_request", weights=True),
+    Variant("envoy_p2c_w", "Envoy least_request P2C + sidecar weights", "envoy", "least_request", weights="core"),
+    Variant("envoy_p2c_d", "Envoy least_request P2C + sidecar daemon (weights + 80 % backpressure)", "envoy",
+            "least_request", weights="daemon"),
     Variant("envoy_ring", "Envoy ring_hash (x-session-id, load bound 150 %)", "envoy", "ring_hash"),
     Variant("vr_rr", "vLLM Router round_robin", "vllm-router", "round_robin"),
     Variant("vr_p2", "vLLM Router power_of_two", "vllm-router", "power_of_two"),
@@ -49,15 +51,22 @@ def _front(ctx: Context, fleet: FleetHandle, plan: FleetPlan, v: Variant, tag: s
             yield [url]
         return
     workers = [("127.0.0.1", w.port, plan.max_num_seqs) for w in fleet.workers]
-    cfg = _proxies.PoolConfig(policy=v.policy, capacity=plan.max_num_seqs)
+    cfg = _proxies.PoolConfig(policy=v.policy, capacity=plan.max_num_seqs,
+                              lift_circuit_breakers=v.weights != "daemon")
     rendered = [_proxies.render(workers, cfg, ctx.work / f"{tag}.envoy{i}") for i in range(v.ingresses)]
     with contextlib.ExitStack() as stack:
         procs = [stack.enter_context(_proxies.run_envoy(r)) for r in rendered]
-        if v.weights:
+        if v.weights == "daemon":
+            # The sidecar as shipped; the circuit breaker it keeps at 80 % of capacity stays in force.
             for i, (r, p) in enumerate(zip(rendered, procs, strict=True)):
-                stack.enter_context(_proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log",
-                                                         WEIGHTS_INTERVAL_S, SIDECAR_ARGS))
-                _proxies.relift(r, p)
+                stack.enter_context(_proxies.run_sidecar(
+                    r, p, ctx.work / f"{tag}.sidecar{i}.log", WEIGHTS_INTERVAL_S,
+                    (*SIDECAR_ARGS, "--ingresses", str(v.ingresses))))
+        elif v.weights == "core":
+            eps = [{"port": w.port, "capacity": plan.max_num_seqs, "metrics_url": f"{w.url}/metrics"}
+                   for w in fleet.workers]
+            stack.enter_context(_proxies.run_weights_core(eps, [r.eds_file for r in rendered], ctx.work, tag,
+                                                          WEIGHTS_INTERVAL_S, duration + 120))
         yield [r.url for r in rendered]
 
 

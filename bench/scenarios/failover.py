@@ -30,7 +30,7 @@ def run(ctx: Context) -> Result:
                               f"{s['errors']} ({', '.join(f'{n}x {k}' for k, n in s['error_kinds'].items()) or '-'}); "
                               f"with min_concurrency 16: {tuned['summary']['errors']}", None, s["errors"] == 0))
     res.targets.append(Target("Worker kill: no traffic to it after", "<= 1 s", f"{quiet_s * 1000:.0f} ms",
-                              quiet_s, quiet_s <= 1.0))
+                              quiet_s, quiet_s <= 1.0, 1.0))
     res.raw = {"defaults": default, "min_concurrency_16": tuned}
     res.notes.append("Pool settings come from the topology: retries 2 on connect-failure/reset/refused-stream "
                      "(another host each time) under a retry budget of 20 % with `min_concurrency` concurrent retries "
@@ -121,5 +121,3 @@ def _once(ctx: Context, res: Result, label: str, retries: str) -> dict[str, Any]
     return {"summary": s, "quiet_s": quiet_s, "flagged_s": flag_s, "stats": retries, "ejections": ej,
             "failed_around_kill": failed_after}
 
-
-_ = Any

@@ -92,7 +92,7 @@ def run(ctx: Context) -> Result:
                          fmt_ms(max(latencies) if latencies else None), str(s["requests"]), str(s["errors"])]]))
     met = p99 is not None and p99 <= 50 and s["errors"] == 0 and unconfirmed == 0
     res.targets.append(Target("Reload decision -> applied P99, and lost requests", "<= 50 ms, 0 lost",
-                              f"P50 {fmt_ms(p50)} ms, P99 {fmt_ms(p99)} ms, {s['errors']} lost", p99, met))
+                              f"P50 {fmt_ms(p50)} ms, P99 {fmt_ms(p99)} ms, {s['errors']} lost", p99, met, 50.0))
     res.raw = {"latencies_ms": latencies, "unconfirmed": unconfirmed, "summary": s}
     res.notes.append("'Decision' is the moment the new endpoint list is known: the timer covers render_eds, "
                      "atomic_write (temp file, fsync, rename, fsync dir) and Envoy applying it, confirmed by "

@@ -53,7 +53,7 @@ def run(ctx: Context) -> Result:
                          f"{best['total']:.3f}", str(files_n), f"{size / 1e6:.2f}", str(len(problems))]]))
     res.targets.append(Target("Render + validate 10,000 workers", "<= 1 s", f"{best['total']:.2f} s "
                               f"(load+check {best['parse']:.2f}, render {best['render']:.2f}, validate "
-                              f"{best['validate']:.2f})", best["total"], best["total"] <= 1.0 and not problems))
+                              f"{best['validate']:.2f})", best["total"], best["total"] <= 1.0 and not problems, 1.0))
     res.raw = {**best, "bytes": size, "files": files_n, "problems": problems[:5]}
     res.notes.append("The generated topology sets `envoy: {max_eds_files: 200}`: topology validation caps EDS pools "
                      "at 100 by default, because Envoy opens one inotify instance per EDS file "

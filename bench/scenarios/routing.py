@@ -14,6 +14,7 @@ TITLE = "Routing quality on a heterogeneous simulated fleet"
 
 OURS = "envoy_p2c_w"
 PEER = ("vr_rr", "vr_p2", "vr_cache")
+TWELVE_KEYS = ("envoy_rr", "envoy_p2c", "envoy_p2c_w", "vr_rr", "vr_p2", "vr_cache")  # the 12-worker run's budget
 
 
 def _workload(ctx: Context, plan: FleetPlan, duration: float) -> tuple[wl.WorkloadSpec, float]:
@@ -56,13 +57,14 @@ def _table(plan: FleetPlan, data: dict[str, Any]) -> tuple[list[str], list[list[
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    fleets: list[tuple[str, FleetPlan, float]] = [("3w", THREE, ctx.scale(36, 6))]
+    fleets: list[tuple[str, FleetPlan, float]] = [("3w", THREE, ctx.scale(30, 5))]
     if not ctx.quick:
-        fleets.append(("12w", TWELVE, 20))
+        fleets.append(("12w", TWELVE, 16))
     else:
-        res.notes.append("Quick mode runs the 3-worker fleet only, 6 s of arrivals per router, 8-32 output tokens.")
+        res.notes.append("Quick mode runs the 3-worker fleet only, 5 s of arrivals per router, 8-32 output tokens.")
     for key, plan, duration in fleets:
-        data = run_fleet(ctx, plan, key, duration, VARIANTS)
+        variants = VARIANTS if key == "3w" else [v for v in VARIANTS if v.key in TWELVE_KEYS]
+        data = run_fleet(ctx, plan, key, duration, variants)
         res.raw[key] = data
         head, rows = _table(plan, data)
         res.tables.append((f"{plan.label}: {data['rate_rps']:.1f} req/s Poisson for {duration:.0f} s "
@@ -71,21 +73,29 @@ def run(ctx: Context) -> Result:
                            f"decode {plan.decode_ms:g} ms/step at 1x)", head, rows))
         r = data["results"]
         ours = r[OURS]["p99_ms"]
-        peer_key = min(PEER, key=lambda k: r[k]["p99_ms"] if r[k]["p99_ms"] is not None else float("inf"))
+        peer_key = min((k for k in PEER if k in r),
+                       key=lambda k: r[k]["p99_ms"] if r[k]["p99_ms"] is not None else float("inf"))
         rr = ratio(ours, r["envoy_rr"]["p99_ms"])
         pr = ratio(ours, r[peer_key]["p99_ms"])
         res.targets.append(Target(f"[{key}] P99, least_request + sidecar weights vs Envoy round robin", "<= 0.45x",
                                   f"{fmt_ms(ours)} vs {fmt_ms(r['envoy_rr']['p99_ms'])} ms", rr,
-                                  None if rr is None else rr <= 0.45))
+                                  None if rr is None else rr <= 0.45, 0.45))
         res.targets.append(Target(f"[{key}] P99 vs the peer's best policy ({r[peer_key]['label']})", "<= 0.8x",
                                   f"{fmt_ms(ours)} vs {fmt_ms(r[peer_key]['p99_ms'])} ms", pr,
-                                  None if pr is None else pr <= 0.8))
+                                  None if pr is None else pr <= 0.8, 0.8))
         res.chart[key] = {"label": plan.label,
                           "bars": [(s["label"], s["p50_ms"], s["p99_ms"]) for s in r.values()]}
     res.notes.append(
-        "'least_request + sidecar weights' = weights via the sidecar's pure core, driven by the bench harness "
-        f"(bench/_sidecar_core.py: probe /metrics every {WEIGHTS_INTERVAL_S} s -> sidecar.engines.extract -> "
-        "sidecar.weights.weight -> confgen.envoy.render_eds -> atomic_write), not the sidecar daemon.")
+        "'+ sidecar weights' = weights via the sidecar's pure core, driven by the bench harness "
+        f"(bench/_weights_core.py: every {WEIGHTS_INTERVAL_S} s GET /metrics -> sidecar.engines.extract -> "
+        "sidecar.weights.weight -> confgen.envoy.render_eds -> atomic_write), with the pool circuit breaker lifted "
+        "like every other Envoy row. This is what the target rows use.")
+    res.notes.append(
+        "'+ sidecar daemon' = the sidecar as shipped (python -m sidecar.main, --interval "
+        f"{WEIGHTS_INTERVAL_S}, slow start off): weights plus its in-flight limit at 80 % of declared capacity "
+        "(backpressure through Envoy's runtime), so it answers 429 instead of queueing: its latency covers the "
+        "requests it served and its errors column counts the ones it shed. Not comparable on P99 alone.")
+    res.notes.append("The 12-worker run leaves out ring_hash and the sidecar daemon to stay within the time budget.")
     res.notes.append(
         "'least-load with random perturbation' in the design report is Envoy's least_request with "
         "choice_count 2 (power of two choices), shown as 'least_request P2C'.")
