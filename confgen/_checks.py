@@ -176,6 +176,21 @@ def primary_pool_for(topo: Topology, model: str) -> Pool | None:
     return None
 
 
+def implicit_model_routes(topo: Topology) -> list[tuple[str, Pool]]:
+    """(model name, pool) for every served name no explicit route claims, in topology order."""
+    out: list[tuple[str, Pool]] = []
+    seen: set[str] = set()
+    for pool in topo.pools:
+        for model in pool.served_names:
+            if model in seen:
+                continue
+            seen.add(model)
+            owner = primary_pool_for(topo, model)
+            if owner is not None:  # None: claimed by an explicit route (checked on load)
+                out.append((model, owner))
+    return out
+
+
 def _model_routing(topo: Topology) -> Iterator[Finding]:
     explicit = {m for r in topo.routes for m in (r.match.models or [])}
     seen: set[str] = set()

@@ -320,7 +320,7 @@ class EnvoyProcess:
 # --------------------------------------------------------------------------- nginx
 
 
-def _child_pids(parent: int) -> set[int]:
+def child_pids(parent: int) -> set[int]:
     """Pids whose parent is `parent` (Linux /proc)."""
     children: set[int] = set()
     for entry in Path("/proc").iterdir():
@@ -457,12 +457,12 @@ class NginxProcess:
             tmp = self.conf_path.with_suffix(".conf.tmp")
             tmp.write_text(conf_text)
             tmp.replace(self.conf_path)
-        old_workers = _child_pids(self.pid)
+        old_workers = child_pids(self.pid)
         log_size = self.log_path.stat().st_size
         os.kill(self.pid, signal.SIGHUP)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            children = _child_pids(self.pid)
+            children = child_pids(self.pid)
             if children - old_workers:
                 # New workers up; the master only then tells the old ones to quit, and
                 # until they do they may still take the next connection.
@@ -476,7 +476,7 @@ class NginxProcess:
             if "[emerg]" in fresh:
                 raise ProxyStartError(f"nginx rejected the new config:\n{fresh.strip()}")
             time.sleep(_POLL_S)
-        if _child_pids(self.pid) - old_workers:
+        if child_pids(self.pid) - old_workers:
             return  # old workers still draining in-flight requests
         raise ProxyStartError(
             f"nginx reload not seen within {timeout}s:\n{_log_tail(self.log_path)}"

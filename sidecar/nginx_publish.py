@@ -51,7 +51,7 @@ from confgen.envoy import Endpoint
 from confgen.model import Topology
 from confgen.nginx import UpstreamServer, render_upstream, upstream_options, upstream_path
 from confgen.output import atomic_write
-from confgen.runtime import BinaryNotFoundError, find_nginx
+from confgen.runtime import BinaryNotFoundError, child_pids, find_nginx
 from sidecar.logs import log_event
 from sidecar.nginx_config import NginxSettings
 
@@ -70,21 +70,6 @@ class _Outcome:
     detail: str
 
 
-def _child_pids(parent: int) -> set[int]:
-    """Pids whose parent is `parent` (Linux /proc); the nginx master's workers."""
-    children: set[int] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Field 4 (ppid) follows the command name, which sits in parentheses.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and fields[1] == str(parent):
-            children.add(int(entry.name))
-    return children
 
 
 class NginxPublisher:
@@ -328,7 +313,7 @@ class NginxPublisher:
         loop = asyncio.get_running_loop()
         try:
             pid = self._master_pid()
-            before = await asyncio.to_thread(_child_pids, pid)
+            before = await asyncio.to_thread(child_pids, pid)
             os.kill(pid, signal.SIGHUP)
             self._last_attempt_at = loop.time()  # the interval runs from one signal to the next
         except (OSError, ValueError) as exc:
@@ -342,7 +327,7 @@ class NginxPublisher:
         sent = loop.time()
         deadline = sent + self.settings.confirm_timeout_s
         while loop.time() < deadline:
-            children = await asyncio.to_thread(_child_pids, pid)
+            children = await asyncio.to_thread(child_pids, pid)
             if children - before:
                 self.reloads += 1
                 self._reload_problem = None

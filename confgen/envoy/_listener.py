@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._checks import primary_pool_for
+from .._checks import implicit_model_routes
 from .._openai import models_list
 from ..model import Listener, Pool, RateLimit, Route, Topology
 from ._clusters import target_cluster
@@ -230,17 +230,9 @@ def routes(topo: Topology) -> list[Json]:
         })
     for index, route in enumerate(topo.routes):
         out.extend(_explicit(topo, index, route))
-    seen: set[str] = set()
-    for pool in topo.pools:
-        for model in pool.served_names:
-            if model in seen:
-                continue
-            seen.add(model)
-            owner = primary_pool_for(topo, model)
-            if owner is None:  # claimed by an explicit route (checked on load)
-                continue
-            out.append(_route(topo, f"model/{model}", owner,
-                              {"prefix": "/", "dynamic_metadata": [_model_matcher(model)]}, owner.allow_clients))
+    for model, owner in implicit_model_routes(topo):
+        match = {"prefix": "/", "dynamic_metadata": [_model_matcher(model)]}
+        out.append(_route(topo, f"model/{model}", owner, match, owner.allow_clients))
     if topo.default_pool is not None:
         pool = topo.pool(topo.default_pool)
         out.append(_route(topo, "default", pool,

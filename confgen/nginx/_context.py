@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import fallback_chain, primary_pool_for
+from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
 from .._openai import REPLIES, canned_body, error_body, models_list, retry_after_seconds
 from ..model import Pool, RateLimit, Route, Topology, is_ip, split_address
@@ -136,16 +136,8 @@ def _explicit(topo: Topology, route: Route) -> dict[str, Any]:
 def route_table(topo: Topology) -> list[dict[str, Any]]:
     """The routes njs tries in order, as plain data."""
     table = [_explicit(topo, route) for route in topo.routes]
-    seen: set[str] = set()
-    for pool in topo.pools:
-        for model in pool.served_names:
-            if model in seen:
-                continue
-            seen.add(model)
-            owner = primary_pool_for(topo, model)
-            if owner is None:  # claimed by an explicit route (checked on load)
-                continue
-            table.append(_route_entry(owner, owner.allow_clients, models=[model]))
+    for model, owner in implicit_model_routes(topo):
+        table.append(_route_entry(owner, owner.allow_clients, models=[model]))
     if topo.default_pool is not None:
         pool = topo.pool(topo.default_pool)
         table.append(_route_entry(pool, pool.allow_clients, no_model=True))
