@@ -41,7 +41,7 @@ def run_fleet(ctx: Context, plan: FleetPlan, key: str, duration: float, variants
 
 def _table(plan: FleetPlan, data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     _, cap_share = slow_share(next(iter(data["results"].values()))["fleet_by_worker"], plan)
-    head = ["router / policy", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "req/s", "errors",
+    head = ["router / policy", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "done/s (to last end)", "errors",
             f"slowest-worker share (capacity {cap_share:.0%})", "max/mean per worker", "prefix-cache hit"]
     rows = []
     for s in data["results"].values():
