@@ -19,11 +19,15 @@ class ProxyUnavailableError(Exception):
     """The proxy binary needed for the check is not installed."""
 
 
-def verify(topo: Topology, target: str) -> list[str]:
+# Endpoints per pool that Envoy parses in `validate --envoy` (see envoy.static_bootstrap).
+SAMPLED_ENDPOINTS = 8
+
+
+def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[str]:
     """Problems the real proxy reports for `topo` rendered for `target` ([] when accepted)."""
     try:
         if target == "envoy":
-            return verify_envoy(topo)
+            return verify_envoy(topo, all_endpoints=all_endpoints)
         if target == "nginx":
             return verify_nginx(topo)
     except runtime.BinaryNotFoundError as exc:
@@ -31,11 +35,11 @@ def verify(topo: Topology, target: str) -> list[str]:
     raise ValueError(f"unknown target {target!r}")
 
 
-def verify_envoy(topo: Topology) -> list[str]:
+def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
     from . import envoy
 
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
-    boot = envoy.static_bootstrap(files)
+    boot = envoy.static_bootstrap(files, max_endpoints=None if all_endpoints else SAMPLED_ENDPOINTS)
     return runtime.validate_envoy_static(boot)
 
 

@@ -27,5 +27,11 @@ def dur(value: Duration) -> str:
 
 
 def dumps(document: Json) -> bytes:
-    """Deterministic JSON: sorted keys, fixed indentation, trailing newline."""
+    """Deterministic JSON: sorted keys, fixed indentation, trailing newline (files people read)."""
     return (json.dumps(document, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode()
+
+
+def dumps_compact(document: Json) -> bytes:
+    """Deterministic JSON on one line. Python's C encoder only runs without indentation:
+    ~10x faster, which matters for EDS files of thousands of endpoints rewritten every cycle."""
+    return (json.dumps(document, separators=(",", ":"), sort_keys=True, ensure_ascii=True) + "\n").encode()

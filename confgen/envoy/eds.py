@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from ._proto import Json, dumps, typed
+from ._proto import Json, dumps_compact, typed
 
 HealthStatus = Literal["HEALTHY", "DEGRADED", "UNHEALTHY", "DRAINING"]
 
@@ -89,10 +89,10 @@ def _lb_endpoint(ep: Endpoint) -> Json:
 
 
 def eds_document(cla: Json) -> bytes:
-    """The file content for one CLA; version_info is a hash of the content itself."""
-    body = dumps({"resources": [cla]})
-    version = hashlib.sha256(body).hexdigest()[:16]
-    return dumps({"version_info": version, "resources": [cla]})
+    """The file content for one CLA (compact JSON: machine-written, often large, rewritten
+    often); version_info is a hash of the assignment itself, so equal content, equal version."""
+    version = hashlib.sha256(dumps_compact(cla)).hexdigest()[:16]
+    return dumps_compact({"version_info": version, "resources": [cla]})
 
 
 def render_eds(cluster: str, endpoints: Iterable[Endpoint]) -> bytes:

@@ -101,9 +101,31 @@ def test_rendered_eds_matches_topology_workers() -> None:
     assert ep["load_balancing_weight"] == 256 == envoy.eds.static_weight(256, 1)
     text = TOPOLOGY.format(admin=9901, port=8080, a=9001, b=9002).replace(
         'workers: ["127.0.0.1:9002"]',
-        'workers: [{address: "127.0.0.1:9002", weight: 3, capacity: 8, labels: {gpu: l4}}]')
+        'workers: [{address: "127.0.0.1:9002", weight: 3, capacity: 8, labels: {gpu: l4}}]',
+    )
     topo, _ = parse_topology(text.encode())
     small = json.loads(envoy.render(topo, config_dir="/cfg")["eds/small/endpoints.json"])["resources"][0]
     ep = small["endpoints"][0]["lb_endpoints"][0]
     assert ep["load_balancing_weight"] == 24
     assert ep["metadata"] == {"filter_metadata": {"confgen": {"gpu": "l4", "worker": "127.0.0.1:9002"}}}
+
+
+def test_static_bootstrap_samples_endpoints_across_localities() -> None:
+    """`max_endpoints` keeps the first endpoints of a pool in locality order and drops
+    emptied localities, so Envoy's validate-mode parse stays bounded on huge pools."""
+    eps = [envoy.Endpoint(f"10.0.0.{i}", 8000, zone=("a" if i < 3 else "b"), worker=f"w{i}") for i in range(1, 7)]
+    files = {
+        "bootstrap.json": json.dumps({"node": {"id": "n", "cluster": "c"}, "dynamic_resources": {}}).encode(),
+        "lds.json": json.dumps({"resources": []}).encode(),
+        "cds.json": json.dumps(
+            {"resources": [{"name": "p", "type": "EDS", "eds_cluster_config": {"service_name": "p"}}]}
+        ).encode(),
+        envoy.layout.eds_path("p"): envoy.render_eds("p", eps),
+    }
+    cluster = envoy.static_bootstrap(files, max_endpoints=3)["static_resources"]["clusters"][0]
+    groups = cluster["load_assignment"]["endpoints"]
+    kept = [ep["endpoint"]["address"]["socket_address"]["address"] for g in groups for ep in g["lb_endpoints"]]
+    assert kept == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert [g["locality"]["zone"] for g in groups] == ["a", "b"]
+    full = envoy.static_bootstrap(files)["static_resources"]["clusters"][0]
+    assert sum(len(g["lb_endpoints"]) for g in full["load_assignment"]["endpoints"]) == 6
