@@ -173,7 +173,10 @@ class Daemon:
         async with self._lock:
             await self._sync_endpoints()
             keys = list(self._tracked)
-            reports = await asyncio.gather(*(self._prober.probe(self._target(k)) for k in keys))
+            now, policy = self._clock(), self.config.health
+            reports = await asyncio.gather(*(
+                self._prober.probe(self._target(k), health=self._tracked[k].state.needs_health(now, policy))
+                for k in keys))
             for key, report in zip(keys, reports, strict=True):
                 self._observe(key, report)
             await self._publish()

@@ -12,6 +12,17 @@ Outcome mapping (what the state machine counts, see sidecar.state):
 - metrics, asked only when health answered 2xx and the engine has metrics: any failure
   (status, size, reset, deadline, unusable text) -> BAD_METRICS: the worker is alive, its
   load is unknown.
+
+Metrics only (`probe(..., health=False)`, when the state machine holds the engine's
+progress as proof of life): one request instead of two. If it does not yield a sample,
+the probe falls back to the full health + metrics probe under a fresh deadline, so a
+failure is classified by /health exactly as above (such a probe may take up to two
+deadlines).
+
+Cost (1,000 endpoints a second): bodies are asked for uncompressed (`Accept-Encoding:
+identity`: no inflate here, no gzip on the engine; a server that compresses anyway is
+still decoded), and the session has no per-request timer of its own: the probe's
+deadline bounds every request, the session only bounds connecting.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from types import TracebackType
 from typing import Self
 
 import aiohttp
+from yarl import URL
 
 from sidecar.engines import LoadSample, MetricsFormatError, extract, has_metrics
 from sidecar.state import Outcome, ProbeResult
@@ -31,6 +43,8 @@ from sidecar.state import Outcome, ProbeResult
 __all__ = ["ProbeReport", "Prober", "Target"]
 
 _ACCEPT_METRICS = "text/plain;version=0.0.4"  # OpenMetrics makes prometheus_client mangle ':'
+_HEADERS = {"Accept-Encoding": "identity"}
+_URL_CACHE = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +100,15 @@ class Prober:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._max_concurrency = max_concurrency
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, int, str], URL] = {}  # parsed once, not on every request
 
     async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(limit=self._max_concurrency, keepalive_timeout=30.0)
-        # A backstop only: every request also runs under the probe's own deadline.
-        timeout = aiohttp.ClientTimeout(total=self._deadline_s + 1.0)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+        # Every request runs under the probe's deadline (asyncio.timeout_at); a session-wide
+        # total would add a second timer per request. Connecting is bounded here as well.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._deadline_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True,
+                                              headers=_HEADERS)
         return self
 
     async def __aexit__(
@@ -101,13 +118,27 @@ class Prober:
             await self._session.close()
             self._session = None
 
-    async def probe(self, target: Target) -> ProbeReport:
-        """Probe one endpoint; never raises for anything the endpoint does."""
+    async def probe(self, target: Target, *, health: bool = True) -> ProbeReport:
+        """Probe one endpoint; never raises for anything the endpoint does.
+
+        `health=False` asks only for the metrics (see the module docstring); ignored for
+        engines without metrics.
+        """
         async with self._slots:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._deadline_s
             started = self._clock()
             wants_metrics = has_metrics(target.engine)
+            if not health and wants_metrics:
+                try:
+                    sample = await self._metrics(target, loop.time() + self._deadline_s)
+                except (MetricsFormatError, _TooLarge, _BadStatus, TimeoutError, aiohttp.ClientError,
+                        ConnectionError):
+                    sample = None
+                if sample is not None:
+                    at = self._clock()
+                    return ProbeReport(ProbeResult(at, Outcome.OK, sample=sample, health_checked=False),
+                                       None, "", at - started)
+            deadline = loop.time() + self._deadline_s
             health_job = asyncio.ensure_future(self._health(target, deadline))
             metrics_job = asyncio.ensure_future(self._metrics(target, deadline)) if wants_metrics else None
             jobs = [health_job] if metrics_job is None else [health_job, metrics_job]
@@ -121,9 +152,20 @@ class Prober:
             raise RuntimeError("Prober used outside its async context")
         return self._session
 
+    def _url(self, target: Target, path: str) -> URL:
+        key = (target.address, target.port, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE:
+                self._urls.clear()  # endpoints come and go: start over rather than grow forever
+            url = self._urls[key] = URL(target.url(path))
+        return url
+
     async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         if response.content_length is not None and response.content_length > self._body_cap:
             raise _TooLarge(f"Content-Length {response.content_length} > cap {self._body_cap}")
+        if response.content_length is not None and aiohttp.hdrs.CONTENT_ENCODING not in response.headers:
+            return await response.read()  # bounded by the length just checked: one read, one join
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -141,7 +183,8 @@ class Prober:
         headers = {"Host": target.host_header} if target.host_header else {}
         started = self._clock()
         async with asyncio.timeout_at(deadline):
-            async with session.get(target.url(target.health_path), headers=headers, allow_redirects=False) as resp:
+            url = self._url(target, target.health_path)
+            async with session.get(url, headers=headers, allow_redirects=False) as resp:
                 await self._read(resp)
                 return resp.status, self._clock() - started
 
@@ -151,7 +194,8 @@ class Prober:
         if target.host_header:
             headers["Host"] = target.host_header
         async with asyncio.timeout_at(deadline):
-            async with session.get(target.url(target.metrics_path), headers=headers, allow_redirects=False) as resp:
+            url = self._url(target, target.metrics_path)
+            async with session.get(url, headers=headers, allow_redirects=False) as resp:
                 body = await self._read(resp)
                 if not 200 <= resp.status < 300:
                     raise _BadStatus(resp.status)

@@ -22,6 +22,13 @@ Policy, and why:
   flat for `stall_probes` probes AND `stall_min_s` seconds (the time floor keeps a long
   prefill from looking like a stall) -> UNHEALTHY. It returns only once the counter
   moves or running drops to 0: an ok /health alone is no evidence.
+- Progress is proof of life: while the progress counter rose between the last two
+  samples, the engine is demonstrably serving, so `needs_health` lets the prober skip
+  /health (metrics only) - but only for a HEALTHY endpoint with no failure, slowness or
+  stall on record, and never for longer than `health_every_s` since the last health
+  answer (0 turns skipping off). An idle engine (counter flat) is always asked. A
+  skipped probe carries no health latency, so a worker turning slow is seen DEGRADED at
+  most `health_every_s` later than with a health probe every cycle.
 - A new endpoint starts UNHEALTHY until its first ok probe (one is enough: it has no
   failure history). Returning to service (new, recovered, undrained) starts a linear
   slow-start ramp over `slow_start_s`.
@@ -89,6 +96,7 @@ class ProbeResult:
     health_latency_s: float | None = None
     sample: LoadSample | None = None
     http_status: int | None = None
+    health_checked: bool = True  # False: /health skipped, progress in the metrics stood in
 
     def __post_init__(self) -> None:
         if (self.outcome is Outcome.HTTP_STATUS) != (self.http_status is not None):
@@ -114,6 +122,7 @@ class HealthPolicy:
     error_burst: int = 5
     error_burst_window_s: float = 30.0
     max_ejected_fraction: float = 0.5
+    health_every_s: float = 5.0  # longest /health gap while progress proves life; 0: never skip
 
     def __post_init__(self) -> None:
         counts = (self.rise, self.fall, self.refused_fall, self.reset_fall,
@@ -123,7 +132,8 @@ class HealthPolicy:
         if not 0.0 <= self.max_ejected_fraction <= 1.0:
             raise ValueError("max_ejected_fraction must be within 0..1")
         if min(self.probe_interval_s, self.slow_start_s, self.flap_window_s,
-               self.error_burst_window_s, self.stall_min_s, self.degraded_latency_s) < 0:
+               self.error_burst_window_s, self.stall_min_s, self.degraded_latency_s,
+               self.health_every_s) < 0:
             raise ValueError("durations must be >= 0")
 
 
@@ -149,6 +159,8 @@ class EndpointState:
     warm_since: float | None = None  # start of the slow-start ramp; None: fully warm
     stalled: bool = False  # ejected for a stall: needs progress evidence to return
     fresh: bool = False  # never served: one ok probe is enough
+    advanced: bool = False  # the progress counter rose between the last two samples
+    health_at: float | None = None  # time of the newest probe that asked /health
 
     @classmethod
     def new(cls, now: float) -> EndpointState:
@@ -205,6 +217,18 @@ class EndpointState:
         flaps = max(len(self.ejections) - 1, 0)
         return min(policy.rise << min(flaps, 30), policy.max_rise)
 
+    def needs_health(self, now: float, policy: HealthPolicy) -> bool:
+        """Whether the next probe must ask /health; False only while progress proves life."""
+        proven = (
+            self.advanced
+            and self.status is Status.HEALTHY
+            and not (self.fresh or self.stalled or self.failures)
+            and self.fail_streak == self.slow_streak == self.stall_streak == 0
+            and self.health_at is not None
+            and now - self.health_at < policy.health_every_s
+        )
+        return not proven
+
     def observe(self, result: ProbeResult, policy: HealthPolicy) -> EndpointState:
         """Take one probe result into account; results older than the last one are ignored."""
         at = result.at
@@ -235,6 +259,8 @@ class EndpointState:
             stall_streak=stall_streak,
             progress_at=progress_at,
             last_tokens=last_tokens,
+            advanced=_advanced(self.last_tokens, result.sample),
+            health_at=at if result.health_checked else self.health_at,
         )
         if self.status is Status.UNHEALTHY:
             if nxt.ok_streak >= nxt.rise_needed(policy):
@@ -278,6 +304,12 @@ class EndpointState:
             return self.stall_streak + 1, self.progress_at, tokens
         # Moved, went down (engine restarted: a fresh counter) or idle: progress.
         return 0, at, tokens
+
+
+def _advanced(before: float | None, sample: LoadSample | None) -> bool:
+    """Whether `sample`'s progress counter is above the previous one (the engine stepped)."""
+    tokens = None if sample is None else sample.generated_tokens
+    return before is not None and tokens is not None and tokens > before
 
 
 def _classify(result: ProbeResult, policy: HealthPolicy) -> tuple[bool, bool, int, str]:

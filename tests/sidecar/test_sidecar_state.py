@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import pytest
 
@@ -143,6 +144,62 @@ def test_counter_reset_is_progress_not_stall() -> None:
     results = [ok(float(t), sample=_busy(9000.0 if t < 20 else 10.0)) for t in range(0, 45)]
     _, changes = run(healthy(), results)
     assert changes == []
+
+
+def _skipped(at: float, tokens: float) -> ProbeResult:
+    """A metrics-only probe (health skipped) that found the engine progressing."""
+    return ProbeResult(at, Outcome.OK, sample=_busy(tokens), health_checked=False)
+
+
+def test_progress_lets_health_be_skipped_but_at_most_health_every_s() -> None:
+    """Only a HEALTHY endpoint whose token counter rose since the last sample may skip /health,
+    and /health is asked again once health_every_s passed since the last health answer."""
+    state = healthy()
+    assert state.needs_health(0.0, POLICY)  # nothing known yet
+    state, _ = run(state, [ok(0.0, sample=_busy(100.0))])
+    assert state.needs_health(1.0, POLICY)  # one sample: no movement seen yet
+    state, _ = run(state, [ok(1.0, sample=_busy(200.0))])
+    assert not state.needs_health(2.0, POLICY)
+    state, _ = run(state, [_skipped(t, 200.0 + 100 * t) for t in (2.0, 3.0, 4.0, 5.0)])
+    assert not state.needs_health(5.5, POLICY)
+    assert state.needs_health(6.0, POLICY)  # last health answer at 1.0: 5 s ago
+    assert healthy().needs_health(0.0, HealthPolicy(health_every_s=0.0))
+    off, _ = run(healthy(), [ok(0.0, sample=_busy(1.0)), ok(1.0, sample=_busy(2.0))],
+                 HealthPolicy(health_every_s=0.0))
+    assert off.needs_health(1.5, HealthPolicy(health_every_s=0.0))
+
+
+def test_idle_flat_slow_or_failing_endpoints_always_ask_health() -> None:
+    """An idle engine (counter flat), a counter that went down, a slow answer, a recent
+    failure, a DEGRADED or new endpoint: /health is asked on the next probe."""
+    moving = [ok(0.0, sample=_busy(100.0)), ok(1.0, sample=_busy(200.0))]
+    cases = {
+        "flat": [*moving, ok(2.0, sample=_busy(200.0, running=0.0))],
+        "restarted": [*moving, ok(2.0, sample=_busy(5.0))],
+        "no sample": [*moving, ProbeResult(2.0, Outcome.BAD_METRICS, health_latency_s=0.01)],
+        "slow": [ok(0.0, sample=_busy(100.0)), ok(1.0, latency=2.0, sample=_busy(200.0))],
+        "failed": [ok(0.0, sample=_busy(100.0)), fail(1.0), ok(2.0, sample=_busy(200.0)),
+                   ok(3.0, sample=_busy(300.0))],
+    }
+    for name, results in cases.items():
+        state, _ = run(healthy(), results)
+        assert state.needs_health(results[-1].at + 0.5, POLICY), name
+    proven, _ = run(healthy(), moving)
+    assert not proven.needs_health(1.5, POLICY)
+    assert replace(proven, status=Status.DEGRADED).needs_health(1.5, POLICY)
+    assert replace(proven, fresh=True).needs_health(1.5, POLICY)
+    assert replace(proven, status=Status.UNHEALTHY).needs_health(1.5, POLICY)
+
+
+def test_stall_is_detected_the_same_when_health_was_skipped() -> None:
+    """Skipped health probes feed the same stall detection: a counter that stops while
+    requests run ejects after stall_probes and stall_min_s, as with health every cycle."""
+    moving = [ok(0.0, sample=_busy(0.0)), ok(1.0, sample=_busy(10.0))]
+    state, _ = run(healthy(), moving)
+    flat = [ProbeResult(float(t), Outcome.OK, sample=_busy(10.0), health_checked=not state.needs_health(t, POLICY))
+            for t in range(2, 40)]
+    _, changes = run(state, flat)
+    assert changes == [(31.0, Status.UNHEALTHY)]
 
 
 def test_drain_sticks_until_undrained() -> None:

@@ -1,0 +1,50 @@
+"""The prober against a real simulated engine: the metrics-only probe and its fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
+from sidecar.probe import Prober, ProbeReport, Target
+from sidecar.state import Outcome
+
+
+def _probe(port: int, *, health: bool) -> ProbeReport:
+    async def go() -> ProbeReport:
+        async with Prober(max_concurrency=4, deadline_s=2.0, body_cap=1 << 20) as prober:
+            return await prober.probe(Target("127.0.0.1", port, "vllm", "/health", "/metrics"), health=health)
+
+    return asyncio.run(go())
+
+
+def test_metrics_only_probe_of_a_live_engine_skips_health() -> None:
+    """health=False on a live engine: OK with its load sample and no health latency, marked as
+    not health-checked; the default probe is health-checked."""
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a"),), seed=1)) as fleet:
+        skipped = _probe(fleet.workers[0].port, health=False)
+        full = _probe(fleet.workers[0].port, health=True)
+    assert skipped.result.outcome is Outcome.OK and skipped.error is None
+    assert skipped.result.sample is not None
+    assert not skipped.result.health_checked and skipped.result.health_latency_s is None
+    assert full.result.outcome is Outcome.OK and full.result.sample is not None
+    assert full.result.health_checked and full.result.health_latency_s is not None
+
+
+def test_metrics_only_probe_of_a_crashed_engine_is_classified_by_health() -> None:
+    """When the metrics-only request fails, the probe asks /health: a crashed engine is REFUSED,
+    exactly as with health every cycle (one probe, so a crash still ejects within one interval)."""
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a"),), seed=1)) as fleet:
+        fleet.workers[0].crash()
+        report = _probe(fleet.workers[0].port, health=False)
+    assert report.result.outcome is Outcome.REFUSED and report.error == "refused"
+    assert report.result.health_checked
+
+
+def test_metrics_only_probe_with_a_cut_body_falls_back_to_bad_metrics() -> None:
+    """A truncated metrics body on a skipped-health probe: /health is asked and answers ok, so
+    the outcome is BAD_METRICS (alive, load unknown), never OK without a sample."""
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a"),), seed=1)) as fleet:
+        fleet.workers[0].set_fault("truncated_metrics", how="cut")
+        report = _probe(fleet.workers[0].port, health=False)
+    assert report.result.outcome is Outcome.BAD_METRICS and report.error == "bad_metrics"
+    assert report.result.health_checked and report.result.health_latency_s is not None
