@@ -3,10 +3,12 @@
     python -m bench._weights_core CONFIG.json
 
 Every `interval_s`: GET each endpoint's /metrics (aiohttp, one deadline per probe),
-`sidecar.engines.extract` -> `sidecar.weights.weight` (EWMA over the last published weight,
-default WeightPolicy), then `confgen.envoy.render_eds` + `confgen.output.atomic_write` into
-each EDS path when the content changed. Health is left HEALTHY and nothing else is done:
-no state machine and, unlike the daemon, no in-flight limit (backpressure). Runs until
+`sidecar.engines.extract` -> `sidecar.weights.Trend.observe` (per endpoint) ->
+`sidecar.weights.relative_speeds` (over the pool) -> `sidecar.weights.weight` (default
+WeightPolicy, EWMA over the last published weight): the daemon's weight path. Then
+`confgen.envoy.render_eds` + `confgen.output.atomic_write` into each EDS path when the
+content changed. Health is left HEALTHY and nothing else is done: no state machine and,
+unlike the daemon, no in-flight limit (backpressure). Runs until
 `duration_s` or SIGTERM.
 
 CONFIG: {"pool": name, "endpoints": [{"port", "capacity", "metrics_url"}], "eds_paths": [...],
@@ -28,7 +30,7 @@ import aiohttp
 from confgen.envoy import Endpoint, render_eds
 from confgen.output import atomic_write
 from sidecar.engines import LoadSample, MetricsFormatError, extract
-from sidecar.weights import WeightPolicy, weight
+from sidecar.weights import Trend, WeightPolicy, relative_speeds, weight
 
 _ACCEPT = {"Accept": "text/plain;version=0.0.4"}
 
@@ -48,6 +50,7 @@ async def run(config: dict[str, Any]) -> None:
     policy = WeightPolicy()
     endpoints: list[dict[str, Any]] = config["endpoints"]
     previous: dict[int, int] = {}
+    trends: dict[int, Trend] = {}
     last_doc = b""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -57,10 +60,16 @@ async def run(config: dict[str, Any]) -> None:
         while not stop.is_set() and loop.time() < end:
             started = loop.time()
             samples = await asyncio.gather(*(_sample(session, ep["metrics_url"], interval * 0.75) for ep in endpoints))
+            now = loop.time()
+            for ep, sample in zip(endpoints, samples, strict=True):
+                port = int(ep["port"])
+                trends[port] = trends.get(port, Trend()).observe(sample, now, policy)
+            speeds = relative_speeds({port: t.token_latency_s for port, t in trends.items()})
             out = []
             for ep, sample in zip(endpoints, samples, strict=True):
                 port = int(ep["port"])
-                w = weight(sample, int(ep["capacity"]), previous.get(port), policy)
+                w = weight(sample, int(ep["capacity"]), previous.get(port), policy,
+                           speed=speeds[port], queue=trends[port].queue)
                 previous[port] = w
                 out.append(Endpoint("127.0.0.1", port, weight=w, worker=f"127.0.0.1:{port}"))
             doc = render_eds(config["pool"], out)

@@ -2,5 +2,5 @@
 
 Pure core (no sockets, files or clock reads): `engines` (metrics text -> LoadSample),
 `state` (per-endpoint health state machine and the pool ejection cap), `weights`
-(LoadSample -> EDS weight, fleet saturation and queue depth).
+(LoadSample -> per-endpoint speed trend -> EDS weight, fleet saturation and queue depth).
 """

@@ -31,7 +31,7 @@ from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
 from sidecar.state import Decision, EndpointState, Status, decide_pool
-from sidecar.weights import pool_saturation, queue_depth, weight
+from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -58,6 +58,7 @@ class _Tracked:
     labels: tuple[tuple[str, str], ...] = ()
     weight: int | None = None  # last weight published
     sample: LoadSample | None = None
+    trend: Trend = field(default_factory=Trend)  # smoothed speed and queue, for the weights
     report: ProbeReport | None = None
     decision: Decision | None = None
     errors: Counter[str] = field(default_factory=Counter)
@@ -288,6 +289,7 @@ class Daemon:
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
         tracked.sample = report.result.sample
+        tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
         if report.error is not None:
             tracked.errors[report.error] += 1
             log_event(_log, logging.DEBUG, "probe.failed", pool=key.pool, worker=key.worker,
@@ -309,6 +311,7 @@ class Daemon:
     def _endpoints(self, pool: Pool, now: float) -> list[Endpoint]:
         members = {k: t for k, t in self._tracked.items() if k.pool == pool.name}
         decisions = decide_pool({k: t.state for k, t in members.items()}, self.config.health, now)
+        speeds = relative_speeds({k: t.trend.token_latency_s for k, t in members.items()})
         out: list[Endpoint] = []
         for key, decision in decisions.items():
             tracked = members[key]
@@ -319,7 +322,7 @@ class Daemon:
                 w = tracked.weight or 1
             else:
                 w = weight(tracked.sample, tracked.capacity, tracked.weight, self.config.weights,
-                           ramp=decision.ramp, share=tracked.share)
+                           ramp=decision.ramp, share=tracked.share, speed=speeds[key], queue=tracked.trend.queue)
             tracked.weight = w
             out.append(Endpoint(key.address, key.port, weight=w, health=decision.status.value,
                                 zone=tracked.zone, worker=key.worker, labels=tracked.labels))

@@ -10,7 +10,8 @@ Errors, by design:
 - It raises `MetricsFormatError` when the body is unusable: empty, truncated (the last
   line has no newline, so its value may be cut mid-number; OpenMetrics bodies end at
   `# EOF` instead), not exposition text (HTML, JSON), or missing the running/waiting
-  gauges. Optional fields (KV use, prefix counters, token counter) are None when absent.
+  gauges. Optional fields (KV use, prefix counters, token counter, token latency) are
+  None when absent.
 - It raises plain `ValueError` for an unknown engine kind (a configuration error, kept
   apart from body errors so a probe that catches MetricsFormatError does not hide it).
 - Nothing else: decoding never fails (invalid UTF-8 is replaced) and a malformed line
@@ -28,6 +29,8 @@ Aggregation rules:
 - Non-finite values (NaN, +Inf, -Inf) count as absent; negative gauges are clamped to 0.
 - Renamed metrics: for each field the first name that has any series wins, so vLLM
   0.9.2-0.10 (which emit old and new names) are not double counted.
+- Token latency is a (seconds, tokens) pair of cumulative counters (a histogram's `_sum`
+  and `_count`): both come from the first family that has both, never one from each.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class LoadSample:
     counter, llama.cpp's decode-call counter. It is None for engines whose token
     counters only move when a request completes (SGLang, TGI), where a long generation
     would look like a stall.
+
+    `token_latency_s` and `token_latency_n` are the cumulative sum (seconds) and count
+    (tokens) of the engine's inter-token latency histogram: their deltas between two
+    scrapes give the mean time per generated token, i.e. the worker's decode speed as a
+    sequence sees it. Both None when the engine exports no such histogram.
     """
 
     running: float
@@ -63,6 +71,8 @@ class LoadSample:
     prefix_hits: float | None = None
     generated_tokens: float | None = None
     engines: int = 1
+    token_latency_s: float | None = None
+    token_latency_n: float | None = None
 
 
 _Combine = Literal["sum", "mean"]
@@ -83,6 +93,8 @@ class _Engine:
     prefix_queries: _Field | None = None
     prefix_hits: _Field | None = None
     generated_tokens: _Field | None = None
+    # (sum, count) names of an inter-token latency histogram, preferred first.
+    token_latency: tuple[tuple[str, str], ...] = ()
     # TGI has no KV gauge; reserved batch tokens / token budget is the closest proxy.
     kv_ratio: tuple[str, str] | None = None
 
@@ -97,12 +109,18 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         prefix_queries=_Field(("prefix_cache_queries_total", "gpu_prefix_cache_queries_total")),
         prefix_hits=_Field(("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")),
         generated_tokens=_Field(("generation_tokens_total",)),
+        # Before V1, time_per_output_token_seconds was the per-token latency histogram.
+        token_latency=(
+            ("inter_token_latency_seconds_sum", "inter_token_latency_seconds_count"),
+            ("time_per_output_token_seconds_sum", "time_per_output_token_seconds_count"),
+        ),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
         running=_Field(("num_running_reqs",)),
         waiting=_Field(("num_queue_reqs",)),
         kv_usage=_Field(("token_usage",), "mean"),
+        token_latency=(("inter_token_latency_seconds_sum", "inter_token_latency_seconds_count"),),
     ),
     "tgi": _Engine(
         prefixes=("tgi_",),
@@ -175,6 +193,7 @@ def extract(engine_kind: str, body: bytes) -> LoadSample | None:
         used = field(_Field((spec.kv_ratio[0],)))
         total = field(_Field((spec.kv_ratio[1],)))
         kv = used / total if used is not None and total else None
+    latency_s, latency_n = _token_latency(text, prefix, spec.token_latency)
     return LoadSample(
         running=running[0],
         waiting=waiting[0],
@@ -183,7 +202,23 @@ def extract(engine_kind: str, body: bytes) -> LoadSample | None:
         prefix_hits=field(spec.prefix_hits),
         generated_tokens=field(spec.generated_tokens),
         engines=max(running[1], 1),
+        token_latency_s=latency_s,
+        token_latency_n=latency_n,
     )
+
+
+def _token_latency(
+    text: str, prefix: str, pairs: tuple[tuple[str, str], ...]
+) -> tuple[float | None, float | None]:
+    """(seconds, tokens) from the first histogram family that has both its sum and count."""
+    for sum_name, count_name in pairs:
+        total = _aggregate((_find_series(text, prefix + sum_name), "sum"))[0]
+        if total is None:
+            continue
+        count = _aggregate((_find_series(text, prefix + count_name), "sum"))[0]
+        if count is not None:
+            return total, count
+    return None, None
 
 
 def _prepare(raw: str, wanted: re.Pattern[str]) -> tuple[str, bool]:

@@ -1,35 +1,68 @@
-"""EDS weights from measured load, and the fleet-level autoscaling signals. Pure.
+"""EDS weights from measured speed and load, and the fleet-level autoscaling signals. Pure.
 
-Weight model: an endpoint's weight is the number of sequences it can still take, so a
-big idle worker draws more than a small one and a busy one draws little:
+Weight model. Envoy's least_request with unequal weights picks hosts from an EDF schedule
+with dynamic weights weight / (active_requests + 1)^active_request_bias, counting its own
+in-flight requests at pick time. So the sidecar leaves the fast-moving part (how many
+sequences a worker runs right now) to Envoy and publishes what Envoy cannot see, all of
+it slow-moving:
 
-    free = (capacity - running - waiting_penalty * waiting) * kv_headroom * ramp
+    target = capacity * share * weight_per_slot * speed ** speed_exponent * queue_room * kv_room
 
-`capacity` is the declared max concurrent sequences. Waiting requests weigh double by
-default: a queue only forms once the batch is full, so each one is load the worker has
-not even started. `kv_headroom` is 1 below `kv_knee` (0.8, the peers' saturation knee)
-and falls linearly to 0 at a full KV cache (new sequences would be preempted). The
-target is multiplied by the worker's static share (the topology's `weight`), smoothed
-with an EWMA over the previously published weight and rounded toward the target (so
-small steps still converge instead of sticking), then clamped to [1, max_weight]: Envoy
-rejects a 0 weight, and a full worker keeps a trickle.
+- `capacity * share` is confgen's static weight (`confgen.envoy.eds.static_weight`).
+- `speed` is the worker's per-sequence decode speed relative to the fastest of its pool
+  (`relative_speeds`: fastest 1.0), from the smoothed time per generated token (`Trend`).
+- Why a power of it: under that EDF a host's in-flight count is about its request rate
+  times its latency (which goes as 1 / speed), so with bias 1 the rate it gets goes as
+  sqrt(weight * speed). Weights proportional to speed would give every worker its
+  capacity share, which P2C already does, and the slowest worker's long requests would
+  still set the P99. With the default exponent 4 a half-speed worker gets about 18 % of
+  a full one's rate instead of 50 %: it takes the overflow once the fast workers' batches
+  are full, where the time per token it offers is worth taking. (Measured on the bench's
+  3-worker fleet: exponent 1 left the half-speed worker its capacity share, about 20 % of
+  the requests, as P2C does; 3 to 5 halved that and cut P99 by about 20-25 % against P2C.)
+- `queue_room` = 1 - waiting_penalty * queue / capacity (floored at 0), with `queue` the
+  waiting requests smoothed with half-life `queue_half_life_s` (0: the latest count). It
+  is for load Envoy cannot see (other clients of the same workers) and is off by default
+  (waiting_penalty 0): Envoy's in-flight counts already include the requests it queued,
+  and counting a fast worker's queue twice moved traffic onto the slow worker (P99 up
+  about 15 % on the bench, with one ingress and with two).
+- `kv_room` is 1 below `kv_knee` (0.8, the peers' saturation knee) and falls linearly to
+  0 at a full KV cache (new sequences would be preempted).
+
+The target is scaled by the slow-start ramp, optionally smoothed with an EWMA over the
+previously published weight (`smoothing` < 1; its inputs are smoothed already, so the
+default publishes the target) and rounded toward the target (so small steps still
+converge instead of sticking), then clamped to [1, max_weight]: Envoy rejects a 0 weight,
+and a full worker keeps a trickle.
+
+Speed measurement (`Trend.observe`): the deltas of the engine's inter-token latency
+histogram (`_sum` / `_count`) between two scrapes give the mean time per token over that
+interval. It is folded into a running mean for the first updates, then an EWMA with
+half-life `speed_half_life_s`, only when at least `speed_min_tokens` tokens were generated
+(an idle worker keeps its estimate); one update after a long pause moves it at most
+half-way. Known bias: time per token grows with the batch, so a worker that runs a
+smaller batch looks a little faster than it is. The bias pushes load back toward the
+worker it penalises (negative feedback) and the long half-life keeps that loop far
+slower than Envoy's, so it settles instead of oscillating. Engines without the histogram
+(TGI, llama.cpp, health-only) have speed 1.0.
 
 Without a sample (health-only engine, unusable metrics) the target is the static weight
 `confgen.envoy.eds.static_weight(capacity, share) * weight_per_slot`, which with the
-default weight_per_slot of 1 is exactly what `confgen render` wrote first.
+default weight_per_slot of 1 is exactly what `confgen render` wrote first; so is an idle
+fleet's, whose speeds are not measured yet.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from confgen.envoy.eds import MAX_WEIGHT, clamp_weight, static_weight
 from sidecar.engines import LoadSample
 
-__all__ = ["WeightPolicy", "pool_saturation", "queue_depth", "weight"]
+__all__ = ["Trend", "WeightPolicy", "pool_saturation", "queue_depth", "relative_speeds", "weight"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -40,15 +73,83 @@ class WeightPolicy:
 
     max_weight: int = MAX_WEIGHT
     weight_per_slot: float = 1.0
-    waiting_penalty: float = 2.0
+    waiting_penalty: float = 0.0
     kv_knee: float = 0.8
-    smoothing: float = 0.5  # weight of the new target in the EWMA; 1 = no smoothing
+    smoothing: float = 1.0  # weight of the new target in the EWMA; 1 = no smoothing
+    speed_exponent: float = 4.0
+    speed_half_life_s: float = 20.0
+    speed_min_tokens: float = 16.0
+    queue_half_life_s: float = 3.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_weight <= MAX_WEIGHT or self.weight_per_slot <= 0 or self.waiting_penalty < 0:
             raise ValueError(f"max_weight within 1..{MAX_WEIGHT}, weight_per_slot > 0, waiting_penalty >= 0")
         if not 0 < self.kv_knee <= 1 or not 0 < self.smoothing <= 1:
             raise ValueError("kv_knee and smoothing must be within (0, 1]")
+        if self.speed_exponent < 0 or self.speed_min_tokens < 1:
+            raise ValueError("speed_exponent must be >= 0 and speed_min_tokens >= 1")
+        if self.speed_half_life_s <= 0 or self.queue_half_life_s < 0:
+            raise ValueError("speed_half_life_s must be > 0 and queue_half_life_s >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Trend:
+    """The slow-moving view of one endpoint, updated by `observe` from each scrape.
+
+    `token_latency_s` is the smoothed time per generated token (None until measured);
+    `queue` the waiting requests, smoothed with half-life `queue_half_life_s`.
+    """
+
+    token_latency_s: float | None = None
+    queue: float = 0.0
+    at: float | None = None  # time of the last sample taken into account
+    speed_at: float | None = None  # time of the last speed update
+    speed_updates: int = 0
+    latency_sum: float | None = None  # counters at the last speed update (the baseline)
+    latency_count: float | None = None
+
+    def observe(self, sample: LoadSample | None, now: float, policy: WeightPolicy) -> Trend:
+        """Take one scrape into account; without a sample (or an older one) nothing changes."""
+        if sample is None or (self.at is not None and now < self.at):
+            return self
+        queue = sample.waiting
+        if self.at is not None and policy.queue_half_life_s > 0:
+            keep = 0.5 ** ((now - self.at) / policy.queue_half_life_s)
+            queue = self.queue * keep + sample.waiting * (1.0 - keep)
+        nxt = replace(self, queue=queue, at=now)
+        total, count = sample.token_latency_s, sample.token_latency_n
+        if total is None or count is None:
+            return replace(nxt, latency_sum=None, latency_count=None)
+        if self.latency_sum is None or self.latency_count is None or total < self.latency_sum \
+                or count < self.latency_count:
+            return replace(nxt, latency_sum=total, latency_count=count, speed_at=now)  # first or reset
+        tokens = count - self.latency_count
+        if tokens < policy.speed_min_tokens:
+            return nxt  # keep the baseline: the next scrape's delta covers these tokens too
+        per_token = (total - self.latency_sum) / tokens
+        updates = self.speed_updates + 1
+        if self.token_latency_s is None:
+            latency = per_token
+        else:
+            elapsed = now - (self.speed_at if self.speed_at is not None else now)
+            # The plain mean of the first updates (1/n), then the EWMA: a first noisy
+            # interval does not stick for a half-life, and one late update moves it at most
+            # half-way.
+            alpha = max(min(1.0 - 0.5 ** (elapsed / policy.speed_half_life_s), 0.5), 1.0 / updates)
+            latency = self.token_latency_s + alpha * (per_token - self.token_latency_s)
+        return replace(nxt, token_latency_s=latency, latency_sum=total, latency_count=count, speed_at=now,
+                       speed_updates=updates)
+
+
+def relative_speeds(latencies: Mapping[K, float | None]) -> dict[K, float]:
+    """Per-sequence speed relative to the fastest endpoint of a pool (fastest = 1.0).
+
+    `latencies` are `Trend.token_latency_s` values; an endpoint without one gets 1.0, as
+    the weight model would have it without a speed signal.
+    """
+    known = [t for t in latencies.values() if t is not None and t > 0]
+    fastest = min(known, default=None)
+    return {key: 1.0 if fastest is None or t is None or t <= 0 else fastest / t for key, t in latencies.items()}
 
 
 def weight(
@@ -58,14 +159,18 @@ def weight(
     policy: WeightPolicy,
     ramp: float = 1.0,
     share: int = 1,
+    speed: float = 1.0,
+    queue: float | None = None,
 ) -> int:
     """EDS weight in [1, max_weight] for one endpoint; `previous` is the last published one.
 
     `share` is the worker's static weight from the topology: it multiplies the target.
+    `speed` is the endpoint's relative speed (`relative_speeds`), `queue` its smoothed
+    waiting requests (`Trend.queue`; the sample's own count when None).
     """
     if capacity < 1 or share < 1:
         raise ValueError(f"capacity and share must be >= 1, got {capacity} and {share}")
-    target = _target(sample, capacity, share, policy) * min(max(ramp, 0.0), 1.0)
+    target = _target(sample, capacity, share, policy, speed, queue) * min(max(ramp, 0.0), 1.0)
     if previous is not None:
         blended = policy.smoothing * target + (1 - policy.smoothing) * previous
         # Round toward the target, so that from previous=1 a target of 2 is reached.
@@ -73,15 +178,19 @@ def weight(
     return clamp_weight(target, policy.max_weight)
 
 
-def _target(sample: LoadSample | None, capacity: int, share: int, policy: WeightPolicy) -> float:
+def _target(
+    sample: LoadSample | None, capacity: int, share: int, policy: WeightPolicy, speed: float, queue: float | None
+) -> float:
+    static = static_weight(capacity, share, policy.max_weight) * policy.weight_per_slot
     if sample is None:
-        return static_weight(capacity, share, policy.max_weight) * policy.weight_per_slot
-    free = capacity - sample.running - policy.waiting_penalty * sample.waiting
+        return static
+    waiting = sample.waiting if queue is None else queue
+    queue_room = max(1.0 - policy.waiting_penalty * waiting / capacity, 0.0)
     kv = sample.kv_usage
-    headroom = 1.0
+    kv_room = 1.0
     if kv is not None and kv > policy.kv_knee:
-        headroom = max(1.0 - kv, 0.0) / (1.0 - policy.kv_knee) if policy.kv_knee < 1 else 0.0
-    return max(free, 0.0) * headroom * share * policy.weight_per_slot
+        kv_room = max(1.0 - kv, 0.0) / (1.0 - policy.kv_knee) if policy.kv_knee < 1 else 0.0
+    return static * math.pow(min(max(speed, 0.0), 1.0), policy.speed_exponent) * queue_room * kv_room
 
 
 def pool_saturation(

@@ -88,7 +88,8 @@ def run(ctx: Context) -> Result:
     res.notes.append(
         "'+ sidecar weights' = weights via the sidecar's pure core, driven by the bench harness "
         f"(bench/_weights_core.py: every {WEIGHTS_INTERVAL_S} s GET /metrics -> sidecar.engines.extract -> "
-        "sidecar.weights.weight -> confgen.envoy.render_eds -> atomic_write), with the pool circuit breaker lifted "
+        "sidecar.weights (Trend per endpoint, relative_speeds, weight: the daemon's path) -> "
+        "confgen.envoy.render_eds -> atomic_write), with the pool circuit breaker lifted "
         "like every other Envoy row. This is what the target rows use.")
     res.notes.append(
         "'+ sidecar daemon' = the sidecar as shipped (python -m sidecar.main, --interval "

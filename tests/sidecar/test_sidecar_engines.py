@@ -217,3 +217,37 @@ def test_mutated_bodies_only_raise_metrics_format_error() -> None:
         for value in (sample.running, sample.waiting):
             assert math.isfinite(value) and value >= 0
         assert sample.kv_usage is None or 0.0 <= sample.kv_usage <= 1.0
+
+
+def test_token_latency_is_the_itl_histograms_sum_and_count() -> None:
+    """The inter-token latency histogram's _sum/_count are picked by exact name (not a
+    _bucket line, not another histogram), summed over data-parallel engines; an engine
+    without such a histogram (TGI, llama.cpp) reports None for both."""
+    sample = extract("vllm", _body("vllm_v1_dp2.prom"))
+    assert sample is not None
+    assert sample.token_latency_s == pytest.approx(2042.015 + 3582.525)
+    assert sample.token_latency_n == 3645.0 + 3749.0
+    for kind, name in (("tgi", "tgi.prom"), ("llamacpp", "llamacpp.prom")):
+        other = extract(kind, _body(name))
+        assert other is not None and other.token_latency_s is None and other.token_latency_n is None
+
+
+def test_token_latency_sum_and_count_come_from_one_family() -> None:
+    """vLLM 0.9.x-0.10 print the deprecated per-token histogram next to the new one: the
+    new family wins for both halves; a family with only a _sum is not paired with another
+    family's _count; the pre-V1 name is used when it is the only one."""
+    new = ('vllm:inter_token_latency_seconds_sum{engine="0"} 2.0\n'
+           'vllm:inter_token_latency_seconds_count{engine="0"} 40.0\n')
+    old = ('vllm:time_per_output_token_seconds_sum{engine="0"} 9.0\n'
+           'vllm:time_per_output_token_seconds_count{engine="0"} 10.0\n')
+    gauges = 'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_waiting{engine="0"} 0.0\n'
+
+    def latency(text: str) -> tuple[float | None, float | None]:
+        sample = extract("vllm", (gauges + text).encode())
+        assert sample is not None
+        return sample.token_latency_s, sample.token_latency_n
+
+    assert latency(old + new) == (2.0, 40.0)
+    assert latency(old) == (9.0, 10.0)
+    assert latency(new.splitlines(keepends=True)[0] + old) == (9.0, 10.0)
+    assert latency(new.splitlines(keepends=True)[0]) == (None, None)

@@ -167,9 +167,12 @@ def test_drained_worker_finishes_in_flight_streams(tmp_path: Path) -> None:
 
 
 def test_weights_move_traffic_away_from_a_growing_queue(tmp_path: Path) -> None:
-    """A worker whose queue grows (load from outside this Envoy) gets weight 1 while an idle
-    one keeps its capacity, and Envoy's least_request then sends it a small share."""
-    with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=8, decode_ms=20.0), capacity=8) as rig:
+    """With the queue term on (waiting_penalty, off by default: Envoy counts its own queued
+    requests), a worker whose queue grows (load from outside this Envoy) gets weight 1 while
+    an idle one keeps its capacity, and Envoy's least_request then sends it a small share."""
+    queue_args = (*FAST_ARGS, "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0")
+    with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=8, decode_ms=20.0), capacity=8,
+                  sidecar_args=queue_args) as rig:
         pa, pb = rig.worker_port("a"), rig.worker_port("b")
         direct = f"{rig.fleet.worker('b').url}/v1/completions"
         body = {"model": "sim-model", "prompt": "queue", "max_tokens": 120}
