@@ -300,9 +300,10 @@ class Daemon:
                       reason=tracked.state.reason)
 
     def _apply_drains(self, now: float) -> None:
+        # One pass over the topology, not one per endpoint (thousands of endpoints per cycle).
+        planned = {(p.name, w.address) for p in self._topo.pools for w in p.workers if w.drain}
         for key, tracked in self._tracked.items():
-            worker = next((w for w in self._topo.pool(key.pool).workers if w.address == key.worker), None)
-            wanted = (worker is not None and worker.drain) or (key.pool, key.worker) in self._admin_drains
+            wanted = (key.pool, key.worker) in planned or (key.pool, key.worker) in self._admin_drains
             if wanted and not tracked.state.drained:
                 tracked.state = tracked.state.drain()
             elif not wanted and tracked.state.drained:
