@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+from confgen.model import Retries
 from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 
 from .. import _proxies, _stats, loadgen
@@ -23,7 +24,8 @@ def _host_counters(text: str, port: int) -> dict[str, str]:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    default = _once(ctx, res, "product defaults (retries.min_concurrency 3)", "{attempts: 2}")
+    default_floor = Retries().min_concurrency  # from the model, so the label cannot go stale
+    default = _once(ctx, res, f"product defaults (retries.min_concurrency {default_floor})", "{attempts: 2}")
     tuned = _once(ctx, res, "retries.min_concurrency 16 (one worker's capacity)", "{attempts: 2, min_concurrency: 16}")
     s, quiet_s = default["summary"], default["quiet_s"]
     res.targets.append(Target("Worker kill: failed non-stream requests (topology defaults)", "0",
@@ -36,8 +38,8 @@ def run(ctx: Context) -> Result:
                      "(another host each time) under a retry budget of 20 % with `min_concurrency` concurrent retries "
                      "always allowed, outlier detection after 2 consecutive gateway failures, active health checks "
                      "every 1 s. 'Traffic' is Envoy's per-host rq_total + cx_total + cx_connect_fail from admin "
-                     "/clusters, polled every 50 ms. A retry refused by the budget is an upstream overflow, which the "
-                     "listener maps to 429.")
+                     "/clusters, polled every 50 ms. A failed attempt whose retry the budget refused is answered as "
+                     "503 upstream_failure.")
     return res
 
 
