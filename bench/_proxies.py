@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from typing import Any
 
 from confgen import envoy, runtime
 from confgen.output import write_tree
+from confgen.runtime import stop_process
 from confgen.topology import parse
 
 POOL = "chat"
@@ -139,13 +139,7 @@ def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, 
         if child.poll() is not None:
             raise RuntimeError(f"the sidecar died during the run ({child.returncode}): {log.read_text()[-1500:]}")
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait(timeout=5)
+        stop_process(child, timeout=10)
 
 
 @contextlib.contextmanager
@@ -200,13 +194,7 @@ def run_vllm_router(urls: Sequence[str], policy: str, log: Path) -> Iterator[str
             time.sleep(0.1)
         yield url
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+        stop_process(proc, timeout=5)
 
 
 def _http_ok(url: str) -> bool:
@@ -232,13 +220,7 @@ def run_weights_core(pool_endpoints: list[dict[str, Any]], eds_paths: Sequence[P
             raise RuntimeError(f"the weights core died ({child.returncode}): {child.stderr.read().decode()[-1500:]}"
                                if child.stderr else "the weights core died")
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait(timeout=5)
+        stop_process(child, timeout=10)
 
 
 def envoy_version() -> str:

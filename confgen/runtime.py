@@ -140,7 +140,8 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def _stop_pid(proc: subprocess.Popen[bytes], term_signal: int, timeout: float) -> None:
+def stop_process(proc: subprocess.Popen[Any], term_signal: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Stop a process this program started, by its pid: `term_signal`, then SIGKILL after `timeout`."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -253,7 +254,7 @@ class EnvoyProcess:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `stop_timeout`; removes the temp dir."""
         if self._proc is not None:
-            _stop_pid(self._proc, signal.SIGTERM, self._stop_timeout)
+            stop_process(self._proc, signal.SIGTERM, self._stop_timeout)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -485,7 +486,7 @@ class NginxProcess:
     def stop(self) -> None:
         """SIGQUIT (graceful), then SIGKILL after `stop_timeout`."""
         if self._proc is not None:
-            _stop_pid(self._proc, signal.SIGQUIT, self._stop_timeout)
+            stop_process(self._proc, signal.SIGQUIT, self._stop_timeout)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from confgen import envoy, runtime
 from confgen.output import write_tree
+from confgen.runtime import stop_process
 from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 from confgen.topology import parse
 from sidecar.engines import extract
@@ -130,13 +130,7 @@ def _metrics_servers(ctx: Context, body_path: Path, busy: bool) -> Iterator[list
         yield ports
     finally:
         for s in servers:
-            if s.poll() is None:
-                os.kill(s.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                s.wait(timeout=10)
-            if s.poll() is None:
-                os.kill(s.pid, signal.SIGKILL)
-                s.wait(timeout=5)
+            stop_process(s, timeout=10)
 
 
 def run(ctx: Context) -> Result:
