@@ -143,7 +143,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644)
     except SecretError as exc:
-        print(f"{args.topology}: {exc}", file=sys.stderr)
+        from .topology import pin
+
+        _print_diagnostics(pin(args.topology, exc.problems, "error"), sys.stderr)
         return EXIT_INVALID
     except OutputError as exc:
         print(f"confgen: {exc}", file=sys.stderr)

@@ -48,7 +48,14 @@ class TopologyError(ConfgenError):
 
 
 class SecretError(ConfgenError):
-    """An API key referenced by the topology could not be read at render time."""
+    """API keys referenced by the topology could not be read at render time.
+
+    `problems` holds (field path, reason) pairs, so the CLI can pin each to its line.
+    """
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems: tuple[tuple[str, str], ...] = tuple(problems)
+        super().__init__("cannot read API keys: " + "; ".join(f"{p}: {m}" for p, m in self.problems))
 
 
 class OutputError(ConfgenError):

@@ -23,28 +23,29 @@ def resolve(topo: Topology, environ: Mapping[str, str] | None = None) -> dict[st
     """client -> key; SecretError names every key that could not be read."""
     env = os.environ if environ is None else environ
     keys: dict[str, str] = {}
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []  # (field path, reason)
     for index, key in enumerate(topo.auth.api_keys if topo.auth else []):
         where = f"auth.api_keys[{index}]"
         if key.env is not None:
             value = env.get(key.env, "")
             if not value:
-                problems.append(f"{where}.env: environment variable {key.env} is not set or empty")
+                problems.append((f"{where}.env", f"environment variable {key.env} is not set or empty"))
                 continue
         else:
             assert key.file is not None
             try:
                 value = Path(key.file).read_text().strip()
             except OSError as exc:
-                problems.append(f"{where}.file: cannot read {key.file}: {exc.strerror}")
+                problems.append((f"{where}.file", f"cannot read {key.file}: {exc.strerror}"))
                 continue
         if not BEARER_TOKEN.fullmatch(value) or len(value) > 512:
-            problems.append(
-                f"{where}: the key for {key.client!r} must be a bearer token: letters, digits and - . _ ~ + / "
-                "with optional trailing '=' (at most 512 characters)"
-            )
+            problems.append((
+                where,
+                f"the key for {key.client!r} must be a bearer token: letters, digits and - . _ ~ + / "
+                "with optional trailing '=' (at most 512 characters)",
+            ))
             continue
         keys[key.client] = value
     if problems:
-        raise SecretError("cannot read API keys:\n  " + "\n  ".join(problems))
+        raise SecretError(problems)
     return keys

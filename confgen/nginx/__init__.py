@@ -55,15 +55,16 @@ def _placeholder_secrets(topo: Topology) -> dict[str, str]:
 
 def _checked_secrets(topo: Topology, secrets: Mapping[str, str] | None) -> dict[str, str]:
     keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
-    bad = [client for client, key in keys.items() if not BEARER_TOKEN.fullmatch(key)]
-    if bad:
-        raise SecretError(
-            "the nginx target needs API keys made of Bearer-token characters (letters, digits and "
-            f"- . _ ~ + / then optional =); not so for: {', '.join(sorted(bad))}"
-        )
-    missing = [k.client for k in (topo.auth.api_keys if topo.auth else []) if k.client not in keys]
-    if missing:
-        raise SecretError(f"no API key given for: {', '.join(missing)}")
+    problems = []
+    for index, api_key in enumerate(topo.auth.api_keys if topo.auth else []):
+        where = f"auth.api_keys[{index}]"
+        if api_key.client not in keys:
+            problems.append((where, f"no API key given for {api_key.client!r}"))
+        elif not BEARER_TOKEN.fullmatch(keys[api_key.client]):
+            problems.append((where, f"the key for {api_key.client!r} must be made of Bearer-token characters "
+                             "(letters, digits and - . _ ~ + / then optional =)"))
+    if problems:
+        raise SecretError(problems)
     return keys
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -205,10 +206,12 @@ def test_schema_command_prints_the_committed_schema() -> None:
 
 def test_render_without_the_key_env_var_fails_naming_the_field(tmp_path: Path) -> None:
     """`render` with an API key whose env var is unset exits 1 naming auth.api_keys[0].env
-    and the variable, and writes no output directory."""
-    result = _run("render", _write(tmp_path, WITH_KEY), "-o", tmp_path / "out")
+    and the variable at its file:line:col, and writes no output directory."""
+    topology = _write(tmp_path, WITH_KEY)
+    result = _run("render", topology, "-o", tmp_path / "out")
     assert result.returncode == 1
-    assert "auth.api_keys[0].env: environment variable CONFGEN_TEST_KEY_WEB is not set or empty" in result.stderr
+    message = "auth.api_keys[0].env: environment variable CONFGEN_TEST_KEY_WEB is not set or empty"
+    assert re.search(rf"^{re.escape(str(topology))}:\d+:\d+: {re.escape(message)}$", result.stderr, re.M), result.stderr
     assert not (tmp_path / "out").exists()
 
 
