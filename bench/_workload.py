@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,6 +44,15 @@ def _text(rng: random.Random, tokens: int) -> str:
     return " ".join(words)[:target]
 
 
+def poisson(rng: random.Random, rate: float, count: int) -> Iterator[tuple[int, float]]:
+    """(index, offset in s) of `count` open-loop Poisson arrivals. Lazy, so a caller that
+    draws from the same `rng` per request keeps one interleaved, reproducible sequence."""
+    t = 0.0
+    for index in range(count):
+        t += rng.expovariate(rate)
+        yield index, t
+
+
 def build(spec: WorkloadSpec) -> list[dict[str, Any]]:
     """The requests: offset `t` (s from start), JSON `body`, `headers`, `session`."""
     rng = random.Random(spec.seed)
@@ -52,9 +62,7 @@ def build(spec: WorkloadSpec) -> list[dict[str, Any]]:
     ]
     lo, hi = spec.prompt_tokens
     out: list[dict[str, Any]] = []
-    t = 0.0
-    for index in range(spec.count):
-        t += rng.expovariate(spec.rate)
+    for index, t in poisson(rng, spec.rate, spec.count):
         prompt_tokens = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         max_tokens = rng.randint(*spec.output_range)
         headers: dict[str, str] = {}

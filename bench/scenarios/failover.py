@@ -11,6 +11,7 @@ from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 
 from .. import _proxies, _stats, loadgen
 from .._harness import Context, Result, Target
+from .._workload import poisson
 
 NAME = "failover"
 TITLE = "Failover: a worker killed under load"
@@ -50,9 +51,8 @@ def _once(ctx: Context, res: Result, label: str, retries: str) -> dict[str, Any]
     import random
 
     rng = random.Random(ctx.seed)
-    t, requests = 0.0, []
-    for i in range(int(rate * duration)):
-        t += rng.expovariate(rate)
+    requests = []
+    for i, t in poisson(rng, rate, int(rate * duration)):
         requests.append({"i": i, "t": round(t, 5), "headers": {},
                          "body": {"model": "sim-model", "prompt": f"failover {i} " + "x" * rng.randint(50, 400),
                                   "max_tokens": rng.randint(8, 24), "stream": False}})

@@ -13,6 +13,7 @@ from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 
 from .. import _proxies, _stats, loadgen
 from .._harness import Context, Result, Target, fmt_ms
+from .._workload import poisson
 
 NAME = "reload"
 TITLE = "Reload: EDS replacements under load"
@@ -42,9 +43,8 @@ def run(ctx: Context) -> Result:
     duration = replacements * (gap + 0.02) + 4
     rate = 30.0
     rng = random.Random(ctx.seed)
-    t, requests = 0.0, []
-    for i in range(int(rate * duration)):
-        t += rng.expovariate(rate)
+    requests = []
+    for i, t in poisson(rng, rate, int(rate * duration)):
         requests.append({"i": i, "t": round(t, 5), "headers": {},
                          "body": {"model": "sim-model", "prompt": f"reload {i}", "max_tokens": rng.randint(8, 32),
                                   "stream": i % 2 == 0}})
