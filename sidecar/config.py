@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from sidecar.hysteresis import HysteresisPolicy
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
@@ -22,7 +23,7 @@ from sidecar.weights import WeightPolicy
 __all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
 
 LogFormat = Literal["json", "text"]
-_P = TypeVar("_P", HealthPolicy, WeightPolicy)
+_P = TypeVar("_P", HealthPolicy, WeightPolicy, HysteresisPolicy)
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,7 @@ class SidecarConfig:
     listen_port: int = 9109
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
+    hysteresis: HysteresisPolicy = field(default_factory=HysteresisPolicy)  # which weight changes are published
     publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
@@ -89,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
                    help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
                    help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+    p.add_argument("--hysteresis", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a HysteresisPolicy field (repeatable): when a weight change is "
+                   "published, e.g. --hysteresis threshold=0.1 (sustain=1 threshold=0 min_step=0: every change)")
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
@@ -138,6 +143,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
     host, port = _split_listen(args.listen)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
+    hysteresis = _override(HysteresisPolicy(), args.hysteresis, "--hysteresis")
     deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
     return SidecarConfig(
         topology=args.topology,
@@ -152,6 +158,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         listen_port=port,
         health=health,
         weights=weights,
+        hysteresis=hysteresis,
         publish_debounce_s=args.publish_debounce,
         confirm_timeout_s=args.confirm_timeout,
         watch_debounce_s=args.watch_debounce,

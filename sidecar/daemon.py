@@ -25,13 +25,14 @@ from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
 from sidecar.config import SidecarConfig
 from sidecar.engines import LoadSample
+from sidecar.hysteresis import gate
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
 from sidecar.state import Decision, EndpointState, Status, decide_pool
-from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, smooth, target
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -57,6 +58,7 @@ class _Tracked:
     share: int = 1  # the worker's static weight: multiplies the computed one
     labels: tuple[tuple[str, str], ...] = ()
     weight: int | None = None  # last weight published
+    streak: int = 0  # cycles a weight change has been pending (sidecar.hysteresis)
     sample: LoadSample | None = None
     trend: Trend = field(default_factory=Trend)  # smoothed speed and queue, for the weights
     report: ProbeReport | None = None
@@ -318,13 +320,17 @@ class Daemon:
             tracked = members[key]
             tracked.decision = decision
             if decision.status is Status.UNHEALTHY or decision.min_weight:
-                w = 1  # out of rotation or failing: a return starts from the bottom of the ramp
+                w, streak = 1, 0  # out of rotation or failing: a return starts from the bottom of the ramp
             elif decision.status is Status.DRAINING:
-                w = tracked.weight or 1
+                w, streak = tracked.weight or 1, 0
             else:
-                w = weight(tracked.sample, tracked.capacity, tracked.weight, self.config.weights,
-                           ramp=decision.ramp, share=tracked.share, speed=speeds[key], queue=tracked.trend.queue)
-            tracked.weight = w
+                policy = self.config.weights
+                goal = target(tracked.sample, tracked.capacity, policy, ramp=decision.ramp, share=tracked.share,
+                              speed=speeds[key], queue=tracked.trend.queue)
+                gated = gate(smooth(goal, tracked.weight, policy), tracked.weight, tracked.streak,
+                             self.config.hysteresis, max_weight=policy.max_weight, immediate=decision.ramp < 1)
+                w, streak = gated.weight, gated.streak
+            tracked.weight, tracked.streak = w, streak
             out.append(Endpoint(key.address, key.port, weight=w, health=decision.status.value,
                                 zone=tracked.zone, worker=key.worker, labels=tracked.labels))
         return out

@@ -40,10 +40,17 @@ histogram (`_sum` / `_count`) between two scrapes give the mean time per token o
 interval. It is folded into a running mean for the first updates, then an EWMA with
 half-life `speed_half_life_s`, only when at least `speed_min_tokens` tokens were generated
 (an idle worker keeps its estimate); one update after a long pause moves it at most
-half-way. Known bias: time per token grows with the batch, so a worker that runs a
-smaller batch looks a little faster than it is. The bias pushes load back toward the
-worker it penalises (negative feedback) and the long half-life keeps that loop far
-slower than Envoy's, so it settles instead of oscillating. Engines without the histogram
+half-way. A level shift skips the EWMA: `speed_jump_updates` intervals in a row whose
+time per token is past the estimate by `speed_jump` (relative) or more, and by
+`speed_jump_noise` times the usual deviation of the ordinary intervals (prefill-heavy
+traffic makes each interval's mean noisy), on the same side, replace it by their mean.
+So the long half-life that keeps a steady fleet's weights (and EDS file) still against
+batch-size noise does not delay a worker that slows 2x: it is measured at its new speed
+on the second interval after the change. Known bias: time per token grows with the
+batch, so a worker that runs a smaller batch looks a little faster than it is. The bias
+pushes load back toward the worker it penalises (negative feedback) and the long
+half-life keeps that loop far slower than Envoy's, so it settles instead of oscillating.
+Engines without the histogram
 (TGI, llama.cpp, health-only) have speed 1.0.
 
 Without a sample (health-only engine, unusable metrics) the target is the static weight
@@ -62,7 +69,7 @@ from typing import TypeVar
 from confgen.envoy.eds import MAX_WEIGHT, clamp_weight, static_weight
 from sidecar.engines import LoadSample
 
-__all__ = ["Trend", "WeightPolicy", "pool_saturation", "queue_depth", "relative_speeds", "weight"]
+__all__ = ["Trend", "WeightPolicy", "pool_saturation", "queue_depth", "relative_speeds", "smooth", "target", "weight"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -80,6 +87,9 @@ class WeightPolicy:
     speed_half_life_s: float = 20.0
     speed_min_tokens: float = 16.0
     queue_half_life_s: float = 3.0
+    speed_jump: float = 0.4  # an interval this far (relative) from the estimate may be a level shift
+    speed_jump_updates: int = 2  # ... and this many of them in a row, same side, replace the estimate
+    speed_jump_noise: float = 3.0  # the jump is at least this many times the usual deviation
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_weight <= MAX_WEIGHT or self.weight_per_slot <= 0 or self.waiting_penalty < 0:
@@ -90,6 +100,8 @@ class WeightPolicy:
             raise ValueError("speed_exponent must be >= 0 and speed_min_tokens >= 1")
         if self.speed_half_life_s <= 0 or self.queue_half_life_s < 0:
             raise ValueError("speed_half_life_s must be > 0 and queue_half_life_s >= 0")
+        if self.speed_jump <= 0 or self.speed_jump_updates < 1 or self.speed_jump_noise < 0:
+            raise ValueError("speed_jump must be > 0, speed_jump_updates >= 1 and speed_jump_noise >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +119,8 @@ class Trend:
     speed_updates: int = 0
     latency_sum: float | None = None  # counters at the last speed update (the baseline)
     latency_count: float | None = None
+    shift: tuple[float, ...] = ()  # consecutive per-token means past the jump bound, same side
+    noise: float = 0.0  # smoothed |per-token mean / estimate - 1| of the ordinary intervals
 
     def observe(self, sample: LoadSample | None, now: float, policy: WeightPolicy) -> Trend:
         """Take one scrape into account; without a sample (or an older one) nothing changes."""
@@ -128,6 +142,8 @@ class Trend:
             return nxt  # keep the baseline: the next scrape's delta covers these tokens too
         per_token = (total - self.latency_sum) / tokens
         updates = self.speed_updates + 1
+        shift: tuple[float, ...] = ()
+        noise = self.noise
         if self.token_latency_s is None:
             latency = per_token
         else:
@@ -137,8 +153,23 @@ class Trend:
             # half-way.
             alpha = max(min(1.0 - 0.5 ** (elapsed / policy.speed_half_life_s), 0.5), 1.0 / updates)
             latency = self.token_latency_s + alpha * (per_token - self.token_latency_s)
+            deviation = abs(per_token / self.token_latency_s - 1.0) if self.token_latency_s > 0 else 0.0
+            bound = max(policy.speed_jump, policy.speed_jump_noise * self.noise)
+            if deviation < bound:
+                noise = self.noise + alpha * (deviation - self.noise)
+            else:
+                shift = _level_shift(self.shift, per_token, self.token_latency_s)
+                if len(shift) >= policy.speed_jump_updates:
+                    latency, shift = sum(shift) / len(shift), ()
         return replace(nxt, token_latency_s=latency, latency_sum=total, latency_count=count, speed_at=now,
-                       speed_updates=updates)
+                       speed_updates=updates, shift=shift, noise=noise)
+
+
+def _level_shift(pending: tuple[float, ...], per_token: float, estimate: float) -> tuple[float, ...]:
+    """`pending` with `per_token` appended, restarted when it lies on the other side."""
+    if pending and (pending[0] > estimate) != (per_token > estimate):
+        return (per_token,)
+    return (*pending, per_token)
 
 
 def relative_speeds(latencies: Mapping[K, float | None]) -> dict[K, float]:
@@ -168,14 +199,38 @@ def weight(
     `speed` is the endpoint's relative speed (`relative_speeds`), `queue` its smoothed
     waiting requests (`Trend.queue`; the sample's own count when None).
     """
+    goal = target(sample, capacity, policy, ramp=ramp, share=share, speed=speed, queue=queue)
+    if previous is not None:
+        blended = policy.smoothing * goal + (1 - policy.smoothing) * previous
+        # Round toward the target, so that from previous=1 a target of 2 is reached.
+        goal = math.ceil(blended) if goal > previous else math.floor(blended)
+    return clamp_weight(goal, policy.max_weight)
+
+
+def target(
+    sample: LoadSample | None,
+    capacity: int,
+    policy: WeightPolicy,
+    ramp: float = 1.0,
+    share: int = 1,
+    speed: float = 1.0,
+    queue: float | None = None,
+) -> float:
+    """The unrounded, unsmoothed weight `weight` aims at (the slow-start ramp applied).
+
+    The publish gate (`sidecar.hysteresis`) compares this with the published weight, so
+    that rounding noise around a fractional target never reaches Envoy.
+    """
     if capacity < 1 or share < 1:
         raise ValueError(f"capacity and share must be >= 1, got {capacity} and {share}")
-    target = _target(sample, capacity, share, policy, speed, queue) * min(max(ramp, 0.0), 1.0)
-    if previous is not None:
-        blended = policy.smoothing * target + (1 - policy.smoothing) * previous
-        # Round toward the target, so that from previous=1 a target of 2 is reached.
-        target = math.ceil(blended) if target > previous else math.floor(blended)
-    return clamp_weight(target, policy.max_weight)
+    return _target(sample, capacity, share, policy, speed, queue) * min(max(ramp, 0.0), 1.0)
+
+
+def smooth(goal: float, previous: int | None, policy: WeightPolicy) -> float:
+    """The EWMA of `goal` over the published weight (`policy.smoothing`; 1: `goal` itself)."""
+    if previous is None or policy.smoothing >= 1:
+        return goal
+    return policy.smoothing * goal + (1 - policy.smoothing) * previous
 
 
 def _target(

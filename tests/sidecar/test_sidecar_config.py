@@ -8,6 +8,7 @@ import pytest
 
 from sidecar import main as main_mod
 from sidecar.config import ConfigError, SidecarConfig, from_argv
+from sidecar.hysteresis import HysteresisPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
@@ -38,7 +39,8 @@ def test_overrides() -> None:
         *TOPO, "--xds-dir", "/x", "--envoy-admin", "http://127.0.0.1:9901/", "--interval", "0.5",
         "--jitter", "0", "--max-concurrency", "8", "--probe-deadline", "0.3", "--body-cap", "4096",
         "--listen", "[::1]:9200", "--health", "fall=5", "--health", "slow_start_s=0",
-        "--weights", "smoothing=1.0", "--weights", "max_weight=50", "--publish-debounce", "0",
+        "--weights", "smoothing=1.0", "--weights", "max_weight=50", "--hysteresis", "sustain=3",
+        "--hysteresis", "threshold=0", "--publish-debounce", "0",
         "--confirm-timeout", "0.5", "--watch-debounce", "0.05", "--ingresses", "3",
         "--log-format", "text", "--log-level", "DEBUG",
     ])
@@ -48,6 +50,7 @@ def test_overrides() -> None:
     assert (config.listen_host, config.listen_port) == ("::1", 9200)
     assert config.health == HealthPolicy(probe_interval_s=0.5, fall=5, slow_start_s=0.0)
     assert config.weights == WeightPolicy(smoothing=1.0, max_weight=50)
+    assert config.hysteresis == HysteresisPolicy(sustain=3, threshold=0.0)
     assert (config.publish_debounce_s, config.confirm_timeout_s, config.watch_debounce_s) == (0, 0.5, 0.05)
     assert config.ingresses == 3
     assert (config.log_format, config.log_level) == ("text", "DEBUG")
@@ -63,6 +66,7 @@ def test_overrides() -> None:
     (["--health", "rise=0"], "--health: probe counts must be >= 1"),
     (["--weights", "smoothing=0"], "--weights: kv_knee and smoothing"),
     (["--weights", "max_weight=100000"], "--weights: max_weight within"),
+    (["--hysteresis", "sustain=0"], "--hysteresis: threshold and min_step must be >= 0, sustain >= 1"),
     (["--interval", "0"], "interval and probe deadline must be > 0"),
     (["--jitter", "1"], "jitter must be within"),
     (["--max-concurrency", "0"], "max concurrency must be >= 1"),

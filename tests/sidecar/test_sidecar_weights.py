@@ -314,3 +314,46 @@ def test_queue_is_smoothed_over_time() -> None:
         persistent = persistent.observe(_tokens(0, 0, waiting=8), float(second), policy)
     assert persistent.queue == pytest.approx(8, rel=0.01)
     assert weight(_tokens(0, 0, waiting=8), 16, None, WeightPolicy(waiting_penalty=2), queue=persistent.queue) == 1
+
+
+def _steady_trend(policy: WeightPolicy, per_token: list[float], start: Trend | None = None,
+                  t0: float = 0.0) -> tuple[Trend, float]:
+    """Feed one 1-s interval of 100 tokens per entry of `per_token` (its time per token)."""
+    trend = start or Trend().observe(_tokens(0.0, 0), t0, policy)
+    total, count, now = trend.latency_sum or 0.0, trend.latency_count or 0.0, t0
+    for value in per_token:
+        now += 1.0
+        total, count = total + value * 100, count + 100
+        trend = trend.observe(_tokens(total, count), now, policy)
+    return trend, now
+
+
+def test_a_level_shift_replaces_the_estimate_on_the_second_interval() -> None:
+    """After a steady minute at 50 ms per token, a worker that slows 2x is measured at its
+    new speed on the second interval past the jump bound (the EWMA alone, half-life 20 s,
+    would take a minute); one outlier interval followed by a normal one is not a shift,
+    and a speed-up is a shift too."""
+    policy = WeightPolicy(speed_half_life_s=20.0)
+    steady, now = _steady_trend(policy, [0.05] * 60)
+    assert steady.token_latency_s == pytest.approx(0.05)
+    once, _ = _steady_trend(policy, [0.1], steady, now)
+    assert once.token_latency_s is not None and once.token_latency_s < 0.055
+    twice, now2 = _steady_trend(policy, [0.1, 0.1], steady, now)
+    assert twice.token_latency_s == pytest.approx(0.1)
+    blip, _ = _steady_trend(policy, [0.1, 0.05, 0.1], steady, now)
+    assert blip.token_latency_s is not None and blip.token_latency_s < 0.06
+    back, _ = _steady_trend(policy, [0.05, 0.05], twice, now2)
+    assert back.token_latency_s == pytest.approx(0.05)
+
+
+def test_noisy_intervals_raise_the_jump_bound() -> None:
+    """Where single intervals jitter by +-30 % (prefill-heavy traffic), two +60 % intervals
+    are noise (the EWMA moves a little), while a 2.5x slowdown is still a shift."""
+    policy = WeightPolicy(speed_half_life_s=20.0)
+    noisy, now = _steady_trend(policy, [0.05 * (1.3 if i % 2 else 0.7) for i in range(120)])
+    assert noisy.noise == pytest.approx(0.3, rel=0.15)
+    assert noisy.token_latency_s is not None
+    spikes, _ = _steady_trend(policy, [noisy.token_latency_s * 1.6] * 2, noisy, now)
+    assert spikes.token_latency_s is not None and spikes.token_latency_s < noisy.token_latency_s * 1.2
+    slowed, _ = _steady_trend(policy, [noisy.token_latency_s * 2.5] * 2, noisy, now)
+    assert slowed.token_latency_s == pytest.approx(noisy.token_latency_s * 2.5)
