@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError
+from .errors import ConfgenError, DeployError, Diagnostic, OutputError, SecretError, TopologyError
 from .model import Topology
 from .topology import load
 
@@ -132,7 +132,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     _print_diagnostics(warnings, sys.stderr)
     out: Path = args.out or args.check
     try:
-        keys = None if args.placeholder_secrets else secret_mod.resolve(topo)
+        # The deployment targets only reference the keys (a Secret, an env file): no key is read.
+        needs_keys = args.target in ("envoy", "nginx") and not args.placeholder_secrets
+        keys = secret_mod.resolve(topo) if needs_keys else None
         files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
         if args.check is not None:
             drift = diff_tree(files, args.check)
@@ -144,7 +146,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             return EXIT_OK
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644)
-    except SecretError as exc:
+    except (SecretError, DeployError) as exc:
         from .topology import pin
 
         _print_diagnostics(pin(args.topology, exc.problems, "error"), sys.stderr)

@@ -29,6 +29,7 @@ from sidecar import config as config_mod
 from sidecar.backpressure import InflightLimiter
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
+from sidecar.envoy_relay import add_envoy_relay
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
 from sidecar.nginx_publish import NginxPublisher, register_nginx
@@ -97,7 +98,10 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                         limiter=InflightLimiter(admin, config.ingresses) if config.nginx is None else None)
         daemon.adopt_published()
         register(registry, daemon.view)
-        runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)
+        app = build_app(daemon, registry)
+        if config.nginx is None:
+            add_envoy_relay(app, admin_url)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, config.listen_host, config.listen_port)
         try:
