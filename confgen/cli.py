@@ -138,7 +138,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     out: Path = args.out or args.check
     try:
-        keys = None if args.placeholder_secrets else secret_mod.resolve(topo)
+        # An ADS bootstrap holds no key: the control plane resolves and serves them.
+        keyless = args.target == "envoy" and topo.envoy.xds.mode == "ads"
+        keys = None if args.placeholder_secrets or keyless else secret_mod.resolve(topo)
         files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
         if args.check is not None:
             drift = diff_tree(files, args.check, detail=args.diff)
