@@ -172,7 +172,8 @@ class Autoscale:
     max_replicas: int = field(8, doc="Most workers.", minimum=1, maximum=10_000)
     queue_depth_per_replica: float = field(
         4.0,
-        doc="Target of llm_queue_depth (requests waiting in the engines) per worker.",
+        doc="Requests a worker may keep waiting (llm_queue_depth per worker); the HPA aims at 80 % of it, "
+        "20 % headroom for new workers to start.",
         minimum=0.1,
         maximum=10_000.0,
     )
