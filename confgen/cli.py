@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="what to render: Envoy file xDS, nginx, Kubernetes manifests or Compose (default envoy)")
     render.add_argument("--config-dir", help="where the files will live when the proxy reads them "
                         "(default: envoy.config_dir from the topology, else the output directory)")
+    render.add_argument("--diff", action="store_true",
+                        help="with --check, also print what would change: per worker for endpoint files, "
+                        "field paths for other JSON, a unified diff for text")
     render.add_argument("--placeholder-secrets", action="store_true",
                         help="write placeholder API keys instead of reading them (for CI drift checks)")
 
@@ -130,14 +133,19 @@ def cmd_render(args: argparse.Namespace) -> int:
 
         warnings = sorted([*warnings, *pin(args.topology, nginx.unsupported(topo))])
     _print_diagnostics(warnings, sys.stderr)
+    if args.diff and args.check is None:
+        print("confgen: --diff goes with --check DIR", file=sys.stderr)
+        return EXIT_USAGE
     out: Path = args.out or args.check
     try:
-        keys = None if args.placeholder_secrets else secret_mod.resolve(topo)
+        # An ADS bootstrap holds no key: the control plane resolves and serves them.
+        keyless = args.target == "envoy" and topo.envoy.xds.mode == "ads"
+        keys = None if args.placeholder_secrets or keyless else secret_mod.resolve(topo)
         files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
         if args.check is not None:
-            drift = diff_tree(files, args.check)
-            for line in drift:
-                print(f"{args.check}: {line}", file=sys.stderr)
+            drift = diff_tree(files, args.check, detail=args.diff)
+            for line in drift:  # detail lines (--diff) are indented under their file
+                print(line if line.startswith(" ") else f"{args.check}: {line}", file=sys.stderr)
             if drift:
                 print(f"{args.check} differs from what {args.topology} renders to", file=sys.stderr)
                 return EXIT_INVALID
