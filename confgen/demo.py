@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,14 +66,14 @@ REQUEST_TIMEOUT_S = 20.0
 class Phase:
     title: str
     seconds: float
-    action: Callable[[Any], None] | None = None  # applied to the fleet when the phase starts
+    slow: tuple[str, float] | None = None  # (worker, factor): its engine steps take factor x longer
+    crash: str | None = None
 
 
 PHASES = (
     Phase("steady load over three workers (a10-slow runs at half speed)", 6.0),
-    Phase("a100-1 slows down 4x (a throttling GPU)", 8.0,
-          lambda fleet: fleet.worker("a100-1").set_fault("slow", factor=4.0)),
-    Phase("a100-0 crashes", 6.0, lambda fleet: fleet.worker("a100-0").crash()),
+    Phase("a100-1 slows down 4x (a throttling GPU)", 8.0, slow=("a100-1", 4.0)),
+    Phase("a100-0 crashes", 6.0, crash="a100-0"),
 )
 
 
@@ -143,17 +143,18 @@ class Load:
             n += 1
 
 
-def _table(state: dict[str, Any] | None, fleet: Any, tally: Tally) -> list[str]:
+def _table(state: dict[str, Any] | None, fleet: Any, speeds: dict[str, float], tally: Tally) -> list[str]:
     endpoints = {ep["worker"]: ep for ep in (state or {}).get("pools", {}).get("chat", {}).get("endpoints", [])}
     rows = [f"  {'worker':<10} {'speed':>5}  {'state':<10} {'weight':>6}  {'running':>7} {'waiting':>7}  "
             f"{'served':>6}"]
-    for worker, (name, speed) in zip(fleet.workers, WORKERS, strict=True):
+    for worker, (name, _) in zip(fleet.workers, WORKERS, strict=True):
+        speed = speeds[name]
         ep = endpoints.get(f"127.0.0.1:{worker.port}", {})
         sample = ep.get("sample") or {}
         running = sample.get("running")
         waiting = sample.get("waiting")
         rows.append(
-            f"  {name:<10} {speed:>4}x  {str(ep.get('status', '?')).lower():<10} {ep.get('weight', '-')!s:>6}  "
+            f"  {name:<10} {speed:>4g}x  {str(ep.get('status', '?')).lower():<10} {ep.get('weight', '-')!s:>6}  "
             f"{'-' if running is None else int(running):>7} {'-' if waiting is None else int(waiting):>7}  "
             f"{tally.served[name]:>6}"
         )
@@ -251,16 +252,21 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
               f"metrics: {sidecar_url}/metrics")
         tally = Tally()
         screen = Screen(sys.stdout)
+        speeds = dict(WORKERS)
         with Load(url, tally, max_requests):
             for number, phase in enumerate(PHASES, start=1):
                 print(f"\n-- phase {number}/{len(PHASES)}: {phase.title}")
-                if phase.action is not None:
-                    phase.action(fleet)
+                if phase.slow is not None:
+                    name, factor = phase.slow
+                    fleet.worker(name).set_fault("slow", factor=factor)
+                    speeds[name] /= factor
+                if phase.crash is not None:
+                    fleet.worker(phase.crash).crash()
                 until = time.monotonic() + phase.seconds
                 while time.monotonic() < until and tally.sent < max_requests:
-                    screen.show(_table(_get_json(f"{sidecar_url}/state"), fleet, tally), final=False)
+                    screen.show(_table(_get_json(f"{sidecar_url}/state"), fleet, speeds, tally), final=False)
                     time.sleep(0.5)
-                screen.show(_table(_get_json(f"{sidecar_url}/state"), fleet, tally), final=True)
+                screen.show(_table(_get_json(f"{sidecar_url}/state"), fleet, speeds, tally), final=True)
         failed = sum(tally.failed.values())
         verdict = "none failed" if not failed else f"{failed} failed: {dict(tally.failed)}"
         print(f"\n{tally.sent} requests through Envoy, {verdict}. Served per worker: "
