@@ -118,7 +118,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         daemon.adopt_published()
         register(registry, daemon.view)
         app = build_app(daemon, registry)
-        if config.nginx is None:
+        if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
             add_envoy_relay(app, admin_url)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
