@@ -11,9 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
+from .errors import Severity
 from .model import Pool, Topology, is_ip, split_address
 
-Finding = tuple[str, str, str]  # path, message, severity
+Finding = tuple[str, str, Severity]  # path, message, severity
+ERROR, WARNING = Severity.ERROR, Severity.WARNING
 
 
 def check(topo: Topology) -> list[Finding]:
@@ -41,7 +43,7 @@ def _later_duplicates(path: str, items: list[str], what: str, key: str = "name")
     seen: set[str] = set()
     for index, item in enumerate(items):
         if item in seen:
-            yield f"{path}[{index}].{key}", f"duplicate {what} {item!r}", "error"
+            yield f"{path}[{index}].{key}", f"duplicate {what} {item!r}", ERROR
         seen.add(item)
 
 
@@ -53,12 +55,12 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
     for index, lst in enumerate(topo.listeners):
         if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
-            yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", "error"
+            yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
         for name in sorted(_dupes(pool.served_names)):
             where = "models" if pool.models.count(name) > 1 else "aliases"
-            yield f"pools[{pi}].{where}", f"model name {name!r} is listed twice", "error"
+            yield f"pools[{pi}].{where}", f"model name {name!r} is listed twice", ERROR
     if topo.auth is not None:
         yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys], "client", key="client")
 
@@ -68,12 +70,12 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):
-            yield name, f"{address!r} is not an IP address", "error"
+            yield name, f"{address!r} is not an IP address", ERROR
     if is_ip(topo.admin.address) and not ipaddress.ip_address(topo.admin.address).is_loopback:
         yield (
             "admin.address",
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
-            "warning",
+            WARNING,
         )
     for pi, pool in enumerate(topo.pools):
         names = 0
@@ -81,17 +83,17 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             path = f"pools[{pi}].workers[{wi}].address"
             parts = split_address(worker.address)
             if parts is None:
-                yield path, f"{worker.address!r} is not host:port (use [v6]:port for IPv6)", "error"
+                yield path, f"{worker.address!r} is not host:port (use [v6]:port for IPv6)", ERROR
                 continue
             host, _ = parts
             if is_ip(host):
                 if worker.address.startswith("[") and ":" not in host:
-                    yield path, "write IPv4 workers without brackets: address:port", "error"
+                    yield path, "write IPv4 workers without brackets: address:port", ERROR
                 elif ":" in host and not worker.address.startswith("["):
-                    yield path, "write IPv6 workers as [address]:port", "error"
+                    yield path, "write IPv6 workers as [address]:port", ERROR
                 continue
             if not COMPILED["host"].fullmatch(host):
-                yield path, f"{host!r} is neither an IP address nor a DNS name", "error"
+                yield path, f"{host!r} is neither an IP address nor a DNS name", ERROR
                 continue
             names += 1
         if names and pool.discovery == "eds":
@@ -102,7 +104,7 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                     "(until it runs they take no traffic); set discovery: strict_dns to let Envoy "
                     "resolve them without a sidecar"
                 ),
-                "warning",
+                WARNING,
             )
 
 
@@ -112,15 +114,15 @@ def _references(topo: Topology) -> Iterator[Finding]:
 
     def unknown_pool(path: str, name: str) -> Iterator[Finding]:
         if name not in pools:
-            yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", "error"
+            yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", ERROR
 
     def unknown_clients(path: str, names: list[str] | None) -> Iterator[Finding]:
         for index, name in enumerate(names or []):
             if topo.auth is None:
-                yield f"{path}[{index}]", "allow_clients needs auth.api_keys", "error"
+                yield f"{path}[{index}]", "allow_clients needs auth.api_keys", ERROR
                 return
             if name not in clients:
-                yield f"{path}[{index}]", f"unknown client {name!r}", "error"
+                yield f"{path}[{index}]", f"unknown client {name!r}", ERROR
 
     for ri, route in enumerate(topo.routes):
         yield from unknown_pool(f"routes[{ri}].pool", route.pool)
@@ -129,7 +131,7 @@ def _references(topo: Topology) -> Iterator[Finding]:
         if pool.fallback is not None:
             yield from unknown_pool(f"pools[{pi}].fallback", pool.fallback)
             if pool.fallback == pool.name:
-                yield f"pools[{pi}].fallback", "a pool cannot fall back to itself", "error"
+                yield f"pools[{pi}].fallback", "a pool cannot fall back to itself", ERROR
         yield from unknown_clients(f"pools[{pi}].allow_clients", pool.allow_clients)
     if topo.default_pool is not None:
         yield from unknown_pool("default_pool", topo.default_pool)
@@ -156,7 +158,7 @@ def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
                 cycle = [*seen[seen.index(nxt.name) :], nxt.name]
                 if pool.name in cycle and not reported & set(cycle):
                     reported.update(cycle)
-                    yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), "error"
+                    yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), ERROR
                 break
             seen.append(nxt.name)
             current = nxt
@@ -207,7 +209,7 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
                         f"model {name!r} is served by pools {', '.join(owners)}, none of which falls "
                         "back to the others; add a route saying which pool answers it"
                     ),
-                    "error",
+                    ERROR,
                 )
         if pool.fallback is not None:
             try:
@@ -221,7 +223,7 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
                         f"fallback pool {fb.name!r} serves none of this pool's model names; its workers "
                         "will reject the requests it takes over (give it a shared alias)"
                     ),
-                    "warning",
+                    WARNING,
                 )
 
 
@@ -235,7 +237,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
                 "one inotify instance per file and aborts past fs.inotify.max_user_instances (often 128); raise "
                 "that sysctl and envoy.max_eds_files together, or merge pools"
             ),
-            "error",
+            ERROR,
         )
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
@@ -244,31 +246,31 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
         if bal.hash_on is not None:
             given = [k for k in ("header", "cookie") if getattr(bal.hash_on, k) is not None]
             if len(given) != 1:
-                yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", "error"
+                yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", ERROR
             if not hashing:
                 yield (
                     f"{base}.balancing.hash_on",
                     f"hash_on needs policy ring_hash or maglev, not {bal.policy}",
-                    "error",
+                    ERROR,
                 )
         elif hashing:
             yield (
                 f"{base}.balancing.hash_on",
                 (f"{bal.policy} without hash_on hashes nothing: every request lands at random"),
-                "error",
+                ERROR,
             )
         hc = pool.health
         if hc.enabled and hc.timeout >= hc.interval:
-            yield f"{base}.health.timeout", "must be shorter than health.interval", "error"
+            yield f"{base}.health.timeout", "must be shorter than health.interval", ERROR
         if pool.retries.attempts > 0 and not pool.retries.retry_on:
-            yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", "error"
+            yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", ERROR
         for name in sorted(_dupes(list(pool.retries.retry_on))):
-            yield f"{base}.retries.retry_on", f"{name!r} is listed twice", "error"
+            yield f"{base}.retries.retry_on", f"{name!r} is listed twice", ERROR
         scale = pool.autoscale
         if scale is not None and scale.min_replicas > scale.max_replicas:
-            yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", "error"
+            yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", ERROR
         if pool.discovery == "strict_dns" and any(w.drain for w in pool.workers):
-            yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", "error"
+            yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", ERROR
 
 
 def _routes(topo: Topology) -> Iterator[Finding]:
@@ -278,12 +280,12 @@ def _routes(topo: Topology) -> Iterator[Finding]:
         for hi, header in enumerate(match.headers or []):
             given = [k for k in ("exact", "prefix", "present") if getattr(header, k) is not None]
             if len(given) != 1:
-                yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", "error"
+                yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", ERROR
             if topo.auth is not None and header.name in (topo.auth.client_header, "authorization"):
                 yield (
                     f"{base}.match.headers[{hi}].name",
                     "routing on credentials or the client header is refused",
-                    "error",
+                    ERROR,
                 )
         try:
             pool = topo.pool(route.pool)
@@ -294,20 +296,20 @@ def _routes(topo: Topology) -> Iterator[Finding]:
                 yield (
                     f"{base}.match.models[{mi}]",
                     (f"pool {pool.name!r} does not serve {model!r} (it serves: {', '.join(pool.served_names)})"),
-                    "error",
+                    ERROR,
                 )
         catch_all = match.models is None and match.headers is None and match.path_prefix is None
         if catch_all and ri < len(topo.routes) - 1:
-            yield f"{base}.match", "matches every request, so the routes after it are never used", "warning"
+            yield f"{base}.match", "matches every request, so the routes after it are never used", WARNING
 
 
 def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
     if topo.auth is not None:
         for ki, key in enumerate(topo.auth.api_keys):
             if (key.env is None) == (key.file is None):
-                yield f"auth.api_keys[{ki}]", "give exactly one of env or file", "error"
+                yield f"auth.api_keys[{ki}]", "give exactly one of env or file", ERROR
     if topo.limits.per_key is not None and topo.auth is None:
-        yield "limits.per_key", "per-key limits need auth.api_keys", "error"
+        yield "limits.per_key", "per-key limits need auth.api_keys", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:
@@ -315,6 +317,6 @@ def _canned(topo: Topology) -> Iterator[Finding]:
     if canned is None:
         return
     if canned.kind == "error" and canned.status < 400:
-        yield "last_resort.status", "an error answer needs a 4xx or 5xx status", "error"
+        yield "last_resort.status", "an error answer needs a 4xx or 5xx status", ERROR
     if canned.kind == "completion" and canned.status != 200:
-        yield "last_resort.status", "a canned completion is answered with status 200", "error"
+        yield "last_resort.status", "a canned completion is answered with status 200", ERROR
