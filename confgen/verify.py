@@ -37,8 +37,16 @@ def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
     """Problems `envoy --mode validate` reports for `topo`'s Envoy output ([] when accepted)."""
     from . import envoy
 
+    limit = None if all_endpoints else SAMPLED_ENDPOINTS
+    if topo.envoy.xds.mode == "ads":
+        # The bootstrap Envoy starts with, then what the control plane would send it.
+        problems = _validate_envoy(envoy.ads.bootstrap(topo))
+        return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
-    boot = envoy.static_bootstrap(files, max_endpoints=None if all_endpoints else SAMPLED_ENDPOINTS)
+    return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit))
+
+
+def _validate_envoy(boot: dict[str, object]) -> list[str]:
     try:
         return binaries.validate_envoy_static(boot)
     except BinaryNotFoundError as exc:
