@@ -105,16 +105,18 @@ def render_for_test(
     topo: Topology,
     *,
     prefix: str,
-    ports: Mapping[str, int],
+    ports: Mapping[str, int] | None = None,
     secrets: Mapping[str, str] | None = None,
 ) -> dict[str, bytes]:
     """The output made harmless to run under `prefix` (which is also the config dir).
 
     Every listener and the status server listen on 127.0.0.1, on `ports[<listener name>]`
-    / `ports[STATUS]` (every one must be given). pid and temp paths sit under `prefix`;
-    DNS-named workers become `down` loopback entries, so `nginx -t` resolves nothing.
+    / `ports[STATUS]`; one not given keeps the topology's own port (the listener's, the
+    admin port for the status server), which is fine for `nginx -t` (it binds nothing) but
+    not for running nginx: pick free ones with `confgen.verify.loopback_ports`. pid and temp
+    paths sit under `prefix`; DNS-named workers become `down` loopback entries, so `nginx -t`
+    resolves nothing. Rendering binds no socket.
     """
-    missing = sorted(({lst.name for lst in topo.listeners} | {STATUS}) - set(ports))
-    if missing:
-        raise ValueError(f"render_for_test needs a port for {', '.join(missing)}")
-    return _render(topo, config_dir=prefix, secrets=secrets, test_prefix=prefix, ports=ports)
+    chosen = {lst.name: lst.port for lst in topo.listeners} | {STATUS: topo.admin.port}
+    chosen.update(ports or {})
+    return _render(topo, config_dir=prefix, secrets=secrets, test_prefix=prefix, ports=chosen)
