@@ -114,8 +114,11 @@ def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
     return typed("config.cluster.v3.Cluster", cluster)
 
 
+UINT32_MAX = 2**32 - 1  # circuit-breaker thresholds are google.protobuf.UInt32Value
+
+
 def _thresholds(topo: Topology, pool: Pool) -> Json:
-    limit = topo.in_flight_limit(pool)
+    limit = min(topo.in_flight_limit(pool), UINT32_MAX)
     return {
         "priority": "DEFAULT",
         "max_requests": limit,
