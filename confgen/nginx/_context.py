@@ -15,7 +15,7 @@ from typing import Any
 from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
 from .._openai import REPLIES, canned_body, error_body, models_body, retry_after_seconds
-from ..model import Pool, RateLimit, Route, Topology, is_ip, split_address
+from ..model import NGINX_CAP_MAX, Pool, RateLimit, Route, Topology, is_ip, split_address
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
 UNAVAILABLE = "confgen_unavailable"  # named location answering when a whole chain failed
@@ -45,16 +45,6 @@ def burst(limit: RateLimit) -> int:
     """limit_req's burst: with nodelay nginx admits burst + 1 requests at once, the bucket's
     size. 0 (a one-token bucket) is written as no burst at all: nginx refuses `burst=0`."""
     return limit.bucket - 1
-
-
-# limit_conn's number is at most 65535 (nginx refuses more). One nginx never holds that
-# many requests anyway (worker_connections bounds it far below), so the cap changes nothing.
-NGINX_MAX_CONN = 65535
-
-
-def inflight(topo: Topology, pool: Pool) -> int:
-    """limit_conn for `pool`: its in-flight share, capped at what nginx can express."""
-    return min(topo.in_flight_limit(pool), NGINX_MAX_CONN)
 
 
 # An upstream's shared-memory zone holds its peers: 256k held ~330 of them (measured), and
@@ -231,7 +221,7 @@ def build_context(
             "balance": _balance(pool),
             "hash_var": _hash_var(pool, index),
             "cookie": cookie,
-            "inflight": inflight(topo, pool),
+            "inflight": topo.in_flight_cap(pool, NGINX_CAP_MAX),
             "zone_kb": zone_kb(pool),
             "connect_timeout": timeout(pool.timeouts.connect),
             "idle_timeout": timeout(pool.timeouts.idle),

@@ -1,8 +1,7 @@
 """Plain `confgen validate` never passes what a real proxy refuses.
 
-Three tiers: the regression corpus (one small topology per class of disagreement found,
-each with its expected outcome), generated cases too large to keep as files, and a
-bounded, seeded hypothesis run that mutates the examples and valid cases toward edge
+Two tiers: the regression corpus (one small topology per class of disagreement found,
+each with its expected outcome) and a bounded, seeded hypothesis run that mutates the examples and valid cases toward edge
 values. The long run is `python -m tests.differential.campaign` (see its docstring).
 """
 
@@ -39,7 +38,8 @@ def _expectation(case: Path) -> tuple[str, str | None]:
 def test_corpus_covers_every_class() -> None:
     """The corpus keeps at least one case per class of issue #10's disagreements."""
     classes = " ".join(case.read_text().splitlines()[0] for case in CASES)
-    for needle in ("zero durations", "token buckets", "nginx limits", "auth.client_header", "ASCII digits"):
+    for needle in ("zero durations", "token buckets", "nginx limits", "auth.client_header", "ASCII digits",
+                   "past uint32"):
         assert needle in classes, needle
     for case in CASES:
         assert case.read_text().startswith("# class: "), case.name
@@ -59,21 +59,6 @@ def test_corpus_case(case: Path) -> None:
         assert expect == "refused"
         assert not outcome.accepted
         assert where in outcome.errors, outcome.errors
-
-
-@pytest.mark.timeout(120)
-def test_circuit_breakers_stay_within_uint32_for_huge_pools() -> None:
-    """50,000 workers of capacity 100,000 at max_utilization 1.0 is 5e9 sequences: the
-    breaker thresholds (protobuf UInt32) and nginx's limit_conn still take what is rendered
-    (too large to keep as a corpus file)."""
-    workers = "\n".join(f"      - 10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:8000" for i in range(1, 50_001))
-    text = (
-        "version: 1\nname: huge\nlisteners: [{name: public, port: 8080}]\n"
-        "backpressure: {max_utilization: 1.0}\n"
-        f"pools:\n  - name: big\n    engine: vllm\n    models: [m]\n    capacity: 100000\n    workers:\n{workers}\n"
-    )
-    outcome = judge(text.encode())
-    assert outcome.accepted and outcome.problems == []
 
 
 _started: list[float] = []
