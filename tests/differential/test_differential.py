@@ -2,7 +2,8 @@
 
 Two tiers: the regression corpus (one small topology per class of disagreement found,
 each with its expected outcome) and a bounded, seeded hypothesis run that mutates the
-examples and valid cases toward edge values. The long run is `python -m tests.differential.campaign` (see its docstring).
+examples and valid cases toward edge values. The long run is
+`python -m tests.differential.campaign` (see its docstring).
 """
 
 from __future__ import annotations
