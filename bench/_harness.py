@@ -79,6 +79,10 @@ def fmt_ms(v: float | None) -> str:
     return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}")
 
 
+def fmt_x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None

@@ -8,7 +8,7 @@ from typing import Any
 
 from confgen.simulate import FleetHandle
 
-from .._harness import Context, Result, Target, fmt_ms, ratio
+from .._harness import Context, Result, Target, fmt_ms, fmt_x, ratio
 from . import _fleets
 from ._fleets import FleetPlan
 from ._runner import BARE, LIFTED, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure, vllm
@@ -71,14 +71,10 @@ def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for key, r in rows.items():
         label = r["label"] + (" **(vLLM Router best)**" if key == peer else "")
         per_worker = "/".join(str(v) for v in r["fleet_by_worker"].values())
-        out.append([label, fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), _x(ratio(r["p99_ms"], peer_p99)),
-                    _x(ratio(r["p99_ms"], bare_p99)), fmt_ms(r["ttft_p99_ms"]), str(r["shed"]),
+        out.append([label, fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), fmt_x(ratio(r["p99_ms"], peer_p99)),
+                    fmt_x(ratio(r["p99_ms"], bare_p99)), fmt_ms(r["ttft_p99_ms"]), str(r["shed"]),
                     str(r["other_errors"]), per_worker, fmt_ms(r["send_lag_p99_ms"])])
     return head, out
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def targets(data: dict[str, Any]) -> list[Target]:
