@@ -21,14 +21,13 @@ FLEET = FleetPlan("sessions", "4 equal workers with prefix caches", (1.0, 1.0, 1
 RECOMMENDED = Setup("rec", "confgen render (ring_hash on x-session-id, load bound) + confgen-sidecar (recommended)",
                     "product", SESSION_BALANCING)
 REC_RENDER = Setup("rec_render", "confgen render (ring_hash on x-session-id) alone", "render", SESSION_BALANCING)
-DEFAULT = Setup("product", "confgen render (default least_request) + confgen-sidecar", "product")
 PEERS = ("cache_aware", "consistent_hash", "power_of_two", "round_robin")
 
 
 def setups(ctx: Context) -> list[Setup]:
     if ctx.quick:
-        return [RECOMMENDED, REC_RENDER, vllm("cache_aware"), vllm("consistent_hash")]
-    return [RECOMMENDED, REC_RENDER, DEFAULT, BARE, *(vllm(p) for p in PEERS)]
+        return [RECOMMENDED, vllm("cache_aware"), vllm("consistent_hash")]
+    return [RECOMMENDED, REC_RENDER, BARE, *(vllm(p) for p in PEERS)]
 
 
 def nominal_capacity(spec: wl.SessionSpec) -> float:
@@ -39,7 +38,7 @@ def nominal_capacity(spec: wl.SessionSpec) -> float:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    warmup_s, window_s = ctx.scale(6, 4), ctx.scale(24, 8)
+    warmup_s, window_s = ctx.scale(6, 4), ctx.scale(16, 7)
     probe = wl.SessionSpec(rate=1.0, duration_s=1.0, seed=ctx.seed)
     cap = nominal_capacity(probe)
     load = 0.78

@@ -102,7 +102,7 @@ def _reflection(writes: list[tuple[float, dict[int, int] | None]], port: int | N
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    steady_s, settle_s, after_s = ctx.scale(300, 40), ctx.scale(60, 15), ctx.scale(24, 16)
+    steady_s, settle_s, after_s = ctx.scale(300, 30), ctx.scale(60, 10), ctx.scale(20, 12)
     cap = FLEET.capacity_rps()
     rate = cap * FLEET.load
     count = int(rate * (steady_s + after_s)) + 1
