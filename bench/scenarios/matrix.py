@@ -77,6 +77,23 @@ def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, out
 
 
+def summary(raw: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["fleet", "workers alike?", "product P99 ms", "vLLM Router best (policy)", "product / best",
+            "product / bare Envoy", "render alone / bare Envoy", "product 429", "target (product / best)"]
+    out = []
+    for key, data in raw.items():
+        r = data["results"]
+        peer = best(r, [k for k in r if k.startswith("vr_")])
+        ref = r[peer]["p99_ms"] if peer else None
+        out.append([key, "yes" if data["even"] else "no", fmt_ms(r["product"]["p99_ms"]),
+                    f"{fmt_ms(ref)} ({r[peer]['label'].removeprefix('vLLM Router ')})" if peer else "-",
+                    fmt_x(ratio(r["product"]["p99_ms"], ref)),
+                    fmt_x(ratio(r["product"]["p99_ms"], r["bare"]["p99_ms"])),
+                    fmt_x(ratio(r["render"]["p99_ms"], r["bare"]["p99_ms"])), str(r["product"]["shed"]),
+                    "<= 1.0x" if data["even"] else "<= 0.8x"])
+    return head, out
+
+
 def targets(data: dict[str, Any]) -> list[Target]:
     rows = data["results"]
     key = data["plan"]
@@ -121,6 +138,8 @@ def run(ctx: Context) -> Result:
         for name, key in (("product", "product"), ("render alone", "render"), ("bare Envoy", "bare"),
                           ("vLLM Router best", peer)):
             series[name].append(ratio(r[key]["p99_ms"], ref) if key in r else None)
+    head, rows = summary(res.raw)
+    res.tables.insert(0, ("Summary: the product as shipped on every fleet (details per fleet below)", head, rows))
     res.chart = {"groups": {"title": "Matrix: P99 relative to vLLM Router's best policy (lower is better)",
                             "groups": groups, "series": series}}
     res.summary = (
