@@ -32,6 +32,8 @@ from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
 from sidecar.state import Decision, EndpointState, Status, decide_pool
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.xds.limits import RtdsLimiter
+from sidecar.xds.publisher import AdsPublisher, XdsView
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -98,6 +100,7 @@ class Snapshot:
     cycles: int
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
+    xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
@@ -124,9 +127,9 @@ class Daemon:
         *,
         prober: Prober,
         resolver: Resolver,
-        publisher: EdsPublisher | NginxPublisher,
+        publisher: EdsPublisher | NginxPublisher | AdsPublisher,
         clock: Callable[[], float],
-        limiter: InflightLimiter | None = None,
+        limiter: InflightLimiter | RtdsLimiter | None = None,
     ) -> None:
         self.config = config
         self._topo = topo
@@ -193,7 +196,7 @@ class Daemon:
         path = self.config.topology
         try:
             topo, warnings = await asyncio.to_thread(load_topology, path)
-            if self.config.nginx is None:
+            if self.config.nginx is None and self.config.serve_xds is None:
                 xds_dir_for(self.config, topo)
             if topo.auth is not None:
                 resolve_secrets(topo)
@@ -335,6 +338,12 @@ class Daemon:
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due and isinstance(self._publisher, EdsPublisher):
             await self._write_tree(per_pool)
+        elif self._tree_due and isinstance(self._publisher, AdsPublisher):
+            topo = self._topo
+            secrets = resolve_secrets(topo) if topo.auth is not None else {}
+            served = await asyncio.to_thread(envoy.ads.resources, topo, secrets)
+            await self._publisher.publish_tree(served, per_pool)
+            self._tree_due = False
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
@@ -418,4 +427,5 @@ class Daemon:
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
+            xds=self._publisher.view() if isinstance(self._publisher, AdsPublisher) else None,
         )
