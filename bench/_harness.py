@@ -18,9 +18,13 @@ class Context:
     out: Path
     work: Path  # scratch (configs, raw records)
     notes: list[str] = field(default_factory=list)
+    options: dict[str, float] = field(default_factory=dict)  # --set KEY=NUMBER
 
     def scale(self, full: float, quick: float) -> float:
         return quick if self.quick else full
+
+    def option(self, key: str, default: float) -> float:
+        return self.options.get(key, default)
 
 
 @dataclass

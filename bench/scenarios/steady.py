@@ -102,7 +102,8 @@ def _reflection(writes: list[tuple[float, dict[int, int] | None]], port: int | N
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    steady_s, settle_s, after_s = ctx.scale(300, 30), ctx.scale(60, 10), ctx.scale(20, 12)
+    steady_s = ctx.option("steady_s", ctx.scale(150, 30))
+    settle_s, after_s = ctx.scale(60, 10), ctx.scale(20, 12)
     cap = FLEET.capacity_rps()
     rate = cap * FLEET.load
     count = int(rate * (steady_s + after_s)) + 1
@@ -151,4 +152,12 @@ def run(ctx: Context) -> Result:
     if ctx.quick:
         res.notes.append(f"Quick mode: {steady_s:g} s steady instead of 300 s, settled after {settle_s:g} s instead "
                          "of 60 s: it shows the harness works, not the 5-minute target.")
+    elif steady_s < 300:
+        res.notes.append(
+            f"Shorter than the 5 minutes of the target, to keep `make bench` within 25 minutes: {steady_s:g} s, of "
+            f"which {steady_s - settle_s:g} s ({(steady_s - settle_s) / INTERVAL_S:.0f} probe cycles) after the first "
+            "minute. The argument that this is equivalent: the sidecar decides from its last few probes (smoothed), "
+            "so a weight that flips between values, the fault this target catches, rewrites the file within a few "
+            "cycles; dozens of cycles without a write show it settled. It is an argument, not the literal target: "
+            "`python -m bench run --only steady --set steady_s=300 --out DIR` runs the full 5 minutes (about 6 min).")
     return res
