@@ -13,7 +13,9 @@ and the fleet's capacity is the sum over its workers (a worker that slows down m
 counts at its slowed speed: the load stays below capacity the whole run). The matrix
 workloads have no shared prefixes, so nothing is cached and the estimate needs no hit rate.
 At the offered load (75-80 %) batches are not always full, which is why queues stay short
-enough to measure; past 100 % they grow without bound.
+enough to measure; past 100 % they grow without bound. tests/bench/test_capacity.py checks
+the estimate against the simulator's engine in virtual time for every fleet: with a
+near-ideal router the queues stay bounded at 90 % of it and grow at 110 %.
 """
 
 from __future__ import annotations

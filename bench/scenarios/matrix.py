@@ -162,7 +162,9 @@ def run(ctx: Context) -> Result:
         "alternate, like the two Envoys.",
         "Capacity is estimated from the simulator's latency model (bench/scenarios/_fleets.py): a worker completes "
         "1 / (mean output x step(B) / B + prefill(mean prompt)) requests/s with full batches of B; a slowed worker "
-        "counts at its slowed speed.",
+        "counts at its slowed speed. tests/bench/test_capacity.py checks it against the simulator's engine in "
+        "virtual time: with a near-ideal router every fleet keeps up at 90 % of the estimate and falls behind at "
+        "110 %.",
         "The warm-up requests go through the same setup (they let the sidecar learn the workers, and vLLM Router its "
         "caches) but are left out of every figure; 'requests per worker' counts the measured window's requests "
         "as the simulated workers saw them.",
