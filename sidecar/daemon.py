@@ -23,7 +23,7 @@ from confgen.model import Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
-from sidecar.config import SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig
 from sidecar.engines import LoadSample
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
@@ -109,7 +109,7 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
         return config.xds_dir
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir)
-    raise ValueError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
 
 
 def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
@@ -200,7 +200,7 @@ class Daemon:
                 xds_dir_for(self.config, topo)
             if topo.auth is not None:
                 resolve_secrets(topo)
-        except (TopologyError, SecretError, ValueError) as exc:
+        except (TopologyError, SecretError, ConfigError) as exc:
             diagnostics = [str(d) for d in getattr(exc, "diagnostics", ())] or [str(exc)]
             self._reloads["error"] += 1
             self._last_reload_error = "; ".join(diagnostics[:5])
