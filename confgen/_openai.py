@@ -6,6 +6,7 @@ show a readable message and back off on 429; the canned last answer; the /v1/mod
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -44,6 +45,18 @@ REPLIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# A request body is read for `model` only with one of these Content-Types, or none: Envoy's
+# json_to_metadata compares the whole header value with a list (no media-type parsing), so
+# both targets use exactly this list (docs/targets.md, "How the body's model is read").
+MODEL_CONTENT_TYPES = (
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/json;charset=utf-8",
+    "application/json; charset=UTF-8",
+    "application/json;charset=UTF-8",
+)
+
+
 def error_body(name: str, **fill: str) -> Json:
     message, kind, code = REPLIES[name]
     return {"error": {"message": message.format(**fill) if fill else message, "type": kind, "code": code}}
@@ -72,6 +85,11 @@ def canned_body(topo: Topology) -> Json:
         ],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
+
+
+def models_body(topo: Topology) -> str:
+    """The GET /v1/models answer, byte for byte the same from every target."""
+    return json.dumps(models_list(topo), sort_keys=True, separators=(",", ":"))
 
 
 def models_list(topo: Topology) -> Json:

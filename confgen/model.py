@@ -20,6 +20,8 @@ Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev"
 RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
 Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
+XdsMode = Literal["files", "ads"]
+XdsProtocol = Literal["delta", "sotw"]
 
 # The health path each engine answers on (see the engines' docs; sglang's /health runs a
 # one-token generation, which is what we want to know).
@@ -38,6 +40,11 @@ def _d(text: str) -> Duration:
     parsed = parse_duration(text)
     assert parsed is not None, text
     return parsed
+
+
+# Envoy's protos say `gt: {}` for these durations (connect timeout, health-check interval,
+# timeout and no_traffic_interval, outlier interval and base ejection time): 0s is refused.
+_POSITIVE = _d("1ms")
 
 
 @dataclass(frozen=True)
@@ -115,12 +122,14 @@ class Balancing:
 class HealthCheck:
     enabled: bool = field(True, doc="Let the proxy actively probe each worker.")
     path: str | None = field(None, doc="Health path; defaults to the engine's.", pattern="http_path")
-    interval: Duration = field(_d("5s"), doc="Time between probes.")
-    timeout: Duration = field(_d("2s"), doc="A probe slower than this fails.")
+    interval: Duration = field(_d("5s"), doc="Time between probes.", minimum=_POSITIVE)
+    timeout: Duration = field(_d("2s"), doc="A probe slower than this fails.", minimum=_POSITIVE)
     healthy_threshold: int = field(2, doc="Passing probes before a worker is readmitted.", minimum=1, maximum=100)
     unhealthy_threshold: int = field(3, doc="Failing probes before a worker is evicted.", minimum=1, maximum=100)
     no_traffic_interval: Duration = field(
-        _d("5s"), doc="Probe interval for a pool with no traffic (Envoy's default of 60 s misses dead workers)."
+        _d("5s"),
+        doc="Probe interval for a pool with no traffic (Envoy's default of 60 s misses dead workers).",
+        minimum=_POSITIVE,
     )
 
 
@@ -131,8 +140,10 @@ class OutlierDetection:
     consecutive_gateway_failure: int = field(
         3, doc="Consecutive 502/503/504 or connection failures before ejection.", minimum=1, maximum=1000
     )
-    interval: Duration = field(_d("5s"), doc="How often ejections are evaluated.")
-    base_ejection_time: Duration = field(_d("30s"), doc="First ejection length (grows with repeats).")
+    interval: Duration = field(_d("5s"), doc="How often ejections are evaluated.", minimum=_POSITIVE)
+    base_ejection_time: Duration = field(
+        _d("30s"), doc="First ejection length (grows with repeats).", minimum=_POSITIVE
+    )
     max_ejection_percent: int = field(50, doc="Never eject more than this share of a pool.", minimum=0, maximum=100)
 
 
@@ -158,7 +169,7 @@ class Retries:
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.")
+    connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.", minimum=_POSITIVE)
     request: Duration = field(_d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut).")
     idle: Duration = field(_d("60s"), doc="Longest silence between two chunks of a streamed answer.")
 
@@ -170,7 +181,8 @@ class Autoscale:
     max_replicas: int = field(8, doc="Most workers.", minimum=1, maximum=10_000)
     queue_depth_per_replica: float = field(
         4.0,
-        doc="Target of llm_queue_depth (requests waiting in the engines) per worker.",
+        doc="Requests a worker may keep waiting (llm_queue_depth per worker); the HPA aims at 80 % of it, "
+        "20 % headroom for new workers to start.",
         minimum=0.1,
         maximum=10_000.0,
     )
@@ -265,7 +277,9 @@ class Auth:
 @dataclass(frozen=True)
 class RateLimit:
     requests: int = field(doc="Tokens added every `per`.", minimum=1, maximum=10_000_000)
-    per: Duration = field(doc="Refill period.")
+    per: Duration = field(
+        doc="Refill period (Envoy's token-bucket timer refuses periods under 50ms).", minimum=_d("50ms")
+    )
     burst: int | None = field(None, doc="Bucket size (default: requests).", minimum=1, maximum=10_000_000)
 
     @property
@@ -279,15 +293,44 @@ class Limits:
     per_key: RateLimit | None = field(None, doc="A token bucket per API-key client.")
 
 
+# The largest values the proxies accept for an in-flight cap: Envoy's circuit-breaker
+# thresholds are uint32; nginx's limit_conn refuses a number above 65535.
+ENVOY_CAP_MAX = 2**32 - 1
+NGINX_CAP_MAX = 65535
+
+
 @dataclass(frozen=True)
 class Backpressure:
     max_utilization: float = field(
         0.8,
-        doc="Shed load (429) once in-flight requests pass this share of a pool's capacity.",
+        doc="Read by the sidecar only: its pool counts as saturated when the workers without headroom "
+        "(reported waiting queue past its threshold, or KV cache nearly full and still queueing, on fresh "
+        "metrics) hold at least this share of the declared capacity of the workers in rotation; only "
+        "then does it shed new requests (429). In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
     )
+    safety_cap: float = field(
+        4.0,
+        doc="The proxy's hard cap on requests in flight to a pool, as a multiple of the pool's declared "
+        "capacity (the sum of its workers' capacity): every slot plus the engines' own waiting queues. "
+        "Past it the proxy answers 429 at once; it is a safety net, not the shedding rule.",
+        minimum=1.0,
+        maximum=1000.0,
+    )
     retry_after: Duration = field(_d("2s"), doc="Sent as retry-after on 429 answers (whole seconds).")
+
+
+def in_flight_cap(total_capacity: int, safety_cap: float, ceiling: int) -> int:
+    """ceil(safety_cap x total_capacity), within [1, ceiling] by construction.
+
+    The proxy's safety cap on requests in flight to one pool (Envoy's circuit breakers with
+    ceiling ENVOY_CAP_MAX, nginx's limit_conn with NGINX_CAP_MAX). In-flight counts include
+    the requests waiting in the engines' own queues, so a cap at the slot count would queue
+    or shed at normal load; the default multiple of 4 leaves room for every slot and three
+    batches' worth of waiting requests, which a fleet below saturation does not reach.
+    """
+    return min(max(1, math.ceil(total_capacity * safety_cap - 1e-9)), ceiling)
 
 
 @dataclass(frozen=True)
@@ -298,6 +341,27 @@ class Canned:
         "All inference capacity is busy or unavailable. Please retry shortly.",
         doc="Text of the error message or of the assistant's reply.",
         pattern="text",
+    )
+
+
+@dataclass(frozen=True)
+class Xds:
+    mode: XdsMode = field(
+        "files",
+        doc="files: Envoy reads LDS/CDS/EDS from rendered files, one sidecar next to each Envoy. ads: Envoy takes "
+        "listeners, clusters, endpoints and the in-flight limits (RTDS) over one gRPC stream from "
+        "`confgen-sidecar --serve-xds` (one control plane probes the fleet for any number of Envoys).",
+    )
+    servers: list[str] = field(
+        factory=list,
+        doc="ads: the control plane's host:port addresses (two for high availability). Envoy connects to one "
+        "at a time and moves to another when it fails; each Envoy keeps its last config meanwhile.",
+        pattern="server",
+    )
+    protocol: XdsProtocol = field(
+        "delta",
+        doc="ads: delta (DELTA_GRPC: only changed endpoints travel) or sotw (GRPC, state of the world). "
+        "The sidecar serves both.",
     )
 
 
@@ -317,6 +381,7 @@ class EnvoyOptions:
         minimum=1,
         maximum=100_000,
     )
+    xds: Xds = field(factory=Xds, doc="How Envoy gets its configuration: rendered files, or ADS over gRPC.")
 
 
 @dataclass(frozen=True)
@@ -334,7 +399,27 @@ class Kubernetes:
     envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
     sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
     keys_secret: str | None = field(
-        None, doc="Secret whose keys are the environment variables auth.api_keys[].env name.", pattern="name"
+        None,
+        doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
+        "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
+        pattern="name",
+    )
+    termination_grace_seconds: int = field(
+        180,
+        doc="How long a stopping proxy pod drains: Envoy fails its health, drains listeners and waits "
+        "for streams to finish, within this (terminationGracePeriodSeconds).",
+        minimum=30,
+        maximum=3600,
+    )
+    monitoring: bool = field(
+        False,
+        doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
+        "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
+    )
+    prometheus_url: str = field(
+        "http://prometheus-operated.monitoring.svc:9090",
+        doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",
+        pattern="url",
     )
 
 
@@ -353,16 +438,18 @@ class Topology:
     admin: Admin = field(factory=Admin, doc="Envoy's admin interface.")
     auth: Auth | None = field(None, doc="API-key authentication at the edge.")
     limits: Limits = field(factory=Limits, doc="Token-bucket rate limits (429 when empty).")
-    backpressure: Backpressure = field(factory=Backpressure, doc="Load shedding when pools are nearly full.")
+    backpressure: Backpressure = field(
+        factory=Backpressure, doc="Load shedding: the proxy's safety cap and the sidecar's saturation rule."
+    )
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
 
-    def in_flight_limit(self, pool: Pool) -> int:
-        """Requests in flight to `pool` before the proxy sheds load (the 80 % rule)."""
-        return max(1, math.floor(pool.total_capacity * self.backpressure.max_utilization))
+    def in_flight_cap(self, pool: Pool, ceiling: int) -> int:
+        """The proxy's safety cap on requests in flight to `pool` (see `in_flight_cap`)."""
+        return in_flight_cap(pool.total_capacity, self.backpressure.safety_cap, ceiling)
 
     def pool(self, name: str) -> Pool:
         for pool in self.pools:
@@ -381,7 +468,7 @@ def split_address(text: str) -> tuple[str, int] | None:
         host, sep, port = text.rpartition(":")
         if not sep or ":" in host:
             return None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 1 <= int(port) <= 65535:
         return None
     return host, int(port)
 

@@ -25,13 +25,16 @@ FULL: dict[str, Any] = {
     "version": 1,
     "name": "full",
     "admin": {"address": "127.0.0.1", "port": 9901},
-    "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1"},
+    "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1",
+              "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta"}},
     "nginx": {"config_dir": "/etc/confgen/nginx"},
     "kubernetes": {
         "namespace": "inference",
         "envoy_image": "envoyproxy/envoy:v1.40.0",
         "sidecar_image": "registry.example/confgen/sidecar:0.1.0",
         "keys_secret": "confgen-keys",
+        "monitoring": True,
+        "prometheus_url": "http://prometheus.monitoring.svc:9090",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
     "auth": {
