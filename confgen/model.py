@@ -103,8 +103,10 @@ class Balancing:
         2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100
     )
     active_request_bias: float = field(
-        1.0,
-        doc="least_request: how strongly in-flight requests lower a weighted host's share.",
+        0.5,
+        doc="least_request: how strongly in-flight requests lower a weighted host's share "
+        "(weight / (in flight + 1)^bias, when weights differ; 0.5 chosen by the worst case over "
+        "bench/sweep's fleet matrix).",
         minimum=0.0,
         maximum=10.0,
     )

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..model import Topology
+from ..model import Balancing, Topology
 from ._context import rate
 
 Finding = tuple[str, str]
+_DEFAULT_BIAS = Balancing().active_request_bias  # only a bias asked for explicitly is worth a warning
 
 
 def unsupported(topo: Topology) -> list[Finding]:
@@ -34,7 +35,7 @@ def unsupported(topo: Topology) -> list[Finding]:
                 found.append((f"{base}.balancing.choice_count", (
                     "nginx samples two workers (random two least_conn) or all of them (least_conn); "
                     f"choice_count {bal.choice_count} is rendered as least_conn over all workers")))
-            if bal.active_request_bias != 1.0:
+            if bal.active_request_bias != _DEFAULT_BIAS:
                 found.append((f"{base}.balancing.active_request_bias", "nginx has no active request bias; ignored"))
         for wi, worker in enumerate(pool.workers):
             if worker.drain:
