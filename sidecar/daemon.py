@@ -369,7 +369,7 @@ class Daemon:
         samples = {k: t.sample for k, t in counted.items()}
         capacities = {k: t.capacity for k, t in counted.items()}
         sampled = any(sample is not None for sample in samples.values())
-        saturation = pool_saturation(samples, capacities, self.config.weights.kv_knee) if sampled else None
+        saturation = pool_saturation(samples, capacities) if sampled else None
         return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
 
     async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
@@ -421,8 +421,7 @@ class Daemon:
             pools.append(PoolView(
                 name=pool.name,
                 engine=pool.engine,
-                saturation=pool_saturation(samples, {k: t.capacity for k, t in members},
-                                           self.config.weights.kv_knee),
+                saturation=pool_saturation(samples, {k: t.capacity for k, t in members}),
                 queue_depth=queue_depth(samples),
                 publishes=self._publisher.publishes[pool.name],
                 rejections=self._publisher.rejections[pool.name],

@@ -12,28 +12,32 @@ it slow-moving:
 - `speed` is the worker's per-sequence decode speed relative to the fastest of its pool
   (`relative_speeds`: fastest 1.0), from the smoothed time per generated token (`Trend`).
 - Why a power of it: under that EDF a host's in-flight count is about its request rate
-  times its latency (which goes as 1 / speed), so with bias 1 the rate it gets goes as
-  sqrt(weight * speed). Weights proportional to speed would give every worker its
-  capacity share, which P2C already does, and the slowest worker's long requests would
-  still set the P99. With the default exponent 4 a half-speed worker gets about 18 % of
-  a full one's rate instead of 50 %: it takes the overflow once the fast workers' batches
-  are full, where the time per token it offers is worth taking. (Measured on the bench's
-  3-worker fleet: exponent 1 left the half-speed worker its capacity share, about 20 % of
-  the requests, as P2C does; 3 to 5 halved that and cut P99 by about 20-25 % against P2C.)
+  times its latency (which goes as 1 / speed), so the rate it gets grows slower than its
+  weight. Weights proportional to speed would give every worker about its capacity share,
+  which P2C already does, and the slowest worker's long requests would still set the P99.
+  The default exponent 3 (a half-speed worker gets 1/8 of a full one's weight: it takes
+  the overflow once the fast workers' batches are full) was chosen by the worst P99 ratio
+  to the best peer over the 12 fleets of bench/sweep (bench/sweep/results.md): 2 and 4
+  were worse in the worst case (exponent 4 had been tuned on one bench fleet).
 - `queue_room` = 1 - waiting_penalty * queue / capacity (floored at 0), with `queue` the
   waiting requests smoothed with half-life `queue_half_life_s` (0: the latest count). It
   is for load Envoy cannot see (other clients of the same workers) and is off by default
   (waiting_penalty 0): Envoy's in-flight counts already include the requests it queued,
   and counting a fast worker's queue twice moved traffic onto the slow worker (P99 up
-  about 15 % on the bench, with one ingress and with two).
-- `kv_room` is 1 below `kv_knee` (0.8, the peers' saturation knee) and falls linearly to
-  0 at a full KV cache (new sequences would be preempted).
+  about 15 % on the bench, with one ingress and with two); in the sweep 0.5 was no better
+  in the worst case and made the weights (and EDS writes) twice as noisy.
+- `kv_room` is 1 below `kv_knee` and falls linearly to 0 at a full KV cache (new
+  sequences would be preempted). Off by default (kv_knee 1): in the sweep a knee of 0.8
+  (the peers' saturation knee) changed no worst-case P99 and made the weights follow
+  every KV swing of prompt-heavy traffic (more EDS writes). KV pressure still counts for
+  saturation (`pool_saturation`, its own knee of 0.8).
 
 The target is scaled by the slow-start ramp, optionally smoothed with an EWMA over the
 previously published weight (`smoothing` < 1; its inputs are smoothed already, so the
-default publishes the target) and rounded toward the target (so small steps still
-converge instead of sticking), then clamped to [1, max_weight]: Envoy rejects a 0 weight,
-and a full worker keeps a trickle.
+default publishes the target), then clamped to [1, max_weight]: Envoy rejects a 0 weight,
+and a full worker keeps a trickle. The daemon publishes it through the gate of
+`sidecar.hysteresis` (a change must matter for routing and last); `weight` is the
+ungated form (rounded toward the target, so small steps still converge).
 
 Speed measurement (`Trend.observe`): the deltas of the engine's inter-token latency
 histogram (`_sum` / `_count`) between two scrapes give the mean time per token over that
@@ -81,9 +85,9 @@ class WeightPolicy:
     max_weight: int = MAX_WEIGHT
     weight_per_slot: float = 1.0
     waiting_penalty: float = 0.0
-    kv_knee: float = 0.8
+    kv_knee: float = 1.0  # 1: KV use does not lower the weight (see the module docstring)
     smoothing: float = 1.0  # weight of the new target in the EWMA; 1 = no smoothing
-    speed_exponent: float = 4.0
+    speed_exponent: float = 3.0
     speed_half_life_s: float = 20.0
     speed_min_tokens: float = 16.0
     queue_half_life_s: float = 3.0

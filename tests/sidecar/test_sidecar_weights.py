@@ -15,8 +15,9 @@ from sidecar.engines import LoadSample, extract
 from sidecar.weights import Trend, WeightPolicy, pool_saturation, queue_depth, relative_speeds, weight
 
 POLICY = WeightPolicy()
-# One weight unit per slot, no EWMA, a queue of half the capacity takes all the room.
-NO_SMOOTHING = WeightPolicy(smoothing=1.0, weight_per_slot=1.0, waiting_penalty=2.0)
+# One weight unit per slot, no EWMA, a queue of half the capacity takes all the room, KV
+# pressure counted from 0.8 (both terms are off by default).
+NO_SMOOTHING = WeightPolicy(smoothing=1.0, weight_per_slot=1.0, waiting_penalty=2.0, kv_knee=0.8)
 
 
 def load(running: float, waiting: float = 0.0, kv: float | None = None) -> LoadSample:
@@ -52,10 +53,12 @@ def test_weight_falls_as_the_queue_grows_and_ignores_the_running_count() -> None
 
 
 def test_kv_pressure_above_knee_lowers_weight() -> None:
-    """Below the 0.8 knee KV use does not matter; above it the weight falls to the floor."""
+    """Below the 0.8 knee KV use does not matter; above it the weight falls to the floor.
+    With the default knee of 1 KV use never lowers the weight."""
     assert weight(load(10, kv=0.5), 64, None, NO_SMOOTHING) == 64
     assert weight(load(10, kv=0.9), 64, None, NO_SMOOTHING) == 32
     assert weight(load(10, kv=1.0), 64, None, NO_SMOOTHING) == 1
+    assert weight(load(10, kv=1.0), 64, None, WeightPolicy()) == 64
 
 
 def test_bigger_capacity_draws_more() -> None:
