@@ -15,9 +15,10 @@ weighted scheduler), so a weight is republished only when the change matters for
   them on the cycle they happen, and the gated weights of the other endpoints go with them.
 
 The state of one endpoint is (published weight, streak), carried by the caller; `gate`
-returns the next one. With the defaults, a worker that slows 2x is republished on the
-second or third cycle after its measured speed moves (tests/sidecar/test_sidecar_hysteresis.py),
-and a steady fleet stops writing once its speed estimates settle.
+returns the next one. The defaults (threshold 0.2, sustain 2, min_step 1) were chosen in
+bench/sweep (results.md, "publish gate"): the smallest band whose 2x slowdown is
+republished within 3 probe cycles, with 0, 1 and 0 EDS writes after the first minute of
+five steady minutes on three chat fleets (tests/bench/test_sweep.py pins both).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ __all__ = ["Gated", "HysteresisPolicy", "gate"]
 class HysteresisPolicy:
     """When a weight change is published (see the module docstring)."""
 
-    threshold: float = 0.1  # relative distance from the published weight that matters
+    threshold: float = 0.2  # relative distance from the published weight that matters
     min_step: float = 1.0  # and absolute distance, in weight units (the integer dead band)
     sustain: int = 2  # consecutive cycles the change must hold
 

@@ -34,11 +34,11 @@ def test_first_publish_takes_the_target_as_it_is() -> None:
 
 def test_a_target_near_half_an_integer_never_flips_the_published_weight() -> None:
     """A target wandering around 2.5 (the old flip between 2 and 3 every cycle) and one
-    wandering within 10 % of the published weight never cause a publish."""
+    wandering within 20 % of the published weight never cause a publish."""
     rng = random.Random(3)
     assert set(run([2.5 + rng.uniform(-0.3, 0.3) for _ in range(500)], 2)) == {2}
     assert set(run([2.5 + rng.uniform(-0.3, 0.3) for _ in range(500)], 3)) == {3}
-    assert set(run([40 * (1 + rng.uniform(-0.09, 0.09)) for _ in range(500)], 40)) == {40}
+    assert set(run([40 * (1 + rng.uniform(-0.19, 0.19)) for _ in range(500)], 40)) == {40}
 
 
 def test_a_lasting_change_is_published_after_sustain_cycles() -> None:
@@ -46,6 +46,7 @@ def test_a_lasting_change_is_published_after_sustain_cycles() -> None:
     assert run([30.0] * 4, 40) == [40, 30, 30, 30]
     assert run([30.0] * 4, 40, HysteresisPolicy(sustain=3)) == [40, 40, 30, 30]
     assert run([30.0] * 4, 40, HysteresisPolicy(sustain=1)) == [30, 30, 30, 30]
+    assert run([34.0] * 4, 40) == [40, 40, 40, 40]  # 15 %: inside the default band
 
 
 def test_one_noisy_cycle_resets_the_streak() -> None:
@@ -55,10 +56,10 @@ def test_one_noisy_cycle_resets_the_streak() -> None:
 
 
 def test_threshold_and_min_step_both_bound_the_band() -> None:
-    """The band is max(threshold x published, min_step): 9 % of 100 is held, 11 % published;
+    """The band is max(threshold x published, min_step): 19 % of 100 is held, 21 % published;
     at small weights one unit of dead band holds a target 0.9 away."""
-    assert run([91.0] * 3, 100) == [100, 100, 100]
-    assert run([89.0] * 3, 100) == [100, 89, 89]
+    assert run([81.0] * 3, 100) == [100, 100, 100]
+    assert run([79.0] * 3, 100) == [100, 79, 79]
     assert run([2.9] * 3, 2) == [2, 2, 2]
     assert run([3.1] * 3, 2) == [2, 3, 3]
     assert run([2.9] * 3, 2, HysteresisPolicy(min_step=0.0)) == [2, 3, 3]
