@@ -130,7 +130,7 @@ MATRIX: tuple[FleetPlan, ...] = (
     FleetPlan("equal", "equal speeds", (1.0, 1.0, 1.0, 1.0), (8, 8, 8, 8), decode_ms=25),
     FleetPlan("batch", "batch sizes 4 to 64", (1.0, 1.0, 1.0), (4, 16, 64), decode_ms=30),
     FleetPlan("prompt_heavy", "prompt-heavy mix", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20,
-              prompt_tokens=(1024, 4096), output_range=(4, 16)),
+              prompt_tokens=(768, 3072), output_range=(4, 16)),
     FleetPlan("output_heavy", "output-heavy mix", (1.0, 0.7, 0.5), (8, 8, 8), decode_ms=15,
               prompt_tokens=(32, 256), output_range=(32, 96)),
     FleetPlan("bursty", "bursty arrivals", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20, arrivals="bursty"),
