@@ -107,9 +107,12 @@ class FleetPlan:
         return WorkloadSpec(rate=rate, count=count, seed=seed, prompt_tokens=self.prompt_tokens,
                             output_range=self.output_range, session_share=0.0, arrivals=self.arrivals)
 
+    def describe_workers(self) -> str:
+        return (f"{len(self.speeds)} workers, speeds {_list(self.speeds)}, max_num_seqs {_list(self.max_num_seqs)}; "
+                f"decode {self.decode_ms:g} ms/step at 1x, prefill {self.prefill_ms_per_1k:g} ms per 1k prompt tokens")
+
     def describe(self) -> str:
-        parts = [f"{len(self.speeds)} workers, speeds {_list(self.speeds)}, max_num_seqs {_list(self.max_num_seqs)}",
-                 f"decode {self.decode_ms:g} ms/step at 1x", f"prompts {self.prompt_tokens[0]}-{self.prompt_tokens[1]} "
+        parts = [self.describe_workers(), f"prompts {self.prompt_tokens[0]}-{self.prompt_tokens[1]} "
                  f"tokens (log-uniform), outputs {self.output_range[0]}-{self.output_range[1]}",
                  f"{self.arrivals} arrivals"]
         if self.slowdown is not None:

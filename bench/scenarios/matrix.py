@@ -19,7 +19,7 @@ TITLE = "Routing matrix: the product as shipped against vLLM Router and a bare E
 
 def setups(ctx: Context, plan: FleetPlan) -> list[Setup]:
     if ctx.quick:
-        return [PRODUCT, RENDER, BARE, vllm("power_of_two"), vllm("cache_aware")]
+        return [PRODUCT, RENDER, BARE, vllm("power_of_two")]
     return [PRODUCT, RENDER, BARE,
             *(vllm(p) for p in PEER_POLICIES if p != "round_robin" or plan.round_robin_overload() <= 1.0)]
 
@@ -176,5 +176,5 @@ def run(ctx: Context) -> Result:
     ]
     if ctx.quick:
         res.notes.append(f"Quick mode runs the fleet(s) {', '.join(_fleets.QUICK)} only, {window_s:g} s measured, "
-                         "and vLLM Router's power_of_two and cache_aware only.")
+                         "and vLLM Router's power_of_two only.")
     return res

@@ -38,7 +38,7 @@ def nominal_capacity(spec: wl.SessionSpec) -> float:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    warmup_s, window_s = ctx.scale(5, 4), ctx.scale(13, 6)
+    warmup_s, window_s = ctx.scale(5, 3), ctx.scale(13, 6)
     probe = wl.SessionSpec(rate=1.0, duration_s=1.0, seed=ctx.seed)
     cap = nominal_capacity(probe)
     load = 0.78
@@ -63,9 +63,9 @@ def run(ctx: Context) -> Result:
                       _pct(r["prefix_hit_rate"]), str(r["shed"]), str(r["other_errors"]),
                       "/".join(str(v) for v in r["fleet_by_worker"].values())])
     convs = len({r["session"] for r in requests})
-    res.tables.append((f"{FLEET.describe()}; prefix cache 16 conversations per worker. {len(requests)} turns of "
-                       f"{convs} conversations, {spec.rate:.1f} turns/s = {load:.0%} of a nominal "
-                       f"{cap:.1f} req/s (no cache hits); {window_s:g} s measured after {warmup_s:g} s of warm-up",
+    res.tables.append((f"{FLEET.describe_workers()}; prefix cache 16 conversations per worker. "
+                       f"{len(requests)} turns of {convs} conversations, {spec.rate:.1f} turns/s = {load:.0%} of a "
+                       f"nominal {cap:.1f} req/s (no cache hits); {window_s:g} s measured after {warmup_s:g} s",
                        head, table))
     rec = rows["rec"]
     if peer is not None:
