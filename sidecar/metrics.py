@@ -46,6 +46,8 @@ class SidecarCollector(Collector):
         rejected = CounterMetricFamily(_PREFIX + "eds_rejected", "EDS writes Envoy refused.", labels=["pool"])
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        stale = GaugeMetricFamily(_PREFIX + "topology_stale", "1 while the running configuration is older than "
+                                  "the topology file (its last reload was invalid or needed API keys).")
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
                                   "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
         for pool in snap.pools:
@@ -70,11 +72,12 @@ class SidecarCollector(Collector):
                     latency.add_metric(labels, ep.probe_latency_s)
                 for kind, count in sorted(ep.errors.items()):
                     errors.add_metric([*labels, kind], count)
-        for result in ("ok", "error"):
+        for result in ("ok", "error", "needs_keys"):
             reloads.add_metric([result], snap.reloads.get(result, 0))
+        stale.add_metric([], 0.0 if snap.last_reload_error is None else 1.0)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (queue, saturation, health, running, waiting, kv, weight, latency, errors, publishes,
-                    rejected, reloads, ready, limit)
+                    rejected, reloads, ready, stale, limit)
 
 
 def register(registry: CollectorRegistry, snapshot: Callable[[], Snapshot]) -> SidecarCollector:
