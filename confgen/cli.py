@@ -34,36 +34,41 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     render = sub.add_parser("render", help="render a topology into proxy configuration files")
-    render.add_argument("topology", type=Path)
+    render.add_argument("topology", type=Path, help="the topology YAML file")
     where = render.add_mutually_exclusive_group(required=True)
     where.add_argument("-o", "--out", type=Path, help="output directory (written atomically)")
     where.add_argument("--check", type=Path, metavar="DIR",
                        help="compare with DIR instead of writing; exit 1 when it differs")
-    render.add_argument("--target", choices=TARGETS, default="envoy")
+    render.add_argument("--target", choices=TARGETS, default="envoy",
+                        help="what to render: Envoy file xDS, nginx, Kubernetes manifests or Compose (default envoy)")
     render.add_argument("--config-dir", help="where the files will live when the proxy reads them "
                         "(default: envoy.config_dir from the topology, else the output directory)")
+    render.add_argument("--diff", action="store_true",
+                        help="with --check, also print what would change: per worker for endpoint files, "
+                        "field paths for other JSON, a unified diff for text")
     render.add_argument("--placeholder-secrets", action="store_true",
                         help="write placeholder API keys instead of reading them (for CI drift checks)")
 
     validate = sub.add_parser("validate", help="check topology files; print every problem")
-    validate.add_argument("topology", type=Path, nargs="+")
+    validate.add_argument("topology", type=Path, nargs="+", help="topology YAML files (each judged on its own)")
     validate.add_argument("--envoy", action="store_true", help="also run the real Envoy on the rendered output "
                           "(every listener, route and cluster, and the first 8 endpoints of each pool)")
     validate.add_argument("--envoy-all-endpoints", action="store_true",
                           help="with --envoy, have Envoy parse every endpoint too (about 1 s per 10,000)")
     validate.add_argument("--nginx", action="store_true", help="also run the real nginx -t on the rendered output")
     validate.add_argument("--strict", action="store_true", help="treat warnings as errors")
-    validate.add_argument("--format", choices=("text", "json"), default="text")
+    validate.add_argument("--format", choices=("text", "json"), default="text",
+                          help="text: file:line:col: path: message lines; json: a list of objects for tools")
 
     sub.add_parser("schema", help="print the topology's JSON Schema (draft-07)")
 
     simulate = sub.add_parser("simulate", help="run simulated inference engines on loopback",
                               add_help=False)
-    simulate.add_argument("args", nargs=argparse.REMAINDER)
+    simulate.add_argument("args", nargs=argparse.REMAINDER, help="see `confgen simulate --help`")
 
     demo = sub.add_parser("demo", help="render the built-in example, check it with the real Envoy, "
                           "and serve a few requests through it from a simulated fleet")
-    demo.add_argument("--requests", type=int, default=20)
+    demo.add_argument("--requests", type=int, default=20, help="requests per phase of the demo (default 20)")
     return parser
 
 
@@ -128,14 +133,19 @@ def cmd_render(args: argparse.Namespace) -> int:
 
         warnings = sorted([*warnings, *pin(args.topology, nginx.unsupported(topo))])
     _print_diagnostics(warnings, sys.stderr)
+    if args.diff and args.check is None:
+        print("confgen: --diff goes with --check DIR", file=sys.stderr)
+        return EXIT_USAGE
     out: Path = args.out or args.check
     try:
-        keys = None if args.placeholder_secrets else secret_mod.resolve(topo)
+        # An ADS bootstrap holds no key: the control plane resolves and serves them.
+        keyless = args.target == "envoy" and topo.envoy.xds.mode == "ads"
+        keys = None if args.placeholder_secrets or keyless else secret_mod.resolve(topo)
         files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
         if args.check is not None:
-            drift = diff_tree(files, args.check)
-            for line in drift:
-                print(f"{args.check}: {line}", file=sys.stderr)
+            drift = diff_tree(files, args.check, detail=args.diff)
+            for line in drift:  # detail lines (--diff) are indented under their file
+                print(line if line.startswith(" ") else f"{args.check}: {line}", file=sys.stderr)
             if drift:
                 print(f"{args.check} differs from what {args.topology} renders to", file=sys.stderr)
                 return EXIT_INVALID

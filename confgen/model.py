@@ -20,6 +20,8 @@ Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev"
 RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
 Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
+XdsMode = Literal["files", "ads"]
+XdsProtocol = Literal["delta", "sotw"]
 
 # The health path each engine answers on (see the engines' docs; sglang's /health runs a
 # one-token generation, which is what we want to know).
@@ -302,6 +304,27 @@ class Canned:
 
 
 @dataclass(frozen=True)
+class Xds:
+    mode: XdsMode = field(
+        "files",
+        doc="files: Envoy reads LDS/CDS/EDS from rendered files, one sidecar next to each Envoy. ads: Envoy takes "
+        "listeners, clusters, endpoints and the in-flight limits (RTDS) over one gRPC stream from "
+        "`confgen-sidecar --serve-xds` (one control plane probes the fleet for any number of Envoys).",
+    )
+    servers: list[str] = field(
+        factory=list,
+        doc="ads: the control plane's host:port addresses (two for high availability). Envoy connects to one "
+        "at a time and moves to another when it fails; each Envoy keeps its last config meanwhile.",
+        pattern="server",
+    )
+    protocol: XdsProtocol = field(
+        "delta",
+        doc="ads: delta (DELTA_GRPC: only changed endpoints travel) or sotw (GRPC, state of the world). "
+        "The sidecar serves both.",
+    )
+
+
+@dataclass(frozen=True)
 class EnvoyOptions:
     config_dir: str | None = field(
         None,
@@ -317,6 +340,7 @@ class EnvoyOptions:
         minimum=1,
         maximum=100_000,
     )
+    xds: Xds = field(factory=Xds, doc="How Envoy gets its configuration: rendered files, or ADS over gRPC.")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from ._diff import describe_change
 from .errors import OutputError
 
 MANIFEST = ".confgen-files"  # what the last render wrote, so stale files can be removed
@@ -113,8 +114,12 @@ def _previous_files(out_dir: Path) -> set[str]:
     return out
 
 
-def diff_tree(files: Mapping[str, bytes], out_dir: Path) -> list[str]:
-    """What differs between `files` and the directory: one line per file, [] when equal."""
+def diff_tree(files: Mapping[str, bytes], out_dir: Path, detail: bool = False) -> list[str]:
+    """What differs between `files` and the directory: one line per file, [] when equal.
+
+    With `detail`, each differing file is followed by indented lines saying what changed
+    (per worker for endpoint files; see confgen._diff).
+    """
     found = {
         str(p.relative_to(out_dir))
         for p in out_dir.rglob("*")
@@ -126,6 +131,8 @@ def diff_tree(files: Mapping[str, bytes], out_dir: Path) -> list[str]:
             lines.append(f"missing: {rel}")
         elif rel not in files:
             lines.append(f"extra:   {rel}")
-        elif (out_dir / rel).read_bytes() != files[rel]:
+        elif (on_disk := (out_dir / rel).read_bytes()) != files[rel]:
             lines.append(f"differs: {rel}")
+            if detail:
+                lines.extend(f"    {line}" for line in describe_change(rel, on_disk, files[rel]))
     return lines

@@ -38,8 +38,13 @@ def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[
 def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
     from . import envoy
 
+    limit = None if all_endpoints else SAMPLED_ENDPOINTS
+    if topo.envoy.xds.mode == "ads":
+        # The bootstrap Envoy starts with, then what the control plane would send it.
+        problems = runtime.validate_envoy_static(envoy.ads.bootstrap(topo))
+        return problems or runtime.validate_envoy_static(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
-    boot = envoy.static_bootstrap(files, max_endpoints=None if all_endpoints else SAMPLED_ENDPOINTS)
+    boot = envoy.static_bootstrap(files, max_endpoints=limit)
     return runtime.validate_envoy_static(boot)
 
 

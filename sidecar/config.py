@@ -69,12 +69,19 @@ class SidecarConfig:
             raise ConfigError(f"ingresses must be >= 1, got {self.ingresses}")
 
 
+def _version() -> str:
+    from confgen import __version__
+
+    return __version__
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="confgen-sidecar",
         description="Probe the inference workers of a confgen topology and publish Envoy EDS "
         "health and load-aware weights; reload the topology when it changes.",
     )
+    p.add_argument("--version", action="version", version=f"confgen-sidecar {_version()}")
     p.add_argument("--topology", required=True, type=Path, help="topology YAML (the same file confgen renders)")
     p.add_argument("--xds-dir", type=Path, help="directory Envoy reads its xDS files from "
                    "(default: the topology's envoy.config_dir)")
@@ -94,8 +101,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
     p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet; each one's "
                    "in-flight limit is its 1/N share of the pool's (default 1)")
-    p.add_argument("--log-format", choices=["json", "text"], default="json")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="json: one object per line for log shippers; text: for people (default json)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="least severe level logged (default INFO)")
     add_nginx_arguments(p)
     return p
 

@@ -5,6 +5,10 @@
 `config_dir` is where the files will live when Envoy reads them (file xDS paths are
 absolute). `static_bootstrap` inlines everything into one static config, which is what
 `envoy --mode validate` can actually check (it does not read file-based xDS).
+
+With `envoy.xds.mode: ads` the output is the bootstrap alone (see `ads`): listeners,
+clusters, endpoints and limits come from the control plane, which builds them with
+`ads.resources` (`ads_static_bootstrap` inlines those for validation).
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ import json
 from collections.abc import Mapping
 
 from ..model import Topology
-from . import layout
+from . import ads, layout
 from ._clusters import assignments, clusters
 from ._listener import listeners
 from ._proto import Json, dumps
 from .eds import Endpoint, build_cla, eds_document, parse_eds, render_eds
 
-__all__ = ["Endpoint", "build_cla", "eds_document", "layout", "parse_eds", "render", "render_eds", "static_bootstrap"]
+__all__ = [
+    "Endpoint", "ads", "ads_static_bootstrap", "build_cla", "eds_document", "layout", "parse_eds", "render",
+    "render_eds", "static_bootstrap",
+]
 
 
 def _placeholder_secrets(topo: Topology) -> dict[str, str]:
@@ -52,6 +59,8 @@ def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None
     `secrets` maps API-key clients to their keys; without it placeholders are written
     (fine for validation, useless for serving).
     """
+    if topo.envoy.xds.mode == "ads":
+        return {layout.BOOTSTRAP: dumps(ads.bootstrap(topo))}
     keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
     config_dir = config_dir.rstrip("/") or "/"
     files = {
@@ -74,13 +83,35 @@ def static_bootstrap(files: Mapping[str, bytes], *, max_endpoints: int | None = 
     of 10,000 endpoints costs a second.
     """
     boot: Json = json.loads(files[layout.BOOTSTRAP])
-    lds = [dict(r) for r in json.loads(files[layout.LDS])["resources"]]
-    cds = [dict(r) for r in json.loads(files[layout.CDS])["resources"]]
+    lds = json.loads(files[layout.LDS])["resources"]
+    cds = json.loads(files[layout.CDS])["resources"]
+    eds = {pool: json.loads(files[layout.eds_path(pool)])["resources"][0]
+           for pool in (c["eds_cluster_config"]["service_name"] for c in cds if c.get("type") == "EDS")}
+    return _inline(boot, lds, cds, eds, max_endpoints)
+
+
+def ads_static_bootstrap(topo: Topology, *, max_endpoints: int | None = None) -> Json:
+    """The ADS bootstrap's node and admin with what the control plane would send inlined.
+
+    The control plane serves `ads.resources` (placeholder keys here, like `render` without
+    secrets); Envoy checks those the same way as file output.
+    """
+    served = ads.resources(topo, _placeholder_secrets(topo))
+    boot = ads.bootstrap(topo)
+    boot.pop("static_resources", None)
+    boot["layered_runtime"] = {"layers": [layer for layer in boot["layered_runtime"]["layers"]
+                                          if "rtds_layer" not in layer]}
+    return _inline(boot, served.listeners, served.clusters, served.assignments, max_endpoints)
+
+
+def _inline(boot: Json, lds_in: list[Json], cds_in: list[Json], eds: Mapping[str, Json],
+            max_endpoints: int | None) -> Json:
+    lds = [dict(r) for r in lds_in]
+    cds = [dict(r) for r in cds_in]
     for cluster in cds:
         if cluster.get("type") == "EDS":
             service = cluster.pop("eds_cluster_config")["service_name"]
-            eds = json.loads(files[layout.eds_path(service)])["resources"]
-            assignment = dict(eds[0])
+            assignment = dict(eds[service])
             assignment.pop("@type", None)
             if max_endpoints is not None:
                 assignment["endpoints"] = _first_endpoints(assignment.get("endpoints", []), max_endpoints)
@@ -91,7 +122,6 @@ def static_bootstrap(files: Mapping[str, bytes], *, max_endpoints: int | None = 
     boot.pop("dynamic_resources", None)
     boot["static_resources"] = {"listeners": lds, "clusters": cds}
     return boot
-
 
 
 

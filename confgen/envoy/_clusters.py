@@ -51,7 +51,8 @@ def _dns_assignment(pool: Pool) -> Json:
     return {"cluster_name": pool.name, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
-def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
+def pool_cluster(topo: Topology, pool: Pool, config_dir: str | None) -> Json:
+    """The pool's cluster; its EDS comes from a file under `config_dir`, or over ADS when None."""
     cluster: Json = {
         "name": pool.name,
         "connect_timeout": dur(pool.timeouts.connect),
@@ -60,7 +61,11 @@ def pool_cluster(topo: Topology, pool: Pool, config_dir: str) -> Json:
         "circuit_breakers": {"thresholds": [_thresholds(topo, pool)]},
         "common_lb_config": _common_lb(topo, pool),
     }
-    if pool.discovery == "eds":
+    if pool.discovery == "eds" and config_dir is None:
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {"service_name": pool.name,
+                                         "eds_config": {"resource_api_version": "V3", "ads": {}}}
+    elif pool.discovery == "eds":
         eds_file = f"{config_dir}/{layout.eds_path(pool.name)}"
         cluster["type"] = "EDS"
         cluster["eds_cluster_config"] = {
@@ -158,7 +163,7 @@ def target_cluster(pool: Pool) -> str:
     return layout.failover_cluster(pool.name) if pool.fallback is not None else pool.name
 
 
-def clusters(topo: Topology, config_dir: str) -> list[Json]:
+def clusters(topo: Topology, config_dir: str | None) -> list[Json]:
     out = [pool_cluster(topo, pool, config_dir) for pool in topo.pools]
     out += [failover_cluster(topo, pool) for pool in topo.pools if pool.fallback is not None]
     return out

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from .. import __version__
 from ._fleet import Fleet
 from ._spec import ENGINE_KINDS, FleetSpec, SpecError
 
@@ -23,20 +24,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve simulated LLM inference servers (OpenAI API, /health, /metrics) "
         "from one process, with a latency model and switchable faults.",
     )
+    parser.add_argument("--version", action="version", version=f"confgen simulate {__version__}")
     parser.add_argument("--config", type=Path, help="fleet YAML (workers, defaults, seed)")
     parser.add_argument("--workers", type=int, default=None, help="number of workers (default 3)")
-    parser.add_argument("--engine", choices=ENGINE_KINDS, default="vllm")
+    parser.add_argument("--engine", choices=ENGINE_KINDS, default="vllm",
+                        help="whose wire format and /metrics text to speak (default vllm)")
     parser.add_argument("--model", action="append", default=None,
                         help="served model name (repeat for several; default sim-model)")  # fmt: skip
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--base-port", type=int, default=0,
                         help="first port; worker i gets base+i (0: free ports)")  # fmt: skip
     parser.add_argument("--speed", default="1", help="comma list, cycled over the workers")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--data-parallel", type=int, default=1)
-    parser.add_argument("--prefill-ms-per-1k", type=float, default=60.0)
-    parser.add_argument("--decode-ms", type=float, default=20.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="sequences decoded at once per worker, like vLLM's --max-num-seqs (default 16)")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="data-parallel ranks per worker, each reported in /metrics (default 1)")
+    parser.add_argument("--prefill-ms-per-1k", type=float, default=60.0,
+                        help="prefill time per 1,000 uncached prompt tokens at speed 1 (default 60)")
+    parser.add_argument("--decode-ms", type=float, default=20.0,
+                        help="one decode step at speed 1, in ms (default 20)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for every random choice (default: random)")
     parser.add_argument("--control-port", type=int, default=None,
                         help="port of the fleet control channel (default: a free port)")  # fmt: skip
     return parser

@@ -1,6 +1,6 @@
 """Prometheus text (format 0.0.4) as each real engine prints it. Pure: state in, text out.
 
-Formatting facts each renderer keeps (see /work/shared/notes/engine-metrics-facts.md):
+Formatting facts each renderer keeps (measured against the real engines' /metrics output):
 - vLLM and SGLang use prometheus_client: labels sorted by name (`le` among them), floats
   printed as Python floats (`3.0`) switching to Go-style exponents above 1e6
   (`1.7898432023697093e+09`), counters with a `_created` gauge family after them.

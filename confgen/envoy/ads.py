@@ -1,0 +1,114 @@
+"""Envoy over ADS: the bootstrap that takes everything from a control plane, and what it serves.
+
+    bootstrap(topo)            node, admin, one static HTTP/2 cluster to `envoy.xds.servers`,
+                               ADS (delta or state of the world) for CDS, LDS, EDS and an RTDS
+                               runtime layer; nothing from files
+    resources(topo, secrets)   the listeners, clusters, endpoint assignments and runtime layer
+                               the control plane (`confgen-sidecar --serve-xds`) sends: the same
+                               JSON as the file target, except that EDS comes over ADS
+
+The control plane fills the runtime layer with the in-flight limits
+(`circuit_breakers.<pool>.default.max_requests` / `max_pending_requests`); until it has
+sent one, the clusters' own circuit breakers apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..model import Topology, is_ip, split_address
+from ._clusters import assignments, clusters
+from ._listener import listeners
+from ._proto import Json, typed
+
+__all__ = ["ADS_CLUSTER", "RUNTIME_LAYER", "Resources", "bootstrap", "resources"]
+
+ADS_CLUSTER = "confgen_xds"  # '_' is not in any pool's failover name, and pools may use it: see _checks
+RUNTIME_LAYER = "confgen_limits"
+_INITIAL_FETCH_TIMEOUT = "15s"  # Envoy's default, written down: starting without a control plane waits this long
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the control plane serves, as Envoy's protobuf JSON (each resource with its "@type")."""
+
+    listeners: list[Json]
+    clusters: list[Json]
+    assignments: dict[str, Json]  # pool -> ClusterLoadAssignment (the topology's first view)
+    runtime: Json  # the RTDS layer's key/values
+
+
+def resources(topo: Topology, secrets: Mapping[str, str]) -> Resources:
+    return Resources(listeners=listeners(topo, secrets), clusters=clusters(topo, None),
+                     assignments=assignments(topo), runtime={})
+
+
+def _ads_source() -> Json:
+    return {"resource_api_version": "V3", "ads": {}, "initial_fetch_timeout": _INITIAL_FETCH_TIMEOUT}
+
+
+def _server_cluster(topo: Topology) -> Json:
+    endpoints: list[Json] = []
+    resolve = False
+    for server in topo.envoy.xds.servers:
+        parts = split_address(server)
+        assert parts is not None  # checked on load
+        host, port = parts
+        resolve = resolve or not is_ip(host)
+        endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
+    cluster: Json = {
+        "name": ADS_CLUSTER,
+        "type": "STRICT_DNS" if resolve else "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
+                "extensions.upstreams.http.v3.HttpProtocolOptions",
+                # gRPC needs HTTP/2; keepalive pings find a control plane that vanished
+                # without closing its connection (a lost node), so Envoy moves to the other.
+                {"explicit_http_config": {"http2_protocol_options": {
+                    "connection_keepalive": {"interval": "10s", "timeout": "5s"}}}},
+            ),
+        },
+        "load_assignment": {"cluster_name": ADS_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        # A control plane that refuses connections is skipped until it accepts them again.
+        "health_checks": [{
+            "timeout": "1s", "interval": "2s", "no_traffic_interval": "2s",
+            "unhealthy_threshold": 1, "healthy_threshold": 1, "tcp_health_check": {},
+        }],
+    }
+    if resolve:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    return cluster
+
+
+def bootstrap(topo: Topology) -> Json:
+    """A bootstrap that takes listeners, clusters, endpoints and limits over ADS, nothing from files."""
+    api_type = "DELTA_GRPC" if topo.envoy.xds.protocol == "delta" else "GRPC"
+    return {
+        "node": {"id": topo.envoy.node_id or topo.name, "cluster": topo.name},
+        "admin": {"address": {"socket_address": {"address": topo.admin.address, "port_value": topo.admin.port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": api_type,
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": True,
+                "grpc_services": [{
+                    "envoy_grpc": {
+                        "cluster_name": ADS_CLUSTER,
+                        # Reconnect backoff of the xDS stream (jittered, exponential).
+                        "retry_policy": {"retry_back_off": {"base_interval": "0.25s", "max_interval": "5s"}},
+                    },
+                }],
+            },
+            "cds_config": _ads_source(),
+            "lds_config": _ads_source(),
+        },
+        "static_resources": {"clusters": [_server_cluster(topo)]},
+        "layered_runtime": {"layers": [
+            {"name": "static", "static_layer": {"overload.global_downstream_max_connections": 50000}},
+            {"name": RUNTIME_LAYER, "rtds_layer": {"name": RUNTIME_LAYER, "rtds_config": _ads_source()}},
+            {"name": "admin", "admin_layer": {}},
+        ]},
+    }
