@@ -39,8 +39,8 @@ LdsSource = Mapping[str, str] | Literal["try", "keep"]
 LdsOutcome = Literal["rendered", "kept", "absent"]
 
 
-def _placeholder_lds(topo: Topology) -> bytes:
-    return envoy.render(topo, config_dir="/")[layout.LDS]
+def _placeholder_lds(topo: Topology) -> bytes | None:
+    return envoy.render(topo, config_dir="/").get(layout.LDS)  # None: no LDS file (xds mode ads)
 
 
 def lds_changes(old: Topology, new: Topology) -> bool:
@@ -88,6 +88,8 @@ def render_tree(topo: Topology, *, xds_dir: Path, config_dir: str,
         except SecretError as exc:
             why = f"API keys not at hand ({exc}): the file on disk is kept"
     files = envoy.render(topo, config_dir=config_dir)  # placeholder keys: LDS is replaced below
+    if layout.LDS not in files:
+        return files, "rendered", ""  # no LDS file to write (xds mode ads): no key in these files
     try:
         files[layout.LDS] = (xds_dir / layout.LDS).read_bytes()
     except OSError as exc:
