@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="render the built-in example, check it with the real Envoy, "
                           "and serve a few requests through it from a simulated fleet")
-    demo.add_argument("--requests", type=int, default=20, help="requests per phase of the demo (default 20)")
+    demo.add_argument("--requests", type=int, default=600,
+                      help="at most this many requests in the whole demo (default 600)")
+    demo.add_argument("--keep", type=Path, metavar="DIR",
+                      help="write the topology, the rendered config and the sidecar's log into DIR and keep them")
     return parser
 
 
@@ -235,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return run_demo(args.requests)
+            return run_demo(args.requests, args.keep)
     except ConfgenError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
         return EXIT_INVALID

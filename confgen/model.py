@@ -281,15 +281,44 @@ class Limits:
     per_key: RateLimit | None = field(None, doc="A token bucket per API-key client.")
 
 
+# The largest values the proxies accept for an in-flight cap: Envoy's circuit-breaker
+# thresholds are uint32; nginx's limit_conn refuses a number above 65535.
+ENVOY_CAP_MAX = 2**32 - 1
+NGINX_CAP_MAX = 65535
+
+
 @dataclass(frozen=True)
 class Backpressure:
     max_utilization: float = field(
         0.8,
-        doc="Shed load (429) once in-flight requests pass this share of a pool's capacity.",
+        doc="Read by the sidecar only: its pool counts as saturated when the workers without headroom "
+        "(reported waiting queue past its threshold, or KV cache nearly full and still queueing, on fresh "
+        "metrics) hold at least this share of the declared capacity of the workers in rotation; only "
+        "then does it shed new requests (429). In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
     )
+    safety_cap: float = field(
+        4.0,
+        doc="The proxy's hard cap on requests in flight to a pool, as a multiple of the pool's declared "
+        "capacity (the sum of its workers' capacity): every slot plus the engines' own waiting queues. "
+        "Past it the proxy answers 429 at once; it is a safety net, not the shedding rule.",
+        minimum=1.0,
+        maximum=1000.0,
+    )
     retry_after: Duration = field(_d("2s"), doc="Sent as retry-after on 429 answers (whole seconds).")
+
+
+def in_flight_cap(total_capacity: int, safety_cap: float, ceiling: int) -> int:
+    """ceil(safety_cap x total_capacity), within [1, ceiling] by construction.
+
+    The proxy's safety cap on requests in flight to one pool (Envoy's circuit breakers with
+    ceiling ENVOY_CAP_MAX, nginx's limit_conn with NGINX_CAP_MAX). In-flight counts include
+    the requests waiting in the engines' own queues, so a cap at the slot count would queue
+    or shed at normal load; the default multiple of 4 leaves room for every slot and three
+    batches' worth of waiting requests, which a fleet below saturation does not reach.
+    """
+    return min(max(1, math.ceil(total_capacity * safety_cap - 1e-9)), ceiling)
 
 
 @dataclass(frozen=True)
@@ -377,16 +406,18 @@ class Topology:
     admin: Admin = field(factory=Admin, doc="Envoy's admin interface.")
     auth: Auth | None = field(None, doc="API-key authentication at the edge.")
     limits: Limits = field(factory=Limits, doc="Token-bucket rate limits (429 when empty).")
-    backpressure: Backpressure = field(factory=Backpressure, doc="Load shedding when pools are nearly full.")
+    backpressure: Backpressure = field(
+        factory=Backpressure, doc="Load shedding: the proxy's safety cap and the sidecar's saturation rule."
+    )
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
 
-    def in_flight_limit(self, pool: Pool) -> int:
-        """Requests in flight to `pool` before the proxy sheds load (the 80 % rule)."""
-        return max(1, math.floor(pool.total_capacity * self.backpressure.max_utilization))
+    def in_flight_cap(self, pool: Pool, ceiling: int) -> int:
+        """The proxy's safety cap on requests in flight to `pool` (see `in_flight_cap`)."""
+        return in_flight_cap(pool.total_capacity, self.backpressure.safety_cap, ceiling)
 
     def pool(self, name: str) -> Pool:
         for pool in self.pools:

@@ -16,9 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from confgen import envoy
 from confgen.envoy import Endpoint, layout
 from confgen.errors import SecretError, TopologyError
 from confgen.model import Pool, Topology, Worker, split_address
+from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
 from sidecar.config import SidecarConfig
@@ -31,6 +33,8 @@ from sidecar.resolve import Resolver
 from sidecar.state import Decision, EndpointState, Status, decide_pool
 from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.xds.limits import RtdsLimiter
+from sidecar.xds.publisher import AdsPublisher, XdsView
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -97,6 +101,7 @@ class Snapshot:
     cycles: int
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
+    xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
@@ -127,9 +132,9 @@ class Daemon:
         *,
         prober: Prober,
         resolver: Resolver,
-        publisher: EdsPublisher | NginxPublisher,
+        publisher: EdsPublisher | NginxPublisher | AdsPublisher,
         clock: Callable[[], float],
-        limiter: InflightLimiter | None = None,
+        limiter: InflightLimiter | RtdsLimiter | None = None,
     ) -> None:
         self.config = config
         self._topo = topo
@@ -146,6 +151,7 @@ class Daemon:
         self._cycles = 0
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
         self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
+        self._ads_keys_missing: str | None = None  # ADS: why the listeners cannot be served yet
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -198,9 +204,12 @@ class Daemon:
         lds: LdsSource = "keep"
         try:
             topo, warnings = await asyncio.to_thread(load_topology, path)
-            if self.config.nginx is None:  # nginx: the sidecar writes upstream files only, no key
+            # nginx: the sidecar writes upstream files only; ADS: it serves resources, no tree
+            if self.config.nginx is None and self.config.serve_xds is None:
                 xds_dir_for(self.config, topo)
                 lds = await asyncio.to_thread(keys_for_reload, self._topo, topo)
+            elif self.config.serve_xds is not None and topo.auth is not None:
+                await asyncio.to_thread(resolve_secrets, topo)  # ADS serves the listeners: keys needed
         except SecretError as exc:
             # Listeners or auth changed and the keys are not here: LDS cannot be rendered, so
             # nothing of this topology is applied (CDS without its LDS would be half of it).
@@ -352,6 +361,19 @@ class Daemon:
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due and isinstance(self._publisher, EdsPublisher):
             await self._write_tree(per_pool)
+        elif self._tree_due and isinstance(self._publisher, AdsPublisher):
+            topo = self._topo
+            try:
+                secrets = await asyncio.to_thread(resolve_secrets, topo) if topo.auth is not None else {}
+            except SecretError as exc:  # startup without the keys: say so each cycle, never die
+                self._ads_keys_missing = str(exc)
+                log_event(_log, logging.ERROR, "ads.needs_keys", error=str(exc),
+                          note="the listeners (LDS) cannot be served without the API keys; retrying every cycle")
+                return
+            self._ads_keys_missing = None
+            served = await asyncio.to_thread(envoy.ads.resources, topo, secrets)
+            await self._publisher.publish_tree(served, per_pool)
+            self._tree_due = False
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
@@ -405,6 +427,8 @@ class Daemon:
             reasons += self._publisher.problems()
         else:
             reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
+        if self._ads_keys_missing is not None:
+            reasons.append(f"nothing served over ADS yet: {self._ads_keys_missing}")
         return reasons
 
     def view(self) -> Snapshot:
@@ -446,4 +470,5 @@ class Daemon:
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
+            xds=self._publisher.view() if isinstance(self._publisher, AdsPublisher) else None,
         )

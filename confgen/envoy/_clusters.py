@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._checks import fallback_chain
-from ..model import Pool, Topology, is_ip, split_address
+from ..model import ENVOY_CAP_MAX, Pool, Topology, is_ip, split_address
 from . import layout
 from ._proto import Json, dur, typed
 from .eds import Endpoint, build_cla, static_weight
@@ -120,12 +120,22 @@ def pool_cluster(topo: Topology, pool: Pool, config_dir: str | None) -> Json:
 
 
 def _thresholds(topo: Topology, pool: Pool) -> Json:
-    limit = topo.in_flight_limit(pool)
+    """The pool's circuit breakers: a safety cap, never the shedding rule.
+
+    max_requests and max_pending_requests are the safety cap (`Topology.in_flight_cap`);
+    the sidecar lowers them through the runtime layer only when the engines report the
+    pool saturated. max_connections is never what makes a request pend: an HTTP/1.1
+    upstream needs one connection per request in flight, and Envoy keeps one connection
+    pool per worker thread, so idle connections held by one thread count against the
+    limit while another thread needs a new one. Connections stay bounded by threads x
+    the in-flight cap all the same.
+    """
+    limit = topo.in_flight_cap(pool, ENVOY_CAP_MAX)
     return {
         "priority": "DEFAULT",
         "max_requests": limit,
         "max_pending_requests": limit,
-        "max_connections": limit,
+        "max_connections": ENVOY_CAP_MAX,
         "retry_budget": {
             "budget_percent": {"value": pool.retries.budget_percent},
             "min_retry_concurrency": pool.retries.min_concurrency,

@@ -15,7 +15,7 @@ from typing import Any
 from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
 from .._openai import REPLIES, canned_body, error_body, models_list, retry_after_seconds
-from ..model import Pool, RateLimit, Route, Topology, is_ip, split_address
+from ..model import NGINX_CAP_MAX, Pool, RateLimit, Route, Topology, is_ip, split_address
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
 UNAVAILABLE = "confgen_unavailable"  # named location answering when a whole chain failed
@@ -196,7 +196,7 @@ def build_context(
             "balance": _balance(pool),
             "hash_var": _hash_var(pool, index),
             "cookie": cookie,
-            "inflight": topo.in_flight_limit(pool),
+            "inflight": topo.in_flight_cap(pool, NGINX_CAP_MAX),
             "connect_timeout": timeout(pool.timeouts.connect),
             "idle_timeout": timeout(pool.timeouts.idle),
             "next_upstream": next_up,

@@ -21,6 +21,7 @@ FaultMode = Literal[
     "truncated_metrics",
     "slow_start",
     "queue_full",
+    "slow",
 ]
 FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
 

@@ -119,6 +119,32 @@ def test_rate_limit_answers_429_json_with_retry_after(tmp_path: Path) -> None:
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
 
 
+def _busy_fleet_statuses(tmp_path: Path, backpressure: str) -> Counter[int]:
+    """18 clients, 90 requests, on 3 simulated workers of 4 slots each (12 busy, 6 waiting)."""
+    spec = FleetSpec(tuple(WorkerSpec(models=("m",), max_num_seqs=4, decode_ms=10, name=n) for n in "abc"))
+    with run_fleet_in_thread(spec) as fleet:
+        workers = [f"127.0.0.1:{w.port}" for w in fleet.workers]
+        yaml = _topology(_pool("p", workers, more="    capacity: 4"), backpressure)
+        with running_nginx(yaml, tmp_path) as ngx:
+            def one(_: int) -> int:
+                return request(ngx.url + CHAT, _chat(max_tokens=20), timeout=30)[0]
+
+            with ThreadPoolExecutor(18) as pool:
+                return Counter(pool.map(one, range(90)))
+
+
+def test_limit_conn_is_a_safety_cap_not_the_shedding_rule(tmp_path: Path) -> None:
+    """limit_conn is backpressure.safety_cap x the declared slots (4 x 12 = 48), so a fleet
+    with every slot busy and requests waiting in the engines gets no 429 (the old 80 % rule,
+    9 here, answered 429 at normal load); with safety_cap 1.0 (12) the same load is shed
+    with 429, so the cap is still there."""
+    normal = _busy_fleet_statuses(tmp_path / "normal", "")
+    capped = _busy_fleet_statuses(tmp_path / "capped", "backpressure: {safety_cap: 1.0}")
+    print(f"18 concurrent on 12 slots: default cap {dict(normal)}, cap 1.0 {dict(capped)}")
+    assert normal == Counter({200: 90}), normal
+    assert capped[429] > 0 and set(capped) == {200, 429}, capped
+
+
 def test_post_is_retried_when_a_worker_is_dead(tmp_path: Path) -> None:
     """A crashed worker (connection refused) costs no failed POST: nginx retries on the other."""
     spec = FleetSpec.uniform(2, models=("m",), decode_ms=1)

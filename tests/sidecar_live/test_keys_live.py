@@ -147,3 +147,32 @@ def test_relative_xds_dir_writes_no_relative_path(tmp_path: Path) -> None:
         assert (rig.xds / "bootstrap.json").read_bytes() == boot
         assert f'"{rig.xds.resolve()}/eds/chat/endpoints.json"'.encode() in (rig.xds / "cds.json").read_bytes()
         assert rig.drift() == []
+
+
+def test_ads_sidecar_without_keys_stays_up_and_says_why(tmp_path: Path) -> None:
+    """--serve-xds serves the listeners, so it needs the keys: without them it stays up,
+    /readyz answers 503 naming the missing variable, and no traceback is logged."""
+    with run_fleet_in_thread(FleetSpec(workers=worker_specs(["a"]), seed=3)) as fleet:
+        listen, xds = free_port(), free_port()
+        text = topology_text([f"127.0.0.1:{fleet.workers[0].port}"], admin=free_port(), port=free_port())
+        text = text.replace("pools:\n", f'envoy:\n  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}\npools:\n')
+        topology = tmp_path / "topology.yaml"
+        topology.write_text(text + AUTH)
+        args = ["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}", "--listen", f"127.0.0.1:{listen}",
+                *FAST_ARGS]
+        sidecar = SidecarProcess(args, tmp_path / "sidecar.log", listen, env=_env())
+        sidecar.start()
+        try:
+            def says_why() -> bool:
+                try:
+                    status, body = sidecar.get("/readyz")
+                except OSError:
+                    return False
+                return status == 503 and KEY_ENV.encode() in body
+
+            assert poll(says_why, timeout=15), sidecar.log_tail()
+            assert sidecar.proc is not None and sidecar.proc.poll() is None
+            assert "Traceback" not in sidecar.log_path.read_text()
+            assert any(e.get("event") == "ads.needs_keys" for e in sidecar.events())
+        finally:
+            assert sidecar.stop() == 0, sidecar.log_tail()

@@ -86,7 +86,7 @@ def test_topology_edit_reaches_envoy_and_broken_edit_keeps_old_config(tmp_path: 
         assert poll(lambda: rig.envoy_host(pa) == {}, timeout=3)
         cds = json.loads((rig.xds_dir / "cds.json").read_text())
         chat = next(c for c in cds["resources"] if c["name"] == "chat")
-        assert chat["circuit_breakers"]["thresholds"][0]["max_requests"] == 12  # 80 % of 2 x 8
+        assert chat["circuit_breakers"]["thresholds"][0]["max_requests"] == 64  # safety cap: 4 x (2 x 8)
         assert poll(lambda: {name for _, name in (rig.send() for _ in range(6))} == {"b", "c"}, timeout=5)
         metrics = rig.sidecar.metrics()
         assert f'address="127.0.0.1:{pa}"' not in metrics

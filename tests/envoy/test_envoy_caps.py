@@ -1,0 +1,60 @@
+"""The in-flight safety cap: a documented multiple of the declared capacity, in range for
+both proxies by construction, and accepted by the real Envoy and nginx at its extremes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from confgen import envoy, nginx, parse_topology
+from confgen.model import ENVOY_CAP_MAX, NGINX_CAP_MAX, in_flight_cap
+from confgen.verify import verify_envoy, verify_nginx
+
+HUGE = """
+version: 1
+name: huge
+listeners: [{name: public, port: 8080}]
+backpressure: {safety_cap: 1000}
+pools:
+  - name: big
+    engine: vllm
+    models: [m]
+    capacity: 100000
+    workers: [%s]
+  - name: small
+    engine: vllm
+    models: [s]
+    capacity: 1
+    workers: ["10.0.0.1:8000"]
+"""
+
+
+def test_cap_formula_rounds_up_and_stays_in_range() -> None:
+    """ceil(safety_cap x capacity), at least 1, at most the proxy's ceiling."""
+    assert in_flight_cap(12, 4.0, ENVOY_CAP_MAX) == 48
+    assert in_flight_cap(3, 1.5, ENVOY_CAP_MAX) == 5
+    assert in_flight_cap(10, 1.1, ENVOY_CAP_MAX) == 11  # 11.000000000000002 is still 11
+    assert in_flight_cap(0, 4.0, NGINX_CAP_MAX) == 1
+    assert in_flight_cap(100_000 * 100, 1000.0, ENVOY_CAP_MAX) == ENVOY_CAP_MAX
+    assert in_flight_cap(100_000, 1.0, NGINX_CAP_MAX) == NGINX_CAP_MAX
+
+
+@pytest.mark.parametrize("workers", [1, 50])
+def test_extreme_caps_render_in_range_and_the_real_proxies_accept_them(workers: int) -> None:
+    """The largest capacity x the largest multiple renders Envoy thresholds within uint32
+    (max_connections never below the in-flight cap) and limit_conn within 65535, and both
+    real binaries accept the result."""
+    addresses = ", ".join(f'"10.0.1.{i}:8000"' for i in range(1, workers + 1))
+    topo, _ = parse_topology((HUGE % addresses).encode(), "huge.yaml")
+    cds = json.loads(envoy.render(topo, config_dir="/etc/confgen")["cds.json"])
+    caps = {c["name"]: c["circuit_breakers"]["thresholds"][0] for c in cds["resources"]}
+    expected_big = min(100_000 * workers * 1000, ENVOY_CAP_MAX)
+    assert caps["big"]["max_requests"] == caps["big"]["max_pending_requests"] == expected_big
+    assert caps["small"]["max_requests"] == 1000  # 1 slot x 1000
+    assert all(t["max_connections"] == ENVOY_CAP_MAX for t in caps.values())
+    conf = nginx.render(topo, config_dir="/etc/confgen")["nginx.conf"].decode()
+    assert f"limit_conn confgen_inflight {min(100_000 * workers * 1000, NGINX_CAP_MAX)};" in conf
+    assert "limit_conn confgen_inflight 1000;" in conf
+    assert verify_envoy(topo) == []
+    assert verify_nginx(topo) == []
