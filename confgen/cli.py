@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError
+from .errors import ConfgenError, Diagnostic, OutputError, SecretError, Severity, TopologyError, VerifyError
 from .model import Topology
 from .topology import load
 
@@ -158,7 +158,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     except SecretError as exc:
         from .topology import pin
 
-        _print_diagnostics(pin(args.topology, exc.problems, "error"), sys.stderr)
+        _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
         return EXIT_INVALID
     except OutputError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
@@ -191,7 +191,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             for target in targets:
                 try:
                     problems = verify.verify(topo, target, all_endpoints=args.envoy_all_endpoints)
-                except verify.ProxyUnavailableError as exc:
+                except VerifyError as exc:
                     print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
                     return EXIT_UNAVAILABLE
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
@@ -199,12 +199,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 from . import nginx
 
                 findings += pin(path, nginx.unsupported(topo))
-        errors = [d for d in findings if d.severity == "error" or args.strict]
+        errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
             status = EXIT_INVALID
         if args.format == "json":
             report.extend({"file": d.file, "line": d.line, "column": d.col, "path": d.path,
-                           "severity": d.severity, "message": d.message} for d in findings)
+                           "severity": str(d.severity), "message": d.message} for d in findings)
         else:
             _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
             if not errors:

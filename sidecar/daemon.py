@@ -23,7 +23,7 @@ from confgen.model import Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
-from sidecar.config import SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig
 from sidecar.engines import LoadSample
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
@@ -110,7 +110,7 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
         return config.xds_dir.absolute()
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir).absolute()
-    raise ValueError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
 
 
 def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
@@ -221,7 +221,7 @@ class Daemon:
                       note="listeners or auth changed; the sidecar needs the API keys to render LDS. "
                       "Keeping the previous configuration; render with `confgen render` where the keys are")
             return False
-        except (TopologyError, ValueError) as exc:
+        except (TopologyError, ConfigError) as exc:
             diagnostics = [str(d) for d in getattr(exc, "diagnostics", ())] or [str(exc)]
             self._reloads["error"] += 1
             self._last_reload_error = "; ".join(diagnostics[:5])

@@ -77,7 +77,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
                   errors=[str(d) for d in exc.diagnostics])
         return EXIT_INVALID
-    except ValueError as exc:
+    except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
     for w in warnings:
