@@ -185,7 +185,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
         if topo is not None and (sources := check_sources(topo)):
-            findings += pin(path, sources, "error")
+            findings += pin(path, sources, Severity.ERROR)
         if topo is not None and (args.envoy or args.nginx):
             targets = [t for t, on in (("envoy", args.envoy), ("nginx", args.nginx)) if on]
             for target in targets:
