@@ -25,6 +25,7 @@ from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.engines import LoadSample
+from sidecar.histogram import DurationHistogram, HistogramView
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
@@ -91,6 +92,7 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
+    probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
+        self._probe_durations: dict[str, DurationHistogram] = {}
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
         self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
         self._ads_keys_missing: str | None = None  # ADS: why the listeners cannot be served yet
@@ -314,6 +317,7 @@ class Daemon:
         before = tracked.state.published
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
+        self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
         tracked.sample = report.result.sample
         tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
         if report.error is not None:
@@ -462,6 +466,7 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
+                probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(
             topology=self._topo.name,
