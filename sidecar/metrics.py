@@ -50,6 +50,7 @@ METRIC_NAMES = (
     _PREFIX + "eds_publishes_total",
     _PREFIX + "eds_rejected_total",
     _PREFIX + "topology_reloads_total",
+    _PREFIX + "topology_stale",
 )
 
 
