@@ -97,7 +97,7 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         def extras() -> dict[str, Any]:
             out: dict[str, Any] = {}
             if sidecars:
-                writes = [s.metric_sum("eds", "publish") for s in sidecars]
+                writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
                 out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
             out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
             return out
