@@ -119,7 +119,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plans = [p for p in _fleets.MATRIX if not ctx.quick or p.key in _fleets.QUICK]
-    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(7, 4)
+    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(6, 4)
     groups: list[str] = []
     series: dict[str, list[float | None]] = {"product": [], "render alone": [], "bare Envoy": [],
                                              "vLLM Router best": []}
