@@ -149,6 +149,9 @@ def run(ctx: Context) -> Result:
         "where workers differ (speed, batch size or a slowdown) and <= 1.0x where they are alike, with nothing shed; "
         "the render alone must stay within 1.05x of a bare Envoy least_request.")
     res.notes += [
+        "P99 is over the requests that were served (200). A setup that answers 429 drops those requests from its "
+        "latency figures, which can only flatter its P99: read the P99 and 429 columns together (the target asks "
+        "for both: the ratio and 0 shed).",
         "Product = `confgen render` (the CLI, its own process) of the topology a user writes for the fleet: each "
         "worker's address and its max_num_seqs as `capacity`, engine vllm, the model, nothing else (bench/_proxies.py "
         "user_topology). Output unmodified, real Envoy 1.40 (--concurrency 1), and `confgen-sidecar` as its own "
