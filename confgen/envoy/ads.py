@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..model import Topology, is_ip, split_address
+from ..plan import plan
 from ._clusters import assignments, clusters
 from ._listener import listeners
 from ._proto import Json, typed
@@ -40,7 +41,8 @@ class Resources:
 
 
 def resources(topo: Topology, secrets: Mapping[str, str]) -> Resources:
-    return Resources(listeners=listeners(topo, secrets), clusters=clusters(topo, None),
+    routing = plan(topo)
+    return Resources(listeners=listeners(topo, routing, secrets), clusters=clusters(topo, routing, None),
                      assignments=assignments(topo), runtime={})
 
 
