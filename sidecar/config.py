@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
+from confgen.model import Topology
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
+__all__ = ["ConfigError", "SidecarConfig", "config_dir_for", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy)
@@ -55,6 +56,13 @@ class SidecarConfig:
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+
+    @property
+    def publisher(self) -> str:
+        """The publisher the flags select (a key of sidecar.publisher.PUBLISHERS)."""
+        if self.nginx is not None:
+            return "nginx"
+        return "ads" if self.serve_xds is not None else "envoy"
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -180,3 +188,17 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         nginx=nginx,
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
     )
+
+
+def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
+    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
+    if config.xds_dir is not None:
+        return config.xds_dir
+    if topo.envoy.config_dir:
+        return Path(topo.envoy.config_dir)
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
+    """The directory Envoy reads (paths inside the files); may differ from where we write."""
+    return topo.envoy.config_dir or str(xds_dir_for(config, topo))

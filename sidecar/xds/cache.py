@@ -22,6 +22,8 @@ from typing import Any
 
 from google.protobuf import any_pb2, json_format
 
+from confgen.errors import ConfgenError
+
 __all__ = ["CDS", "EDS", "LDS", "RTDS", "TYPE_ORDER", "Packer", "Resource", "XdsCache", "XdsResourceError"]
 
 _PREFIX = "type.googleapis.com/"
@@ -34,7 +36,7 @@ TYPE_ORDER = (CDS, EDS, LDS, RTDS)
 SHORT = {CDS: "cds", EDS: "eds", LDS: "lds", RTDS: "rtds"}
 
 
-class XdsResourceError(ValueError):
+class XdsResourceError(ConfgenError, ValueError):
     """A resource that cannot be expressed as Envoy's protobuf (a renderer bug)."""
 
 

@@ -23,12 +23,15 @@ from typing import Any
 import grpc
 
 from confgen.envoy import Endpoint, ads, build_cla
+from confgen.model import Topology
+from confgen.secrets import resolve as resolve_secrets
 from sidecar.logs import log_event
+from sidecar.publisher import Built, Wiring
 from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.xds.nodes import Nodes, NodeView
 from sidecar.xds.server import AdsServicer, serve
 
-__all__ = ["AdsPublisher", "XdsView"]
+__all__ = ["AdsPublisher", "XdsView", "build"]
 
 _log = logging.getLogger("sidecar.xds")
 
@@ -62,10 +65,13 @@ class AdsPublisher:
         self.rejected: set[str] = set()
         self.versions: dict[str, str] = {}
 
-    async def start(self) -> int:
-        self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+    async def start(self) -> None:
+        """Serve ADS on the configured address; OSError when it cannot be bound."""
+        try:
+            self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+        except RuntimeError as exc:  # grpc reports a port it could not bind this way
+            raise OSError(str(exc)) from exc
         log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
-        return self.bound_port
 
     async def close(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -82,6 +88,22 @@ class AdsPublisher:
         if self.cache.set_one(EDS, pool, build_cla(pool, endpoints)):
             self.publishes[pool] += 1
             self.versions[pool] = self.cache.resources(EDS)[pool].version
+
+    def adopt(self, pool: str) -> list[Endpoint]:
+        """Nothing to adopt: a restarted control plane starts from what it decides now."""
+        return []
+
+    def problems(self) -> list[str]:
+        # A NACK does not make the sidecar not-ready (see the module docstring); `rejected` stays empty.
+        return [f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
+
+    def xds_view(self) -> XdsView | None:
+        return self.view()
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+        """After a topology (re)load: the resources confgen renders for it (in a thread), with `endpoints`."""
+        served = await asyncio.to_thread(_served, topo)
+        await self.publish_tree(served, endpoints)
 
     def forget(self, pool: str) -> None:
         self.cache.remove(EDS, pool)
@@ -128,3 +150,19 @@ class AdsPublisher:
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
         )
+
+
+def _served(topo: Topology) -> ads.Resources:
+    """What the control plane serves for `topo` (blocking: reads the API keys; run in a thread)."""
+    return ads.resources(topo, resolve_secrets(topo) if topo.auth is not None else {})
+
+
+def build(wiring: Wiring) -> Built:
+    """The ADS publisher (`sidecar.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
+    from sidecar.xds.limits import RtdsLimiter  # it imports this module
+    from sidecar.xds.metrics import register_xds
+
+    assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
+    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
+    register_xds(wiring.registry, publisher.view)
+    return Built(publisher, RtdsLimiter(publisher))
