@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__, targets
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, Severity, TopologyError, VerifyError
+from .errors import (
+    ConfgenError,
+    DeployError,
+    Diagnostic,
+    OutputError,
+    SecretError,
+    Severity,
+    TopologyError,
+    VerifyError,
+)
 from .model import Topology
 from .topology import load
 
@@ -143,7 +152,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             return EXIT_OK
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644, rank=target.write_rank)
-    except SecretError as exc:
+    except (SecretError, DeployError) as exc:
         from .topology import pin
 
         _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
@@ -156,6 +165,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .secrets import check_sources
+    from .topology import pin
+
     unreadable = _unreadable(args.topology)
     if unreadable:
         print("\n".join(unreadable), file=sys.stderr)
@@ -168,6 +180,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except TopologyError as exc:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
+        if topo is not None and (sources := check_sources(topo)):
+            findings += pin(path, sources, Severity.ERROR)
         chosen = [t for t in targets.verifiable() if getattr(args, t.name)] if topo is not None else []
         for target in chosen:
             assert topo is not None and target.verify is not None

@@ -193,12 +193,18 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
     """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
     if config.xds_dir is not None:
-        return config.xds_dir
+        return config.xds_dir.absolute()
     if topo.envoy.config_dir:
-        return Path(topo.envoy.config_dir)
+        return Path(topo.envoy.config_dir).absolute()
     raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
 
 
 def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
-    """The directory Envoy reads (paths inside the files); may differ from where we write."""
-    return topo.envoy.config_dir or str(xds_dir_for(config, topo))
+    """The directory Envoy reads (paths inside the files); may differ from where we write.
+
+    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
+    absolute (sidecar.tree.config_dir_for_tree).
+    """
+    from sidecar.tree import config_dir_for_tree
+
+    return config_dir_for_tree(xds_dir_for(config, topo), topo)

@@ -21,11 +21,11 @@ from pathlib import Path
 from confgen.envoy import Endpoint
 from confgen.errors import Diagnostic, SecretError, TopologyError
 from confgen.model import Pool, Topology, Worker, split_address
-from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import PoolLoad
 from sidecar.config import ConfigError, SidecarConfig, config_dir_for, xds_dir_for
 from sidecar.engines import LoadSample
+from sidecar.histogram import DurationHistogram, HistogramView
 from sidecar.logs import log_event
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publisher import Limiter, Publisher
@@ -89,6 +89,7 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
+    probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
+        self._probe_durations: dict[str, DurationHistogram] = {}
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
@@ -174,7 +176,19 @@ class Daemon:
         path = self.config.topology
         try:
             topo, warnings = await asyncio.to_thread(self._load, path)
-        except (TopologyError, SecretError, ConfigError) as exc:
+            adopt = await asyncio.to_thread(self._publisher.check_reload, self._topo, topo)
+        except SecretError as exc:
+            # Listeners or auth changed and the keys are not here: LDS cannot be rendered, so
+            # nothing of this topology is applied (CDS without its LDS would be half of it).
+            problems = [f"{field}: {reason}" for field, reason in exc.problems]
+            self._reloads["needs_keys"] += 1
+            self._last_reload_error = ("listeners or auth changed and the API keys cannot be read "
+                                       "(keeping the running configuration): " + "; ".join(problems[:5]))
+            log_event(_log, logging.ERROR, "topology.reload_needs_keys", file=str(path), errors=problems,
+                      note="listeners or auth changed; the sidecar needs the API keys to render LDS. "
+                      "Keeping the previous configuration; render with `confgen render` where the keys are")
+            return False
+        except (TopologyError, ConfigError) as exc:
             diagnostics = [str(d) for d in getattr(exc, "diagnostics", ())] or [str(exc)]
             self._reloads["error"] += 1
             self._last_reload_error = "; ".join(diagnostics[:5])
@@ -190,6 +204,7 @@ class Daemon:
                     self._limiter.forget(gone)
             self._topo = topo
             self._tree_due = True
+            adopt()
             self._reloads["ok"] += 1
             self._last_reload_error = None
         log_event(_log, logging.INFO, "topology.reloaded", file=str(path), name=topo.name, pools=len(topo.pools))
@@ -197,12 +212,10 @@ class Daemon:
         return True
 
     def _load(self, path: Path) -> tuple[Topology, list[Diagnostic]]:
-        """Load and check a topology the way a reload needs it (blocking: run in a thread)."""
+        """Load a topology for a reload (blocking: run in a thread)."""
         topo, warnings = load_topology(path)
         if self.config.nginx is None and self.config.serve_xds is None:
-            xds_dir_for(self.config, topo)
-        if topo.auth is not None:
-            resolve_secrets(topo)  # a key that cannot be read keeps the previous configuration
+            xds_dir_for(self.config, topo)  # the file target needs somewhere to write
         return topo, warnings
 
     def set_drain(self, pool: str, worker: str, drained: bool) -> bool:
@@ -274,6 +287,7 @@ class Daemon:
         before = tracked.state.published
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
+        self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
         tracked.sample = report.result.sample
         tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
         if report.error is not None:
@@ -320,7 +334,8 @@ class Daemon:
         self._apply_drains(now)
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due:
-            await self._publisher.publish_all(self._topo, per_pool)
+            if not await self._publisher.publish_all(self._topo, per_pool):
+                return  # not publishable yet (e.g. ADS without the API keys): retried next cycle
             self._tree_due = False
         else:
             for pool_name, endpoints in per_pool.items():
@@ -341,6 +356,10 @@ class Daemon:
         return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
 
     # -- views ----------------------------------------------------------------------------
+
+    def stale(self) -> str | None:
+        """Why the running configuration is older than the topology file (None when current)."""
+        return self._last_reload_error
 
     def not_ready(self) -> list[str]:
         reasons = []
@@ -379,6 +398,7 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
+                probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(
             topology=self._topo.name,

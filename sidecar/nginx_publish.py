@@ -145,10 +145,15 @@ class NginxPublisher:
         self._offers[pool] = list(endpoints)
         self._schedule()
 
-    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """Any topology can follow: only the pools' upstream files are the sidecar's."""
+        return lambda: None
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
         """nginx.conf is the operator's (rendered by `confgen render`): only the pools' files follow."""
         for pool, members in endpoints.items():
             self.offer(pool, members)
+        return True
 
     def forget(self, pool: str) -> None:
         """A pool left the topology: drop its bookkeeping."""

@@ -28,21 +28,20 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import aiohttp
 
-from confgen import envoy
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.model import Topology
 from confgen.output import atomic_write, diff_tree, write_tree
-from confgen.secrets import resolve as resolve_secrets
 from sidecar.config import xds_dir_for
 from sidecar.logs import log_event
 from sidecar.publisher import Built, Wiring
+from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 
 if TYPE_CHECKING:
     from sidecar.xds.publisher import XdsView
@@ -162,6 +161,7 @@ class EdsPublisher:
         self.rejections: Counter[str] = Counter()
         self.rejected: set[str] = set()  # pools (or "cds"/"lds") whose last write Envoy refused
         self.versions: dict[str, str] = {}
+        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
 
     def adopt(self, pool: str) -> list[Endpoint]:
         """The endpoints of `pool`'s EDS file on disk, kept as written (no write needed to reach it)."""
@@ -256,11 +256,33 @@ class EdsPublisher:
         log_event(_log, logging.WARNING, "eds.unconfirmed", pool=pool, version=version,
                   admin=self._admin.base_url, reachable=seen is not None, timeout_s=self._confirm_timeout_s)
 
-    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
-        """Render the whole tree for `topo` with `endpoints` (in a thread) and write what changed."""
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """Where the next tree write takes LDS from (sidecar.tree.keys_for_reload: the keys are
+        read only when listeners or auth change); SecretError when they are needed and unreadable."""
+        lds = keys_for_reload(old, new)
+
+        def adopt() -> None:
+            if not isinstance(lds, str) or self._lds == "keep":
+                self._lds = lds  # a pending LDS render (keys read) survives a reload that keeps LDS
+
+        return adopt
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """Render the whole tree for `topo` (in a thread: sidecar.tree.render_tree), each pool's EDS
+        file holding `endpoints` (or what is written, never none), and write what changed."""
+        config_dir = await asyncio.to_thread(config_dir_for_tree, self.xds_dir, topo)
+        files, lds, why = await asyncio.to_thread(render_tree, topo, xds_dir=self.xds_dir, config_dir=config_dir,
+                                                  lds=self._lds)
+        self._lds = "keep"  # the keys (if any were read) are dropped with this call
+        if lds == "absent":
+            log_event(_log, logging.ERROR, "tree.lds_absent", dir=str(self.xds_dir), note=why)
+        elif lds == "kept":
+            log_event(_log, logging.INFO, "tree.lds_kept", dir=str(self.xds_dir), note=why)
         kept = dict(self._written)
-        files = await asyncio.to_thread(_render_tree, topo, str(self.xds_dir), endpoints, kept)
+        eds = await asyncio.to_thread(_render_eds_files, endpoints, kept)
+        files.update(eds)
         await self.write_tree(files, mode=0o600 if topo.auth is not None else 0o644)
+        return True
 
     async def write_tree(self, files: Mapping[str, bytes], mode: int) -> bool:
         """Write the whole rendered output if it differs from the disk; False when it did not."""
@@ -337,19 +359,15 @@ def build(wiring: Wiring) -> Built:
     return Built(publisher, InflightLimiter(wiring.admin, config.ingresses))
 
 
-def _render_tree(
-    topo: Topology, xds_dir: str, endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]
-) -> dict[str, bytes]:
-    """Every file of the Envoy output, each pool's EDS file holding `endpoints` (blocking: run in a thread)."""
-    secrets = resolve_secrets(topo) if topo.auth is not None else None
-    # The directory Envoy reads: the topology's, else where we write (sidecar.daemon.config_dir_for).
-    files = envoy.render(topo, config_dir=topo.envoy.config_dir or xds_dir, secrets=secrets)
+def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Each pool's EDS file holding `endpoints`, or the file already written when there are none
+    (never replace endpoints by none); blocking: run in a thread."""
+    files: dict[str, bytes] = {}
     for pool, members in endpoints.items():
-        rel = layout.eds_path(pool)
         if members:
-            files[rel] = render_eds(pool, members)
+            files[layout.eds_path(pool)] = render_eds(pool, members)
         elif pool in kept:
-            files[rel] = kept[pool]  # nothing resolved yet: never replace endpoints by none
+            files[layout.eds_path(pool)] = kept[pool]
     return files
 
 

@@ -58,8 +58,15 @@ class Publisher(Protocol):
         """Publish `endpoints` for `pool` if they differ from what the proxy has (may defer)."""
         ...
 
-    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
-        """After a (re)load of the topology: publish everything it renders to, with `endpoints`."""
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """Blocking (the daemon runs it in a thread): whether `new` can be published after `old`;
+        raises SecretError to refuse the reload (keys needed and unreadable). Returns what to do
+        when the daemon adopts `new` (called under its lock)."""
+        ...
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """After the first cycle or a reload: publish everything `topo` renders to, with `endpoints`.
+        False when it cannot yet (the daemon tries again next cycle)."""
         ...
 
     def forget(self, pool: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._fields import Duration
-from .._openai import REPLIES, canned_body, error_body, models_body, retry_after_seconds
+from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..balancing import is_hashing, nginx_method
 from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, is_ip, split_address
 from ..plan import Plan, PlannedRoute, plan
@@ -268,6 +268,7 @@ def build_context(
         "table": {
             "name": topo.name,
             "routes": route_table(routing),
+            "json_types": list(MODEL_CONTENT_TYPES),
             # the texts the router answers with itself, shared with the Envoy target
             "forbidden": error_body("forbidden"),
             "model_not_found": list(REPLIES["model_not_found"]),

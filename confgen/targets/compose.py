@@ -14,4 +14,5 @@ def _render(topo: Topology, config_dir: str, secrets: Mapping[str, str] | None) 
     return render_compose(topo)
 
 
-TARGET = Target(name="compose", render=_render)
+# The Compose file references the keys (an env file); no key is read.
+TARGET = Target(name="compose", render=_render, needs_keys=lambda _: False)

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from confgen.envoy import Endpoint, ads, build_cla
+from confgen.errors import SecretError
 from confgen.model import Topology
 from confgen.secrets import resolve as resolve_secrets
 from sidecar.logs import log_event
@@ -64,6 +65,7 @@ class AdsPublisher:
         self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
         self.rejected: set[str] = set()
         self.versions: dict[str, str] = {}
+        self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
     async def start(self) -> None:
         """Serve ADS on the configured address; OSError when it cannot be bound."""
@@ -95,15 +97,35 @@ class AdsPublisher:
 
     def problems(self) -> list[str]:
         # A NACK does not make the sidecar not-ready (see the module docstring); `rejected` stays empty.
-        return [f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
+        reasons = [f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
+        if self._keys_missing is not None:
+            reasons.append(f"nothing served over ADS yet: {self._keys_missing}")
+        return reasons
+
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """ADS serves the listeners: a topology with API keys needs them readable (SecretError)."""
+        if new.auth is not None:
+            resolve_secrets(new)
+        return lambda: None
 
     def xds_view(self) -> XdsView | None:
         return self.view()
 
-    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
-        """After a topology (re)load: the resources confgen renders for it (in a thread), with `endpoints`."""
-        served = await asyncio.to_thread(_served, topo)
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """After a topology (re)load: the resources confgen renders for it (in a thread), with
+        `endpoints`. False while the API keys cannot be read (startup without them): said each
+        cycle, never fatal, retried by the daemon."""
+        try:
+            secrets = await asyncio.to_thread(resolve_secrets, topo) if topo.auth is not None else {}
+        except SecretError as exc:
+            self._keys_missing = str(exc)
+            log_event(_log, logging.ERROR, "ads.needs_keys", error=str(exc),
+                      note="the listeners (LDS) cannot be served without the API keys; retrying every cycle")
+            return False
+        self._keys_missing = None
+        served = await asyncio.to_thread(ads.resources, topo, secrets)
         await self.publish_tree(served, endpoints)
+        return True
 
     def forget(self, pool: str) -> None:
         self.cache.remove(EDS, pool)
@@ -150,11 +172,6 @@ class AdsPublisher:
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
         )
-
-
-def _served(topo: Topology) -> ads.Resources:
-    """What the control plane serves for `topo` (blocking: reads the API keys; run in a thread)."""
-    return ads.resources(topo, resolve_secrets(topo) if topo.auth is not None else {})
 
 
 def build(wiring: Wiring) -> Built:

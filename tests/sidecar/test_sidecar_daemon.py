@@ -55,9 +55,14 @@ class Recorder:
         self.calls.append(("offer", pool))
         self.latest[pool] = list(endpoints)
 
-    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        self.calls.append(("check_reload", new.name))
+        return lambda: self.calls.append(("adopted", new.name))
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
         self.calls.append(("publish_all", "*"))
         self.latest.update({pool: list(eps) for pool, eps in endpoints.items()})
+        return True
 
     def forget(self, pool: str) -> None:
         self.calls.append(("forget", pool))
@@ -184,7 +189,7 @@ def test_reload_forgets_a_removed_pool_and_publishes_everything_again(tmp_path: 
         _write(daemon.config.topology, fleet, spare=False)
         clock.now += 1.0
         assert await daemon.reload()
-        assert ("forget", "spare") in rec.calls
+        assert ("forget", "spare") in rec.calls and ("adopted", "cycle") in rec.calls
         assert rec.calls[-1] == ("publish_all", "*")
         assert {p.name for p in daemon.view().pools} == {"chat"}
         daemon.config.topology.write_text("version: 1\nname: [broken\n")
