@@ -179,6 +179,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from . import verify
+    from .secrets import check_sources
+    from .topology import pin
 
     unreadable = _unreadable(args.topology)
     if unreadable:
@@ -192,6 +194,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except TopologyError as exc:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
+        if topo is not None and (sources := check_sources(topo)):
+            findings += pin(path, sources, Severity.ERROR)
         if topo is not None and (args.envoy or args.nginx):
             targets = [t for t, on in (("envoy", args.envoy), ("nginx", args.nginx)) if on]
             for target in targets:
@@ -203,7 +207,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
             if args.nginx:
                 from . import nginx
-                from .topology import pin
 
                 findings += pin(path, nginx.unsupported(topo))
         errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]

@@ -50,6 +50,7 @@ METRIC_NAMES = (
     _PREFIX + "eds_publishes_total",
     _PREFIX + "eds_rejected_total",
     _PREFIX + "topology_reloads_total",
+    _PREFIX + "topology_stale",
 )
 
 
@@ -87,6 +88,8 @@ class SidecarCollector(Collector):
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         cycles = CounterMetricFamily(_PREFIX + "probe_cycles", "Probe cycles completed (stalls when the loop does).")
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        stale = GaugeMetricFamily(_PREFIX + "topology_stale", "1 while the running configuration is older than "
+                                  "the topology file (its last reload was invalid or needed API keys).")
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
                                   "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
         for pool in snap.pools:
@@ -115,12 +118,13 @@ class SidecarCollector(Collector):
                     errors.add_metric([*labels, kind], count)
             for worker, depth in sorted(per_worker.items()):
                 queue.add_metric([pool.name, worker], depth)
-        for result in ("ok", "error"):
+        for result in ("ok", "error", "needs_keys"):
             reloads.add_metric([result], snap.reloads.get(result, 0))
+        stale.add_metric([], 0.0 if snap.last_reload_error is None else 1.0)
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, limit)
+                    rejected, reloads, cycles, ready, stale, limit)
 
 
 def _le(bound: float) -> str:
