@@ -55,7 +55,8 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
     for index, lst in enumerate(topo.listeners):
-        if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
+        wildcard = {lst.address, topo.admin.address} & {"0.0.0.0", "::"}  # either side binds every address
+        if lst.port == topo.admin.port and (wildcard or lst.address == topo.admin.address):
             yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
