@@ -311,6 +311,13 @@ def _routes(topo: Topology) -> Iterator[Finding]:
                     "routing on credentials or the client header is refused",
                     ERROR,
                 )
+            elif header.name in UNROUTABLE_HEADERS:
+                yield (
+                    f"{base}.match.headers[{hi}].name",
+                    f"{header.name!r} is a header the proxy strips or sets itself before routing (Envoy and "
+                    "nginx would route the same request differently); route on a header of your own",
+                    ERROR,
+                )
         try:
             pool = topo.pool(route.pool)
         except KeyError:
@@ -338,6 +345,15 @@ RESERVED_HEADERS = frozenset({
     "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port", "x-real-ip", "x-request-id",
 })
 RESERVED_HEADER_PREFIXES = ("x-envoy-", "proxy-")
+
+
+# Headers the two targets do not show a route alike (measured with both real proxies): Envoy
+# drops hop-by-hop headers and sets x-forwarded-for/-proto and x-request-id before routing,
+# while nginx's router (njs) sees only what the client sent.
+UNROUTABLE_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "x-forwarded-for", "x-forwarded-proto", "x-request-id",
+})
 
 
 def reserved_header(name: str) -> bool:
