@@ -128,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise ConfigError(f"{flag} must be host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
