@@ -94,7 +94,8 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                                      confirm_timeout_s=config.confirm_timeout_s)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time,
-                        limiter=InflightLimiter(admin, config.ingresses) if config.nginx is None else None)
+                        limiter=InflightLimiter(admin, config.ingresses, config.saturation)
+                        if config.nginx is None else None)
         daemon.adopt_published()
         register(registry, daemon.view)
         runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)

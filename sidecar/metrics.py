@@ -47,9 +47,14 @@ class SidecarCollector(Collector):
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
-                                  "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
+                                  "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
+                                  "unless the pool is saturated.", labels=["pool"])
+        saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
+                                      "(sidecar.saturation: waiting queue per slot, its trend, KV use; fresh "
+                                      "metrics only).", labels=["pool"])
         for pool in snap.pools:
             queue.add_metric([pool.name], pool.queue_depth)
+            saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
@@ -74,7 +79,7 @@ class SidecarCollector(Collector):
             reloads.add_metric([result], snap.reloads.get(result, 0))
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (queue, saturation, health, running, waiting, kv, weight, latency, errors, publishes,
-                    rejected, reloads, ready, limit)
+                    rejected, reloads, ready, limit, saturated)
 
 
 def register(registry: CollectorRegistry, snapshot: Callable[[], Snapshot]) -> SidecarCollector:
