@@ -1,10 +1,10 @@
-"""The proxies under test: Envoy rendered by confgen from a topology, and the peer vLLM Router.
+"""The proxies under test: Envoy rendered by confgen from a topology, the sidecar, and the peer vLLM Router.
 
-Envoy's config comes from the product path (topology YAML -> parse -> envoy.render ->
-write_tree), with one documented bench-only change: `lift_circuit_breakers` raises the
-pool's in-flight limit, because the topology's backpressure (429 past 80 % of the declared
-capacity) would shed exactly the queueing the routing comparison measures, and the peer
-does not shed.
+`user_topology` + `render_cli` are the product path of the headline rows: the topology a
+user writes for the fleet (the defaults, nothing tuned), rendered by `confgen render` (the
+CLI, as its own process), the output used unmodified. `render` (the Python API, with the
+bench's PoolConfig) serves the scenarios that set pool fields on purpose (failover, reload,
+overhead); `lift_circuit_breakers` is only for rows labelled as diagnostics.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PoolConfig:
     health_interval: str = "1s"
     outlier: str = "{consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}"
     retries: str = "{attempts: 2}"
-    lift_circuit_breakers: bool = True
+    lift_circuit_breakers: bool = False
 
 
 def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port: int, admin: int) -> str:
@@ -115,14 +115,59 @@ def render(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, out_dir: Pa
     return RenderedEnvoy(out_dir, port, admin, files, topo_path)
 
 
+def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "") -> str:
+    """The topology a user writes for a fleet: each worker's address and its max_num_seqs as
+    `capacity`, the pool's engine and model; everything else (balancing, health, retries,
+    breakers, backpressure) left at its default unless `balancing` is given (sessions)."""
+    lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
+    extra = f"    balancing: {balancing}\n" if balancing else ""
+    return f"""\
+version: 1
+name: bench
+admin: {{address: 127.0.0.1, port: {admin}}}
+listeners:
+  - {{name: public, address: 127.0.0.1, port: {port}}}
+pools:
+  - name: {POOL}
+    engine: vllm
+    models: [{MODEL}]
+{extra}    workers:
+{lines}
+"""
+
+
+def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "") -> RenderedEnvoy:
+    """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write."""
+    port, admin = runtime.free_port(), runtime.free_port()
+    text = user_topology(workers, port, admin, balancing)
+    # A directory of its own: the sidecar watches the topology's directory.
+    topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
+    topo_path.parent.mkdir(parents=True, exist_ok=True)
+    topo_path.write_text(text)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    proc = subprocess.run([os.sys.executable, "-m", "confgen", "render", str(topo_path), "-o", str(out_dir)],
+                          capture_output=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"confgen render failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
+    return RenderedEnvoy(out_dir, port, admin, {}, topo_path)
+
+
 @contextlib.contextmanager
-def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, interval_s: float,
-                extra: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
-    """The real sidecar daemon (python -m sidecar.main) for one Envoy; stopped by its pid."""
+def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, interval_s: float | None = None,
+                extra: Sequence[str] = ()) -> Iterator[SidecarProcess]:
+    """The real sidecar daemon (python -m sidecar.main) for one Envoy; stopped by its pid.
+
+    interval_s None = the sidecar's defaults: only the deployment facts are passed (the
+    topology, the xDS directory it shares with Envoy, a free port for its own server),
+    plus `extra`."""
     listen = runtime.free_port()
     args = [os.sys.executable, "-m", "sidecar.main", "--topology", str(rendered.topology),
-            "--xds-dir", str(rendered.dir), "--envoy-admin", proc.admin_url, "--interval", str(interval_s),
-            "--listen", f"127.0.0.1:{listen}", "--log-format", "text", "--log-level", "WARNING", *extra]
+            "--xds-dir", str(rendered.dir), "--listen", f"127.0.0.1:{listen}"]
+    if interval_s is not None:
+        args += ["--envoy-admin", proc.admin_url, "--interval", str(interval_s), "--log-format", "text",
+                 "--log-level", "WARNING"]
+    args += list(extra)
     with log.open("wb") as out:
         child = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -135,21 +180,49 @@ def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sidecar not ready in 30 s: {log.read_text()[-1500:]}")
             time.sleep(0.1)
-        yield child
+        yield SidecarProcess(child, f"http://127.0.0.1:{listen}")
         if child.poll() is not None:
             raise RuntimeError(f"the sidecar died during the run ({child.returncode}): {log.read_text()[-1500:]}")
     finally:
         stop_process(child, timeout=10)
 
 
+@dataclass
+class SidecarProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def metric_sum(self, *needles: str) -> float | None:
+        """Sum of the sidecar's own metric samples whose name contains every needle (None: none found
+        or the server did not answer); e.g. ("eds", "publish") counts EDS writes."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=2) as resp:
+                body = resp.read().decode()
+        except (OSError, urllib.error.URLError):
+            return None
+        total, seen = 0.0, False
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if all(n in sample.name for n in needles) and not sample.name.endswith("_created"):
+                    total += sample.value
+                    seen = True
+        return total if seen else None
+
+
 @contextlib.contextmanager
 def run_envoy(rendered: RenderedEnvoy) -> Iterator[runtime.EnvoyProcess]:
     with runtime.EnvoyProcess(rendered.dir / envoy.layout.BOOTSTRAP, log_level="warning", concurrency=1) as proc:
-        _wait_hosts(proc)
+        wait_hosts(proc)
         yield proc
 
 
-def _wait_hosts(proc: runtime.EnvoyProcess, timeout: float = 10.0) -> None:
+def wait_hosts(proc: runtime.EnvoyProcess, timeout: float = 10.0) -> None:
     """Wait until every cluster's hosts are known and have passed a first health check."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -203,24 +276,6 @@ def _http_ok(url: str) -> bool:
             return int(resp.status) == 200
     except (OSError, urllib.error.URLError):
         return False
-
-
-@contextlib.contextmanager
-def run_weights_core(pool_endpoints: list[dict[str, Any]], eds_paths: Sequence[Path], work: Path, tag: str,
-                     interval_s: float, duration_s: float) -> Iterator[subprocess.Popen[bytes]]:
-    """bench._weights_core (the sidecar's pure weight core, no daemon) as a child; stopped by its pid."""
-    cfg = work / f"{tag}.weights-core.json"
-    cfg.write_text(json.dumps({"pool": POOL, "endpoints": pool_endpoints, "eds_paths": [str(p) for p in eds_paths],
-                               "interval_s": interval_s, "duration_s": duration_s}))
-    child = subprocess.Popen([os.sys.executable, "-m", "bench._weights_core", str(cfg)], stderr=subprocess.PIPE)
-    try:
-        time.sleep(2 * interval_s)  # the first weights are published
-        yield child
-        if child.poll() is not None:
-            raise RuntimeError(f"the weights core died ({child.returncode}): {child.stderr.read().decode()[-1500:]}"
-                               if child.stderr else "the weights core died")
-    finally:
-        stop_process(child, timeout=10)
 
 
 def envoy_version() -> str:

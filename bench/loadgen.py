@@ -2,12 +2,22 @@
 
     python -m bench.loadgen JOB.json RESULT.json
 
-JOB: {"targets": [url, ...], "requests": [{"i", "t", "body", "headers"}], "path": "/v1/completions",
-      "deadline_s": float, "timeout_s": float, "max_in_flight": int}
-Request i goes to targets[i % len(targets)] at start + t, whatever happened to earlier
-requests (open loop). Nothing is sent after `deadline_s`; every request has `timeout_s`.
-RESULT: one record per request: i, target, start, ttft, end (s from the run start), status,
-worker (x-sim-worker), error.
+JOB: {"targets": [url, ...], "requests": [{"i", "t", "body", "headers", "after"?}],
+      "path": "/v1/completions", "deadline_s": float, "timeout_s": float, "max_in_flight": int}
+
+Request i is due at start + t (its SCHEDULED send time) and goes to targets[i % len(targets)],
+whatever happened to earlier requests (open loop). A request with `after` = j (the previous
+turn of a conversation) is sent no earlier than request j's end: a chat client waits for the
+answer. Latency is measured from the scheduled time, never from the moment the request
+actually left: when this process, the semaphore or a previous turn holds a request back, the
+wait counts against the system under test (no coordinated omission).
+
+Bounded in count (the job's requests), in sending time (nothing is sent after `deadline_s`;
+later requests are recorded as "not sent") and in total time (every request has `timeout_s`,
+the whole run `deadline_s + timeout_s + 5`).
+
+RESULT: one record per request: i, target, sched, start, ttft, end (s from the run start),
+status, worker (x-sim-worker), error. `ttft` is from `sched` too.
 """
 
 from __future__ import annotations
@@ -23,11 +33,14 @@ from typing import Any
 import aiohttp
 
 
-async def _one(
-    session: aiohttp.ClientSession, url: str, req: dict[str, Any], t0: float, timeout_s: float
-) -> dict[str, Any]:
-    rec: dict[str, Any] = {"i": req["i"], "target": url, "start": time.monotonic() - t0, "ttft": None,
-                           "end": None, "status": 0, "worker": None, "error": None}
+def _record(req: dict[str, Any], url: str) -> dict[str, Any]:
+    return {"i": req["i"], "target": url, "sched": float(req["t"]), "start": None, "ttft": None, "end": None,
+            "status": 0, "worker": None, "error": None}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, req: dict[str, Any], rec: dict[str, Any], t0: float,
+               timeout_s: float) -> None:
+    rec["start"] = time.monotonic() - t0
     stream = bool(req["body"].get("stream"))
     try:
         async with asyncio.timeout(timeout_s):
@@ -40,7 +53,7 @@ async def _one(
                         if not line.startswith(b"data:"):
                             continue
                         if rec["ttft"] is None:
-                            rec["ttft"] = time.monotonic() - t0 - rec["start"]
+                            rec["ttft"] = time.monotonic() - t0 - rec["sched"]
                         if line.strip() == b"data: [DONE]":
                             done = True
                     if not done:
@@ -48,13 +61,12 @@ async def _one(
                 else:
                     await resp.read()
                     if rec["ttft"] is None:
-                        rec["ttft"] = time.monotonic() - t0 - rec["start"]
+                        rec["ttft"] = time.monotonic() - t0 - rec["sched"]
     except TimeoutError:
         rec["error"] = "timeout"
     except aiohttp.ClientError as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
     rec["end"] = time.monotonic() - t0
-    return rec
 
 
 async def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -63,25 +75,48 @@ async def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
     timeout_s = float(job.get("timeout_s", 60.0))
     limit = asyncio.Semaphore(int(job.get("max_in_flight", 2000)))
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    records: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = sorted(job["requests"], key=lambda r: r["t"])
+    records = {r["i"]: _record(r, targets[r["i"] % len(targets)]) for r in requests}
+    finished = {r["i"]: asyncio.Event() for r in requests}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.monotonic()
-        tasks: list[asyncio.Task[dict[str, Any]]] = []
 
-        async def fire(req: dict[str, Any], url: str) -> dict[str, Any]:
-            async with limit:
-                return await _one(session, url, req, t0, timeout_s)
+        async def fire(req: dict[str, Any]) -> None:
+            rec = records[req["i"]]
+            try:
+                after = req.get("after")
+                if after is not None and after in finished:
+                    await finished[after].wait()
+                if time.monotonic() - t0 > deadline + timeout_s:
+                    rec["error"] = "not sent"
+                    return
+                async with limit:
+                    await _one(session, rec["target"], req, rec, t0, timeout_s)
+            finally:
+                finished[req["i"]].set()
 
-        for req in job["requests"]:
-            if req["t"] > deadline:
-                break
-            delay = req["t"] - (time.monotonic() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            url = targets[req["i"] % len(targets)]
-            tasks.append(asyncio.create_task(fire(req, url)))
-        records = list(await asyncio.gather(*tasks))
-    return records
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            async with asyncio.timeout(deadline + timeout_s + 5.0):
+                for req in requests:
+                    if req["t"] > deadline:
+                        records[req["i"]]["error"] = "not sent"
+                        finished[req["i"]].set()
+                        continue
+                    delay = req["t"] - (time.monotonic() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(fire(req)))
+                await asyncio.gather(*tasks)
+        except TimeoutError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for rec in records.values():
+                if rec["end"] is None and rec["error"] is None:
+                    rec["error"] = "timeout"
+                    rec["end"] = time.monotonic() - t0
+    return [records[r["i"]] for r in requests]
 
 
 def main(argv: list[str]) -> int:
@@ -91,18 +126,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _wall_limit(job: dict[str, Any]) -> float:
+    return float(job["deadline_s"]) + float(job.get("timeout_s", 60.0)) + 30.0
+
+
 def run(job: dict[str, Any], workdir: Path, name: str = "load") -> list[dict[str, Any]]:
     """Run a job in a child process and return its records (bounded by deadline + timeout)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.records.json"
-    job_path.write_text(json.dumps(job))
-    limit = float(job["deadline_s"]) + float(job.get("timeout_s", 60.0)) + 30.0
-    proc = subprocess.run([sys.executable, "-m", "bench.loadgen", str(job_path), str(out_path)],
-                          timeout=limit, check=False, capture_output=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"load generator failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
-    records: list[dict[str, Any]] = json.loads(out_path.read_text())
-    return records
+    proc, out_path = start(job, workdir, name)
+    return collect(proc, out_path, _wall_limit(job))
 
 
 def start(job: dict[str, Any], workdir: Path, name: str = "load") -> tuple[subprocess.Popen[bytes], Path]:

@@ -132,11 +132,6 @@ def results_from_json(path: Path) -> list[Result]:
 
 
 def _chart_from_raw(name: str, raw: dict[str, Any]) -> dict[str, Any]:
-    if name == "routing":
-        return {k: {"label": v["plan"], "bars": [(s["label"], s["p50_ms"], s["p99_ms"])
-                                                 for s in v["results"].values()]} for k, v in raw.items()}
-    if name == "two_ingress":
-        return {"bars": [(s["label"], s["p50_ms"], s["p99_ms"]) for s in raw["results"].values()]}
     if name == "overhead":
         return {"bars": [(n, s["p50_ms"], s["p99_ms"]) for n, s in raw.items()]}
     return {}
@@ -148,16 +143,12 @@ def chart(path: Path, results: list[Result]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels: list[tuple[str, list[tuple[str, float | None, float | None]]]] = []
-    by = {r.name: r for r in results}
-    if "routing" in by:
-        for key in ("3w", "12w"):
-            c = by["routing"].chart.get(key)
-            if c:
-                panels.append((f"Routing: {c['label']}", c["bars"]))
-    for name, title in (("two_ingress", "Two ingresses, one fleet"), ("overhead", "Proxy overhead (tiny requests)")):
-        if name in by and by[name].chart.get("bars"):
-            panels.append((title, by[name].chart["bars"]))
+    panels: list[tuple[str, Any]] = []
+    for r in results:
+        if r.chart.get("groups"):
+            panels.append(("groups", r.chart["groups"]))
+        elif r.chart.get("bars"):
+            panels.append(("bars", (r.title, r.chart["bars"])))
     targets = [(f"{r.name}: {t.name}"[:60], t) for r in results for t in r.targets]
     n = len(panels) + (1 if targets else 0)
     if n == 0:
@@ -167,7 +158,11 @@ def chart(path: Path, results: list[Result]) -> None:
         plt.close(fig)
         return
     fig, axes = plt.subplots(n, 1, figsize=(11, 3.6 * n), squeeze=False)
-    for ax, (title, bars) in zip(axes[:, 0], panels, strict=False):
+    for ax, (kind, panel) in zip(axes[:, 0], panels, strict=False):
+        if kind == "groups":
+            _grouped(ax, panel)
+            continue
+        title, bars = panel
         labels = [_short(b[0]) for b in bars]
         p50 = [b[1] or 0 for b in bars]
         p99 = [b[2] or 0 for b in bars]
@@ -196,3 +191,16 @@ def chart(path: Path, results: list[Result]) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
+def _grouped(ax: Any, panel: dict[str, Any]) -> None:
+    """Grouped bars: one group per x label, one bar per series (None drawn as 0)."""
+    groups, series = panel["groups"], panel["series"]
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [v or 0 for v in values], width=width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel(panel.get("ylabel", "x reference"))
+    ax.set_title(panel["title"], fontsize=10)
+    ax.legend(fontsize=7)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError
+from .errors import ConfgenError, Diagnostic, OutputError, SecretError, Severity, TopologyError, VerifyError
 from .model import Topology
 from .topology import load
 
@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="render the built-in example, check it with the real Envoy, "
                           "and serve a few requests through it from a simulated fleet")
-    demo.add_argument("--requests", type=int, default=20, help="requests per phase of the demo (default 20)")
+    demo.add_argument("--requests", type=int, default=600,
+                      help="at most this many requests in the whole demo (default 600)")
+    demo.add_argument("--keep", type=Path, metavar="DIR",
+                      help="write the topology, the rendered config and the sidecar's log into DIR and keep them")
     return parser
 
 
@@ -155,7 +158,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     except SecretError as exc:
         from .topology import pin
 
-        _print_diagnostics(pin(args.topology, exc.problems, "error"), sys.stderr)
+        _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
         return EXIT_INVALID
     except OutputError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
@@ -184,7 +187,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             for target in targets:
                 try:
                     problems = verify.verify(topo, target, all_endpoints=args.envoy_all_endpoints)
-                except verify.ProxyUnavailableError as exc:
+                except VerifyError as exc:
                     print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
                     return EXIT_UNAVAILABLE
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
@@ -193,12 +196,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 from .topology import pin
 
                 findings += pin(path, nginx.unsupported(topo))
-        errors = [d for d in findings if d.severity == "error" or args.strict]
+        errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
             status = EXIT_INVALID
         if args.format == "json":
             report.extend({"file": d.file, "line": d.line, "column": d.col, "path": d.path,
-                           "severity": d.severity, "message": d.message} for d in findings)
+                           "severity": str(d.severity), "message": d.message} for d in findings)
         else:
             _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
             if not errors:
@@ -232,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return run_demo(args.requests)
+            return run_demo(args.requests, args.keep)
     except ConfgenError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
         return EXIT_INVALID

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from confgen.errors import ConfgenError
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
@@ -26,7 +27,7 @@ LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy)
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfgenError, ValueError):
     """The command line asks for something impossible."""
 
 
@@ -55,6 +56,7 @@ class SidecarConfig:
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
+    serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -69,6 +71,10 @@ class SidecarConfig:
             raise ConfigError("debounces and timeouts must be >= 0")
         if self.ingresses < 1:
             raise ConfigError(f"ingresses must be >= 1, got {self.ingresses}")
+        if self.serve_xds is not None and self.nginx is not None:
+            raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
+        if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
+            raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
 
 
 def _version() -> str:
@@ -110,14 +116,18 @@ def parser() -> argparse.ArgumentParser:
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="least severe level logged (default INFO)")
+    p.add_argument("--serve-xds", metavar="HOST:PORT",
+                   help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
+                   "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
+                   "the number of connected Envoys")
     add_nginx_arguments(p)
     return p
 
 
-def _split_listen(text: str) -> tuple[str, int]:
+def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"--listen must be host:port, got {text!r}")
+        raise ConfigError(f"{flag} must be host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -176,4 +186,5 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         log_format=args.log_format,
         log_level=args.log_level,
         nginx=nginx,
+        serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
     )

@@ -23,7 +23,7 @@ from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
-from sidecar.config import SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig
 from sidecar.engines import LoadSample
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
@@ -33,6 +33,8 @@ from sidecar.resolve import Resolver
 from sidecar.saturation import Headroom, assess
 from sidecar.state import Decision, EndpointState, Status, decide_pool
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.xds.limits import RtdsLimiter
+from sidecar.xds.publisher import AdsPublisher, XdsView
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -102,6 +104,7 @@ class Snapshot:
     cycles: int
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
+    xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
@@ -110,7 +113,7 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
         return config.xds_dir
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir)
-    raise ValueError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
 
 
 def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
@@ -128,9 +131,9 @@ class Daemon:
         *,
         prober: Prober,
         resolver: Resolver,
-        publisher: EdsPublisher | NginxPublisher,
+        publisher: EdsPublisher | NginxPublisher | AdsPublisher,
         clock: Callable[[], float],
-        limiter: InflightLimiter | None = None,
+        limiter: InflightLimiter | RtdsLimiter | None = None,
     ) -> None:
         self.config = config
         self._topo = topo
@@ -197,11 +200,11 @@ class Daemon:
         path = self.config.topology
         try:
             topo, warnings = await asyncio.to_thread(load_topology, path)
-            if self.config.nginx is None:
+            if self.config.nginx is None and self.config.serve_xds is None:
                 xds_dir_for(self.config, topo)
             if topo.auth is not None:
                 resolve_secrets(topo)
-        except (TopologyError, SecretError, ValueError) as exc:
+        except (TopologyError, SecretError, ConfigError) as exc:
             diagnostics = [str(d) for d in getattr(exc, "diagnostics", ())] or [str(exc)]
             self._reloads["error"] += 1
             self._last_reload_error = "; ".join(diagnostics[:5])
@@ -341,6 +344,12 @@ class Daemon:
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due and isinstance(self._publisher, EdsPublisher):
             await self._write_tree(per_pool)
+        elif self._tree_due and isinstance(self._publisher, AdsPublisher):
+            topo = self._topo
+            secrets = resolve_secrets(topo) if topo.auth is not None else {}
+            served = await asyncio.to_thread(envoy.ads.resources, topo, secrets)
+            await self._publisher.publish_tree(served, per_pool)
+            self._tree_due = False
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
@@ -424,4 +433,5 @@ class Daemon:
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
+            xds=self._publisher.view() if isinstance(self._publisher, AdsPublisher) else None,
         )

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
@@ -37,6 +38,9 @@ from sidecar.publish import EdsPublisher, EnvoyAdmin
 from sidecar.resolve import Resolver
 from sidecar.server import build_app
 from sidecar.watch import TopologyWatcher
+from sidecar.xds.limits import RtdsLimiter
+from sidecar.xds.metrics import register_xds
+from sidecar.xds.publisher import AdsPublisher
 
 __all__ = ["main", "run"]
 
@@ -64,12 +68,16 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
     loop = asyncio.get_running_loop()
     try:
         topo, warnings = await asyncio.to_thread(load_topology, config.topology)
-        xds_dir = xds_dir_for(config, topo) if config.nginx is None else config.nginx.directory
+        xds_dir: Path | None = None
+        if config.nginx is not None:
+            xds_dir = config.nginx.directory
+        elif config.serve_xds is None:
+            xds_dir = xds_dir_for(config, topo)
     except TopologyError as exc:
         log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
                   errors=[str(d) for d in exc.diagnostics])
         return EXIT_INVALID
-    except ValueError as exc:
+    except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
     for w in warnings:
@@ -85,17 +93,27 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                body_cap=config.body_cap_bytes, clock=loop.time) as prober,
         EnvoyAdmin(admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)) as admin,
     ):
-        publisher: EdsPublisher | NginxPublisher
+        publisher: EdsPublisher | NginxPublisher | AdsPublisher
+        limiter: InflightLimiter | RtdsLimiter | None = None
         if config.nginx is not None:
             publisher = NginxPublisher(config.nginx, lambda: daemon.topology)
             register_nginx(registry, publisher)
+        elif config.serve_xds is not None:
+            publisher = AdsPublisher(*config.serve_xds, clock=loop.time)
+            try:
+                await publisher.start()
+            except (OSError, RuntimeError) as exc:
+                log_event(_log, logging.ERROR, "startup.listen_failed", serve_xds=config.serve_xds, error=str(exc))
+                return EXIT_USAGE
+            limiter = RtdsLimiter(publisher, config.saturation)
+            register_xds(registry, publisher.view)
         else:
+            assert xds_dir is not None
             publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
                                      confirm_timeout_s=config.confirm_timeout_s)
+            limiter = InflightLimiter(admin, config.ingresses, config.saturation)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
-                        publisher=publisher, clock=loop.time,
-                        limiter=InflightLimiter(admin, config.ingresses, config.saturation)
-                        if config.nginx is None else None)
+                        publisher=publisher, clock=loop.time, limiter=limiter)
         daemon.adopt_published()
         register(registry, daemon.view)
         runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)
@@ -105,13 +123,15 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             await site.start()
         except OSError as exc:
             await runner.cleanup()
+            await publisher.close()
             log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
                       port=config.listen_port, error=str(exc))
             return EXIT_USAGE
         bound = runner.addresses[0]
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
-        log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir),
+        serving = publisher.view().listen if isinstance(publisher, AdsPublisher) else None
+        log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
                   envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s)
         try:
             while not stop.is_set():

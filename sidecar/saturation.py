@@ -98,6 +98,7 @@ class Headroom:
     slope: float = 0.0  # of the smoothed queue, per second
     kv: float | None = None
     waiting: float = 0.0  # the latest sample's waiting requests (what the controller reads)
+    running: float = 0.0  # the latest sample's running sequences
     at: float | None = None
 
     def observe(self, sample: LoadSample | None, at: float, capacity: int, policy: SaturationPolicy) -> Headroom:
@@ -120,7 +121,8 @@ class Headroom:
             full = queue > policy.queue_exit or kv_held
         else:
             full = queue + max(slope, 0.0) * policy.lookahead_s >= policy.queue_enter or kv_held
-        return Headroom(full=full, queue=queue, slope=slope, kv=kv, waiting=max(sample.waiting, 0.0), at=at)
+        return Headroom(full=full, queue=queue, slope=slope, kv=kv, waiting=max(sample.waiting, 0.0),
+                        running=max(sample.running, 0.0), at=at)
 
     def fresh(self, now: float, policy: SaturationPolicy) -> bool:
         return self.at is not None and now - self.at <= policy.stale_after_s
@@ -135,24 +137,26 @@ class PoolSaturation:
     capacity: int  # declared capacity of the workers in rotation
     fresh_capacity: int  # ... of those with fresh metrics
     waiting: float  # waiting requests of the workers with fresh metrics (latest samples)
+    in_flight: float = 0.0  # running + waiting of the workers with fresh metrics (latest samples)
 
 
 def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: SaturationPolicy,
            max_utilization: float) -> PoolSaturation:
     """`workers`: (headroom, declared capacity) of each worker in rotation."""
     capacity = fresh_capacity = full_capacity = 0
-    waiting = 0.0
+    waiting = in_flight = 0.0
     for headroom, cap in workers:
         capacity += cap
         if not headroom.fresh(now, policy):
             continue
         fresh_capacity += cap
         waiting += headroom.waiting
+        in_flight += headroom.waiting + headroom.running
         if headroom.full:
             full_capacity += cap
     share = full_capacity / capacity if capacity else 0.0
     return PoolSaturation(saturated=capacity > 0 and share >= max_utilization - 1e-9, full_share=share,
-                          capacity=capacity, fresh_capacity=fresh_capacity, waiting=waiting)
+                          capacity=capacity, fresh_capacity=fresh_capacity, waiting=waiting, in_flight=in_flight)
 
 
 @dataclass(frozen=True, slots=True)

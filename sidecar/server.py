@@ -18,6 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon, Snapshot
+from sidecar.xds.cache import SHORT
+from sidecar.xds.publisher import XdsView
 
 __all__ = ["build_app", "state_json"]
 
@@ -25,8 +27,30 @@ _DAEMON = web.AppKey("daemon", Daemon)
 _REGISTRY = web.AppKey("registry", CollectorRegistry)
 
 
+def _xds_json(view: XdsView) -> dict[str, Any]:
+    return {
+        "listen": view.listen,
+        "versions": dict(view.versions),
+        "resources": dict(view.resources),
+        "nacks_total": view.nacks_total,
+        "nodes": {
+            node.node: {
+                "cluster": node.cluster,
+                "protocol": node.protocol,
+                "streams": node.streams,
+                "acked": {SHORT.get(t, t): v for t, v in sorted(node.acked.items())},
+                "nacked": {SHORT.get(t, t): {"version": n.version, "error": n.message}
+                           for t, n in sorted(node.nacked.items())},
+                "nacks": {SHORT.get(t, t): c for t, c in sorted(node.nacks.items())},
+            }
+            for node in view.nodes
+        },
+    }
+
+
 def state_json(snap: Snapshot) -> dict[str, Any]:
     return {
+        "xds": _xds_json(snap.xds) if snap.xds is not None else None,
         "topology": snap.topology,
         "cycles": snap.cycles,
         "ready": not snap.not_ready,

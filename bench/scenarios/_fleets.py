@@ -1,41 +1,131 @@
-"""The simulated fleets the routing scenarios run, and their estimated capacity."""
+"""The simulated fleets of the routing matrix, and the capacity each one is loaded against.
+
+Capacity model (the simulator's own latency model, confgen/simulate/_engine.py): a worker
+with batch limit B and speed s runs steps of `decode_ms * (1 + decode_growth * (B - 1)) / s`;
+each step gives every running request one token, and a step that admits a request is longer
+by that request's prefill, `prefill_ms_per_1k * uncached_prompt_tokens / 1000 / s`, which
+every running request waits out. With full batches, N requests of mean output O and mean
+prompt P take N * O / B steps plus N prefills, so one worker completes
+
+    1 / (O * step(B) / B + prefill(P))   requests per second,
+
+and the fleet's capacity is the sum over its workers (a worker that slows down mid-run
+counts at its slowed speed: the load stays below capacity the whole run). The matrix
+workloads have no shared prefixes, so nothing is cached and the estimate needs no hit rate.
+At the offered load (75-80 %) batches are not always full, which is why queues stay short
+enough to measure; past 100 % they grow without bound.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from confgen.simulate import FleetSpec, WorkerSpec
+from confgen.simulate import FaultSpec, FleetSpec, ScheduledFault, WorkerSpec
 
 from .._workload import WorkloadSpec
 
 
 @dataclass(frozen=True)
+class Slowdown:
+    worker: int  # index into the fleet
+    at: float  # share of the measured window after which the worker slows
+    factor: float = 2.0
+
+
+@dataclass(frozen=True)
 class FleetPlan:
+    key: str
     label: str
     speeds: tuple[float, ...]
-    max_num_seqs: int
+    max_num_seqs: tuple[int, ...]  # per worker (what the topology declares as its capacity)
     decode_ms: float
-    load: float  # offered load as a share of the estimated fleet capacity
+    prompt_tokens: tuple[int, int] = (64, 1024)
+    output_range: tuple[int, int] = (8, 40)
+    arrivals: str = "poisson"
+    load: float = 0.78  # offered load as a share of the estimated capacity
+    ingresses: int = 1
+    slowdown: Slowdown | None = None
+    prefill_ms_per_1k: float = 60.0
+    decode_growth: float = 0.03
+    prefix_cache_size: int = 16
 
-    def spec(self, seed: int) -> FleetSpec:
-        workers = tuple(
-            WorkerSpec(name=f"w{i:02d}-x{s:g}", models=("sim-model",), speed=s, max_num_seqs=self.max_num_seqs,
-                       decode_ms=self.decode_ms, prefill_ms_per_1k=60.0, decode_growth=0.03,
-                       prefix_cache_size=16)
-            for i, s in enumerate(self.speeds)
-        )
-        return FleetSpec(workers=workers, seed=seed)
+    def __post_init__(self) -> None:
+        if len(self.speeds) != len(self.max_num_seqs):
+            raise ValueError(f"{self.key}: one max_num_seqs per worker")
 
-    def capacity_rps(self, wl: WorkloadSpec) -> float:
-        """Requests/s the fleet sustains with full batches (mean output, mean prompt prefill)."""
-        out_mean = sum(wl.output_range) / 2
-        prompt_mean = 400.0
-        step_s = self.decode_ms * (1 + 0.03 * (self.max_num_seqs - 1)) / 1000
-        per_unit = self.max_num_seqs / (out_mean * step_s + 0.06 * prompt_mean / 1000)
-        return per_unit * sum(self.speeds)
+    @property
+    def even(self) -> bool:
+        """Every worker alike (speed, batch, no slowdown): the target there is parity with the peer."""
+        return len(set(self.speeds)) == 1 and len(set(self.max_num_seqs)) == 1 and self.slowdown is None
+
+    def worker_name(self, i: int) -> str:
+        return f"w{i:02d}-x{self.speeds[i]:g}-b{self.max_num_seqs[i]}"
+
+    def spec(self, seed: int, slow_at_s: float | None = None) -> FleetSpec:
+        """The fleet; `slow_at_s` (s after the fleet starts) schedules the slowdown, if any."""
+        workers = []
+        for i, (s, b) in enumerate(zip(self.speeds, self.max_num_seqs, strict=True)):
+            schedule: tuple[ScheduledFault, ...] = ()
+            if self.slowdown is not None and self.slowdown.worker == i and slow_at_s is not None:
+                schedule = (ScheduledFault(slow_at_s, FaultSpec("slow", {"factor": self.slowdown.factor})),)
+            workers.append(WorkerSpec(name=self.worker_name(i), models=("sim-model",), speed=s, max_num_seqs=b,
+                                      decode_ms=self.decode_ms, prefill_ms_per_1k=self.prefill_ms_per_1k,
+                                      decode_growth=self.decode_growth, prefix_cache_size=self.prefix_cache_size,
+                                      fault_schedule=schedule))
+        return FleetSpec(workers=tuple(workers), seed=seed)
+
+    def effective_speeds(self) -> tuple[float, ...]:
+        if self.slowdown is None:
+            return self.speeds
+        return tuple(s / self.slowdown.factor if i == self.slowdown.worker else s for i, s in enumerate(self.speeds))
+
+    def worker_rps(self, out_mean: float, prompt_mean: float) -> list[float]:
+        """Requests/s each worker completes with full batches (see the module docstring)."""
+        out = []
+        for s, b in zip(self.effective_speeds(), self.max_num_seqs, strict=True):
+            step_s = self.decode_ms * (1 + self.decode_growth * (b - 1)) / 1000 / s
+            prefill_s = self.prefill_ms_per_1k * prompt_mean / 1000 / 1000 / s
+            out.append(1.0 / (out_mean * step_s / b + prefill_s))
+        return out
+
+    def capacity_rps(self) -> float:
+        wl = self.workload(1.0, 1, 0)
+        return sum(self.worker_rps(wl.output_mean(), wl.prompt_mean()))
+
+    def workload(self, rate: float, count: int, seed: int) -> WorkloadSpec:
+        return WorkloadSpec(rate=rate, count=count, seed=seed, prompt_tokens=self.prompt_tokens,
+                            output_range=self.output_range, session_share=0.0, arrivals=self.arrivals)
+
+    def describe(self) -> str:
+        parts = [f"{len(self.speeds)} workers, speeds {_list(self.speeds)}, max_num_seqs {_list(self.max_num_seqs)}",
+                 f"decode {self.decode_ms:g} ms/step at 1x", f"prompts {self.prompt_tokens[0]}-{self.prompt_tokens[1]} "
+                 f"tokens (log-uniform), outputs {self.output_range[0]}-{self.output_range[1]}",
+                 f"{self.arrivals} arrivals"]
+        if self.slowdown is not None:
+            parts.append(f"{self.worker_name(self.slowdown.worker)} slows {self.slowdown.factor:g}x after "
+                         f"{self.slowdown.at:.0%} of the measured window")
+        if self.ingresses > 1:
+            parts.append(f"{self.ingresses} ingresses (requests alternate)")
+        return "; ".join(parts)
 
 
-THREE = FleetPlan("3 workers (1x, 1x, 0.5x)", (1.0, 1.0, 0.5), max_num_seqs=8, decode_ms=40.0, load=0.8)
-TWELVE = FleetPlan("12 workers (6x 1x, 3x 0.75x, 3x 0.5x)",
-                   (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 0.5, 0.5, 0.5),
-                   max_num_seqs=4, decode_ms=50.0, load=0.8)
+def _list(values: tuple[float, ...] | tuple[int, ...]) -> str:
+    return "/".join(f"{v:g}" for v in values)
+
+
+MATRIX: tuple[FleetPlan, ...] = (
+    FleetPlan("wide", "wide speed spread", (1.0, 1.0, 0.35), (8, 8, 8), decode_ms=20),
+    FleetPlan("narrow", "narrow speed spread", (1.0, 0.9, 0.8, 0.8), (16, 16, 16, 16), decode_ms=40),
+    FleetPlan("equal", "equal speeds", (1.0, 1.0, 1.0, 1.0), (8, 8, 8, 8), decode_ms=25),
+    FleetPlan("batch", "batch sizes 4 to 64", (1.0, 1.0, 1.0), (4, 16, 64), decode_ms=30),
+    FleetPlan("prompt_heavy", "prompt-heavy mix", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20,
+              prompt_tokens=(1024, 4096), output_range=(4, 16)),
+    FleetPlan("output_heavy", "output-heavy mix", (1.0, 0.7, 0.5), (8, 8, 8), decode_ms=15,
+              prompt_tokens=(32, 256), output_range=(32, 96)),
+    FleetPlan("bursty", "bursty arrivals", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20, arrivals="bursty"),
+    FleetPlan("slowdown", "a worker slows 2x mid-run", (1.0, 1.0, 1.0), (8, 8, 8), decode_ms=20,
+              slowdown=Slowdown(worker=2, at=1 / 3)),
+    FleetPlan("two_ingress", "two ingresses, one fleet", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20, ingresses=2),
+)
+QUICK = ("wide", "equal")
+BY_KEY = {p.key: p for p in MATRIX}

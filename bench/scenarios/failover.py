@@ -106,7 +106,7 @@ def _once(ctx: Context, res: Result, label: str, retries: str) -> dict[str, Any]
     quiet_s = last_change - killed
     flag_s = None if flagged is None else flagged - killed
     s = _stats.summarize(records)
-    after = [r for r in records if r["start"] >= kill_at - 2]
+    after = [r for r in records if r["sched"] >= kill_at - 2]
     failed_after = sum(1 for r in after if not _stats.ok(r))
     retries = {k: v for k, v in stats_txt.items() if isinstance(k, str) and k.startswith(f"cluster.{_proxies.POOL}.")
                and k.rsplit(".", 1)[1] in ("upstream_rq_retry", "upstream_rq_retry_success",

@@ -14,6 +14,9 @@ Parameters (all optional) by mode:
   slow_start      seconds, closed  503 "loading" for `seconds` (default 5); closed=true keeps
                                    the port closed instead (vLLM listens only once loaded)
   queue_full      max_queue, status  reject with `status` when `max_queue` requests wait
+  slow            factor           every engine step takes `factor` times longer (default 2):
+                                   a GPU that throttles or a noisy neighbour; the step in
+                                   progress keeps its length
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _NUMERIC = {
     "delay_s",
     "seconds",
     "fraction",
+    "factor",
 }
 _INTEGER = {"count", "status", "max_queue"}
 
@@ -45,6 +49,8 @@ def validate(fault: FaultSpec) -> FaultSpec:
             raise SpecError(f"{fault.mode}: {key} must be an integer")
         if key in _NUMERIC | _INTEGER and value < 0:
             raise SpecError(f"{fault.mode}: {key} must be >= 0")
+    if fault.params.get("factor", 1) == 0:
+        raise SpecError(f"{fault.mode}: factor must be > 0")
     status = fault.params.get("status")
     if status is not None and not 100 <= status <= 599:
         raise SpecError(f"{fault.mode}: status must be an HTTP status")

@@ -15,7 +15,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -161,6 +161,8 @@ class SimWorker:
         if fault.mode == "stall":
             for engine in self.engines:
                 engine.stall(now)
+        self._set_speed(self.spec.speed / float(fault.params.get("factor", 2.0)) if fault.mode == "slow"
+                        else self.spec.speed)
         expires = self._fault.expires_at()
         if fault.mode == "crash" and "revive_after_s" in fault.params:
             expires = now + float(fault.params["revive_after_s"])
@@ -170,6 +172,12 @@ class SimWorker:
             after = FaultSpec("none")
         if expires is not None:
             self._fault_timer = loop.call_at(expires, self._spawn_call, lambda: self.set_fault(after))
+
+    def _set_speed(self, speed: float) -> None:
+        """Steps that start from now on run at `speed` (the step in progress keeps its end)."""
+        for engine in self.engines:
+            if engine.model.speed != speed:
+                engine.model = replace(engine.model, speed=speed)
 
     def _cancel_fault_timer(self) -> None:
         if self._fault_timer is not None:

@@ -324,3 +324,25 @@ def test_bad_fault_requests_are_refused() -> None:
                 assert (await r.json())["mode"] == "none"
 
     asyncio.run(run())
+
+
+def test_slow_multiplies_step_time_and_ends_with_the_fault() -> None:
+    """slow: every engine step from now on takes `factor` times longer (speed / factor), and
+    the worker's own speed comes back when the fault is switched off; factor 0 is refused."""
+    spec = FleetSpec((WorkerSpec(name="w0", speed=1.5, **FAST),))
+
+    async def run() -> None:
+        async with Fleet(spec) as fleet, session() as s:
+            worker = fleet.worker("w0")
+            url = worker.url
+            step = worker.engines[0].model.decode_step_seconds(1)
+            await _set_fault(s, url, "slow", factor=2)
+            assert worker.engines[0].model.speed == pytest.approx(0.75)
+            assert worker.engines[0].model.decode_step_seconds(1) == pytest.approx(2 * step)
+            assert (await complete(s, url, max_tokens=3))[0] == 200
+            await _set_fault(s, url, "none")
+            assert worker.engines[0].model.speed == pytest.approx(1.5)
+            async with s.post(url + "/_sim/fault", json={"mode": "slow", "factor": 0}) as r:
+                assert r.status == 400
+
+    asyncio.run(run())

@@ -1,0 +1,174 @@
+"""The routers under test ("setups") and one measured run: a fresh fleet, the setup in front
+of it, a fixed list of arrivals from the load generator.
+
+Headline setups (what a user deploys):
+  product  `confgen render` of the topology a user writes for the fleet (bench/_proxies.py
+           user_topology), output unmodified, real Envoy, and `confgen-sidecar` as its own
+           process with default flags (only --topology, --xds-dir and --listen, plus
+           --ingresses N where N Envoys share the fleet: a deployment fact like the others)
+  render   the same render without a sidecar (the EDS file as rendered)
+  bare     a hand-written Envoy least_request (bench/_bare_envoy.py)
+  vllm     the peer vLLM Router with one --policy
+Diagnostics (labelled as such in the report, never a headline or a target):
+  lifted   product with the render's circuit breakers raised to 100,000 (bench-only change)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confgen import runtime
+from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
+
+from .. import _bare_envoy, _proxies, _stats, loadgen
+from .._harness import Context, fleet_stats, stats_delta
+
+
+@dataclass(frozen=True)
+class Setup:
+    key: str
+    label: str
+    kind: str  # product | render | bare | vllm | lifted
+    policy: str = ""  # vllm: its --policy; product/render: the topology's `balancing` ("" = default)
+    diagnostic: bool = False
+
+
+PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
+RENDER = Setup("render", "confgen render alone (no sidecar)", "render")
+BARE = Setup("bare", "bare Envoy least_request (hand-written)", "bare")
+LIFTED = Setup("lifted", "diagnostic: render + sidecar, circuit breakers lifted", "lifted", diagnostic=True)
+SESSION_BALANCING = "{policy: ring_hash, hash_on: {header: x-session-id}}"
+
+
+def vllm(policy: str) -> Setup:
+    return Setup(f"vr_{policy}", f"vLLM Router {policy}", "vllm", policy)
+
+
+PEER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+
+
+@dataclass
+class Front:
+    urls: list[str]
+    extras: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    eds_files: list[Path] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setup, tag: str,
+          ingresses: int = 1) -> Iterator[Front]:
+    """Start the router(s) of `setup` (one per ingress); yields the URLs clients send to."""
+    workers = [("127.0.0.1", w.port, b) for w, b in zip(fleet.workers, max_num_seqs, strict=True)]
+    with contextlib.ExitStack() as stack:
+        if setup.kind == "vllm":
+            urls = [stack.enter_context(_proxies.run_vllm_router(fleet.urls, setup.policy,
+                                                                  ctx.work / f"{tag}.vr{i}.log"))
+                    for i in range(ingresses)]
+            yield Front(urls)
+            return
+        if setup.kind == "bare":
+            urls = []
+            for _ in range(ingresses):
+                port = runtime.free_port()
+                boot = _bare_envoy.bootstrap([(h, p) for h, p, _ in workers], port)
+                proc = stack.enter_context(runtime.EnvoyProcess(boot, log_level="warning", concurrency=1))
+                _proxies.wait_hosts(proc)
+                urls.append(f"http://127.0.0.1:{port}")
+            yield Front(urls)
+            return
+        balancing = setup.policy
+        rendered = []
+        for i in range(ingresses):
+            out = ctx.work / f"{tag}.envoy{i}"
+            if setup.kind == "lifted":
+                cfg = _proxies.PoolConfig(policy="least_request", capacity=max(max_num_seqs),
+                                          lift_circuit_breakers=True)
+                rendered.append(_proxies.render(workers, cfg, out))
+            else:
+                rendered.append(_proxies.render_cli(workers, out, balancing))
+        procs = [stack.enter_context(_proxies.run_envoy(r)) for r in rendered]
+        sidecars: list[_proxies.SidecarProcess] = []
+        if setup.kind in ("product", "lifted"):
+            extra = ("--ingresses", str(ingresses)) if ingresses > 1 else ()
+            for i, (r, p) in enumerate(zip(rendered, procs, strict=True)):
+                sidecars.append(stack.enter_context(
+                    _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None, extra)))
+
+        def extras() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            if sidecars:
+                writes = [s.metric_sum("eds", "publish") for s in sidecars]
+                out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
+            out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
+            return out
+
+        yield Front([r.url for r in rendered], extras, [r.eds_file for r in rendered])
+
+
+def _envoy_counter(proc: runtime.EnvoyProcess, suffix: str) -> int:
+    try:
+        stats = proc.stats()
+    except OSError:
+        return 0
+    return sum(v for k, v in stats.items() if isinstance(v, int) and k.startswith("http.") and k.endswith(suffix))
+
+
+def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: list[dict[str, Any]], setup: Setup,
+            tag: str, *, warmup_s: float, deadline_s: float, ingresses: int = 1, timeout_s: float = 60.0,
+            during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One run: fleet, setup, load; the summary of the requests scheduled after `warmup_s`.
+
+    `during(fleet, front, t0)` runs in a thread while the load runs (t0 = time.monotonic() at
+    the load's start, give or take the load generator's start-up) and returns extra figures."""
+    started = time.monotonic()
+    extra: dict[str, Any] = {}
+    with run_fleet_in_thread(spec) as fleet, front(ctx, fleet, max_num_seqs, setup, tag, ingresses) as fr:
+        job = {"targets": fr.urls, "requests": requests, "deadline_s": deadline_s, "timeout_s": timeout_s,
+               "max_in_flight": 4000}
+        snapshots: dict[str, Any] = {}
+        t0 = time.monotonic()
+        proc, out_path = loadgen.start(job, ctx.work, tag)
+        timer = threading.Timer(warmup_s, lambda: snapshots.setdefault("warm", fleet_stats(fleet)))
+        timer.start()
+        worker: threading.Thread | None = None
+        if during is not None:
+            def run_during() -> None:
+                extra.update(during(fleet, fr, t0))
+            worker = threading.Thread(target=run_during, daemon=True)
+            worker.start()
+        try:
+            records = loadgen.collect(proc, out_path, deadline_s + timeout_s + 30)
+        finally:
+            timer.cancel()
+        if worker is not None:
+            worker.join(timeout=deadline_s + timeout_s)
+        after = fleet_stats(fleet)
+        extra.update(fr.extras())
+    summary = _stats.summarize(records, warmup_s)
+    delta = stats_delta(snapshots.get("warm", {}), after)
+    summary.update(extra)
+    summary["fleet_by_worker"] = delta["by_worker"]
+    summary["prefix_hit_rate"] = delta["prefix_hit_rate"]
+    summary["wall_s"] = time.monotonic() - started
+    summary["label"] = setup.label
+    summary["setup"] = setup.key
+    summary["diagnostic"] = setup.diagnostic
+    return summary
+
+
+def workdir(ctx: Context, name: str) -> Path:
+    path = ctx.work / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def best(rows: dict[str, dict[str, Any]], keys: list[str]) -> str | None:
+    """The key among `keys` with the lowest P99 (a row without a P99 never wins)."""
+    have = [k for k in keys if k in rows and rows[k].get("p99_ms") is not None]
+    return min(have, key=lambda k: rows[k]["p99_ms"]) if have else None

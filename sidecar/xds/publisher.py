@@ -1,0 +1,130 @@
+"""The daemon's publisher in ADS mode: endpoints, the tree and the limits go into the cache.
+
+Same duties as the file publisher (`sidecar.publish.EdsPublisher`) towards the daemon:
+`offer` a pool's endpoints (never an empty list), `forget` a pool that left, publish the
+whole tree after a topology (re)load, `close`. The resources are confgen's: the tree is
+`confgen.envoy.ads.resources`, a pool's endpoints `confgen.envoy.build_cla`. Every
+connected Envoy gets the same; what each accepted is in `nodes` (ACK/NACK per type).
+
+A NACK does not make the sidecar not-ready: the Envoy keeps its last accepted version, and
+taking the control plane out of its Service would only stop every other Envoy's updates.
+It is logged at error level, counted per node and type, and shown in /state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from confgen.envoy import Endpoint, ads, build_cla
+from sidecar.logs import log_event
+from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
+from sidecar.xds.nodes import Nodes, NodeView
+from sidecar.xds.server import AdsServicer, serve
+
+__all__ = ["AdsPublisher", "XdsView"]
+
+_log = logging.getLogger("sidecar.xds")
+
+
+@dataclass(frozen=True, slots=True)
+class XdsView:
+    """What /state and the metrics show of the control plane."""
+
+    listen: str
+    versions: Mapping[str, str]  # short type name -> version served
+    resources: Mapping[str, int]
+    updates: Mapping[str, int]
+    responses: Mapping[str, int]
+    nodes: tuple[NodeView, ...]
+    nacks_total: int
+
+
+class AdsPublisher:
+    """Serves the fleet's resources to every connected Envoy over ADS."""
+
+    def __init__(self, host: str, port: int, *, clock: Callable[[], float],
+                 on_nodes_changed: Callable[[], None] | None = None) -> None:
+        self._host, self._port = host, port
+        self.cache = XdsCache()
+        self.nodes = Nodes(clock, on_nodes_changed)
+        self.servicer = AdsServicer(self.cache, self.nodes)
+        self._server: grpc.aio.Server | None = None
+        self.bound_port: int | None = None
+        self.publishes: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
+        self.rejected: set[str] = set()
+        self.versions: dict[str, str] = {}
+
+    async def start(self) -> int:
+        self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+        log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
+        return self.bound_port
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    # -- what the daemon calls --------------------------------------------------------------
+
+    def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
+        if not endpoints:
+            log_event(_log, logging.WARNING, "eds.empty_refused", pool=pool,
+                      note="no endpoint to publish; keeping the current assignment")
+            return
+        if self.cache.set_one(EDS, pool, build_cla(pool, endpoints)):
+            self.publishes[pool] += 1
+            self.versions[pool] = self.cache.resources(EDS)[pool].version
+
+    def forget(self, pool: str) -> None:
+        self.cache.remove(EDS, pool)
+        for table in (self.publishes, self.rejections, self.versions):
+            table.pop(pool, None)
+
+    async def publish_tree(self, served: ads.Resources, per_pool: Mapping[str, Sequence[Endpoint]]) -> None:
+        """The whole configuration after a topology (re)load: clusters, endpoints, listeners.
+
+        A pool with no endpoint resolved yet keeps what it had, else starts from the
+        topology's own view (`served.assignments`), never from nothing. Parsing into
+        protobuf runs in a thread (thousands of clusters take a while).
+        """
+        prepared = await asyncio.to_thread(lambda: [
+            (t, self.cache.prepare(t, {str(r["name"]): r for r in items}))
+            for t, items in ((CDS, served.clusters), (LDS, served.listeners))])
+        eds = self.cache.resources(EDS)
+        for pool, cla in served.assignments.items():
+            endpoints = per_pool.get(pool)
+            if endpoints:
+                self.offer(pool, endpoints)
+            elif pool not in eds:
+                self.cache.set_one(EDS, pool, cla)
+        for gone in [name for name in eds if name not in served.assignments]:
+            self.forget(gone)
+        changed = [SHORT[t] for t, resources in prepared if self.cache.install(t, resources)]
+        log_event(_log, logging.INFO, "xds.tree", changed=changed, clusters=len(served.clusters),
+                  listeners=len(served.listeners))
+
+    def set_runtime(self, values: Mapping[str, int]) -> bool:
+        """The RTDS layer (in-flight limits); True when it changed."""
+        layer: dict[str, Any] = dict(sorted(values.items()))
+        return self.cache.set_one(RTDS, ads.RUNTIME_LAYER, {
+            "@type": RTDS, "name": ads.RUNTIME_LAYER, "layer": layer,
+        })
+
+    def view(self) -> XdsView:
+        return XdsView(
+            listen=f"{self._host}:{self.bound_port}",
+            versions={SHORT[t]: self.cache.version(t) for t in SHORT},
+            resources={SHORT[t]: len(self.cache.resources(t)) for t in SHORT},
+            updates={SHORT[t]: n for t, n in self.cache.updates.items()},
+            responses={SHORT[t]: n for t, n in self.servicer.sent.items()},
+            nodes=self.nodes.view(),
+            nacks_total=self.nodes.nacks_total,
+        )

@@ -1,0 +1,41 @@
+"""`confgen demo` (what `make demo` runs): the whole path with the real Envoy and the real
+sidecar process, and a table a person can follow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFGEN = str(Path(sys.executable).parent / "confgen")
+
+
+@pytest.mark.slow
+def test_demo_runs_the_product_and_keeps_what_it_made(tmp_path: Path) -> None:
+    """The demo renders, validates with the real Envoy, serves through Envoy with confgen-sidecar
+    deciding health and weight; a slowed worker loses weight, a crashed one is marked unhealthy,
+    no request fails, and --keep leaves the topology, the config and the sidecar's log."""
+    keep = tmp_path / "kept"
+    done = subprocess.run([CONFGEN, "demo", "--keep", str(keep), "--requests", "400"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "the real Envoy accepts it" in out
+    tables = [block for block in out.split("-- phase ")[1:]]
+    assert len(tables) == 3
+
+    def row(block: str, worker: str) -> list[str]:
+        return next(line.split() for line in block.splitlines() if line.strip().startswith(worker + " "))
+
+    steady, slowed, crashed = tables
+    # the slowed worker's weight fell below the healthy fast worker's
+    assert int(row(slowed, "a100-1")[3]) < int(row(slowed, "a100-0")[3]), slowed
+    assert row(crashed, "a100-0")[2] == "unhealthy", crashed
+    assert "none failed" in out, out
+    assert (keep / "topology.yaml").is_file() and (keep / "sidecar.log").stat().st_size > 0
+    eds = json.loads((keep / "envoy" / "eds" / "chat" / "endpoints.json").read_text())
+    assert "UNHEALTHY" in json.dumps(eds)  # what the sidecar last published is what is kept
+    assert int(row(steady, "a100-0")[-1]) > 0
