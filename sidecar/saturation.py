@@ -15,9 +15,10 @@ Per worker (`Headroom.observe`, one call per probe cycle):
   that grows cycle after cycle is caught before it is long.
 - Hysteresis: a worker loses its headroom when the projected queue reaches `queue_enter`
   (1.0: a whole batch waiting), or when its KV use is at least `kv_threshold` while the
-  smoothed queue is at least `queue_exit` (KV-bound engines run fewer sequences than
-  their slots, so their queue per slot stays short when they are full). It regains it
-  only once the smoothed queue is at most `queue_exit` and no KV pressure holds it.
+  smoothed queue is at least `queue_exit` of the batch it runs (a KV-bound engine runs
+  fewer sequences than its slots, so its queue per slot stays short when it is full). It
+  regains it only once the smoothed queue is at most `queue_exit` per slot and no KV
+  pressure holds it.
 - Fresh metrics only: a worker without a sample (probe failed, health-only engine) or
   whose sample is older than `stale_after_s` has headroom as far as shedding goes, and
   its trend starts over. Stale or missing metrics never trigger shedding.
@@ -116,7 +117,10 @@ class Headroom:
             queue = self.queue * keep + raw * (1.0 - keep)
             slope = (queue - self.queue) / dt
         kv = sample.kv_usage
-        kv_held = kv is not None and kv >= policy.kv_threshold and queue >= policy.queue_exit
+        # KV-bound: the engine runs fewer sequences than its slots, so its queue is weighed
+        # against the batch it actually runs.
+        batch = min(max(sample.running, 1.0), float(capacity))
+        kv_held = kv is not None and kv >= policy.kv_threshold and queue * capacity >= policy.queue_exit * batch
         if self.full:
             full = queue > policy.queue_exit or kv_held
         else:

@@ -62,11 +62,18 @@ def test_hysteresis_keeps_a_full_worker_full_until_its_queue_is_short() -> None:
 
 
 def test_kv_pressure_with_a_queue_takes_the_headroom_without_one_it_does_not() -> None:
-    """A KV-bound engine runs fewer sequences than its slots: KV use >= 0.8 with a smoothed
-    queue of at least queue_exit is enough; KV use alone, with nothing waiting, is not."""
+    """KV use >= 0.8 with a smoothed queue of at least queue_exit of the running batch is
+    enough; KV use alone, with nothing waiting, is not. A KV-bound engine running 16 of its
+    256 slots with 8 waiting (0.03 per slot) is full."""
     assert feed([0.4, 0.4, 0.4], kv=0.85).full
     assert not feed([0.4, 0.4, 0.4], kv=0.5).full
     assert not feed([0.0, 0.0, 0.0], kv=0.97).full
+    h = Headroom()
+    for i in range(4):
+        h = h.observe(LoadSample(running=16, waiting=8, kv_usage=0.95), i * 2.0, 256, POLICY)
+    assert h.full and h.queue < 0.05
+    h = h.observe(LoadSample(running=16, waiting=8, kv_usage=0.5), 8.0, 256, POLICY)
+    assert not h.full
 
 
 def test_missing_metrics_give_headroom_and_restart_the_trend() -> None:
@@ -157,43 +164,53 @@ def test_release_waits_until_the_limit_refuses_nothing_then_returns_to_the_cap()
     assert state == Admission(limit=96)
 
 
-def _fluid(load: float, cycles: int = 300, slots: int = 24, policy: SaturationPolicy = POLICY) -> tuple[float, float]:
+def _fluid(load: float, cycles: int = 300, slots: int = 24, ingresses: int = 1) -> tuple[float, float]:
     """A fluid fleet of `slots` slots, each finishing 0.5 requests per 2 s cycle, offered
-    `load` x its capacity through one Envoy run by the detector and the controller.
-    Returns (shed share, mean waiting per slot) over the second half."""
-    rate = 0.5 * slots * load  # requests offered per cycle
+    `load` x its capacity evenly through `ingresses` Envoys, each run by its own sidecar
+    (--ingresses N) on the same engine reports. Returns (shed share, mean waiting per
+    slot) over the second half."""
+    rate = 0.5 * slots * load / ingresses  # requests offered per cycle to each Envoy
     heads = [Headroom()] * 3
-    state: Admission | None = None
-    in_flight = shed = offered = waiting_sum = 0.0
+    states: list[Admission | None] = [None] * ingresses
+    own = [0.0] * ingresses  # each Envoy's requests in flight
+    shed = offered = waiting_sum = 0.0
     for cycle in range(cycles):
         now = cycle * 2.0
-        running = min(in_flight, slots)
-        done = running * 0.5
-        limit = state.limit if state is not None else 4 * slots
-        room = max(limit - (in_flight - done), 0.0)
-        admitted = min(rate, room)
-        refused = rate - admitted
-        in_flight += admitted - done
-        waiting = max(in_flight - slots, 0.0)
-        heads = [h.observe(LoadSample(running=min(in_flight, slots) / 3, waiting=waiting / 3), now, slots // 3, policy)
+        total = sum(own)
+        done_share = min(total, slots) * 0.5 / total if total else 0.0  # completions spread pro rata
+        refused = [0.0] * ingresses
+        for i in range(ingresses):
+            state = states[i]
+            limit = state.limit if state is not None else 4 * slots
+            left = own[i] * (1 - done_share)
+            admitted = min(rate, max(limit - left, 0.0))
+            refused[i] = rate - admitted
+            own[i] = left + admitted
+        total = sum(own)
+        waiting = max(total - slots, 0.0)
+        heads = [h.observe(LoadSample(running=min(total, slots) / 3, waiting=waiting / 3), now, slots // 3, POLICY)
                  for h in heads]
-        pool = assess([(h, slots // 3) for h in heads], now, policy, 0.8)
-        state = admit(state, pool, round(in_flight), refused > 0, 4 * slots, 1, now, policy)
+        pool = assess([(h, slots // 3) for h in heads], now, POLICY, 0.8)
+        states = [admit(states[i], pool, round(own[i]), refused[i] > 0, 4 * slots, ingresses, now, POLICY)
+                  for i in range(ingresses)]
         if cycle >= cycles // 2:
-            offered += rate
-            shed += refused
+            offered += rate * ingresses
+            shed += sum(refused)
             waiting_sum += waiting / slots
     return shed / offered, waiting_sum / (cycles - cycles // 2)
 
 
+@pytest.mark.parametrize("ingresses", [1, 2])
 @pytest.mark.parametrize("load", [1.15, 1.2, 1.5, 2.0])
-def test_under_overload_the_shed_share_tracks_the_excess_and_the_queue_stays_bounded(load: float) -> None:
-    """On a fluid model of the fleet, overload by 15 % to 100 %: the controller settles
-    with a shed share within 5 points of the excess (1 - 1/load) and the engines' queue
-    near the target (0.5 per slot), far below the 3 per slot the safety cap allows."""
-    share, queue = _fluid(load)
+def test_under_overload_the_shed_share_tracks_the_excess_and_the_queue_stays_bounded(load: float,
+                                                                                     ingresses: int) -> None:
+    """On a fluid model of the fleet, overload by 15 % to 100 % through one Envoy or two
+    (each with its own sidecar, --ingresses 2): the controller settles with a shed share
+    within 5 points of the excess (1 - 1/load) and the engines' queue near the target
+    (0.5 per slot), far below the 3 per slot the safety cap allows."""
+    share, queue = _fluid(load, ingresses=ingresses)
     excess = 1 - 1 / load
-    print(f"load {load}: shed {share:.3f} (excess {excess:.3f}), waiting per slot {queue:.2f}")
+    print(f"load {load}, {ingresses} ingresses: shed {share:.3f} (excess {excess:.3f}), waiting per slot {queue:.2f}")
     assert excess - 0.05 <= share <= excess + 0.05
     assert queue <= 1.0
 
@@ -202,6 +219,7 @@ def test_below_capacity_the_fluid_fleet_is_never_shed() -> None:
     """At 75 % and 95 % of capacity nothing queues for long, nothing is shed."""
     for load in (0.75, 0.95):
         assert _fluid(load) == (0.0, 0.0)
+        assert _fluid(load, ingresses=2) == (0.0, 0.0)
 
 
 def test_policy_refuses_inconsistent_thresholds() -> None:
