@@ -78,6 +78,15 @@ class SecretError(ConfgenError):
         super().__init__("cannot read API keys: " + "; ".join(f"{p}: {m}" for p, m in self.problems))
 
 
+class DeployError(ConfgenError):
+    """The topology cannot be expressed as the deployment target's objects (e.g. two objects
+    would get the same name). `problems` holds (field path, reason) pairs, like SecretError."""
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems: tuple[tuple[str, str], ...] = tuple(problems)
+        super().__init__("cannot render the deployment: " + "; ".join(f"{p}: {m}" for p, m in self.problems))
+
+
 class OutputError(ConfgenError):
     """The rendered files could not be written, or differ from the checked directory."""
 

@@ -181,7 +181,8 @@ class Autoscale:
     max_replicas: int = field(8, doc="Most workers.", minimum=1, maximum=10_000)
     queue_depth_per_replica: float = field(
         4.0,
-        doc="Target of llm_queue_depth (requests waiting in the engines) per worker.",
+        doc="Requests a worker may keep waiting (llm_queue_depth per worker); the HPA aims at 80 % of it, "
+        "20 % headroom for new workers to start.",
         minimum=0.1,
         maximum=10_000.0,
     )
@@ -234,7 +235,11 @@ class Pool:
 
 @dataclass(frozen=True)
 class HeaderMatch:
-    name: str = field(doc="Header name.", pattern="header")
+    name: str = field(
+        doc="Header name; not a hop-by-hop header nor x-forwarded-for/-proto or x-request-id (Envoy strips or "
+        "sets those before routing, so the targets would route differently).",
+        pattern="header",
+    )
     exact: str | None = field(None, doc="Match this value exactly.", pattern="header_value")
     prefix: str | None = field(None, doc="Match values starting with this.", pattern="header_value")
     present: bool | None = field(None, doc="Match when the header is (true) or is not (false) sent.")
@@ -269,7 +274,10 @@ class ApiKey:
 class Auth:
     api_keys: list[ApiKey] = field(doc="Accepted keys, sent as `Authorization: Bearer <key>`.", min_items=1)
     client_header: str = field(
-        "x-confgen-client", doc="Header that carries the authenticated client id to workers.", pattern="header"
+        "x-confgen-client",
+        doc="Header that carries the authenticated client id to workers; not one the proxies own or that "
+        "carries the key (authorization, host, connection, x-forwarded-*, x-envoy-*, ... are refused).",
+        pattern="header",
     )
 
 
@@ -399,7 +407,27 @@ class Kubernetes:
     envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
     sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
     keys_secret: str | None = field(
-        None, doc="Secret whose keys are the environment variables auth.api_keys[].env name.", pattern="name"
+        None,
+        doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
+        "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
+        pattern="name",
+    )
+    termination_grace_seconds: int = field(
+        180,
+        doc="How long a stopping proxy pod drains: Envoy fails its health, drains listeners and waits "
+        "for streams to finish, within this (terminationGracePeriodSeconds).",
+        minimum=30,
+        maximum=3600,
+    )
+    monitoring: bool = field(
+        False,
+        doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
+        "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
+    )
+    prometheus_url: str = field(
+        "http://prometheus-operated.monitoring.svc:9090",
+        doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",
+        pattern="url",
     )
 
 
