@@ -264,3 +264,22 @@ def test_compose_runs_render_then_envoy_and_sidecar() -> None:
     command = services["sidecar"]["command"]
     assert command[command.index("--listen") + 1] == "127.0.0.1:9109"
     assert parse_topology(files["topology.yaml"], "t.yaml")[0] == topo
+
+
+def test_a_listener_below_1024_gets_only_net_bind_service_and_stays_restricted() -> None:
+    """Envoy binding port 80 as a non-root user needs NET_BIND_SERVICE, the one capability
+    Pod Security "restricted" allows; it is added to Envoy alone and only then."""
+    text = """\
+version: 1
+name: edge
+listeners: [{name: http, port: 80}]
+pools: [{name: chat, engine: vllm, models: [m], workers: ["10.0.0.1:8000"]}]
+"""
+    topo, _ = parse_topology(text.encode(), "t.yaml")
+    pod = pod_of(docs_of(render_kubernetes(topo)))
+    caps = {c["name"]: c["securityContext"]["capabilities"] for c in [*pod["initContainers"], *pod["containers"]]}
+    assert caps == {"render": {"drop": ["ALL"]}, "envoy": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+                    "sidecar": {"drop": ["ALL"]}}
+    assert violations(pod) == []
+    topo, _ = load_topology(EXAMPLES[1])
+    assert "add" not in pod_of(docs_of(render_kubernetes(topo)))["containers"][0]["securityContext"]["capabilities"]
