@@ -412,6 +412,12 @@ class Kubernetes:
         "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
         pattern="name",
     )
+    admin_token_secret: str | None = field(
+        None,
+        doc="Secret whose entry `token` the sidecar requires on POST /drain and /undrain; bound on the pod's "
+        "address, those endpoints are off without it.",
+        pattern="name",
+    )
     termination_grace_seconds: int = field(
         180,
         doc="How long a stopping proxy pod drains: Envoy fails its health, drains listeners and waits "
