@@ -356,7 +356,7 @@ def build(wiring: Wiring) -> Built:
     config = wiring.config
     publisher = EdsPublisher(xds_dir_for(config, wiring.topo), wiring.admin, debounce_s=config.publish_debounce_s,
                              confirm_timeout_s=config.confirm_timeout_s)
-    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses))
+    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation))
 
 
 def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:

@@ -182,4 +182,4 @@ def build(wiring: Wiring) -> Built:
     assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
     publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
     register_xds(wiring.registry, publisher.view)
-    return Built(publisher, RtdsLimiter(publisher))
+    return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation))
