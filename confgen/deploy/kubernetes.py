@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..model import Topology
+from . import _kubernetes_ads as _ads
 from ._canonical import dump, topology_yaml
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
@@ -148,6 +149,11 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
         "metadata": _meta(topo, f"confgen-{topo.name}-topology"),
         "data": {"topology.yaml": topology_yaml(topo)},
     }
-    docs = [configmap, _deployment(topo), _service(topo), *_hpas(topo)]
+    if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars
+        name = f"confgen-{topo.name}"
+        docs = [configmap, *_ads.control_plane(topo, name, _key_env(topo)), *_ads.envoy_fleet(topo, name),
+                *_hpas(topo)]
+    else:
+        docs = [configmap, _deployment(topo), _service(topo), *_hpas(topo)]
     text = "---\n".join(dump(doc) for doc in docs)
     return {"kubernetes.yaml": text.encode()}
