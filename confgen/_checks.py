@@ -138,10 +138,10 @@ def _references(topo: Topology) -> Iterator[Finding]:
             yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", "error"
 
     def unknown_clients(path: str, names: list[str] | None) -> Iterator[Finding]:
+        if names is not None and topo.auth is None:  # even [] (nobody): there are no clients to tell apart
+            yield f"{path}[0]" if names else path, "allow_clients needs auth.api_keys", "error"
+            return
         for index, name in enumerate(names or []):
-            if topo.auth is None:
-                yield f"{path}[{index}]", "allow_clients needs auth.api_keys", "error"
-                return
             if name not in clients:
                 yield f"{path}[{index}]", f"unknown client {name!r}", "error"
 
@@ -324,8 +324,32 @@ def _routes(topo: Topology) -> Iterator[Finding]:
             yield f"{base}.match", "matches every request, so the routes after it are never used", "warning"
 
 
+# Headers the proxies set, strip or read themselves, or that carry the API key: as the
+# client-id header each would break authentication or the proxied request (Envoy removes a
+# client copy of the id header before api_key_auth reads `authorization`; nginx's
+# `proxy_set_header` of it would replace the worker's Host, Connection, ...).
+RESERVED_HEADERS = frozenset({
+    "authorization", "proxy-authorization", "proxy-authenticate", "host", "connection", "keep-alive",
+    "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "expect", "content-length",
+    "content-type", "content-encoding", "cookie", "forwarded", "via", "x-forwarded-for",
+    "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port", "x-real-ip", "x-request-id",
+})
+RESERVED_HEADER_PREFIXES = ("x-envoy-", "proxy-")
+
+
+def reserved_header(name: str) -> bool:
+    return name in RESERVED_HEADERS or name.startswith(RESERVED_HEADER_PREFIXES)
+
+
 def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
     if topo.auth is not None:
+        if reserved_header(topo.auth.client_header):
+            yield (
+                "auth.client_header",
+                f"{topo.auth.client_header!r} is a header the proxies own or that carries the key; "
+                "name a header of your own (for example x-confgen-client)",
+                "error",
+            )
         for ki, key in enumerate(topo.auth.api_keys):
             if (key.env is None) == (key.file is None):
                 yield f"auth.api_keys[{ki}]", "give exactly one of env or file", "error"

@@ -36,6 +36,7 @@ _MAP = "tag:yaml.org,2002:map"
 _SEQ = "tag:yaml.org,2002:seq"
 _KNOWN_TAGS = {_STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE, _MAP, _SEQ}
 _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_MAX_INT_DIGITS = 30
 _FLOAT_TEXT = re.compile(r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 _TAG_WORDS = {_INT: "a number", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
@@ -229,6 +230,9 @@ class Decoder:
             return self.error(node, path, f"expected an integer, {_got_string(text, bool(_DECIMAL.fullmatch(text)))}")
         if node.tag != _INT or not _DECIMAL.fullmatch(text):
             return self.error(node, path, f"expected a decimal integer, got {_show(text)}")
+        if len(text.lstrip("+-").lstrip("0")) > _MAX_INT_DIGITS:
+            # no field takes such a number; int() of 4,300+ digits would even raise
+            return self.error(node, path, f"{_show(text)} is out of range (more than {_MAX_INT_DIGITS} digits)")
         return int(text)
 
     def _float(self, node: yaml.Node, path: str) -> float | _Invalid:
@@ -371,17 +375,26 @@ class Decoder:
             return INVALID
         return cls(**kwargs)
 
-    def _check_range(self, node: yaml.Node, path: str, value: Any, lo: float | None,
-                     hi: float | None, min_items: int | None) -> bool:
+    def _check_range(self, node: yaml.Node, path: str, value: Any, lo: float | Duration | None,
+                     hi: float | Duration | None, min_items: int | None) -> bool:
         if isinstance(value, list) and min_items is not None and len(value) < min_items:
             self.error(node, path, f"needs at least {min_items} item{'s' if min_items > 1 else ''}")
             return False
+        if isinstance(value, Duration):
+            written = node.value if isinstance(node, yaml.ScalarNode) else value
+            if isinstance(lo, Duration) and value < lo:
+                self.error(node, path, f"{written} is below the minimum {lo}")
+                return False
+            if isinstance(hi, Duration) and value > hi:
+                self.error(node, path, f"{written} is above the maximum {hi}")
+                return False
+            return True
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             shown = node.value if isinstance(node, yaml.ScalarNode) else value  # as written in the file
-            if lo is not None and value < lo:
+            if isinstance(lo, int | float) and value < lo:
                 self.error(node, path, f"{shown} is below the minimum {_num(lo)}")
                 return False
-            if hi is not None and value > hi:
+            if isinstance(hi, int | float) and value > hi:
                 self.error(node, path, f"{shown} is above the maximum {_num(hi)}")
                 return False
         return True

@@ -51,8 +51,9 @@ class Spec:
     doc: str
     key: str | None = None  # the YAML key when it differs from the attribute name
     pattern: str | None = None  # for str and list[str] / dict[str, str] values
-    minimum: float | None = None
-    maximum: float | None = None
+    # Numbers for int/float fields; Durations for Duration fields (e.g. Envoy's "> 0").
+    minimum: float | Duration | None = None
+    maximum: float | Duration | None = None
     min_items: int | None = None
 
 
@@ -63,8 +64,8 @@ def field(
     factory: Any = dataclasses.MISSING,
     key: str | None = None,
     pattern: str | None = None,
-    minimum: float | None = None,
-    maximum: float | None = None,
+    minimum: float | Duration | None = None,
+    maximum: float | Duration | None = None,
     min_items: int | None = None,
 ) -> Any:
     """A dataclass field carrying its YAML key, docs and constraints."""
@@ -109,18 +110,25 @@ class Duration:
         return self.nginx()
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+# ASCII digits only (`\d` would take "\u0665s", an Arabic-Indic five, as 5 s); bounded
+# lengths keep int() cheap and exact.
+_DURATION = re.compile(r"([0-9]{1,20})(?:\.([0-9]{1,20}))?(ms|s|m|h)", re.ASCII)
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+MAX_DURATION_MS = 30 * 86_400_000
 
 
 def parse_duration(text: str) -> Duration | None:
+    """A Duration for text like 250ms, 1.5s or 2m; None unless it is whole milliseconds
+    of at most 30 days. Exact integer arithmetic: no float rounding, no overflow."""
     match = _DURATION.fullmatch(text)
     if match is None:
         return None
-    ms = float(match.group(1)) * _UNIT_MS[match.group(2)]
-    if ms != int(ms) or ms > 30 * 86_400_000:
+    whole, frac, unit = match.group(1), match.group(2) or "", match.group(3)
+    scale = 10 ** len(frac)
+    scaled = (int(whole) * scale + int(frac or "0")) * _UNIT_MS[unit]
+    if scaled % scale or scaled // scale > MAX_DURATION_MS:
         return None
-    return Duration(int(ms))
+    return Duration(scaled // scale)
 
 
 DURATION_HINT = "a duration with a unit, such as 250ms, 5s, 2m or 1h (at most 30 days)"

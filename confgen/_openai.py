@@ -6,6 +6,7 @@ show a readable message and back off on 429; the canned last answer; the /v1/mod
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -72,6 +73,11 @@ def canned_body(topo: Topology) -> Json:
         ],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
+
+
+def models_body(topo: Topology) -> str:
+    """The GET /v1/models answer, byte for byte the same from every target."""
+    return json.dumps(models_list(topo), sort_keys=True, separators=(",", ":"))
 
 
 def models_list(topo: Topology) -> Json:

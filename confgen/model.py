@@ -42,6 +42,11 @@ def _d(text: str) -> Duration:
     return parsed
 
 
+# Envoy's protos say `gt: {}` for these durations (connect timeout, health-check interval,
+# timeout and no_traffic_interval, outlier interval and base ejection time): 0s is refused.
+_POSITIVE = _d("1ms")
+
+
 @dataclass(frozen=True)
 class Admin:
     address: str = field("127.0.0.1", doc="Address of Envoy's admin interface; keep it on loopback.")
@@ -117,12 +122,14 @@ class Balancing:
 class HealthCheck:
     enabled: bool = field(True, doc="Let the proxy actively probe each worker.")
     path: str | None = field(None, doc="Health path; defaults to the engine's.", pattern="http_path")
-    interval: Duration = field(_d("5s"), doc="Time between probes.")
-    timeout: Duration = field(_d("2s"), doc="A probe slower than this fails.")
+    interval: Duration = field(_d("5s"), doc="Time between probes.", minimum=_POSITIVE)
+    timeout: Duration = field(_d("2s"), doc="A probe slower than this fails.", minimum=_POSITIVE)
     healthy_threshold: int = field(2, doc="Passing probes before a worker is readmitted.", minimum=1, maximum=100)
     unhealthy_threshold: int = field(3, doc="Failing probes before a worker is evicted.", minimum=1, maximum=100)
     no_traffic_interval: Duration = field(
-        _d("5s"), doc="Probe interval for a pool with no traffic (Envoy's default of 60 s misses dead workers)."
+        _d("5s"),
+        doc="Probe interval for a pool with no traffic (Envoy's default of 60 s misses dead workers).",
+        minimum=_POSITIVE,
     )
 
 
@@ -133,8 +140,10 @@ class OutlierDetection:
     consecutive_gateway_failure: int = field(
         3, doc="Consecutive 502/503/504 or connection failures before ejection.", minimum=1, maximum=1000
     )
-    interval: Duration = field(_d("5s"), doc="How often ejections are evaluated.")
-    base_ejection_time: Duration = field(_d("30s"), doc="First ejection length (grows with repeats).")
+    interval: Duration = field(_d("5s"), doc="How often ejections are evaluated.", minimum=_POSITIVE)
+    base_ejection_time: Duration = field(
+        _d("30s"), doc="First ejection length (grows with repeats).", minimum=_POSITIVE
+    )
     max_ejection_percent: int = field(50, doc="Never eject more than this share of a pool.", minimum=0, maximum=100)
 
 
@@ -160,7 +169,7 @@ class Retries:
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.")
+    connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.", minimum=_POSITIVE)
     request: Duration = field(_d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut).")
     idle: Duration = field(_d("60s"), doc="Longest silence between two chunks of a streamed answer.")
 
@@ -267,7 +276,9 @@ class Auth:
 @dataclass(frozen=True)
 class RateLimit:
     requests: int = field(doc="Tokens added every `per`.", minimum=1, maximum=10_000_000)
-    per: Duration = field(doc="Refill period.")
+    per: Duration = field(
+        doc="Refill period (Envoy's token-bucket timer refuses periods under 50ms).", minimum=_d("50ms")
+    )
     burst: int | None = field(None, doc="Bucket size (default: requests).", minimum=1, maximum=10_000_000)
 
     @property
@@ -439,7 +450,7 @@ def split_address(text: str) -> tuple[str, int] | None:
         host, sep, port = text.rpartition(":")
         if not sep or ":" in host:
             return None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 1 <= int(port) <= 65535:
         return None
     return host, int(port)
 

@@ -40,7 +40,7 @@ def _type_schema(tp: Any, pattern: str | None, defs: dict[str, Any]) -> dict[str
             return {"type": "string"}
         return {"type": "string", "pattern": f"^(?:{PATTERNS[pattern][0]})$"}
     if tp is Duration:
-        return {"type": "string", "pattern": r"^\d+(\.\d+)?(ms|s|m|h)$", "description": DURATION_HINT}
+        return {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?(ms|s|m|h)$", "description": DURATION_HINT}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         name = tp.__name__
         if name not in defs:
@@ -66,9 +66,13 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
         spec = spec_of(fld)
         prop = _type_schema(hints[fld.name], spec.pattern, defs)
         prop = {**prop, "description": spec.doc}
-        if spec.minimum is not None:
+        if isinstance(spec.minimum, Duration):  # a string in the file: say it in words
+            prop["description"] += f" At least {spec.minimum}."
+        elif spec.minimum is not None:
             prop["minimum"] = spec.minimum
-        if spec.maximum is not None:
+        if isinstance(spec.maximum, Duration):
+            prop["description"] += f" At most {spec.maximum}."
+        elif spec.maximum is not None:
             prop["maximum"] = spec.maximum
         if spec.min_items is not None:
             prop["minItems"] = spec.min_items

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._checks import implicit_model_routes
-from .._openai import models_list
+from .._openai import models_body
 from ..model import Listener, Pool, RateLimit, Route, Topology
 from ._clusters import target_cluster
 from ._proto import Json, dur, extension, typed
@@ -215,16 +215,22 @@ def _header_matcher(name: str, exact: str | None, prefix: str | None, present: b
     return {"name": name, "present_match": True, "invert_match": not present}
 
 
-def routes(topo: Topology) -> list[Json]:
-    import json
+DIRECT_RESPONSE_MAX = 1024 * 1024  # Envoy's route-wide cap on direct_response bodies (default 4 KB)
 
+
+def direct_response_limit(topo: Topology) -> int:
+    """max_direct_response_body_size_bytes: room for the /v1/models list however many models."""
+    return max(DIRECT_RESPONSE_MAX, len(models_body(topo)) if topo.models_endpoint else 0)
+
+
+def routes(topo: Topology) -> list[Json]:
     out: list[Json] = []
     if topo.models_endpoint:
         out.append({
             "name": "models-list",
             "match": {"path": "/v1/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
             "direct_response": {"status": 200, "body": {
-                "inline_string": json.dumps(models_list(topo), sort_keys=True, separators=(",", ":"))}},
+                "inline_string": models_body(topo)}},
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         })
@@ -256,7 +262,7 @@ def listener(topo: Topology, lst: Listener, secrets: Mapping[str, str]) -> Json:
         "request_headers_timeout": dur(lst.request_headers_timeout),
         "route_config": {
             "name": f"{lst.name}-routes",
-            "max_direct_response_body_size_bytes": 1024 * 1024,
+            "max_direct_response_body_size_bytes": direct_response_limit(topo),
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo)}],
         },
         "http_filters": _filters(topo, secrets, restricted),

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
-from .._openai import REPLIES, canned_body, error_body, models_list, retry_after_seconds
+from .._openai import REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..model import NGINX_CAP_MAX, Pool, RateLimit, Route, Topology, is_ip, split_address
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
@@ -42,8 +42,33 @@ def rate(limit: RateLimit) -> str:
 
 
 def burst(limit: RateLimit) -> int:
-    # With nodelay nginx admits burst + 1 requests at once: the bucket's size.
+    """limit_req's burst: with nodelay nginx admits burst + 1 requests at once, the bucket's
+    size. 0 (a one-token bucket) is written as no burst at all: nginx refuses `burst=0`."""
     return limit.bucket - 1
+
+
+# An upstream's shared-memory zone holds its peers: 256k held ~330 of them (measured), and
+# the sidecar may publish more addresses than the topology names (a DNS name -> several).
+ZONE_BASE_KB = 256
+ZONE_KB_PER_ADDRESS = 2
+ZONE_ADDRESSES_PER_NAME = 8
+
+
+def zone_kb(pool: Pool) -> int:
+    """The upstream zone size for `pool` in KiB, with room for what the sidecar may publish."""
+    names = sum(1 for w in pool.workers if not _is_ip_worker(w.address))
+    addresses = len(pool.workers) - names + names * ZONE_ADDRESSES_PER_NAME
+    return ZONE_BASE_KB + ZONE_KB_PER_ADDRESS * addresses
+
+
+def _is_ip_worker(address: str) -> bool:
+    parts = split_address(address)
+    return parts is not None and is_ip(parts[0])
+
+
+def fail_timeout(pool: Pool) -> str:
+    """nginx's fail_timeout takes whole seconds (`500ms` is refused): rounded up, at least 1s."""
+    return f"{max(1, -(-pool.outlier_detection.base_ejection_time.ms // 1000))}s"
 
 
 def listen(address: str, port: int) -> str:
@@ -88,7 +113,7 @@ def upstream_options(pool: Pool) -> dict[str, Any]:
     od = pool.outlier_detection
     return {
         "max_fails": od.consecutive_gateway_failure if od.enabled else 0,
-        "fail_timeout": od.base_ejection_time.nginx(),
+        "fail_timeout": fail_timeout(pool),
         "hashing": _balance(pool) in ("hash", "random", "random_two"),
     }
 
@@ -197,6 +222,7 @@ def build_context(
             "hash_var": _hash_var(pool, index),
             "cookie": cookie,
             "inflight": topo.in_flight_cap(pool, NGINX_CAP_MAX),
+            "zone_kb": zone_kb(pool),
             "connect_timeout": timeout(pool.timeouts.connect),
             "idle_timeout": timeout(pool.timeouts.idle),
             "next_upstream": next_up,
@@ -244,7 +270,8 @@ def build_context(
         "replies": {name: error_body(name) for name in REPLIES if name != "model_not_found"},
         "retry_after": retry_after_seconds(topo),
         "canned": canned,
-        "models_list": models_list(topo) if topo.models_endpoint else None,
+        # served by njs: nginx refuses a config parameter over 4 KB (~60 model names)
+        "models_body": models_body(topo) if topo.models_endpoint else None,
         "table": {
             "name": topo.name,
             "routes": route_table(topo),
