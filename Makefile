@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test lint bench bench-quick clean prometheus-tools
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -30,7 +30,19 @@ demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	@echo "==> confgen demo"
 	$(BIN)/confgen demo
 
-test: $(STAMP)
+# The alert-rule tests run Debian's promtool and a real Prometheus (package `prometheus`);
+# as root on Debian/Ubuntu this installs it when missing (no recommends: no node exporter).
+prometheus-tools:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "==> installing Debian's prometheus package (promtool + prometheus) for the alert-rule tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	else \
+		echo "the alert-rule tests need promtool and prometheus: sudo apt-get install -y --no-install-recommends prometheus" >&2; \
+		exit 1; \
+	fi
+
+test: $(STAMP) prometheus-tools
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest

@@ -1,4 +1,4 @@
-"""python -m bench run [--quick] [--only SCENARIO ...] [--seed N] --out DIR"""
+"""python -m bench run [--quick] [--only SCENARIO ...] [--seed N] [--set KEY=SECONDS] --out DIR"""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--only", nargs="+", choices=ORDER, metavar="SCENARIO", help=f"any of: {', '.join(ORDER)}")
     run.add_argument("--seed", type=int, default=7)
     run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--set", action="append", default=[], metavar="KEY=SECONDS", dest="options",
+                     help="a scenario's duration knob, e.g. --set steady_s=300 (see each scenario)")
     run.add_argument("--keep-work", action="store_true", help="keep configs, logs and raw records under OUT/work")
     redraw = sub.add_parser("chart", help="redraw DIR/chart.png from DIR/results.json (same numbers)")
     redraw.add_argument("dir", type=Path)
@@ -35,7 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     info = report.machine(args.seed, args.quick)
     info["argv"] = " ".join(["run", *(sys.argv[2:] if argv is None else argv[1:])])
     work = Path(tempfile.mkdtemp(prefix="confgen-bench-"))
-    ctx = Context(quick=args.quick, seed=args.seed, out=args.out, work=work)
+    options: dict[str, float] = {}
+    for pair in args.options:
+        key, sep, value = pair.partition("=")
+        try:
+            options[key] = float(value)
+        except ValueError:
+            parser.error(f"--set {pair!r}: expected KEY=NUMBER")
+        if not sep or not key:
+            parser.error(f"--set {pair!r}: expected KEY=NUMBER")
+    ctx = Context(quick=args.quick, seed=args.seed, out=args.out, work=work, options=options)
     results: list[Result] = []
     errors: dict[str, str] = {}
     started = time.monotonic()

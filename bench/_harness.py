@@ -18,9 +18,13 @@ class Context:
     out: Path
     work: Path  # scratch (configs, raw records)
     notes: list[str] = field(default_factory=list)
+    options: dict[str, float] = field(default_factory=dict)  # --set KEY=NUMBER
 
     def scale(self, full: float, quick: float) -> float:
         return quick if self.quick else full
+
+    def option(self, key: str, default: float) -> float:
+        return self.options.get(key, default)
 
 
 @dataclass
@@ -77,6 +81,10 @@ def _base(prev: dict[str, int], restarted: bool) -> Any:
 
 def fmt_ms(v: float | None) -> str:
     return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}")
+
+
+def fmt_x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

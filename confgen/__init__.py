@@ -4,7 +4,16 @@ Public API: `load_topology`, `parse_topology`, the `Topology` model, the rendere
 (`confgen.envoy.render`, `confgen.nginx.render`) and the error hierarchy.
 """
 
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError, VerifyError
+from .errors import (
+    ConfgenError,
+    Diagnostic,
+    OutputError,
+    ProxyError,
+    SecretError,
+    Severity,
+    TopologyError,
+    VerifyError,
+)
 from .model import Topology
 from .topology import load as load_topology
 from .topology import parse as parse_topology
@@ -13,7 +22,9 @@ __all__ = [
     "ConfgenError",
     "Diagnostic",
     "OutputError",
+    "ProxyError",
     "SecretError",
+    "Severity",
     "Topology",
     "TopologyError",
     "VerifyError",

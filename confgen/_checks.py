@@ -11,9 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
+from .errors import Severity
 from .model import Pool, Topology, is_ip, split_address
 
-Finding = tuple[str, str, str]  # path, message, severity
+Finding = tuple[str, str, Severity]  # path, message, severity
+ERROR, WARNING = Severity.ERROR, Severity.WARNING
 
 
 def check(topo: Topology) -> list[Finding]:
@@ -42,7 +44,7 @@ def _later_duplicates(path: str, items: list[str], what: str, key: str = "name")
     seen: set[str] = set()
     for index, item in enumerate(items):
         if item in seen:
-            yield f"{path}[{index}].{key}", f"duplicate {what} {item!r}", "error"
+            yield f"{path}[{index}].{key}", f"duplicate {what} {item!r}", ERROR
         seen.add(item)
 
 
@@ -54,12 +56,12 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
     for index, lst in enumerate(topo.listeners):
         if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
-            yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", "error"
+            yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
         for name in sorted(_dupes(pool.served_names)):
             where = "models" if pool.models.count(name) > 1 else "aliases"
-            yield f"pools[{pi}].{where}", f"model name {name!r} is listed twice", "error"
+            yield f"pools[{pi}].{where}", f"model name {name!r} is listed twice", ERROR
     if topo.auth is not None:
         yield from _later_duplicates("auth.api_keys", [k.client for k in topo.auth.api_keys], "client", key="client")
 
@@ -69,12 +71,12 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):
-            yield name, f"{address!r} is not an IP address", "error"
+            yield name, f"{address!r} is not an IP address", ERROR
     if is_ip(topo.admin.address) and not ipaddress.ip_address(topo.admin.address).is_loopback:
         yield (
             "admin.address",
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
-            "warning",
+            WARNING,
         )
     for pi, pool in enumerate(topo.pools):
         names = 0
@@ -82,17 +84,17 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             path = f"pools[{pi}].workers[{wi}].address"
             parts = split_address(worker.address)
             if parts is None:
-                yield path, f"{worker.address!r} is not host:port (use [v6]:port for IPv6)", "error"
+                yield path, f"{worker.address!r} is not host:port (use [v6]:port for IPv6)", ERROR
                 continue
             host, _ = parts
             if is_ip(host):
                 if worker.address.startswith("[") and ":" not in host:
-                    yield path, "write IPv4 workers without brackets: address:port", "error"
+                    yield path, "write IPv4 workers without brackets: address:port", ERROR
                 elif ":" in host and not worker.address.startswith("["):
-                    yield path, "write IPv6 workers as [address]:port", "error"
+                    yield path, "write IPv6 workers as [address]:port", ERROR
                 continue
             if not COMPILED["host"].fullmatch(host):
-                yield path, f"{host!r} is neither an IP address nor a DNS name", "error"
+                yield path, f"{host!r} is neither an IP address nor a DNS name", ERROR
                 continue
             names += 1
         if names and pool.discovery == "eds":
@@ -103,30 +105,30 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                     "(until it runs they take no traffic); set discovery: strict_dns to let Envoy "
                     "resolve them without a sidecar"
                 ),
-                "warning",
+                WARNING,
             )
 
 
 def _xds(topo: Topology) -> Iterator[Finding]:
     xds = topo.envoy.xds
     if xds.mode == "ads" and not xds.servers:
-        yield "envoy.xds.servers", "mode ads needs at least one control-plane server (host:port)", "error"
+        yield "envoy.xds.servers", "mode ads needs at least one control-plane server (host:port)", ERROR
     if xds.mode == "files" and xds.servers:
-        yield "envoy.xds.servers", "servers are used only with mode: ads", "warning"
+        yield "envoy.xds.servers", "servers are used only with mode: ads", WARNING
     for i, server in enumerate(xds.servers):
         parts = split_address(server)
         if parts is None:
-            yield f"envoy.xds.servers[{i}]", f"{server!r} is not host:port (use [v6]:port for IPv6)", "error"
+            yield f"envoy.xds.servers[{i}]", f"{server!r} is not host:port (use [v6]:port for IPv6)", ERROR
         elif not is_ip(parts[0]) and not COMPILED["host"].fullmatch(parts[0]):
-            yield f"envoy.xds.servers[{i}]", f"{parts[0]!r} is neither an IP address nor a DNS name", "error"
-    yield from ((f"envoy.xds.servers[{i}]", f"{s!r} is listed twice", "error")
+            yield f"envoy.xds.servers[{i}]", f"{parts[0]!r} is neither an IP address nor a DNS name", ERROR
+    yield from ((f"envoy.xds.servers[{i}]", f"{s!r} is listed twice", ERROR)
                 for i, s in enumerate(xds.servers) if s in xds.servers[:i])
     if xds.mode == "ads":
-        yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", "error")
+        yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", ERROR)
                     for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
     if xds.mode == "ads" and len(xds.servers) == 1:
         yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
-               "change until it is back; list two for high availability", "warning")
+               "change until it is back; list two for high availability", WARNING)
 
 
 def _references(topo: Topology) -> Iterator[Finding]:
@@ -135,15 +137,15 @@ def _references(topo: Topology) -> Iterator[Finding]:
 
     def unknown_pool(path: str, name: str) -> Iterator[Finding]:
         if name not in pools:
-            yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", "error"
+            yield path, f"unknown pool {name!r} (pools: {', '.join(sorted(pools))})", ERROR
 
     def unknown_clients(path: str, names: list[str] | None) -> Iterator[Finding]:
         if names is not None and topo.auth is None:  # even [] (nobody): there are no clients to tell apart
-            yield f"{path}[0]" if names else path, "allow_clients needs auth.api_keys", "error"
+            yield f"{path}[0]" if names else path, "allow_clients needs auth.api_keys", ERROR
             return
         for index, name in enumerate(names or []):
             if name not in clients:
-                yield f"{path}[{index}]", f"unknown client {name!r}", "error"
+                yield f"{path}[{index}]", f"unknown client {name!r}", ERROR
 
     for ri, route in enumerate(topo.routes):
         yield from unknown_pool(f"routes[{ri}].pool", route.pool)
@@ -152,7 +154,7 @@ def _references(topo: Topology) -> Iterator[Finding]:
         if pool.fallback is not None:
             yield from unknown_pool(f"pools[{pi}].fallback", pool.fallback)
             if pool.fallback == pool.name:
-                yield f"pools[{pi}].fallback", "a pool cannot fall back to itself", "error"
+                yield f"pools[{pi}].fallback", "a pool cannot fall back to itself", ERROR
         yield from unknown_clients(f"pools[{pi}].allow_clients", pool.allow_clients)
     if topo.default_pool is not None:
         yield from unknown_pool("default_pool", topo.default_pool)
@@ -179,7 +181,7 @@ def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
                 cycle = [*seen[seen.index(nxt.name) :], nxt.name]
                 if pool.name in cycle and not reported & set(cycle):
                     reported.update(cycle)
-                    yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), "error"
+                    yield f"pools[{pi}].fallback", "fallback cycle: " + " -> ".join(cycle), ERROR
                 break
             seen.append(nxt.name)
             current = nxt
@@ -230,7 +232,7 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
                         f"model {name!r} is served by pools {', '.join(owners)}, none of which falls "
                         "back to the others; add a route saying which pool answers it"
                     ),
-                    "error",
+                    ERROR,
                 )
         if pool.fallback is not None:
             try:
@@ -244,7 +246,7 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
                         f"fallback pool {fb.name!r} serves none of this pool's model names; its workers "
                         "will reject the requests it takes over (give it a shared alias)"
                     ),
-                    "warning",
+                    WARNING,
                 )
 
 
@@ -258,7 +260,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
                 "one inotify instance per file and aborts past fs.inotify.max_user_instances (often 128); raise "
                 "that sysctl and envoy.max_eds_files together, or merge pools"
             ),
-            "error",
+            ERROR,
         )
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
@@ -267,31 +269,31 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
         if bal.hash_on is not None:
             given = [k for k in ("header", "cookie") if getattr(bal.hash_on, k) is not None]
             if len(given) != 1:
-                yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", "error"
+                yield f"{base}.balancing.hash_on", "give exactly one of header or cookie", ERROR
             if not hashing:
                 yield (
                     f"{base}.balancing.hash_on",
                     f"hash_on needs policy ring_hash or maglev, not {bal.policy}",
-                    "error",
+                    ERROR,
                 )
         elif hashing:
             yield (
                 f"{base}.balancing.hash_on",
                 (f"{bal.policy} without hash_on hashes nothing: every request lands at random"),
-                "error",
+                ERROR,
             )
         hc = pool.health
         if hc.enabled and hc.timeout >= hc.interval:
-            yield f"{base}.health.timeout", "must be shorter than health.interval", "error"
+            yield f"{base}.health.timeout", "must be shorter than health.interval", ERROR
         if pool.retries.attempts > 0 and not pool.retries.retry_on:
-            yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", "error"
+            yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", ERROR
         for name in sorted(_dupes(list(pool.retries.retry_on))):
-            yield f"{base}.retries.retry_on", f"{name!r} is listed twice", "error"
+            yield f"{base}.retries.retry_on", f"{name!r} is listed twice", ERROR
         scale = pool.autoscale
         if scale is not None and scale.min_replicas > scale.max_replicas:
-            yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", "error"
+            yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", ERROR
         if pool.discovery == "strict_dns" and any(w.drain for w in pool.workers):
-            yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", "error"
+            yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", ERROR
 
 
 def _routes(topo: Topology) -> Iterator[Finding]:
@@ -301,12 +303,12 @@ def _routes(topo: Topology) -> Iterator[Finding]:
         for hi, header in enumerate(match.headers or []):
             given = [k for k in ("exact", "prefix", "present") if getattr(header, k) is not None]
             if len(given) != 1:
-                yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", "error"
+                yield f"{base}.match.headers[{hi}]", "give exactly one of exact, prefix or present", ERROR
             if topo.auth is not None and header.name in (topo.auth.client_header, "authorization"):
                 yield (
                     f"{base}.match.headers[{hi}].name",
                     "routing on credentials or the client header is refused",
-                    "error",
+                    ERROR,
                 )
         try:
             pool = topo.pool(route.pool)
@@ -317,11 +319,11 @@ def _routes(topo: Topology) -> Iterator[Finding]:
                 yield (
                     f"{base}.match.models[{mi}]",
                     (f"pool {pool.name!r} does not serve {model!r} (it serves: {', '.join(pool.served_names)})"),
-                    "error",
+                    ERROR,
                 )
         catch_all = match.models is None and match.headers is None and match.path_prefix is None
         if catch_all and ri < len(topo.routes) - 1:
-            yield f"{base}.match", "matches every request, so the routes after it are never used", "warning"
+            yield f"{base}.match", "matches every request, so the routes after it are never used", WARNING
 
 
 # Headers the proxies set, strip or read themselves, or that carry the API key: as the
@@ -348,13 +350,13 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
                 "auth.client_header",
                 f"{topo.auth.client_header!r} is a header the proxies own or that carries the key; "
                 "name a header of your own (for example x-confgen-client)",
-                "error",
+                ERROR,
             )
         for ki, key in enumerate(topo.auth.api_keys):
             if (key.env is None) == (key.file is None):
-                yield f"auth.api_keys[{ki}]", "give exactly one of env or file", "error"
+                yield f"auth.api_keys[{ki}]", "give exactly one of env or file", ERROR
     if topo.limits.per_key is not None and topo.auth is None:
-        yield "limits.per_key", "per-key limits need auth.api_keys", "error"
+        yield "limits.per_key", "per-key limits need auth.api_keys", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:
@@ -362,6 +364,6 @@ def _canned(topo: Topology) -> Iterator[Finding]:
     if canned is None:
         return
     if canned.kind == "error" and canned.status < 400:
-        yield "last_resort.status", "an error answer needs a 4xx or 5xx status", "error"
+        yield "last_resort.status", "an error answer needs a 4xx or 5xx status", ERROR
     if canned.kind == "completion" and canned.status != 200:
-        yield "last_resort.status", "a canned completion is answered with status 200", "error"
+        yield "last_resort.status", "a canned completion is answered with status 200", ERROR

@@ -34,6 +34,10 @@ PATTERNS: dict[str, tuple[str, str]] = {
         r"[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[a-f0-9]{64})?",
         "a container image reference (registry/name:tag or @sha256:digest)",
     ),
+    "url": (
+        r"https?://[A-Za-z0-9]([A-Za-z0-9.-]{0,252})(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]{0,255})?",
+        "an http:// or https:// URL (host, optional port and path)",
+    ),
     "server": (
         r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}",
         "host:port ([v6]:port for IPv6)",

@@ -45,6 +45,18 @@ REPLIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# A request body is read for `model` only with one of these Content-Types, or none: Envoy's
+# json_to_metadata compares the whole header value with a list (no media-type parsing), so
+# both targets use exactly this list (docs/targets.md, "How the body's model is read").
+MODEL_CONTENT_TYPES = (
+    "application/json",
+    "application/json; charset=utf-8",
+    "application/json;charset=utf-8",
+    "application/json; charset=UTF-8",
+    "application/json;charset=UTF-8",
+)
+
+
 def error_body(name: str, **fill: str) -> Json:
     message, kind, code = REPLIES[name]
     return {"error": {"message": message.format(**fill) if fill else message, "type": kind, "code": code}}

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__
-from .errors import ConfgenError, Diagnostic, OutputError, SecretError, TopologyError
+from .errors import (
+    ConfgenError,
+    DeployError,
+    Diagnostic,
+    OutputError,
+    SecretError,
+    Severity,
+    TopologyError,
+    VerifyError,
+)
 from .model import Topology
 from .topology import load
 
@@ -141,8 +150,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     out: Path = args.out or args.check
     try:
-        # An ADS bootstrap holds no key: the control plane resolves and serves them.
-        keyless = args.target == "envoy" and topo.envoy.xds.mode == "ads"
+        # An ADS bootstrap holds no key: the control plane resolves and serves them. The
+        # deployment targets only reference the keys (a Secret, an env file): no key is read.
+        keyless = (args.target == "envoy" and topo.envoy.xds.mode == "ads") or args.target in ("kubernetes", "compose")
         keys = None if args.placeholder_secrets or keyless else secret_mod.resolve(topo)
         files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
         if args.check is not None:
@@ -155,10 +165,10 @@ def cmd_render(args: argparse.Namespace) -> int:
             return EXIT_OK
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644)
-    except SecretError as exc:
+    except (SecretError, DeployError) as exc:
         from .topology import pin
 
-        _print_diagnostics(pin(args.topology, exc.problems, "error"), sys.stderr)
+        _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
         return EXIT_INVALID
     except OutputError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
@@ -169,6 +179,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from . import verify
+    from .secrets import check_sources
+    from .topology import pin
 
     unreadable = _unreadable(args.topology)
     if unreadable:
@@ -182,26 +194,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except TopologyError as exc:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
+        if topo is not None and (sources := check_sources(topo)):
+            findings += pin(path, sources, Severity.ERROR)
         if topo is not None and (args.envoy or args.nginx):
             targets = [t for t, on in (("envoy", args.envoy), ("nginx", args.nginx)) if on]
             for target in targets:
                 try:
                     problems = verify.verify(topo, target, all_endpoints=args.envoy_all_endpoints)
-                except verify.ProxyUnavailableError as exc:
+                except VerifyError as exc:
                     print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
                     return EXIT_UNAVAILABLE
                 findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
             if args.nginx:
                 from . import nginx
-                from .topology import pin
 
                 findings += pin(path, nginx.unsupported(topo))
-        errors = [d for d in findings if d.severity == "error" or args.strict]
+        errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
             status = EXIT_INVALID
         if args.format == "json":
             report.extend({"file": d.file, "line": d.line, "column": d.col, "path": d.path,
-                           "severity": d.severity, "message": d.message} for d in findings)
+                           "severity": str(d.severity), "message": d.message} for d in findings)
         else:
             _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
             if not errors:

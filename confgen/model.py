@@ -181,7 +181,8 @@ class Autoscale:
     max_replicas: int = field(8, doc="Most workers.", minimum=1, maximum=10_000)
     queue_depth_per_replica: float = field(
         4.0,
-        doc="Target of llm_queue_depth (requests waiting in the engines) per worker.",
+        doc="Requests a worker may keep waiting (llm_queue_depth per worker); the HPA aims at 80 % of it, "
+        "20 % headroom for new workers to start.",
         minimum=0.1,
         maximum=10_000.0,
     )
@@ -401,7 +402,27 @@ class Kubernetes:
     envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
     sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
     keys_secret: str | None = field(
-        None, doc="Secret whose keys are the environment variables auth.api_keys[].env name.", pattern="name"
+        None,
+        doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
+        "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
+        pattern="name",
+    )
+    termination_grace_seconds: int = field(
+        180,
+        doc="How long a stopping proxy pod drains: Envoy fails its health, drains listeners and waits "
+        "for streams to finish, within this (terminationGracePeriodSeconds).",
+        minimum=30,
+        maximum=3600,
+    )
+    monitoring: bool = field(
+        False,
+        doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
+        "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
+    )
+    prometheus_url: str = field(
+        "http://prometheus-operated.monitoring.svc:9090",
+        doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",
+        pattern="url",
     )
 
 

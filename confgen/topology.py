@@ -33,8 +33,8 @@ def parse(text: bytes, filename: str = "<topology>") -> tuple[Topology, list[Dia
             continue  # it may be judging a default that stands in for a reported value
 
         mark = _nearest_mark(decoder.marks, path)
-        found.append(Diagnostic(filename, mark.line, mark.col, path, message, severity))  # type: ignore[arg-type]
-    if any(d.severity == "error" for d in found):
+        found.append(Diagnostic(filename, mark.line, mark.col, path, message, Severity(severity)))
+    if any(d.severity is Severity.ERROR for d in found):
         raise TopologyError(found)
     return topo, sorted(found)
 
@@ -74,7 +74,9 @@ def _nearest_mark(marks: dict[str, _yaml.Mark], path: str) -> _yaml.Mark:
     return marks.get("", _yaml.Mark(1, 1))
 
 
-def pin(path: str | Path, findings: Iterable[tuple[str, str]], severity: Severity = "warning") -> list[Diagnostic]:
+def pin(
+    path: str | Path, findings: Iterable[tuple[str, str]], severity: Severity = Severity.WARNING
+) -> list[Diagnostic]:
     """Diagnostics for (field path, message) pairs about the topology in `path`, each placed
     at the field's line and column (findings a renderer makes after loading)."""
     name = str(path)

@@ -4,6 +4,9 @@ Envoy: `envoy --mode validate` reads only the bootstrap, not file-based xDS, so 
 rendered files are inlined into one static bootstrap first (see envoy.static_bootstrap).
 Nginx: `nginx -t` under a throw-away prefix, with listen ports moved to free loopback
 ports so the check binds nothing the user runs.
+
+A check that ran returns its findings ([] when accepted); a check that could not run
+(binary missing, hung) raises `confgen.errors.VerifyError`.
 """
 
 from __future__ import annotations
@@ -11,13 +14,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from . import runtime
+from . import binaries
+from .errors import BinaryNotFoundError, VerifyError
 from .model import Topology
 
-
-class ProxyUnavailableError(Exception):
-    """The proxy binary needed for the check is not installed."""
-
+__all__ = ["SAMPLED_ENDPOINTS", "VerifyError", "loopback_ports", "verify", "verify_envoy", "verify_nginx"]
 
 # Endpoints per pool that Envoy parses in `validate --envoy` (see envoy.static_bootstrap).
 SAMPLED_ENDPOINTS = 8
@@ -25,38 +26,52 @@ SAMPLED_ENDPOINTS = 8
 
 def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[str]:
     """Problems the real proxy reports for `topo` rendered for `target` ([] when accepted)."""
-    try:
-        if target == "envoy":
-            return verify_envoy(topo, all_endpoints=all_endpoints)
-        if target == "nginx":
-            return verify_nginx(topo)
-    except runtime.BinaryNotFoundError as exc:
-        raise ProxyUnavailableError(str(exc)) from exc
-    raise ValueError(f"unknown target {target!r}")
+    if target == "envoy":
+        return verify_envoy(topo, all_endpoints=all_endpoints)
+    if target == "nginx":
+        return verify_nginx(topo)
+    raise VerifyError(f"no real-proxy check for target {target!r}")
 
 
 def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
+    """Problems `envoy --mode validate` reports for `topo`'s Envoy output ([] when accepted)."""
     from . import envoy
 
     limit = None if all_endpoints else SAMPLED_ENDPOINTS
     if topo.envoy.xds.mode == "ads":
         # The bootstrap Envoy starts with, then what the control plane would send it.
-        problems = runtime.validate_envoy_static(envoy.ads.bootstrap(topo))
-        return problems or runtime.validate_envoy_static(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
+        problems = _validate_envoy(envoy.ads.bootstrap(topo))
+        return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
-    boot = envoy.static_bootstrap(files, max_endpoints=limit)
-    return runtime.validate_envoy_static(boot)
+    return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit))
+
+
+def _validate_envoy(boot: dict[str, object]) -> list[str]:
+    try:
+        return binaries.validate_envoy_static(boot)
+    except BinaryNotFoundError as exc:
+        raise VerifyError(str(exc)) from exc
+
+
+def loopback_ports(topo: Topology) -> dict[str, int]:
+    """A loopback port that was free a moment ago for every nginx listener and the status server."""
+    from . import nginx
+
+    return {name: binaries.free_port() for name in [*(lst.name for lst in topo.listeners), nginx.STATUS]}
 
 
 def verify_nginx(topo: Topology) -> list[str]:
-    from . import nginx  # type: ignore[attr-defined,unused-ignore]
+    """Problems `nginx -t` reports for `topo`'s nginx output ([] when accepted)."""
+    from . import nginx
 
     with tempfile.TemporaryDirectory(prefix="confgen-nginx-") as tmp:
         prefix = Path(tmp)
-        files: dict[str, bytes] = nginx.render_for_test(topo, prefix=str(prefix))
+        files = nginx.render_for_test(topo, prefix=str(prefix), ports=loopback_ports(topo))
         for rel, data in files.items():
             target = prefix / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-        problems: list[str] = runtime.nginx_test((prefix / "nginx.conf").read_text(), prefix)
-        return problems
+        try:
+            return binaries.nginx_test((prefix / "nginx.conf").read_text(), prefix)
+        except BinaryNotFoundError as exc:
+            raise VerifyError(str(exc)) from exc

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from confgen.errors import ConfgenError
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
@@ -25,7 +26,7 @@ LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy)
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfgenError, ValueError):
     """The command line asks for something impossible."""
 
 

@@ -17,20 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from confgen import envoy
-from confgen.envoy import Endpoint
+from confgen.envoy import Endpoint, layout
 from confgen.errors import SecretError, TopologyError
 from confgen.model import Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
-from sidecar.config import SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig
 from sidecar.engines import LoadSample
+from sidecar.histogram import DurationHistogram, HistogramView
 from sidecar.logs import log_event
 from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
 from sidecar.state import Decision, EndpointState, Status, decide_pool
+from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
 from sidecar.xds.limits import RtdsLimiter
 from sidecar.xds.publisher import AdsPublisher, XdsView
@@ -90,6 +92,7 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
+    probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +109,19 @@ class Snapshot:
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
     """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
     if config.xds_dir is not None:
-        return config.xds_dir
+        return config.xds_dir.absolute()
     if topo.envoy.config_dir:
-        return Path(topo.envoy.config_dir)
-    raise ValueError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+        return Path(topo.envoy.config_dir).absolute()
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
 
 
 def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
-    """The directory Envoy reads (paths inside the files); may differ from where we write."""
-    return topo.envoy.config_dir or str(xds_dir_for(config, topo))
+    """The directory Envoy reads (paths inside the files); may differ from where we write.
+
+    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
+    absolute (sidecar.tree.config_dir_for_tree).
+    """
+    return config_dir_for_tree(xds_dir_for(config, topo), topo)
 
 
 class Daemon:
@@ -144,7 +151,10 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
+        self._probe_durations: dict[str, DurationHistogram] = {}
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
+        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
+        self._ads_keys_missing: str | None = None  # ADS: why the listeners cannot be served yet
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -194,13 +204,27 @@ class Daemon:
     async def reload(self) -> bool:
         """Load the topology again; on success adopt it and publish CDS/LDS/EDS, else keep the old."""
         path = self.config.topology
+        lds: LdsSource = "keep"
         try:
             topo, warnings = await asyncio.to_thread(load_topology, path)
+            # nginx: the sidecar writes upstream files only; ADS: it serves resources, no tree
             if self.config.nginx is None and self.config.serve_xds is None:
                 xds_dir_for(self.config, topo)
-            if topo.auth is not None:
-                resolve_secrets(topo)
-        except (TopologyError, SecretError, ValueError) as exc:
+                lds = await asyncio.to_thread(keys_for_reload, self._topo, topo)
+            elif self.config.serve_xds is not None and topo.auth is not None:
+                await asyncio.to_thread(resolve_secrets, topo)  # ADS serves the listeners: keys needed
+        except SecretError as exc:
+            # Listeners or auth changed and the keys are not here: LDS cannot be rendered, so
+            # nothing of this topology is applied (CDS without its LDS would be half of it).
+            problems = [f"{field}: {reason}" for field, reason in exc.problems]
+            self._reloads["needs_keys"] += 1
+            self._last_reload_error = ("listeners or auth changed and the API keys cannot be read "
+                                       "(keeping the running configuration): " + "; ".join(problems[:5]))
+            log_event(_log, logging.ERROR, "topology.reload_needs_keys", file=str(path), errors=problems,
+                      note="listeners or auth changed; the sidecar needs the API keys to render LDS. "
+                      "Keeping the previous configuration; render with `confgen render` where the keys are")
+            return False
+        except (TopologyError, ConfigError) as exc:
             diagnostics = [str(d) for d in getattr(exc, "diagnostics", ())] or [str(exc)]
             self._reloads["error"] += 1
             self._last_reload_error = "; ".join(diagnostics[:5])
@@ -216,6 +240,8 @@ class Daemon:
                     self._limiter.forget(gone)
             self._topo = topo
             self._tree_due = True
+            if not isinstance(lds, str) or self._lds == "keep":
+                self._lds = lds  # a pending LDS render (keys read) survives a reload that keeps LDS
             self._reloads["ok"] += 1
             self._last_reload_error = None
         log_event(_log, logging.INFO, "topology.reloaded", file=str(path), name=topo.name, pools=len(topo.pools))
@@ -291,6 +317,7 @@ class Daemon:
         before = tracked.state.published
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
+        self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
         tracked.sample = report.result.sample
         tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
         if report.error is not None:
@@ -340,7 +367,14 @@ class Daemon:
             await self._write_tree(per_pool)
         elif self._tree_due and isinstance(self._publisher, AdsPublisher):
             topo = self._topo
-            secrets = resolve_secrets(topo) if topo.auth is not None else {}
+            try:
+                secrets = await asyncio.to_thread(resolve_secrets, topo) if topo.auth is not None else {}
+            except SecretError as exc:  # startup without the keys: say so each cycle, never die
+                self._ads_keys_missing = str(exc)
+                log_event(_log, logging.ERROR, "ads.needs_keys", error=str(exc),
+                          note="the listeners (LDS) cannot be served without the API keys; retrying every cycle")
+                return
+            self._ads_keys_missing = None
             served = await asyncio.to_thread(envoy.ads.resources, topo, secrets)
             await self._publisher.publish_tree(served, per_pool)
             self._tree_due = False
@@ -365,10 +399,17 @@ class Daemon:
     async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
         assert isinstance(self._publisher, EdsPublisher)  # only the Envoy target writes a tree
         topo = self._topo
-        secrets = resolve_secrets(topo) if topo.auth is not None else None
-        files = envoy.render(topo, config_dir=config_dir_for(self.config, topo), secrets=secrets)
+        xds_dir = self._publisher.xds_dir
+        config_dir = await asyncio.to_thread(config_dir_for_tree, xds_dir, topo)
+        files, lds, why = await asyncio.to_thread(render_tree, topo, xds_dir=xds_dir, config_dir=config_dir,
+                                                  lds=self._lds)
+        self._lds = "keep"  # the keys (if any were read) are dropped with this call
+        if lds == "absent":
+            log_event(_log, logging.ERROR, "tree.lds_absent", dir=str(xds_dir), note=why)
+        elif lds == "kept":
+            log_event(_log, logging.INFO, "tree.lds_kept", dir=str(xds_dir), note=why)
         for pool_name, endpoints in per_pool.items():
-            rel = envoy.layout.eds_path(pool_name)
+            rel = layout.eds_path(pool_name)
             if endpoints:
                 files[rel] = self._publisher.render(pool_name, endpoints)
             elif (kept := self._publisher.written(pool_name)) is not None:
@@ -378,6 +419,10 @@ class Daemon:
 
     # -- views ----------------------------------------------------------------------------
 
+    def stale(self) -> str | None:
+        """Why the running configuration is older than the topology file (None when current)."""
+        return self._last_reload_error
+
     def not_ready(self) -> list[str]:
         reasons = []
         if self._cycles == 0:
@@ -386,6 +431,8 @@ class Daemon:
             reasons += self._publisher.problems()
         else:
             reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
+        if self._ads_keys_missing is not None:
+            reasons.append(f"nothing served over ADS yet: {self._ads_keys_missing}")
         return reasons
 
     def view(self) -> Snapshot:
@@ -419,6 +466,7 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
+                probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(
             topology=self._topo.name,

@@ -41,10 +41,12 @@ import re
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from confgen.errors import ConfgenError
+
 __all__ = ["ENGINE_KINDS", "LoadSample", "MetricsFormatError", "extract", "has_metrics"]
 
 
-class MetricsFormatError(ValueError):
+class MetricsFormatError(ConfgenError, ValueError):
     """The metrics body holds no usable load numbers (empty, truncated, HTML, JSON...)."""
 
 

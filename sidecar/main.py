@@ -30,6 +30,7 @@ from sidecar import config as config_mod
 from sidecar.backpressure import InflightLimiter
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
+from sidecar.envoy_relay import add_envoy_relay
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
 from sidecar.nginx_publish import NginxPublisher, register_nginx
@@ -77,7 +78,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
                   errors=[str(d) for d in exc.diagnostics])
         return EXIT_INVALID
-    except ValueError as exc:
+    except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
     for w in warnings:
@@ -116,7 +117,10 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                         publisher=publisher, clock=loop.time, limiter=limiter)
         daemon.adopt_published()
         register(registry, daemon.view)
-        runner = web.AppRunner(build_app(daemon, registry), access_log=None, handle_signals=False)
+        app = build_app(daemon, registry)
+        if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
+            add_envoy_relay(app, admin_url)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, config.listen_host, config.listen_port)
         try:

@@ -30,7 +30,7 @@ class NginxSettings:
     prefix: Path  # nginx's -p: pid, log and temp paths resolve against it, as for the master
     pid_file: Path | None = None
     pid: int | None = None
-    binary: Path | None = None  # default: confgen.runtime.find_nginx()
+    binary: Path | None = None  # default: confgen.binaries.find_nginx()
     reload_min_interval_s: float = 2.0  # never more than one reload per this long
     test_timeout_s: float = 10.0  # one `nginx -t`
     confirm_timeout_s: float = 5.0  # how long new workers may take to appear after SIGHUP

@@ -47,11 +47,12 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from confgen.binaries import NGINX_PROBLEM, child_pids, find_nginx, read_pid_file
 from confgen.envoy import Endpoint
+from confgen.errors import BinaryNotFoundError
 from confgen.model import Topology
 from confgen.nginx import UpstreamServer, render_upstream, upstream_options, upstream_path
 from confgen.output import atomic_write
-from confgen.runtime import BinaryNotFoundError, child_pids, find_nginx
 from sidecar.logs import log_event
 from sidecar.nginx_config import NginxSettings
 
@@ -60,7 +61,6 @@ __all__ = ["NginxCollector", "NginxPublisher", "register_nginx"]
 _log = logging.getLogger("sidecar.nginx")
 _POLL_S = 0.02
 _DOWN = frozenset({"UNHEALTHY", "DRAINING"})
-_NGINX_PROBLEM = re.compile(r"\[(?:emerg|alert|crit|error)\]")
 _CANDIDATE = ".{name}.sidecar-candidate"  # beside the live file; a dot name nginx never includes
 
 
@@ -276,7 +276,7 @@ class NginxPublisher:
             return _Outcome(True, "")
         self.failures["test"] += 1
         text = (err + out).decode(errors="replace")
-        lines = [line for line in text.splitlines() if _NGINX_PROBLEM.search(line)]
+        lines = [line for line in text.splitlines() if NGINX_PROBLEM.search(line)]
         return _Outcome(False, "\n".join(lines) or text.strip() or f"nginx -t exited {proc.returncode}")
 
     async def _install(self, batch: Mapping[str, bytes]) -> bool:
@@ -303,10 +303,7 @@ class NginxPublisher:
         if self.settings.pid is not None:
             return self.settings.pid
         assert self.settings.pid_file is not None  # NginxSettings wants one of the two
-        text = self.settings.pid_file.read_text().strip()
-        if not text.isdigit():
-            raise ValueError(f"{self.settings.pid_file} holds no pid: {text[:40]!r}")
-        return int(text)
+        return read_pid_file(self.settings.pid_file)
 
     async def _reload(self) -> None:
         """SIGHUP the master and wait for its new workers."""

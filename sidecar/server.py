@@ -2,7 +2,8 @@
 
     GET  /metrics    Prometheus text from the registry passed in
     GET  /healthz    200 while the process serves (liveness)
-    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes
+    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
+                     its body also says when the running config is stale (a reload refused)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
     POST /drain?pool=P&worker=HOST:PORT     planned drain (published DRAINING)
     POST /undrain?pool=P&worker=HOST:PORT   end it
@@ -98,8 +99,15 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    reasons = request.app[_DAEMON].not_ready()
-    return web.json_response({"ready": not reasons, "not_ready": reasons}, status=503 if reasons else 200)
+    """Ready or not, and why; `stale` says why the running config is older than the topology.
+
+    A stale config does not make the sidecar unready: every replica reads the same
+    topology, so failing readiness would take them all out of service at once.
+    """
+    daemon = request.app[_DAEMON]
+    reasons = daemon.not_ready()
+    body = {"ready": not reasons, "not_ready": reasons, "stale": daemon.stale()}
+    return web.json_response(body, status=503 if reasons else 200)
 
 
 async def _state(request: web.Request) -> web.Response:

@@ -9,8 +9,7 @@ Headline setups (what a user deploys):
   render   the same render without a sidecar (the EDS file as rendered)
   bare     a hand-written Envoy least_request (bench/_bare_envoy.py)
   vllm     the peer vLLM Router with one --policy
-Diagnostics (labelled as such in the report, never a headline or a target):
-  lifted   product with the render's circuit breakers raised to 100,000 (bench-only change)
+A Setup with diagnostic=True is shown below the headline rows, labelled, and never a target.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from .._harness import Context, fleet_stats, stats_delta
 class Setup:
     key: str
     label: str
-    kind: str  # product | render | bare | vllm | lifted
+    kind: str  # product | render | bare | vllm
     policy: str = ""  # vllm: its --policy; product/render: the topology's `balancing` ("" = default)
     diagnostic: bool = False
 
@@ -42,7 +41,6 @@ class Setup:
 PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
 RENDER = Setup("render", "confgen render alone (no sidecar)", "render")
 BARE = Setup("bare", "bare Envoy least_request (hand-written)", "bare")
-LIFTED = Setup("lifted", "diagnostic: render + sidecar, circuit breakers lifted", "lifted", diagnostic=True)
 SESSION_BALANCING = "{policy: ring_hash, hash_on: {header: x-session-id}}"
 
 
@@ -86,15 +84,10 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         rendered = []
         for i in range(ingresses):
             out = ctx.work / f"{tag}.envoy{i}"
-            if setup.kind == "lifted":
-                cfg = _proxies.PoolConfig(policy="least_request", capacity=max(max_num_seqs),
-                                          lift_circuit_breakers=True)
-                rendered.append(_proxies.render(workers, cfg, out))
-            else:
-                rendered.append(_proxies.render_cli(workers, out, balancing))
+            rendered.append(_proxies.render_cli(workers, out, balancing))
         procs = [stack.enter_context(_proxies.run_envoy(r)) for r in rendered]
         sidecars: list[_proxies.SidecarProcess] = []
-        if setup.kind in ("product", "lifted"):
+        if setup.kind == "product":
             extra = ("--ingresses", str(ingresses)) if ingresses > 1 else ()
             for i, (r, p) in enumerate(zip(rendered, procs, strict=True)):
                 sidecars.append(stack.enter_context(

@@ -12,13 +12,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.engines_bench import bench_extract
 from confgen import envoy, runtime
 from confgen.output import write_tree
 from confgen.runtime import stop_process
 from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 from confgen.topology import parse
 from sidecar.engines import extract
-from sidecar.engines_bench import bench_extract
 
 from .. import _proxies
 from .._harness import Context, Result, Target, wait_until

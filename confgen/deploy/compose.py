@@ -23,7 +23,7 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
         "sidecar": {
             "image": k8s.sidecar_image,
             "command": ["confgen-sidecar", "--topology", topology_file, "--xds-dir", XDS_DIR,
-                        "--listen", "0.0.0.0:9109"],
+                        "--listen", "127.0.0.1:9109"],
             "volumes": shared,
             "environment": key_env,
             "network_mode": "host",

@@ -1,84 +1,287 @@
-"""Kubernetes manifests: ConfigMap, Deployment (init render + Envoy + sidecar), Service, HPAs."""
+"""Kubernetes manifests for the sidecar mode: one proxy Deployment (init render + Envoy + sidecar).
+
+Output (every file plain YAML from `yaml.safe_dump`, so no topology value changes structure):
+
+    kubernetes.yaml       ConfigMap (topology), Deployment, Service, PodDisruptionBudget, HPAs
+                          (+ ServiceMonitor, PrometheusRule, dashboard ConfigMap with kubernetes.monitoring)
+    kustomization.yaml    the base, for overlays (`kubectl apply -k out/`)
+    autoscaling/prometheus-adapter-rules.yaml   the adapter's external rule serving llm_queue_depth
+    keda/kustomization.yaml + keda/scaledobjects.yaml   an overlay: KEDA ScaledObjects instead of the HPAs
+
+Pod hardening meets Pod Security "restricted" on every container; the preStop hooks drain Envoy
+(fail its health, drain listeners, wait for the streams) within terminationGracePeriodSeconds.
+The pieces are small functions over a `_Plan` (names, labels) so another mode (an ADS control
+plane, Envoy without sidecars) is an addition: it reuses `_restricted`, `_envoy_container`,
+`_service`, `_pdb` and `_hpas` with its own Deployment.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import posixpath
+import re
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
-from ..model import Topology
-from . import _kubernetes_ads as _ads
+from .. import __version__
+from ..errors import DeployError
+from ..model import Pool, Topology
+from . import _observability
 from ._canonical import dump, topology_yaml
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
 XDS_DIR = "/var/run/confgen/envoy"
+LIFECYCLE_DIR = "/var/run/confgen/lifecycle"  # the drain hand-off between the two preStop hooks
+WORK_DIR = "/var/run/confgen/work"  # render/sidecar working directory (relative key files live under it)
+DRAINED_MARKER = f"{LIFECYCLE_DIR}/envoy-drained"
 SIDECAR_PORT = 9109
+RUN_AS = 101  # the envoy image's user; the sidecar image runs as any uid
+# Autoscaling target: the HPA aims at 80 % of the queue a worker may hold, 20 % headroom for the
+# time a new worker takes to start while the queue keeps growing (see docs/kubernetes.md).
+HEADROOM = 0.2
+
+# Sizing (docs/kubernetes.md): Envoy ~0.5 core per 1,000 req/s of streamed completions; the
+# sidecar ~0.35 core and 70 MB per 1,000 endpoints at the default 2 s interval (bench: 0.68
+# core at 1 s); the render step is one short Python process.
+RESOURCES: dict[str, dict[str, dict[str, str]]] = {
+    "envoy": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}},
+    "sidecar": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
+    "render": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+}
 
 Obj = dict[str, Any]
 
-
-def _meta(topo: Topology, name: str, extra: dict[str, str] | None = None) -> Obj:
-    labels = {"app.kubernetes.io/name": "confgen", "app.kubernetes.io/instance": topo.name, **(extra or {})}
-    return {"name": name, "namespace": topo.kubernetes.namespace, "labels": labels}
+__all__ = ["dns_label", "render_kubernetes"]
 
 
-def _key_env(topo: Topology) -> list[Obj]:
-    if topo.auth is None or topo.kubernetes.keys_secret is None:
-        return []
+def dns_label(text: str, limit: int = 63) -> str:
+    """`text` as an RFC 1123 label starting with a letter (valid for every object kind,
+    Services included): lowercased, anything but [a-z0-9-] mapped to '-', and cut to `limit`
+    with a short hash of the original when too long (so two long names stay apart)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "x"
+    if not slug[0].isalpha():
+        slug = "x-" + slug
+    if len(slug) > limit:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+        slug = slug[: limit - 9].rstrip("-") + "-" + digest
+    return slug
+
+
+def _port_name(name: str) -> str:
+    """An IANA service name (Kubernetes port names): 1-15 of [a-z0-9-], a letter, no '--'."""
+    slug = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", name.lower())).strip("-")
+    if slug == name and len(slug) <= 15 and re.search("[a-z]", slug) and slug != "metrics":
+        return slug
+    digest = hashlib.sha256(name.encode()).hexdigest()[:4]
+    return f"{slug[:8].strip('-')}-{digest}".lstrip("-") if re.search("[a-z]", slug[:8]) else f"l-{digest}"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    topo: Topology
+    base: str  # confgen-<topology name>, a DNS label
+
+    @property
+    def namespace(self) -> str:
+        return self.topo.kubernetes.namespace
+
+    @property
+    def selector(self) -> dict[str, str]:
+        return {"app.kubernetes.io/name": "confgen", "app.kubernetes.io/instance": self.base}
+
+    def labels(self, component: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {
+            **self.selector,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/part-of": self.base,
+            "app.kubernetes.io/version": __version__,
+            "app.kubernetes.io/managed-by": "confgen",
+            **(extra or {}),
+        }
+
+    def meta(self, name: str, component: str, extra: dict[str, str] | None = None) -> Obj:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels(component, extra)}
+
+    @property
+    def keys_secret(self) -> str:
+        return self.topo.kubernetes.keys_secret or f"{self.base}-api-keys"
+
+
+def _restricted(*, read_only_root: bool = True, bind_low_ports: bool = False) -> Obj:
+    """A container securityContext that meets Pod Security "restricted"."""
+    caps: Obj = {"drop": ["ALL"]}
+    if bind_low_ports:
+        caps["add"] = ["NET_BIND_SERVICE"]  # the only capability "restricted" allows
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": caps,
+        "readOnlyRootFilesystem": read_only_root,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+def _key_env(plan: _Plan) -> list[Obj]:
+    """Environment keys: one secretKeyRef per auth.api_keys[].env (the entry named like the variable)."""
+    auth = plan.topo.auth
     return [
-        {"name": k.env, "valueFrom": {"secretKeyRef": {"name": topo.kubernetes.keys_secret, "key": k.env}}}
-        for k in topo.auth.api_keys
+        {"name": k.env, "valueFrom": {"secretKeyRef": {"name": plan.keys_secret, "key": k.env}}}
+        for k in (auth.api_keys if auth else [])
         if k.env is not None
     ]
 
 
-def _deployment(topo: Topology) -> Obj:
-    k8s = topo.kubernetes
-    name = f"confgen-{topo.name}"
-    selector = {"app.kubernetes.io/name": "confgen", "app.kubernetes.io/instance": topo.name}
-    volumes = [
-        {"name": "topology", "configMap": {"name": f"{name}-topology"}},
-        {"name": "xds", "emptyDir": {}},
+def _key_files(plan: _Plan) -> list[tuple[int, str, str]]:
+    """(index, mount path, Secret entry) per file key: the entry is the file's name, as
+    `kubectl create secret generic --from-file=<path>` names it."""
+    auth = plan.topo.auth
+    out = []
+    for index, key in enumerate(auth.api_keys if auth else []):
+        if key.file is None:
+            continue
+        path = posixpath.normpath(posixpath.join(WORK_DIR, key.file))
+        out.append((index, path, posixpath.basename(path)))
+    return out
+
+
+def _key_mounts(plan: _Plan) -> list[Obj]:
+    return [
+        {"name": "api-keys", "mountPath": path, "subPath": entry, "readOnly": True}
+        for _, path, entry in _key_files(plan)
     ]
+
+
+def _key_problems(plan: _Plan) -> list[tuple[str, str]]:
+    problems = []
+    seen: dict[str, str] = {}
+    for index, path, entry in _key_files(plan):
+        where = f"auth.api_keys[{index}].file"
+        if not re.fullmatch(r"[-._a-zA-Z0-9]{1,253}", entry) or entry in (".", ".."):
+            problems.append((where, f"{entry!r} cannot name an entry of the Secret {plan.keys_secret}"))
+        elif seen.setdefault(path, entry) != entry:
+            problems.append((where, f"{path} is mounted twice"))
+    return problems
+
+
+# -- the proxy pod --------------------------------------------------------------------------
+
+
+def _grace_s(topo: Topology) -> int:
+    return topo.kubernetes.termination_grace_seconds
+
+
+def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
+    topo = plan.topo
+    grace = _grace_s(topo)
+    # preStop: wait (bounded) until the sidecar's hook reports the drain done; Envoy gets
+    # SIGTERM only after this returns. The envoy image has a POSIX shell and no HTTP client.
+    wait = (f"i=0; while [ ! -e {DRAINED_MARKER} ] && [ $i -lt {grace - 5} ]; "
+            "do sleep 1; i=$((i+1)); done")
+    return {
+        "name": "envoy",
+        "image": topo.kubernetes.envoy_image,
+        "args": ["-c", bootstrap, "--log-level", "info", "--drain-time-s", str(max(1, grace // 4)),
+                 "--drain-strategy", "immediate"],
+        "ports": [{"name": _port_name(lst.name), "containerPort": lst.port} for lst in topo.listeners],
+        "volumeMounts": [
+            {"name": "xds", "mountPath": XDS_DIR, "readOnly": True},
+            {"name": "lifecycle", "mountPath": LIFECYCLE_DIR, "readOnly": True},
+        ],
+        "resources": RESOURCES["envoy"],
+        "securityContext": _restricted(bind_low_ports=any(lst.port < 1024 for lst in topo.listeners)),
+        # Envoy's own /ready (503 once health is failed for the drain), relayed by the sidecar:
+        # the admin interface stays on the pod's loopback.
+        "readinessProbe": {"httpGet": {"path": "/envoy/ready", "port": "metrics"},
+                           "periodSeconds": 5, "failureThreshold": 2},
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", wait]}}},
+    }
+
+
+def _admin_url(topo: Topology) -> str:
+    host = topo.admin.address
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    return f"http://[{host}]:{topo.admin.port}" if ":" in host else f"http://{host}:{topo.admin.port}"
+
+
+def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Obj:
+    topo = plan.topo
+    drain = ["python", "-m", "sidecar.drain", "--admin", _admin_url(topo),
+             "--deadline", str(_grace_s(topo) - 10), "--marker", DRAINED_MARKER]
+    return {
+        "name": "sidecar",
+        "image": topo.kubernetes.sidecar_image,
+        # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there.
+        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}"],
+        "workingDir": WORK_DIR,
+        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
+        "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
+        "env": _key_env(plan),
+        "resources": RESOURCES["sidecar"],
+        "securityContext": _restricted(),
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        # Fail Envoy's health, drain its listeners, wait for the streams; then tell Envoy's hook.
+        "lifecycle": {"preStop": {"exec": {"command": drain}}},
+    }
+
+
+def _deployment(plan: _Plan) -> Obj:
+    topo = plan.topo
+    k8s = topo.kubernetes
     topology_file = f"{TOPOLOGY_DIR}/topology.yaml"
-    mounts = [
+    mounts: list[Obj] = [
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
         {"name": "xds", "mountPath": XDS_DIR},
+        {"name": "work", "mountPath": WORK_DIR},
+        *_key_mounts(plan),
     ]
-    env = _key_env(topo)
+    volumes: list[Obj] = [
+        {"name": "topology", "configMap": {"name": f"{plan.base}-topology"}},
+        {"name": "xds", "emptyDir": {}},
+        {"name": "lifecycle", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+        {"name": "work", "emptyDir": {"sizeLimit": "16Mi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    if _key_files(plan):
+        volumes.append({"name": "api-keys", "secret": {"secretName": plan.keys_secret, "defaultMode": 0o400}})
     init = {
         "name": "render",
         "image": k8s.sidecar_image,
         "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
+        "workingDir": WORK_DIR,
         "volumeMounts": mounts,
-        "env": env,
-    }
-    envoy = {
-        "name": "envoy",
-        "image": k8s.envoy_image,
-        "args": ["-c", f"{XDS_DIR}/bootstrap.json", "--log-level", "info"],
-        "ports": [{"name": lst.name, "containerPort": lst.port} for lst in topo.listeners],
-        "volumeMounts": [{"name": "xds", "mountPath": XDS_DIR, "readOnly": True}],
-        "readinessProbe": {"tcpSocket": {"port": topo.listeners[0].port}, "periodSeconds": 5},
-    }
-    sidecar = {
-        "name": "sidecar",
-        "image": k8s.sidecar_image,
-        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}"],
-        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
-        "volumeMounts": mounts,
-        "env": env,
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": SIDECAR_PORT}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": SIDECAR_PORT}, "periodSeconds": 10},
+        "env": _key_env(plan),
+        "resources": RESOURCES["render"],
+        "securityContext": _restricted(),
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(topo, name),
+        "metadata": plan.meta(plan.base, "proxy"),
         "spec": {
             "replicas": k8s.replicas,
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": plan.selector},
+            # never below the replica count during a rollout: a new pod first, then a drain
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {
-                    "labels": selector,
+                    "labels": plan.labels("proxy"),
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(SIDECAR_PORT),
@@ -86,74 +289,213 @@ def _deployment(topo: Topology) -> Obj:
                     },
                 },
                 "spec": {
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 101, "fsGroup": 101},
+                    "securityContext": _pod_security(),
+                    "automountServiceAccountToken": False,
                     "initContainers": [init],
-                    "containers": [envoy, sidecar],
+                    "containers": [_envoy_container(plan, f"{XDS_DIR}/bootstrap.json"),
+                                   _sidecar_container(plan, topology_file, mounts)],
                     "volumes": volumes,
-                    "terminationGracePeriodSeconds": 60,
+                    "terminationGracePeriodSeconds": _grace_s(topo),
                 },
             },
         },
     }
 
 
-def _service(topo: Topology) -> Obj:
+def _service(plan: _Plan) -> Obj:
+    ports = [{"name": _port_name(lst.name), "port": lst.port, "targetPort": lst.port}
+             for lst in plan.topo.listeners]
+    ports.append({"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(topo, f"confgen-{topo.name}"),
-        "spec": {
-            "selector": {"app.kubernetes.io/name": "confgen", "app.kubernetes.io/instance": topo.name},
-            "ports": [{"name": lst.name, "port": lst.port, "targetPort": lst.port} for lst in topo.listeners],
-        },
+        "metadata": plan.meta(plan.base, "proxy"),
+        "spec": {"selector": plan.selector, "ports": ports},
     }
 
 
-def _hpas(topo: Topology) -> list[Obj]:
+def _pdb(plan: _Plan) -> Obj:
+    # maxUnavailable 1: a node drain takes one proxy at a time, and never blocks with 1 replica.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": plan.meta(plan.base, "proxy"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": plan.selector}},
+    }
+
+
+def _configmap(plan: _Plan) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": plan.meta(f"{plan.base}-topology", "proxy"),
+        "data": {"topology.yaml": topology_yaml(plan.topo)},
+    }
+
+
+# -- autoscaling ----------------------------------------------------------------------------
+
+
+def _scaled(topo: Topology) -> list[tuple[int, Pool]]:
+    return [(i, p) for i, p in enumerate(topo.pools) if p.autoscale is not None]
+
+
+def queue_query(pool: str | None = None) -> str:
+    """The pool's queue: each worker counted once however many proxy replicas report it."""
+    match = f'{{pool="{pool}"}}' if pool is not None else ""
+    return f"sum by (pool) (max by (pool, worker) (llm_queue_depth{match}))"
+
+
+def target_value(pool: Pool) -> float:
+    assert pool.autoscale is not None
+    return round(pool.autoscale.queue_depth_per_replica * (1 - HEADROOM), 3)
+
+
+def _quantity(value: float) -> str:
+    milli = round(value * 1000)
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _scale_ref(pool: Pool) -> tuple[Obj, str]:
+    assert pool.autoscale is not None
+    kind, name = pool.autoscale.target.split("/", 1)
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment" if kind == "deployment" else "StatefulSet", "name": name}
+    return ref, name
+
+
+def _hpas(plan: _Plan) -> list[Obj]:
     out = []
-    for pool in topo.pools:
-        scale = pool.autoscale
-        if scale is None:
-            continue
-        kind, name = scale.target.split("/", 1)
+    for _, pool in _scaled(plan.topo):
+        assert pool.autoscale is not None
+        ref, name = _scale_ref(pool)
         out.append({
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
-            "metadata": _meta(topo, f"{name}-queue", {"confgen.dev/pool": pool.name}),
+            "metadata": plan.meta(dns_label(f"{name}-queue", 253), "autoscaler", {"confgen.dev/pool": pool.name}),
             "spec": {
-                "scaleTargetRef": {
-                    "apiVersion": "apps/v1",
-                    "kind": "Deployment" if kind == "deployment" else "StatefulSet",
-                    "name": name,
-                },
-                "minReplicas": scale.min_replicas,
-                "maxReplicas": scale.max_replicas,
-                # llm_queue_depth is served by prometheus-adapter (or KEDA) from the sidecar's /metrics.
+                "scaleTargetRef": ref,
+                "minReplicas": pool.autoscale.min_replicas,
+                "maxReplicas": pool.autoscale.max_replicas,
+                # llm_queue_depth{pool} is served by prometheus-adapter's external rule
+                # (autoscaling/prometheus-adapter-rules.yaml): the pool's queue, each worker
+                # once. AverageValue divides it by the current workers.
                 "metrics": [{
                     "type": "External",
                     "external": {
                         "metric": {"name": "llm_queue_depth", "selector": {"matchLabels": {"pool": pool.name}}},
-                        "target": {"type": "AverageValue", "averageValue": str(scale.queue_depth_per_replica)},
+                        "target": {"type": "AverageValue", "averageValue": _quantity(target_value(pool))},
                     },
                 }],
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+                "behavior": {
+                    "scaleUp": {"stabilizationWindowSeconds": 0,
+                                "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+                    "scaleDown": {"stabilizationWindowSeconds": 300,
+                                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+                },
             },
         })
     return out
 
 
-def render_kubernetes(topo: Topology) -> dict[str, bytes]:
-    configmap = {
+def _adapter_rules(plan: _Plan) -> Obj:
+    """prometheus-adapter's external rule for llm_queue_depth (merge into the adapter's rules)."""
+    rule = {
+        "seriesQuery": 'llm_queue_depth{namespace!="",pool!=""}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}}},
+        "name": {"matches": "^llm_queue_depth$", "as": "llm_queue_depth"},
+        "metricsQuery": "sum by (pool) (max by (pool, worker) (<<.Series>>{<<.LabelMatchers>>}))",
+    }
+    return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(topo, f"confgen-{topo.name}-topology"),
-        "data": {"topology.yaml": topology_yaml(topo)},
+        "metadata": plan.meta(f"{plan.base}-adapter-rules", "autoscaler"),
+        "data": {"config.yaml": dump({"externalRules": [rule]})},
     }
-    if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars
-        name = f"confgen-{topo.name}"
-        docs = [configmap, *_ads.control_plane(topo, name, _key_env(topo)), *_ads.envoy_fleet(topo, name),
-                *_hpas(topo)]
+
+
+def _scaled_objects(plan: _Plan) -> list[Obj]:
+    out = []
+    for _, pool in _scaled(plan.topo):
+        assert pool.autoscale is not None
+        ref, name = _scale_ref(pool)
+        out.append({
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "ScaledObject",
+            "metadata": plan.meta(dns_label(f"{name}-queue", 253), "autoscaler", {"confgen.dev/pool": pool.name}),
+            "spec": {
+                "scaleTargetRef": {"apiVersion": ref["apiVersion"], "kind": ref["kind"], "name": name},
+                "minReplicaCount": pool.autoscale.min_replicas,
+                "maxReplicaCount": pool.autoscale.max_replicas,
+                "cooldownPeriod": 300,
+                "triggers": [{
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": plan.topo.kubernetes.prometheus_url,
+                        "query": queue_query(pool.name),
+                        "threshold": repr(target_value(pool)),
+                    },
+                }],
+            },
+        })
+    return out
+
+
+def _keda_overlay(plan: _Plan, hpas: list[Obj]) -> Obj:
+    deletes = [
+        {"patch": dump({"$patch": "delete", "apiVersion": h["apiVersion"], "kind": h["kind"],
+                        "metadata": {"name": h["metadata"]["name"], "namespace": plan.namespace}})}
+        for h in hpas
+    ]
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["..", "scaledobjects.yaml"],
+        "patches": deletes,
+    }
+
+
+# -- the render -----------------------------------------------------------------------------
+
+
+def _collisions(docs: list[Obj]) -> list[tuple[str, str]]:
+    seen = Counter((d["kind"], d["metadata"]["name"]) for d in docs)
+    out = [("pools", f"two {kind}s would be named {name!r} (autoscale.target used twice?)")
+           for (kind, name), n in seen.items() if n > 1]
+    for doc in docs:
+        if doc["kind"] == "Service":
+            ports = Counter(p["name"] for p in doc["spec"]["ports"])
+            out += [("listeners", f"two ports of the Service would be named {name!r}")
+                    for name, n in ports.items() if n > 1]
+    return out
+
+
+def render_kubernetes(topo: Topology) -> dict[str, bytes]:
+    """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
+    plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
+    hpas = _hpas(plan)
+    if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
+        from ._kubernetes_ads import ads_objects
+
+        docs = [_configmap(plan), *ads_objects(plan), *hpas]
     else:
-        docs = [configmap, _deployment(topo), _service(topo), *_hpas(topo)]
-    text = "---\n".join(dump(doc) for doc in docs)
-    return {"kubernetes.yaml": text.encode()}
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
+    if topo.kubernetes.monitoring:
+        docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
+    scaled = _scaled_objects(plan)
+    problems = _key_problems(plan) + _collisions(docs) + _collisions(scaled)
+    if problems:
+        raise DeployError(problems)
+    files = {
+        "kubernetes.yaml": "---\n".join(dump(doc) for doc in docs).encode(),
+        "kustomization.yaml": dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": ["kubernetes.yaml"],
+        }).encode(),
+    }
+    if hpas:
+        files["autoscaling/prometheus-adapter-rules.yaml"] = dump(_adapter_rules(plan)).encode()
+        files["keda/scaledobjects.yaml"] = "---\n".join(dump(doc) for doc in scaled).encode()
+        files["keda/kustomization.yaml"] = dump(_keda_overlay(plan, hpas)).encode()
+    return files

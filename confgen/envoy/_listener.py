@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._checks import implicit_model_routes
-from .._openai import models_body
+from .._openai import MODEL_CONTENT_TYPES, models_body
 from ..model import Listener, Pool, RateLimit, Route, Topology
 from ._clusters import target_cluster
 from ._proto import Json, dur, extension, typed
@@ -105,10 +105,17 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
     filters.append(extension(
         "envoy.filters.http.json_to_metadata",
         "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
-        {"request_rules": {"rules": [{
-            "selectors": [{"key": "model"}],
-            "on_present": {"metadata_namespace": META_NS, "key": "model", "type": "STRING"},
-        }]}},
+        {"request_rules": {
+            # The same rule as the nginx target's njs (docs/targets.md): only these
+            # Content-Types, or none, and `model` kept as its JSON value, so a number or
+            # boolean is a name no route matches (STRING would turn `true` into "1").
+            "allow_content_types": list(MODEL_CONTENT_TYPES),
+            "allow_empty_content_type": True,
+            "rules": [{
+                "selectors": [{"key": "model"}],
+                "on_present": {"metadata_namespace": META_NS, "key": "model", "type": "PROTOBUF_VALUE"},
+            }],
+        }},
     ))
     if restricted:
         # No rules here: allow everything unless a route narrows it (typed_per_filter_config).

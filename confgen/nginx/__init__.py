@@ -9,8 +9,9 @@
     auth/limit-<n>.map         API key -> bucket key for one per-client rate limit
 
 `config_dir` is where the files live when nginx reads them (include and js paths are
-absolute). `render_for_test` renders a copy that binds only free loopback ports and keeps
-pid, logs and temp files under a prefix, for `nginx -t` and tests. `unsupported` lists
+absolute). `render_for_test` renders a copy that listens on given loopback ports and keeps
+pid, logs and temp files under a prefix, for `nginx -t` and tests (the caller picks the
+ports: `confgen.verify.loopback_ports`; rendering binds nothing). `unsupported` lists
 what the topology asks for that open-source nginx cannot do. `upstream_options(pool)` and
 `render_upstream` let a sidecar rewrite one pool's file exactly as `render` would.
 """
@@ -22,7 +23,6 @@ from pathlib import PurePosixPath
 
 from ..errors import SecretError
 from ..model import Topology
-from ..runtime import free_port
 from ..secrets import BEARER_TOKEN
 from ._context import build_context, upstream_options
 from ._features import unsupported
@@ -110,11 +110,13 @@ def render_for_test(
 ) -> dict[str, bytes]:
     """The output made harmless to run under `prefix` (which is also the config dir).
 
-    Every listener and the status server listen on 127.0.0.1: on `ports[<listener name>]`
-    / `ports[STATUS]` when given, else on a port that was free a moment ago. pid and
-    temp paths sit under `prefix`; DNS-named workers become `down` loopback entries, so
-    `nginx -t` resolves nothing.
+    Every listener and the status server listen on 127.0.0.1, on `ports[<listener name>]`
+    / `ports[STATUS]`; one not given keeps the topology's own port (the listener's, the
+    admin port for the status server), which is fine for `nginx -t` (it binds nothing) but
+    not for running nginx: pick free ones with `confgen.verify.loopback_ports`. pid and temp
+    paths sit under `prefix`; DNS-named workers become `down` loopback entries, so `nginx -t`
+    resolves nothing. Rendering binds no socket.
     """
-    chosen = {lst.name: free_port() for lst in topo.listeners} | {STATUS: free_port()}
+    chosen = {lst.name: lst.port for lst in topo.listeners} | {STATUS: topo.admin.port}
     chosen.update(ports or {})
     return _render(topo, config_dir=prefix, secrets=secrets, test_prefix=prefix, ports=chosen)

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
-from .._openai import REPLIES, canned_body, error_body, models_body, retry_after_seconds
+from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..model import NGINX_CAP_MAX, Pool, RateLimit, Route, Topology, is_ip, split_address
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
@@ -275,6 +275,7 @@ def build_context(
         "table": {
             "name": topo.name,
             "routes": route_table(topo),
+            "json_types": list(MODEL_CONTENT_TYPES),
             # the texts the router answers with itself, shared with the Envoy target
             "forbidden": error_body("forbidden"),
             "model_not_found": list(REPLIES["model_not_found"]),

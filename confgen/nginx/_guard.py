@@ -12,15 +12,15 @@ import json
 import re
 from typing import Any
 
+from ..errors import UnsafeValueError
+
+__all__ = ["FILTERS", "UnsafeValueError", "bare", "js_literal", "json_body", "quoted"]
+
 # A bare nginx token: no whitespace, quotes, `;`, braces, `#`, `$` or backslash.
 _BARE = re.compile(r"[A-Za-z0-9._:/@+=,~\[\]-]+")
 # Text inside a single-quoted nginx string: no quote, backslash, `$` (variable
 # expansion in `return`) or control character.
 _QUOTED_FORBIDDEN = re.compile(r"['\\$\x00-\x1f\x7f]")
-
-
-class UnsafeValueError(ValueError):
-    """A value would change the structure of the nginx config if written into it."""
 
 
 def bare(value: Any) -> str:

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
+from ..errors import SpecError as SpecError  # re-exported: the simulator's modules import it from here
+
 EngineKind = Literal["vllm", "vllm_v0", "sglang", "tgi", "llamacpp", "openai"]
 ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 
@@ -29,10 +31,6 @@ FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
 # cache names side by side); "underscore_prefix" = newer SGLang builds (`sglang_` not `sglang:`).
 MetricsVariant = Literal["default", "both_names", "underscore_prefix"]
 METRICS_VARIANTS: tuple[str, ...] = get_args(MetricsVariant)
-
-
-class SpecError(ValueError):
-    """A worker or fleet spec (or its YAML form) is invalid."""
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,23 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_bench_writes_report_with_sections(tmp_path: Path) -> None:
     """`python -m bench run --quick --only ...` exits 0 and writes report.md (machine, targets, one section
-    per scenario), chart.png and results.json with every target row; it measures, it does not judge."""
+    per scenario), chart.png and results.json with every target row; it measures, it does not judge.
+    `overload` runs the product as shipped (confgen render CLI + Envoy + confgen-sidecar) and vLLM Router
+    through the load generator, so the headline path cannot rot."""
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "run", "--quick", "--only", "render_scale", "reload", "--seed", "3",
+        [sys.executable, "-m", "bench", "run", "--quick", "--only", "render_scale", "overload", "--seed", "3",
          "--out", str(out)],
         cwd=ROOT, capture_output=True, timeout=170, check=False,
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     report = (out / "report.md").read_text()
-    for section in ("## Machine", "## Targets", "## Render scale", "## Reload", "| seed | 3 |", "| envoy |"):
+    for section in ("## Machine", "## Targets", "## Render scale", "## Overload", "| seed | 3 |", "| envoy |",
+                    "confgen render + confgen-sidecar (as shipped)", "vLLM Router power_of_two"):
         assert section in report, section
     assert (out / "chart.png").read_bytes().startswith(b"\x89PNG")
     data = json.loads((out / "results.json").read_text())
-    assert set(data["scenarios"]) == {"render_scale", "reload"}
+    assert set(data["scenarios"]) == {"render_scale", "overload"}
     assert not data["errors"]
     for scenario in data["scenarios"].values():
         for row in scenario["targets"]:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -10,8 +16,33 @@ import yaml
 
 from confgen import load_topology, parse_topology
 from confgen.deploy import render_compose, render_kubernetes, topology_yaml
+from confgen.deploy.kubernetes import dns_label
+from confgen.errors import DeployError
+from confgen.model import Topology
+from tests.deploy.pss import violations
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+DNS_1123_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+CORE_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+
+
+def monitored(topo: Topology) -> Topology:
+    return dataclasses.replace(topo, kubernetes=dataclasses.replace(topo.kubernetes, monitoring=True))
+
+
+def docs_of(files: dict[str, bytes], name: str = "kubernetes.yaml") -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(files[name]) if d is not None]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    return pod
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -23,42 +54,206 @@ def test_canonical_topology_round_trips(example: Path) -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_kubernetes_manifests_pass_kubernetes_schemas(example: Path) -> None:
-    """Every rendered object validates (strictly: no unknown fields) against the Kubernetes
-    1.30 schemas, and the pod runs Envoy and the sidecar over a shared xDS volume."""
+def test_kubernetes_manifests_pass_schemas_and_pod_security_restricted(example: Path) -> None:
+    """Every core object of every example (monitoring on) validates strictly (no unknown
+    field) against the Kubernetes 1.30 schemas, every name is a valid DNS-1123 name, and
+    the pod meets Pod Security "restricted" on every container (init included)."""
     topo, _ = load_topology(example)
-    docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
+    files = render_kubernetes(monitored(topo))
+    docs = docs_of(files)
+    if "autoscaling/prometheus-adapter-rules.yaml" in files:
+        docs += docs_of(files, "autoscaling/prometheus-adapter-rules.yaml")
     for doc in docs:
-        kubernetes_validate.validate(doc, "1.30.0", strict=True)
-    kinds = [d["kind"] for d in docs]
-    assert kinds[:3] == ["ConfigMap", "Deployment", "Service"]
-    pod = docs[1]["spec"]["template"]["spec"]
+        name = doc["metadata"]["name"]
+        assert DNS_1123_SUBDOMAIN.fullmatch(name) and len(name) <= 253, name
+        if doc["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    assert DNS_1123_LABEL.fullmatch(by_kind(docs, "Service")[0]["metadata"]["name"])
+    assert [d["kind"] for d in docs][:4] == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+    assert {"ServiceMonitor", "PrometheusRule"} <= {d["kind"] for d in docs}
+    pod = pod_of(docs)
+    assert violations(pod) == []
     assert [c["name"] for c in pod["containers"]] == ["envoy", "sidecar"]
     assert pod["initContainers"][0]["command"][:2] == ["confgen", "render"]
 
 
-def test_hpa_scales_pool_on_queue_depth_and_keys_come_from_a_secret() -> None:
-    """A pool with autoscale gets an HPA on the sidecar's llm_queue_depth for that pool; API
-    keys reach the pod only as secretKeyRef environment variables, never as values."""
+def test_pod_security_check_catches_each_restricted_rule() -> None:
+    """The restricted check is not vacuous: removing each hardening setting from a rendered
+    pod is reported, naming the container and the rule."""
+    topo, _ = load_topology(EXAMPLES[1])
+    pod = pod_of(docs_of(render_kubernetes(topo)))
+    breaks = {
+        "allowPrivilegeEscalation": lambda c: c["securityContext"].pop("allowPrivilegeEscalation"),
+        "capabilities.drop": lambda c: c["securityContext"]["capabilities"].update(drop=[]),
+        "capabilities.add": lambda c: c["securityContext"]["capabilities"].update(add=["NET_ADMIN"]),
+        "seccompProfile": lambda c: c["securityContext"]["seccompProfile"].update(type="Unconfined"),
+        "runAsNonRoot": lambda c: c["securityContext"].update(runAsNonRoot=False),
+        "privileged": lambda c: c["securityContext"].update(privileged=True),
+        "hostPort": lambda c: c.setdefault("ports", [{}])[0].update(hostPort=80),
+    }
+    for rule, mutate in breaks.items():
+        broken = copy.deepcopy(pod)
+        mutate(broken["containers"][1])
+        assert any(v.startswith("sidecar:") and rule.split(".")[0] in v for v in violations(broken)), rule
+    broken = copy.deepcopy(pod)
+    broken["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    assert any("hostPath" in v for v in violations(broken))
+
+
+def test_every_container_has_resources_probes_and_a_drain_on_stop() -> None:
+    """Requests and limits on every container; Envoy ready on its own /ready (relayed by the
+    sidecar), the sidecar on /readyz; preStop hooks drain Envoy within the grace period:
+    the sidecar's hook fails Envoy's health, drains and waits (deadline below the grace
+    period), Envoy's hook waits for the sidecar's marker; a PDB keeps one pod at a time."""
     topo, _ = load_topology(EXAMPLES[4])
-    text = render_kubernetes(topo)["kubernetes.yaml"].decode()
-    docs = list(yaml.safe_load_all(text))
-    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    docs = docs_of(render_kubernetes(topo))
+    pod = pod_of(docs)
+    for c in [*pod["initContainers"], *pod["containers"]]:
+        assert set(c["resources"]) == {"requests", "limits"}, c["name"]
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+    envoy, sidecar = pod["containers"]
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/envoy/ready", "port": "metrics"}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace == topo.kubernetes.termination_grace_seconds
+    drain = sidecar["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[:3] == ["python", "-m", "sidecar.drain"]
+    assert float(drain[drain.index("--deadline") + 1]) < grace
+    marker = drain[drain.index("--marker") + 1]
+    wait = envoy["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[:2] == ["/bin/sh", "-c"] and marker in wait[2]
+    assert int(re.search(r"-lt (\d+)", wait[2]).group(1)) < grace  # type: ignore[union-attr]
+    pdb = by_kind(docs, "PodDisruptionBudget")[0]["spec"]
+    assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": by_kind(docs, "Deployment")[0]["spec"]["selector"]
+                                                     ["matchLabels"]}}
+    service = by_kind(docs, "Service")[0]["spec"]["ports"]
+    assert {"name": "metrics", "port": 9109, "targetPort": "metrics"} in service
+    labels = by_kind(docs, "Deployment")[0]["metadata"]["labels"]
+    assert {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+            "app.kubernetes.io/part-of", "app.kubernetes.io/version", "app.kubernetes.io/managed-by"} <= set(labels)
+
+
+def test_hpa_adapter_rule_and_keda_overlay_share_one_deduplicated_queue_signal() -> None:
+    """A pool with autoscale gets an HPA on llm_queue_depth{pool} at 80 % of the tolerated
+    queue per worker (20 % headroom: 4 -> 3.2); the prometheus-adapter rule serving it takes
+    each worker once (max by pool, worker) before summing, so N proxy replicas count a
+    worker once; the KEDA overlay replaces the HPAs with ScaledObjects on the same query."""
+    topo, _ = load_topology(EXAMPLES[4])
+    files = render_kubernetes(topo)
+    hpas = by_kind(docs_of(files), "HorizontalPodAutoscaler")
     assert len(hpas) == 1
     spec = hpas[0]["spec"]
     assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "vllm-70b"}
     metric = spec["metrics"][0]["external"]
     assert metric["metric"] == {"name": "llm_queue_depth", "selector": {"matchLabels": {"pool": "llama-70b"}}}
+    assert metric["target"] == {"type": "AverageValue", "averageValue": "3200m"}
     assert (spec["minReplicas"], spec["maxReplicas"]) == (3, 12)
-    sidecar = docs[1]["spec"]["template"]["spec"]["containers"][1]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sidecar["env"]}
-    assert refs["CONFGEN_KEY_TEAM_SEARCH"] == {"name": "confgen-api-keys", "key": "CONFGEN_KEY_TEAM_SEARCH"}
-    assert all("value" not in e for e in sidecar["env"])
+    adapter = docs_of(files, "autoscaling/prometheus-adapter-rules.yaml")[0]
+    rule = yaml.safe_load(adapter["data"]["config.yaml"])["externalRules"][0]
+    assert rule["name"]["as"] == "llm_queue_depth"
+    assert rule["metricsQuery"] == "sum by (pool) (max by (pool, worker) (<<.Series>>{<<.LabelMatchers>>}))"
+    scaled = docs_of(files, "keda/scaledobjects.yaml")
+    assert [s["kind"] for s in scaled] == ["ScaledObject"]
+    trigger = scaled[0]["spec"]["triggers"][0]
+    assert trigger["metadata"]["query"] == 'sum by (pool) (max by (pool, worker) (llm_queue_depth{pool="llama-70b"}))'
+    assert trigger["metadata"]["threshold"] == "3.2" and trigger["metricType"] == "AverageValue"
+    assert scaled[0]["spec"]["scaleTargetRef"]["name"] == "vllm-70b"
+    overlay = yaml.safe_load(files["keda/kustomization.yaml"])
+    assert overlay["resources"] == ["..", "scaledobjects.yaml"]
+    deleted = yaml.safe_load(overlay["patches"][0]["patch"])
+    assert deleted["$patch"] == "delete" and deleted["metadata"]["name"] == hpas[0]["metadata"]["name"]
+    assert yaml.safe_load(files["kustomization.yaml"])["resources"] == ["kubernetes.yaml"]
+
+
+def test_keys_come_from_a_secret_env_or_mounted_file_and_render_needs_none(tmp_path: Path) -> None:
+    """API keys reach the pod only through the Secret: env keys as secretKeyRef (never a
+    value) in the render step and the sidecar, file keys mounted at the topology's path
+    (the Secret entry named like the file); `confgen render --target kubernetes` works with
+    no key in its environment."""
+    topo, _ = load_topology(EXAMPLES[4])
+    pod = pod_of(docs_of(render_kubernetes(topo)))
+    for c in (pod["initContainers"][0], pod["containers"][1]):
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+        assert refs["CONFGEN_KEY_TEAM_SEARCH"] == {"name": "confgen-api-keys", "key": "CONFGEN_KEY_TEAM_SEARCH"}
+        assert all("value" not in e for e in c["env"])
+    topo4, _ = load_topology(EXAMPLES[3])
+    pod4 = pod_of(docs_of(render_kubernetes(topo4)))
+    mount = [m for m in pod4["initContainers"][0]["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount == [{"name": "api-keys", "mountPath": "/run/secrets/batch-jobs-key", "subPath": "batch-jobs-key",
+                      "readOnly": True}]
+    secret = next(v for v in pod4["volumes"] if v["name"] == "api-keys")["secret"]
+    assert secret["secretName"] == "confgen-multi-model-api-keys"
+    env = {"PATH": "/usr/bin:/bin"}  # no CONFGEN_KEY_* at all
+    done = subprocess.run([sys.executable, "-m", "confgen", "render", str(EXAMPLES[4]), "-o", str(tmp_path / "k"),
+                           "--target", "kubernetes"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "k" / "kubernetes.yaml").is_file()
+
+
+def test_names_with_underscores_map_to_valid_names_and_collisions_are_refused(tmp_path: Path) -> None:
+    """A topology or listener name with '_' gives DNS-1123 object and port names; two pools
+    scaling the same workload would give two HPAs one name: refused with file:line:col."""
+    text = """\
+version: 1
+name: my_fleet_with_a_rather_long_name_that_goes_past_the_limit_of_63
+listeners: [{name: public_api, port: 8080}]
+pools:
+  - name: chat_a
+    engine: vllm
+    models: [m1]
+    workers: ["10.0.0.1:8000"]
+    autoscale: {target: deployment/vllm-a}
+  - name: chat_b
+    engine: vllm
+    models: [m2]
+    workers: ["10.0.0.2:8000"]
+    autoscale: {target: deployment/vllm-a}
+"""
+    topo, _ = parse_topology(text.encode(), "t.yaml")
+    with pytest.raises(DeployError) as err:
+        render_kubernetes(topo)
+    assert "HorizontalPodAutoscaler" in str(err.value)
+    fine = text.replace("deployment/vllm-a}\n  - name: chat_b", "deployment/vllm-x}\n  - name: chat_b")
+    topo, _ = parse_topology(fine.encode(), "t.yaml")
+    docs = docs_of(render_kubernetes(topo))
+    for doc in docs:
+        assert DNS_1123_SUBDOMAIN.fullmatch(doc["metadata"]["name"]), doc["metadata"]["name"]
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    service = by_kind(docs, "Service")[0]
+    assert len(service["metadata"]["name"]) <= 63 and DNS_1123_LABEL.fullmatch(service["metadata"]["name"])
+    assert dns_label("a_b") == "a-b" and dns_label("9x") == "x-9x"
+    assert dns_label("y" * 80) != dns_label("y" * 81) and len(dns_label("y" * 80)) == 63
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "confgen", "render", str(path), "-o", str(tmp_path / "k"),
+                           "--target", "kubernetes"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert re.search(rf"{re.escape(str(path))}:\d+:\d+: pools: .*HorizontalPodAutoscaler", done.stderr), done.stderr
+    assert not (tmp_path / "k").exists()
+
+
+def test_monitoring_objects_carry_the_shipped_rules_and_dashboard() -> None:
+    """With kubernetes.monitoring the render adds a ServiceMonitor scraping the sidecar's
+    /metrics and Envoy's relayed /envoy/stats on the Service's metrics port, a PrometheusRule
+    with the shipped rule groups and the dashboard ConfigMap for Grafana's sidecar."""
+    from confgen.deploy._observability import alert_rules, dashboard_text
+
+    topo, _ = load_topology(EXAMPLES[1])
+    assert not by_kind(docs_of(render_kubernetes(topo)), "ServiceMonitor")
+    docs = docs_of(render_kubernetes(monitored(topo)))
+    monitor = by_kind(docs, "ServiceMonitor")[0]["spec"]
+    assert [(e["port"], e["path"]) for e in monitor["endpoints"]] == [("metrics", "/metrics"),
+                                                                       ("metrics", "/envoy/stats")]
+    assert monitor["selector"]["matchLabels"] == by_kind(docs, "Service")[0]["spec"]["selector"]
+    assert by_kind(docs, "PrometheusRule")[0]["spec"] == alert_rules()
+    board = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert board[0]["data"]["confgen-fleet.json"] == dashboard_text()
 
 
 def test_compose_runs_render_then_envoy_and_sidecar() -> None:
     """The compose file renders once, then runs Envoy and the sidecar on the shared volume,
-    next to a copy of the canonical topology; it has no YAML anchors to trip up tools."""
+    next to a copy of the canonical topology; it has no YAML anchors to trip up tools; with
+    host networking the sidecar binds loopback only (Prometheus on the host reaches it)."""
     topo, _ = load_topology(EXAMPLES[3])
     files = render_compose(topo)
     text = files["compose.yaml"].decode()
@@ -66,4 +261,6 @@ def test_compose_runs_render_then_envoy_and_sidecar() -> None:
     services = yaml.safe_load(text)["services"]
     assert set(services) == {"render", "sidecar", "envoy"}
     assert services["envoy"]["depends_on"]["render"]["condition"] == "service_completed_successfully"
+    command = services["sidecar"]["command"]
+    assert command[command.index("--listen") + 1] == "127.0.0.1:9109"
     assert parse_topology(files["topology.yaml"], "t.yaml")[0] == topo

@@ -36,6 +36,9 @@ def run_job(job: int, count: int, out: Path, first_seed: int) -> dict[str, objec
         outcome = judge(text.encode())
         stats["mutants"] += 1
         stats["accepted" if outcome.accepted else "refused"] += 1
+        if stats["mutants"] % 50 == 0:  # progress, readable while the run goes on
+            progress = {"job": job, "seconds": round(time.monotonic() - started, 1), **stats}
+            (out / f"progress-{job}.json").write_text(json.dumps(progress) + "\n")
         if outcome.problems:
             stats["findings"] += 1
             notes = "".join(f"# {line}\n" for p in outcome.problems for line in p.splitlines())

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confgen import nginx, parse_topology
-from confgen.runtime import NginxProcess, free_port
+from confgen.runtime import NginxProcess
+from confgen.verify import loopback_ports
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,9 @@ def write_files(files: Mapping[str, bytes], prefix: Path) -> None:
 def running_nginx(topology_yaml: str, prefix: Path, secrets: Mapping[str, str] | None = None) -> Iterator[Running]:
     """nginx serving `topology_yaml` (first listener) on a free loopback port."""
     topo, _ = parse_topology(topology_yaml.encode(), "test-topology.yaml")
-    port, status = free_port(), free_port()
-    files = nginx.render_for_test(
-        topo, prefix=str(prefix), ports={topo.listeners[0].name: port, nginx.STATUS: status}, secrets=secrets,
-    )
+    ports = loopback_ports(topo)
+    port, status = ports[topo.listeners[0].name], ports[nginx.STATUS]
+    files = nginx.render_for_test(topo, prefix=str(prefix), ports=ports, secrets=secrets)
     write_files(files, prefix)
     with NginxProcess(files["nginx.conf"].decode(), wait_port=port, prefix=prefix) as proc:
         yield Running(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{status}", prefix)

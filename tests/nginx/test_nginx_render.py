@@ -16,6 +16,7 @@ from confgen.envoy._replies import local_reply_config
 from confgen.nginx import UnsafeValueError, UpstreamServer, render_upstream
 from confgen.nginx._guard import bare, quoted
 from confgen.topology import load
+from confgen.verify import loopback_ports
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -183,7 +184,7 @@ def test_render_for_test_stays_inside_prefix(tmp_path: Path) -> None:
     """The test copy listens only on 127.0.0.1 and names no absolute path outside the prefix."""
     for example in EXAMPLES:
         topo, _ = load(example)
-        files = nginx.render_for_test(topo, prefix=str(tmp_path))
+        files = nginx.render_for_test(topo, prefix=str(tmp_path), ports=loopback_ports(topo))
         conf = files["nginx.conf"].decode()
         listens = re.findall(r"^\s*listen (\S+);", conf, re.MULTILINE)
         assert listens and all(addr.startswith("127.0.0.1:") for addr in listens), example

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -35,7 +36,8 @@ def _build_wheel(dest: Path) -> Path:
 
 
 def test_wheel_ships_templates_and_runs_from_another_directory(tmp_path: Path) -> None:
-    """The wheel holds confgen/templates and the sidecar package; installed into a fresh
+    """The wheel holds confgen/templates and the sidecar package and no file that reads tests/
+    or imports tests or bench; installed into a fresh
     directory and run from an unrelated working directory, `confgen render` (Envoy and
     Nginx targets) and `confgen schema` work from the installed copy, not the checkout."""
     wheel = _build_wheel(tmp_path / "dist")
@@ -43,6 +45,12 @@ def test_wheel_ships_templates_and_runs_from_another_directory(tmp_path: Path) -
     assert any(n.startswith("confgen/templates/") for n in names), names
     assert "sidecar/main.py" in names or any(n.startswith("sidecar/") for n in names)
     assert "confgen/envoy/eds.py" in names
+    # Nothing installed reads the checkout: no path into tests/, no import of tests or bench.
+    reads_checkout = re.compile(r"""["'/]tests/|^\s*(?:from|import)\s+(?:tests|bench)\b""", re.MULTILINE)
+    with zipfile.ZipFile(wheel) as zf:
+        culprits = [n for n in names if n.endswith(".py") and reads_checkout.search(zf.read(n).decode())]
+    assert culprits == [], culprits
+    assert not any(n.startswith(("tests/", "bench/")) for n in names), names
 
     target = tmp_path / "site"
     subprocess.run(

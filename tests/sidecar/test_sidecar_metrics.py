@@ -17,7 +17,7 @@ from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_th
 from confgen.topology import load as load_topology
 from sidecar.config import SidecarConfig
 from sidecar.daemon import Daemon
-from sidecar.metrics import register
+from sidecar.metrics import METRIC_NAMES, register
 from sidecar.probe import Prober
 from sidecar.publish import EdsPublisher, EnvoyAdmin
 from sidecar.resolve import Resolver
@@ -38,18 +38,23 @@ pools:
 
 EP_LABELS = {"pool", "worker", "address"}
 LABELS = {
-    "llm_queue_depth": {"pool"},
-    "llm_fleet_saturation": {"pool"},
+    "llm_queue_depth": {"pool", "worker"},
+    "confgen_sidecar_build_info": {"version", "python_version"},
+    "confgen_sidecar_pool_saturation_ratio": {"pool"},
     "confgen_sidecar_endpoint_health": EP_LABELS | {"state"},
-    "confgen_sidecar_endpoint_running": EP_LABELS,
-    "confgen_sidecar_endpoint_waiting": EP_LABELS,
-    "confgen_sidecar_endpoint_kv_usage": EP_LABELS,
+    "confgen_sidecar_endpoint_running_requests": EP_LABELS,
+    "confgen_sidecar_endpoint_waiting_requests": EP_LABELS,
+    "confgen_sidecar_endpoint_kv_cache_usage_ratio": EP_LABELS,
     "confgen_sidecar_endpoint_weight": EP_LABELS,
-    "confgen_sidecar_endpoint_probe_latency_seconds": EP_LABELS,
+    "confgen_sidecar_probe_duration_seconds_bucket": {"pool", "le"},
+    "confgen_sidecar_probe_duration_seconds_count": {"pool"},
+    "confgen_sidecar_probe_duration_seconds_sum": {"pool"},
     "confgen_sidecar_eds_publishes_total": {"pool"},
     "confgen_sidecar_eds_rejected_total": {"pool"},
     "confgen_sidecar_topology_reloads_total": {"result"},
+    "confgen_sidecar_probe_cycles_total": set(),
     "confgen_sidecar_ready": set(),
+    "confgen_sidecar_topology_stale": set(),
 }
 
 
@@ -120,5 +125,19 @@ def test_series_and_label_sets_follow_the_fleet(tmp_path: Path, fleet: FleetHand
     assert workers(before) == {f"127.0.0.1:{w.port}" for w in fleet.workers}
     assert workers(after) == {f"127.0.0.1:{fleet.workers[0].port}"}
     assert after["confgen_sidecar_topology_reloads_total"] == [{"result": "ok", "=": "1.0"},
-                                                              {"result": "error", "=": "0.0"}]
+                                                              {"result": "error", "=": "0.0"},
+                                                              {"result": "needs_keys", "=": "0.0"}]
+    assert after["confgen_sidecar_topology_stale"] == [{"=": "0.0"}]
     assert "confgen_sidecar_inflight_limit" not in after  # no limiter, no series
+    # one probe per endpoint per cycle: two endpoints probed once, all within the last bucket
+    assert before["confgen_sidecar_probe_duration_seconds_count"] == [{"pool": "chat", "=": "2.0"}]
+    assert before["confgen_sidecar_probe_duration_seconds_bucket"][-1] == {"pool": "chat", "le": "+Inf", "=": "2.0"}
+    assert {s["worker"] for s in before["llm_queue_depth"]} == workers(before) - {""}
+    assert before["confgen_sidecar_probe_cycles_total"] == [{"=": "1.0"}]
+
+
+def test_every_documented_family_is_scraped_and_no_other() -> None:
+    """The collector's METRIC_NAMES (what the README, dashboard and alert rules use) is
+    exactly the set of families a scrape yields, besides the nginx publisher's own."""
+    assert set(METRIC_NAMES) >= {name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+                                 for name in LABELS}

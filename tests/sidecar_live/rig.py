@@ -77,20 +77,23 @@ def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple
 class SidecarProcess:
     """`python -m sidecar.main ...` with its log in a file; stop() sends SIGTERM."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, listen_port: int, wrapper: Path | None = None) -> None:
+    def __init__(self, args: Sequence[str], log_path: Path, listen_port: int, wrapper: Path | None = None,
+                 *, cwd: Path = REPO, env: dict[str, str] | None = None) -> None:
         self.args = list(args)
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{listen_port}"
         self._wrapper = wrapper
+        self._cwd = cwd
+        self._env = dict(os.environ) if env is None else env
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
 
     def start(self) -> None:
         entry = [str(self._wrapper)] if self._wrapper else ["-m", "sidecar.main"]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**self._env, "PYTHONPATH": str(REPO)}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=log, stderr=log,
-                                         cwd=REPO, env=env)
+                                         cwd=self._cwd, env=env)
 
     def wait_ready(self, timeout: float = 15.0) -> None:
         def ready() -> bool:

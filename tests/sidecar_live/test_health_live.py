@@ -185,7 +185,7 @@ def test_weights_move_traffic_away_from_a_growing_queue(tmp_path: Path) -> None:
 
             assert poll(skewed, timeout=5, interval=0.1), rig.sidecar.state()
             assert rig.sidecar.endpoint(pb)["sample"]["waiting"] >= 2
-            assert 'llm_queue_depth{pool="chat"}' in rig.sidecar.metrics()
+            assert f'llm_queue_depth{{pool="chat",worker="127.0.0.1:{pb}"}}' in rig.sidecar.metrics()
             with ThreadPoolExecutor(max_workers=6) as senders:
                 results = Counter(senders.map(lambda _: rig.send(timeout=30), range(24)))
             for job in jobs:

@@ -21,6 +21,7 @@ from pathlib import Path
 from confgen import nginx, parse_topology
 from confgen.runtime import NginxProcess, free_port
 from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_thread
+from confgen.verify import loopback_ports
 from tests.nginx._support import write_files
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, now, poll, topology_text, worker_specs
 from tests.sidecar_live.rig import http as call
@@ -128,7 +129,7 @@ def nginx_rig(
         topo_path.write_text(text)
         prefix = tmp / "nginx"
         topo, _ = parse_topology(text.encode())
-        files = nginx.render_for_test(topo, prefix=str(prefix), ports={"public": port})
+        files = nginx.render_for_test(topo, prefix=str(prefix), ports=loopback_ports(topo) | {"public": port})
         write_files(files, prefix)
         args = ["--topology", str(topo_path), "--listen", f"127.0.0.1:{listen}", *FAST_ARGS,
                 "--target", "nginx", "--nginx-dir", str(prefix), "--nginx-pid-file", str(prefix / "nginx.pid"),

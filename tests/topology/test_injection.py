@@ -33,6 +33,8 @@ FULL: dict[str, Any] = {
         "envoy_image": "envoyproxy/envoy:v1.40.0",
         "sidecar_image": "registry.example/confgen/sidecar:0.1.0",
         "keys_secret": "confgen-keys",
+        "monitoring": True,
+        "prometheus_url": "http://prometheus.monitoring.svc:9090",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
     "auth": {

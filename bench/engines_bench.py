@@ -1,6 +1,6 @@
 """Benchmark `engines.extract` against a full prometheus_client parse (a benchmark, not a test).
 
-    python -m sidecar.engines_bench [BODY_FILE [ENGINE_KIND]]
+    python -m bench.engines_bench [BODY_FILE [ENGINE_KIND]]
 
 Without arguments it uses the repository's vLLM V1 fixture, cut to 50 KB at a line end.
 """

@@ -1,0 +1,72 @@
+"""The observability kit shipped in the package: alert rules and a Grafana dashboard.
+
+    assets/alerts.yaml      Prometheus rule groups (promtool-checked and unit-tested)
+    assets/dashboard.json   Grafana dashboard, uid `confgen-fleet`, a `datasource` variable
+
+`kubernetes_objects` wraps them for the Prometheus Operator and Grafana's dashboard sidecar:
+a ServiceMonitor (the sidecar's /metrics and Envoy's stats relayed at /envoy/stats), a
+PrometheusRule and a ConfigMap labelled `grafana_dashboard: "1"`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import yaml
+
+__all__ = ["alert_rules", "dashboard", "dashboard_text", "kubernetes_objects"]
+
+Obj = dict[str, Any]
+
+
+def _asset(name: str) -> str:
+    return resources.files("confgen.deploy").joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def alert_rules() -> Obj:
+    """The rule file's content: {"groups": [...]}."""
+    data: Obj = yaml.safe_load(_asset("alerts.yaml"))
+    return data
+
+
+def dashboard_text() -> str:
+    return _asset("dashboard.json")
+
+
+def dashboard() -> Obj:
+    data: Obj = json.loads(dashboard_text())
+    return data
+
+
+def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dict[str, str]) -> list[Obj]:
+    """ServiceMonitor, PrometheusRule and the dashboard ConfigMap for one proxy Deployment."""
+    monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": meta(base, "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "endpoints": [
+                {"port": "metrics", "path": "/metrics", "interval": "15s"},
+                {"port": "metrics", "path": "/envoy/stats", "interval": "15s"},
+            ],
+        },
+    }
+    rules = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": meta(f"{base}-alerts", "monitoring"),
+        "spec": alert_rules(),
+    }
+    board = meta(f"{base}-dashboard", "monitoring")
+    board["labels"]["grafana_dashboard"] = "1"
+    dash = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": board,
+        "data": {"confgen-fleet.json": dashboard_text()},
+    }
+    return [monitor, rules, dash]

@@ -1,0 +1,85 @@
+"""The bench's load generator and workloads: latency from the scheduled send time, conversation
+turns in order, identical arrivals from one seed. No performance figure is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from bench import _stats, _workload, loadgen
+
+
+@contextlib.asynccontextmanager
+async def _server(delay_s: float) -> AsyncIterator[str]:
+    """A loopback server that answers every POST after `delay_s` (not streaming)."""
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(delay_s)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def _req(i: int, t: float, after: int | None = None) -> dict[str, Any]:
+    return {"i": i, "t": t, "body": {"prompt": "x", "max_tokens": 1}, "headers": {}, "after": after}
+
+
+def test_a_held_back_turn_is_measured_from_its_scheduled_time() -> None:
+    """A turn that must wait for the previous turn of its conversation is sent after that turn
+    ends, and its latency counts from its scheduled time (the wait is charged, no coordinated
+    omission); a request scheduled after the deadline is recorded as not sent."""
+    async def run() -> list[dict[str, Any]]:
+        async with _server(0.3) as url:
+            job = {"targets": [url], "requests": [_req(0, 0.0), _req(1, 0.05, after=0), _req(2, 5.0)],
+                   "deadline_s": 1.0, "timeout_s": 10.0}
+            return await loadgen.run_job(job)
+
+    first, second, late = asyncio.run(run())
+    assert first["status"] == second["status"] == 200
+    assert second["start"] >= first["end"]
+    summary = _stats.summarize([first, second])
+    assert summary["p99_ms"] == (second["end"] - second["sched"]) * 1000
+    assert second["end"] - second["sched"] > second["end"] - second["start"]
+    assert late["error"] == "not sent" and late["start"] is None
+    assert _stats.summarize([first, second, late])["errors"] == 1
+
+
+def test_sessions_grow_turn_by_turn_and_are_reproducible() -> None:
+    """Each turn's prompt extends the previous turn's prompt of the same conversation, points
+    back at it with `after`, carries its x-session-id, and one seed gives the same turns."""
+    spec = _workload.SessionSpec(rate=6.0, duration_s=10.0, seed=5)
+    turns = _workload.build_sessions(spec)
+    assert turns == _workload.build_sessions(spec)
+    assert [t["t"] for t in turns] == sorted(t["t"] for t in turns)
+    by_index = {t["i"]: t for t in turns}
+    chained = [t for t in turns if t["after"] is not None]
+    assert chained
+    for t in chained:
+        prev = by_index[t["after"]]
+        assert prev["session"] == t["session"] == t["headers"]["x-session-id"]
+        assert prev["t"] < t["t"]
+        assert t["body"]["prompt"].startswith(prev["body"]["prompt"])
+
+
+def test_bursty_arrivals_keep_the_mean_rate_and_bunch_up() -> None:
+    """Bursty arrivals offer the same mean rate as Poisson but most of them in the on-phases."""
+    spec = _workload.WorkloadSpec(rate=20.0, count=2000, seed=3, session_share=0.0, arrivals="bursty")
+    reqs = _workload.build(spec)
+    span = reqs[-1]["t"]
+    assert 0.85 < len(reqs) / span / 20.0 < 1.15
+    on = sum(1 for r in reqs if (r["t"] % spec.burst_period_s) < spec.burst_period_s / 2)
+    assert on / len(reqs) > 0.75

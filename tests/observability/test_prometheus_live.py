@@ -1,0 +1,139 @@
+"""A real Prometheus (Debian's `prometheus`, never skipped) on loopback scrapes live sidecars
+in front of the simulated fleet and the real Envoy, evaluates the shipped alert rules and
+answers the dashboard's and the autoscaler's queries.
+
+Bounded: one Prometheus process in its own tmp dir, 1 s scrape and evaluation intervals,
+the rules' `for:` shortened to 2 s in a test copy; stopped by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.parse
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from confgen.deploy._observability import alert_rules, dashboard
+from confgen.deploy.kubernetes import queue_query
+from confgen.runtime import free_port, stop_process
+from tests.observability.promtools import tool
+from tests.observability.test_rules import dashboard_exprs, grafana_free
+from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, live_rig, poll, worker_specs
+
+
+@contextlib.contextmanager
+def prometheus(tmp: Path, jobs: dict[str, tuple[str, list[str]]]) -> Iterator[str]:
+    """Prometheus scraping `jobs` (name -> (metrics path, targets)) every second with the
+    shipped rules (for: 2s); yields its base URL."""
+    rules = alert_rules()
+    for group in rules["groups"]:
+        group["interval"] = "1s"
+        for rule in group["rules"]:
+            rule["for"] = "2s"
+    (tmp / "rules.yaml").write_text(yaml.safe_dump(rules))
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+        "rule_files": [str(tmp / "rules.yaml")],
+        "scrape_configs": [{"job_name": name, "metrics_path": path, "static_configs": [{"targets": targets}]}
+                           for name, (path, targets) in jobs.items()],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = (tmp / "prometheus.log").open("wb")
+    proc = subprocess.Popen([tool("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                             "--storage.tsdb.retention.time=1h", "--log.level=warn"],
+                            stdout=log, stderr=log, cwd=tmp)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
+            try:
+                return http("GET", f"{url}/-/ready", timeout=1.0)[0] == 200
+            except OSError:
+                return False
+
+        assert poll(ready, timeout=30, interval=0.2), (tmp / "prometheus.log").read_text()[-2000:]
+        yield url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def query(url: str, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+    params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+    status, _, body = http("GET", f"{url}/api/v1/query?{urllib.parse.urlencode(params)}", timeout=5.0)
+    assert status == 200, body
+    result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
+    return result
+
+
+def scalar(url: str, expr: str, at: float) -> float | None:
+    result = query(url, expr, at)
+    return float(result[0]["value"][1]) if result else None
+
+
+def firing(url: str, name: str) -> list[dict[str, str]]:
+    status, _, body = http("GET", f"{url}/api/v1/alerts", timeout=5.0)
+    assert status == 200
+    return [a["labels"] for a in json.loads(body)["data"]["alerts"]
+            if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+
+def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_worker_down(tmp_path: Path) -> None:
+    """Two sidecars (two proxy replicas) probe the same workers: the autoscaler's query gives
+    the same pool queue as one sidecar's series alone, where a plain sum doubles it; every
+    dashboard query has data (Envoy's stats come through the sidecar's /envoy/stats); killing
+    a worker fires ConfgenWorkerDown for exactly that worker."""
+    specs = worker_specs(["a", "b"], max_num_seqs=1, decode_ms=10.0)
+    with live_rig(tmp_path, specs, sidecar_args=FAST_ARGS, capacity=1) as rig:
+        listen2 = free_port()
+        (tmp_path / "envoy2").mkdir()
+        second = SidecarProcess(["--topology", str(rig.topology_path), "--xds-dir", str(tmp_path / "envoy2"),
+                                 "--listen", f"127.0.0.1:{listen2}", *FAST_ARGS], tmp_path / "sidecar2.log", listen2)
+        one, two = rig.sidecar.url.removeprefix("http://"), second.url.removeprefix("http://")
+        second.start()
+        try:
+            jobs = {"sidecar": ("/metrics", [one, two]), "envoy": ("/envoy/stats", [one])}
+            with prometheus(tmp_path, jobs) as prom, ThreadPoolExecutor(max_workers=4) as pool:
+                for _ in range(6):  # Envoy's upstream histograms get data
+                    assert rig.send()[0] == 200
+                # three long requests to worker a (one slot): one runs, two wait for ~10 s
+                direct = f"{rig.fleet.worker('a').url}/v1/completions"
+                body = {"model": "sim-model", "prompt": "queue", "max_tokens": 400}
+                jobs_a = [pool.submit(http, "POST", direct, body, 60.0) for _ in range(3)]
+                plain = 'sum by (pool) (llm_queue_depth{pool="chat"})'
+                alone = f'sum by (pool) (max by (pool, worker) (llm_queue_depth{{pool="chat",instance="{one}"}}))'
+
+                def same_figure() -> bool:
+                    at = time.time() - 1.0
+                    figures = (scalar(prom, queue_query("chat"), at), scalar(prom, alone, at),
+                               scalar(prom, plain, at))
+                    same_figure.seen = figures  # type: ignore[attr-defined]
+                    deduped, single, summed = figures
+                    return deduped is not None and deduped >= 1 and deduped == single and summed == 2 * deduped
+
+                assert poll(same_figure, timeout=20, interval=0.5), same_figure.seen  # type: ignore[attr-defined]
+                for job in jobs_a:
+                    job.result(timeout=60)
+                pb = rig.worker_port("b")
+                rig.fleet.worker("b").crash()
+                assert poll(lambda: firing(prom, "ConfgenWorkerDown"), timeout=30, interval=0.5)
+                down = firing(prom, "ConfgenWorkerDown")
+                assert [(a["pool"], a["worker"], a["severity"]) for a in down] == [("chat", f"127.0.0.1:{pb}",
+                                                                                    "warning")]
+                assert firing(prom, "ConfgenPoolWithoutHealthyCapacity") == []
+                # probe errors exist now too: every dashboard query has data
+                empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
+                         and "local_rate_limit" not in e]  # the rig's topology has no token bucket
+                assert empty == [], empty
+                assert len(dashboard()["panels"]) > 10
+        finally:
+            assert second.stop() == 0, second.log_tail()
