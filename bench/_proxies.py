@@ -249,7 +249,9 @@ def run_vllm_router(urls: Sequence[str], policy: str, log: Path) -> Iterator[str
     port = runtime.free_port()
     args = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
             "--log-level", "warning", "--max-concurrent-requests", "4096", "--queue-size", "4096",
-            "--request-timeout-secs", "120", "--health-check-interval-secs", "1"]
+            "--request-timeout-secs", "120", "--health-check-interval-secs", "1",
+            # Its metrics exporter binds 29000 by default: two routers (or another user's) would collide.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(runtime.free_port())]
     env = {**os.environ, "RUST_LOG": "warn"}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:

@@ -102,8 +102,9 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     path = out / "report.md"
     path.write_text("\n".join(lines))
     raw = {"machine": info, "wall_s": wall_s, "errors": errors,
-           "scenarios": {r.name: {"targets": [t.row() for t in r.targets], "raw": r.raw, "wall_s": r.wall_s,
-                                  "tables": r.tables, "notes": r.notes, "chart": r.chart} for r in results}}
+           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": r.raw,
+                                  "wall_s": r.wall_s, "tables": r.tables, "notes": r.notes, "chart": r.chart}
+                         for r in results}}
     (out / "results.json").write_text(json.dumps(raw, indent=1, default=str))
     chart(out / "chart.png", results)
     return path
@@ -122,7 +123,8 @@ def results_from_json(path: Path) -> list[Result]:
     data = json.loads(path.read_text())
     out = []
     for name, sc in data["scenarios"].items():
-        r = Result(name, name, raw=sc["raw"], chart=sc.get("chart") or _chart_from_raw(name, sc["raw"]))
+        r = Result(name, sc.get("title", name), raw=sc["raw"],
+                   chart=sc.get("chart") or _chart_from_raw(name, sc["raw"]))
         from ._harness import Target
 
         r.targets = [Target(t["name"], t["goal"], t["measured"], t["ratio"], t["met"], t.get("limit"))
@@ -157,7 +159,9 @@ def chart(path: Path, results: list[Result]) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return
-    fig, axes = plt.subplots(n, 1, figsize=(11, 3.6 * n), squeeze=False)
+    heights = [3.6] * len(panels) + ([max(3.0, 0.22 * len(targets))] if targets else [])
+    fig, axes = plt.subplots(n, 1, figsize=(11, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, (kind, panel) in zip(axes[:, 0], panels, strict=False):
         if kind == "groups":
             _grouped(ax, panel)

@@ -55,7 +55,8 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
     for index, lst in enumerate(topo.listeners):
-        if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
+        wildcard = {lst.address, topo.admin.address} & {"0.0.0.0", "::"}  # either side binds every address
+        if lst.port == topo.admin.port and (wildcard or lst.address == topo.admin.address):
             yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
@@ -310,6 +311,13 @@ def _routes(topo: Topology) -> Iterator[Finding]:
                     "routing on credentials or the client header is refused",
                     ERROR,
                 )
+            elif header.name in UNROUTABLE_HEADERS:
+                yield (
+                    f"{base}.match.headers[{hi}].name",
+                    f"{header.name!r} is a header the proxy strips or sets itself before routing (Envoy and "
+                    "nginx would route the same request differently); route on a header of your own",
+                    ERROR,
+                )
         try:
             pool = topo.pool(route.pool)
         except KeyError:
@@ -337,6 +345,15 @@ RESERVED_HEADERS = frozenset({
     "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port", "x-real-ip", "x-request-id",
 })
 RESERVED_HEADER_PREFIXES = ("x-envoy-", "proxy-")
+
+
+# Headers the two targets do not show a route alike (measured with both real proxies): Envoy
+# drops hop-by-hop headers and sets x-forwarded-for/-proto and x-request-id before routing,
+# while nginx's router (njs) sees only what the client sent.
+UNROUTABLE_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "x-forwarded-for", "x-forwarded-proto", "x-request-id",
+})
 
 
 def reserved_header(name: str) -> bool:

@@ -235,7 +235,11 @@ class Pool:
 
 @dataclass(frozen=True)
 class HeaderMatch:
-    name: str = field(doc="Header name.", pattern="header")
+    name: str = field(
+        doc="Header name; not a hop-by-hop header nor x-forwarded-for/-proto or x-request-id (Envoy strips or "
+        "sets those before routing, so the targets would route differently).",
+        pattern="header",
+    )
     exact: str | None = field(None, doc="Match this value exactly.", pattern="header_value")
     prefix: str | None = field(None, doc="Match values starting with this.", pattern="header_value")
     present: bool | None = field(None, doc="Match when the header is (true) or is not (false) sent.")
@@ -270,7 +274,10 @@ class ApiKey:
 class Auth:
     api_keys: list[ApiKey] = field(doc="Accepted keys, sent as `Authorization: Bearer <key>`.", min_items=1)
     client_header: str = field(
-        "x-confgen-client", doc="Header that carries the authenticated client id to workers.", pattern="header"
+        "x-confgen-client",
+        doc="Header that carries the authenticated client id to workers; not one the proxies own or that "
+        "carries the key (authorization, host, connection, x-forwarded-*, x-envoy-*, ... are refused).",
+        pattern="header",
     )
 
 
@@ -405,6 +412,12 @@ class Kubernetes:
         None,
         doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
         "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
+        pattern="name",
+    )
+    admin_token_secret: str | None = field(
+        None,
+        doc="Secret whose entry `token` the sidecar requires on POST /drain and /undrain; bound on the pod's "
+        "address, those endpoints are off without it.",
         pattern="name",
     )
     termination_grace_seconds: int = field(

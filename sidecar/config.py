@@ -55,6 +55,8 @@ class SidecarConfig:
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
+    admin_token_env: str | None = None  # ... or the environment variable holding it
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -111,6 +113,11 @@ def parser() -> argparse.ArgumentParser:
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="least severe level logged (default INFO)")
+    p.add_argument("--admin-token-file", type=Path, metavar="PATH",
+                   help="file holding the bearer token POST /drain and /undrain require (16-512 token "
+                   "characters). Without a token they answer only on a loopback --listen")
+    p.add_argument("--admin-token-env", metavar="NAME",
+                   help="environment variable holding that token (instead of --admin-token-file)")
     p.add_argument("--serve-xds", metavar="HOST:PORT",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
@@ -121,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise ConfigError(f"{flag} must be host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -179,4 +186,6 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         log_level=args.log_level,
         nginx=nginx,
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
+        admin_token_file=args.admin_token_file,
+        admin_token_env=args.admin_token_env,
     )

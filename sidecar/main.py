@@ -31,6 +31,7 @@ from sidecar.backpressure import InflightLimiter
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
 from sidecar.envoy_relay import add_envoy_relay
+from sidecar.guard import MutationGuard, is_loopback, load_token
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
 from sidecar.nginx_publish import NginxPublisher, register_nginx
@@ -81,6 +82,12 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
+    try:
+        guard = MutationGuard(load_token(config.admin_token_file, config.admin_token_env),
+                              remote=not is_loopback(config.listen_host))
+    except ConfigError as exc:
+        log_event(_log, logging.ERROR, "startup.bad_admin_token", error=str(exc))
+        return EXIT_USAGE
     for w in warnings:
         log_event(_log, logging.WARNING, "topology.warning", diagnostic=str(w))
     if threading.current_thread() is threading.main_thread():
@@ -117,7 +124,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                         publisher=publisher, clock=loop.time, limiter=limiter)
         daemon.adopt_published()
         register(registry, daemon.view)
-        app = build_app(daemon, registry)
+        app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
             add_envoy_relay(app, admin_url)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -136,7 +143,9 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         watcher.start()
         serving = publisher.view().listen if isinstance(publisher, AdsPublisher) else None
         log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
-                  envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s)
+                  envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s,
+                  mutations="token" if guard.token else "off (beyond loopback, no token)" if guard.remote
+                  else "loopback only")
         try:
             while not stop.is_set():
                 started = loop.time()

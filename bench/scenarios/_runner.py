@@ -15,6 +15,7 @@ A Setup with diagnostic=True is shown below the headline rows, labelled, and nev
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -153,6 +154,28 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
     summary["setup"] = setup.key
     summary["diagnostic"] = setup.diagnostic
     return summary
+
+
+def measure_or_fail(ctx: Context, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`measure`, tried twice when a process fails to start or dies (a port taken between our
+    free_port() and its bind, a busy machine); a second failure becomes a row that says so."""
+    setup: Setup = args[3]
+    error = ""
+    for attempt in range(2):
+        try:
+            return measure(ctx, *args, **kwargs)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
+            print(f"  {setup.label}: attempt {attempt + 1} failed: {error}", flush=True)
+    return failed_row(setup, error)
+
+
+def failed_row(setup: Setup, error: str) -> dict[str, Any]:
+    return {"label": f"{setup.label} (FAILED: {error})", "setup": setup.key, "diagnostic": setup.diagnostic,
+            "failed": error, "requests": 0, "ok": 0, "shed": 0, "errors": 0, "other_errors": 0, "shed_share": None,
+            "p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "ttft_p50_ms": None,
+            "ttft_p99_ms": None, "send_lag_p99_ms": None, "throughput_rps": 0.0, "by_worker": {},
+            "fleet_by_worker": {}, "prefix_hit_rate": None, "wall_s": 0.0}
 
 
 def workdir(ctx: Context, name: str) -> Path:

@@ -191,9 +191,9 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         nacked = rig.sidecar.state()["xds"]["nodes"]["envoy-0"]["nacked"]["lds"]
         assert "cannot bind" in nacked["error"]
         metrics = rig.sidecar.metrics()
-        line = f'confgen_xds_node_nacked{{node="envoy-0",type="lds",version="{nacked["version"]}"}} 1.0'
+        line = f'confgen_sidecar_xds_node_nacked{{node="envoy-0",type="lds",version="{nacked["version"]}"}} 1.0'
         assert line in metrics, metrics
-        assert re.search(r'confgen_xds_nacks_total\{node="envoy-3",type="lds"\} 1.0', metrics)
+        assert re.search(r'confgen_sidecar_xds_nacks_total\{node="envoy-3",type="lds"\} 1.0', metrics)
         assert Counter(rig.send()[0] for _ in range(20)) == {200: 20}
 
         # The control plane killed: every Envoy keeps its last config and serves, the dead worker kept out.
