@@ -152,6 +152,7 @@ class AdsPublisher:
         for gone in [name for name in eds if name not in served.assignments]:
             self.forget(gone)
         changed = [SHORT[t] for t, resources in prepared if self.cache.install(t, resources)]
+        self.cache.prime()
         log_event(_log, logging.INFO, "xds.tree", changed=changed, clusters=len(served.clusters),
                   listeners=len(served.listeners))
 
