@@ -5,8 +5,11 @@
     GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
                      its body also says when the running config is stale (a reload refused)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
-    POST /drain?pool=P&worker=HOST:PORT     planned drain (published DRAINING)
-    POST /undrain?pool=P&worker=HOST:PORT   end it
+    POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
+    POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
+                   (Content-Type: application/json; pool/worker may also be query
+                   parameters; no Origin header; a bearer token beyond loopback:
+                   sidecar.guard)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon, Snapshot
+from sidecar.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
 from sidecar.xds.cache import SHORT
 from sidecar.xds.publisher import XdsView
 
@@ -67,6 +71,8 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "rejections": pool.rejections,
                 "rejected": pool.rejected,
                 "inflight_limit": pool.inflight_limit,
+                "saturated": pool.saturated,
+                "shedding": pool.shedding,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,
@@ -115,10 +121,15 @@ async def _state(request: web.Request) -> web.Response:
 
 
 async def _set_drain(request: web.Request, drained: bool) -> web.Response:
-    pool, worker = request.query.get("pool", ""), request.query.get("worker", "")
+    body = await json_object(request)
+    if isinstance(body, web.Response):
+        return body
+    pool = body.get("pool", request.query.get("pool", ""))
+    worker = body.get("worker", request.query.get("worker", ""))
     daemon = request.app[_DAEMON]
-    if not pool or not worker:
-        return web.json_response({"error": "pool and worker query parameters are required"}, status=400)
+    if not isinstance(pool, str) or not isinstance(worker, str) or not pool or not worker:
+        return web.json_response({"error": "pool and worker are required (JSON body or query parameters)"},
+                                 status=400)
     if not daemon.set_drain(pool, worker, drained):
         return web.json_response({"error": f"no worker {worker!r} in pool {pool!r}"}, status=404)
     await daemon.republish()
@@ -133,14 +144,16 @@ async def _undrain(request: web.Request) -> web.Response:
     return await _set_drain(request, False)
 
 
-def build_app(daemon: Daemon, registry: CollectorRegistry) -> web.Application:
-    app = web.Application()
+def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
+    """The sidecar's routes; `guard` decides who may POST (sidecar.guard)."""
+    app = web.Application(client_max_size=MAX_BODY)
     app[_DAEMON] = daemon
     app[_REGISTRY] = registry
+    app[GUARD] = guard
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/state", _state)
-    app.router.add_post("/drain", _drain)
-    app.router.add_post("/undrain", _undrain)
+    app.router.add_post("/drain", guarded(_drain))
+    app.router.add_post("/undrain", guarded(_undrain))
     return app
