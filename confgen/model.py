@@ -403,7 +403,10 @@ class NginxOptions:
 @dataclass(frozen=True)
 class Kubernetes:
     namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="name")
-    replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar).", minimum=1, maximum=1000)
+    replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar; with envoy.xds.mode ads, Envoy "
+                          "alone, and this is the HPA's minimum).", minimum=1, maximum=1000)
+    envoy_max_replicas: int = field(
+        10, doc="envoy.xds.mode ads: most Envoy pods the HPA scales to on CPU.", minimum=1, maximum=1000)
     envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
     sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
     keys_secret: str | None = field(
