@@ -18,7 +18,7 @@ from pathlib import Path
 
 from confgen import envoy
 from confgen.envoy import Endpoint, layout
-from confgen.errors import SecretError, TopologyError
+from confgen.errors import OutputError, SecretError, TopologyError
 from confgen.model import Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
@@ -104,6 +104,8 @@ class Snapshot:
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
+    write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)
+    external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
@@ -362,6 +364,10 @@ class Daemon:
     async def _publish(self) -> None:
         now = self._clock()
         self._apply_drains(now)
+        if isinstance(self._publisher, EdsPublisher):  # files someone else replaced: restore ours
+            changed = await asyncio.to_thread(self._publisher.changed_on_disk)
+            if any(not rel.startswith("eds/") for rel in changed):
+                self._tree_due = True
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
         if self._tree_due and isinstance(self._publisher, EdsPublisher):
             await self._write_tree(per_pool)
@@ -414,7 +420,10 @@ class Daemon:
                 files[rel] = self._publisher.render(pool_name, endpoints)
             elif (kept := self._publisher.written(pool_name)) is not None:
                 files[rel] = kept  # nothing resolved yet: never replace endpoints by none
-        await self._publisher.write_tree(files, mode=0o600 if topo.auth is not None else 0o644)
+        try:
+            await self._publisher.write_tree(files, mode=0o600 if topo.auth is not None else 0o644)
+        except OutputError:
+            return  # counted and logged by the publisher; the tree stays due: retried next cycle
         self._tree_due = False
 
     # -- views ----------------------------------------------------------------------------
@@ -431,6 +440,8 @@ class Daemon:
             reasons += self._publisher.problems()
         else:
             reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
+            if isinstance(self._publisher, EdsPublisher):
+                reasons += [f"write failing: {why}" for _, why in sorted(self._publisher.failing.items())]
         if self._ads_keys_missing is not None:
             reasons.append(f"nothing served over ADS yet: {self._ads_keys_missing}")
         return reasons
@@ -476,4 +487,7 @@ class Daemon:
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
             xds=self._publisher.view() if isinstance(self._publisher, AdsPublisher) else None,
+            write_failures=dict(self._publisher.write_failures) if isinstance(self._publisher, EdsPublisher) else {},
+            external_changes=(dict(self._publisher.external_changes)
+                              if isinstance(self._publisher, EdsPublisher) else {}),
         )

@@ -34,6 +34,7 @@ from typing import Any, Self
 import aiohttp
 
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
+from confgen.errors import OutputError
 from confgen.output import atomic_write, diff_tree, write_tree
 from sidecar.logs import log_event
 
@@ -152,18 +153,62 @@ class EdsPublisher:
         self.rejections: Counter[str] = Counter()
         self.rejected: set[str] = set()  # pools (or "cds"/"lds") whose last write Envoy refused
         self.versions: dict[str, str] = {}
+        # Writes that failed (read-only or full disk...), by pool or "tree"; `failing` holds
+        # the ones whose last attempt failed, with why (cleared by the next good write).
+        self.write_failures: Counter[str] = Counter()
+        self.failing: dict[str, str] = {}
+        # Files changed on disk by someone else (restored), by pool or file.
+        self.external_changes: Counter[str] = Counter()
+        self._stamps: dict[str, tuple[int, int, int]] = {}  # relative path -> (inode, mtime_ns, size) we left
+        self._rejected_seen: dict[str, int] = {}  # pool -> Envoy's update_rejected at our last look
 
     def adopt(self, pool: str, data: bytes) -> None:
         """The content already on disk for `pool` (no write needed to reach it)."""
         self._written[pool] = data
+        self._stamp(layout.eds_path(pool))
+
+    def _stamp(self, rel: str) -> None:
+        try:
+            st = (self.xds_dir / rel).stat()
+        except OSError:
+            self._stamps.pop(rel, None)
+            return
+        self._stamps[rel] = (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def changed_on_disk(self) -> list[str]:
+        """Files we wrote that someone else replaced since (blocking: stats; run in a thread).
+
+        An EDS file found changed is forgotten as written, so the next offer rewrites it;
+        the caller rewrites the tree for the others. Each is counted and logged.
+        """
+        changed = []
+        for rel, stamp in list(self._stamps.items()):
+            try:
+                st = (self.xds_dir / rel).stat()
+                now = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except OSError:
+                now = None
+            if now == stamp:
+                continue
+            changed.append(rel)
+            del self._stamps[rel]
+            pool = _eds_pool(rel)
+            self.external_changes[pool or rel] += 1
+            if pool is not None:
+                self._written.pop(pool, None)
+            log_event(_log, logging.ERROR, "file.changed_on_disk", file=str(self.xds_dir / rel),
+                      note="not written by the sidecar; restoring its own content")
+        return changed
 
     def written(self, pool: str) -> bytes | None:
         return self._written.get(pool)
 
     def forget(self, pool: str) -> None:
         """A pool left the topology: drop its bookkeeping (its file goes with the tree)."""
-        for table in (self._written, self._pending, self._last_write_at, self.versions):
+        for table in (self._written, self._pending, self._last_write_at, self.versions, self.failing,
+                      self._rejected_seen):
             table.pop(pool, None)
+        self._stamps.pop(layout.eds_path(pool), None)
         self.rejected.discard(pool)
         self.publishes.pop(pool, None)
         self.rejections.pop(pool, None)
@@ -201,9 +246,19 @@ class EdsPublisher:
             if data is None or data == self._written.get(pool):
                 continue
             before = await self._admin.stats(_eds_pattern(pool))
+            self._note_foreign_rejection(pool, before)
             path = self.xds_dir / layout.eds_path(pool)
-            async with self._write_lock:
-                await asyncio.to_thread(atomic_write, path, data)
+            try:
+                async with self._write_lock:
+                    await asyncio.to_thread(atomic_write, path, data)
+            except OSError as exc:
+                self.write_failures[pool] += 1
+                self.failing[pool] = f"cannot write {path}: {exc.strerror or exc}"
+                log_event(_log, logging.ERROR, "eds.write_failed", pool=pool, file=str(path),
+                          error=exc.strerror or str(exc), note="the previous file stays; retried next cycle")
+                return
+            self.failing.pop(pool, None)
+            self._stamp(layout.eds_path(pool))
             self._written[pool] = data
             self._last_write_at[pool] = loop.time()
             self.publishes[pool] += 1
@@ -211,6 +266,18 @@ class EdsPublisher:
             self.versions[pool] = version
             log_event(_log, logging.INFO, "eds.published", pool=pool, version=version, file=str(path))
             await self._confirm_eds(pool, version, before)
+
+    def _note_foreign_rejection(self, pool: str, stats: dict[str, int | str] | None) -> None:
+        """Count a rejection Envoy made of a file we did not write (seen before our next write)."""
+        if stats is None:
+            return
+        now = _int(stats, f"cluster.{pool}.update_rejected")
+        seen = self._rejected_seen.get(pool)
+        self._rejected_seen[pool] = now
+        if seen is not None and now > seen:
+            self.rejections[pool] += 1
+            log_event(_log, logging.ERROR, "eds.rejected", pool=pool, update_rejected=now,
+                      note="Envoy refused a file the sidecar did not write; it kept its previous endpoints")
 
     async def _confirm_eds(self, pool: str, version: str, before: dict[str, int | str] | None) -> None:
         prefix = f"cluster.{pool}."
@@ -221,6 +288,7 @@ class EdsPublisher:
         while loop.time() < deadline:
             seen = await self._admin.stats(_eds_pattern(pool))
             if seen is not None:
+                self._rejected_seen[pool] = _int(seen, prefix + "update_rejected")
                 if str(seen.get(prefix + "version_text", "")).strip('"') == version:
                     self.rejected.discard(pool)
                     return
@@ -240,15 +308,29 @@ class EdsPublisher:
                   admin=self._admin.base_url, reachable=seen is not None, timeout_s=self._confirm_timeout_s)
 
     async def write_tree(self, files: Mapping[str, bytes], mode: int) -> bool:
-        """Write the whole rendered output if it differs from the disk; False when it did not."""
+        """Write the whole rendered output if it differs from the disk; False when it did not.
+
+        Raises OutputError when the disk refuses (counted in write_failures["tree"]).
+        """
         async with self._write_lock:
             changed = await asyncio.to_thread(_changed_files, files, self.xds_dir)
             if not changed:
+                self.failing.pop("tree", None)
+                await asyncio.to_thread(self._stamp_all, files)
                 return False
             eds_before = {pool: await self._admin.stats(_eds_pattern(pool))
                           for pool in (_eds_pool(rel) for rel in changed) if pool is not None}
             before = await self._admin.stats(_XDS_PATTERN)
-            await asyncio.to_thread(write_tree, files, self.xds_dir, mode)
+            try:
+                await asyncio.to_thread(write_tree, files, self.xds_dir, mode)
+            except OutputError as exc:
+                self.write_failures["tree"] += 1
+                self.failing["tree"] = str(exc)
+                log_event(_log, logging.ERROR, "tree.write_failed", dir=str(self.xds_dir), error=str(exc),
+                          note="the files on disk stay as they were; retried next cycle")
+                raise
+            self.failing.pop("tree", None)
+            await asyncio.to_thread(self._stamp_all, files)
         loop = asyncio.get_running_loop()
         for rel, data in files.items():
             pool = _eds_pool(rel)
@@ -264,6 +346,10 @@ class EdsPublisher:
         for pool, pool_before in eds_before.items():
             await self._confirm_eds(pool, self.versions[pool], pool_before)
         return True
+
+    def _stamp_all(self, files: Mapping[str, bytes]) -> None:
+        for rel in files:
+            self._stamp(rel)
 
     async def _confirm_tree(self, before: dict[str, int | str] | None, kinds: set[str]) -> None:
         if not kinds:
