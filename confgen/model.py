@@ -310,10 +310,11 @@ NGINX_CAP_MAX = 65535
 class Backpressure:
     max_utilization: float = field(
         0.8,
-        doc="Read by the sidecar only: its pool counts as saturated when the workers without headroom "
-        "(reported waiting queue past its threshold, or KV cache nearly full and still queueing, on fresh "
-        "metrics) hold at least this share of the declared capacity of the workers in rotation; only "
-        "then does it shed new requests (429). In-flight counts are never compared with it.",
+        doc="Read by the sidecar only. A pool is saturated, and the sidecar sheds new requests (429), when "
+        "the workers without headroom hold at least this share of the declared capacity of the workers in "
+        "rotation. A worker has no headroom when, on fresh metrics, its engine's waiting queue (smoothed, "
+        "projected along its rise) reaches one request per declared slot, or its KV-cache use is at least 0.8 "
+        "while requests wait. In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
     )

@@ -17,13 +17,14 @@ from confgen.errors import ConfgenError
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
+from sidecar.saturation import SaturationPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
 __all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
 
 LogFormat = Literal["json", "text"]
-_P = TypeVar("_P", HealthPolicy, WeightPolicy)
+_P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy)
 
 
 class ConfigError(ConfgenError, ValueError):
@@ -46,11 +47,12 @@ class SidecarConfig:
     listen_port: int = 9109
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
+    saturation: SaturationPolicy = field(default_factory=SaturationPolicy)  # when to shed, how much
     publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
     dns_timeout_s: float = 2.0
-    ingresses: int = 1  # Envoys sharing the fleet: each takes 1/ingresses of the in-flight limit
+    ingresses: int = 1  # Envoys sharing the fleet: each corrects 1/ingresses of the shedding error
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
@@ -104,11 +106,14 @@ def parser() -> argparse.ArgumentParser:
                    help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
                    help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+    p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
+                   "(stale_after_s defaults to 2.5 x --interval)")
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
-    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet; each one's "
-                   "in-flight limit is its 1/N share of the pool's (default 1)")
+    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet: while a pool is "
+                   "saturated each one corrects 1/N of the queue error per cycle (default 1)")
     p.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -164,6 +169,8 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
     host, port = _split_listen(args.listen)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
+    stale = SaturationPolicy(stale_after_s=2.5 * args.interval) if args.interval > 0 else SaturationPolicy()
+    saturation = _override(stale, args.saturation, "--saturation")
     deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
     return SidecarConfig(
         topology=args.topology,
@@ -178,6 +185,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         listen_port=port,
         health=health,
         weights=weights,
+        saturation=saturation,
         publish_debounce_s=args.publish_debounce,
         confirm_timeout_s=args.confirm_timeout,
         watch_debounce_s=args.watch_debounce,

@@ -19,7 +19,7 @@ from pathlib import Path
 from confgen import envoy
 from confgen.envoy import Endpoint, layout
 from confgen.errors import OutputError, SecretError, TopologyError
-from confgen.model import Pool, Topology, Worker, split_address
+from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
 from confgen.secrets import resolve as resolve_secrets
 from confgen.topology import load as load_topology
 from sidecar.backpressure import InflightLimiter, PoolLoad
@@ -31,6 +31,7 @@ from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publish import EdsPublisher, read_published
 from sidecar.resolve import Resolver
+from sidecar.saturation import Headroom, assess
 from sidecar.state import Decision, EndpointState, Status, decide_pool
 from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
@@ -63,6 +64,7 @@ class _Tracked:
     weight: int | None = None  # last weight published
     sample: LoadSample | None = None
     trend: Trend = field(default_factory=Trend)  # smoothed speed and queue, for the weights
+    headroom: Headroom = field(default_factory=Headroom)  # the saturation detector's view
     report: ProbeReport | None = None
     decision: Decision | None = None
     errors: Counter[str] = field(default_factory=Counter)
@@ -92,6 +94,8 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
+    saturated: bool = False  # the detector's verdict (sidecar.saturation)
+    shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
 
@@ -322,6 +326,8 @@ class Daemon:
         self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
         tracked.sample = report.result.sample
         tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
+        tracked.headroom = tracked.headroom.observe(report.result.sample, report.result.at, tracked.capacity,
+                                                    self.config.saturation)
         if report.error is not None:
             tracked.errors[report.error] += 1
             log_event(_log, logging.DEBUG, "probe.failed", pool=key.pool, worker=key.worker,
@@ -388,19 +394,17 @@ class Daemon:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
         if self._limiter is not None:
-            await self._limiter.apply({pool.name: self._pool_load(pool) for pool in self._eds_pools()})
+            await self._limiter.apply({pool.name: self._pool_load(pool, now) for pool in self._eds_pools()}, now)
 
-    def _pool_load(self, pool: Pool) -> PoolLoad:
-        """Capacity and saturation of the endpoints that serve (sidecar.backpressure's rule)."""
+    def _pool_load(self, pool: Pool, now: float) -> PoolLoad:
+        """The render's safety cap and the detector's verdict over the endpoints in rotation."""
         rotation = {k: t for k, t in self._tracked.items() if k.pool == pool.name and t.decision is not None
                     and t.decision.status in (Status.HEALTHY, Status.DEGRADED)}
         serving = {k: t for k, t in rotation.items() if t.decision is not None and not t.decision.min_weight}
         counted = serving or rotation  # all failing: the sidecar stands back, as with ejections
-        samples = {k: t.sample for k, t in counted.items()}
-        capacities = {k: t.capacity for k, t in counted.items()}
-        sampled = any(sample is not None for sample in samples.values())
-        saturation = pool_saturation(samples, capacities, self.config.weights.kv_knee) if sampled else None
-        return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
+        saturation = assess(((t.headroom, t.capacity) for t in counted.values()), now, self.config.saturation,
+                            self._topo.backpressure.max_utilization)
+        return PoolLoad(self._topo.in_flight_cap(pool, ENVOY_CAP_MAX), saturation)
 
     async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
         assert isinstance(self._publisher, EdsPublisher)  # only the Envoy target writes a tree
@@ -477,6 +481,8 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
+                saturated=self._pool_load(pool, self._clock()).saturation.saturated,
+                shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
                 probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(

@@ -113,13 +113,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             except (OSError, RuntimeError) as exc:
                 log_event(_log, logging.ERROR, "startup.listen_failed", serve_xds=config.serve_xds, error=str(exc))
                 return EXIT_USAGE
-            limiter = RtdsLimiter(publisher)
+            limiter = RtdsLimiter(publisher, config.saturation)
             register_xds(registry, publisher.view)
         else:
             assert xds_dir is not None
             publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
                                      confirm_timeout_s=config.confirm_timeout_s)
-            limiter = InflightLimiter(admin, config.ingresses)
+            limiter = InflightLimiter(admin, config.ingresses, config.saturation)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=limiter)
         daemon.adopt_published()
