@@ -371,7 +371,7 @@ class Daemon:
         now = self._clock()
         self._apply_drains(now)
         if isinstance(self._publisher, EdsPublisher):  # files someone else replaced: restore ours
-            changed = await asyncio.to_thread(self._publisher.changed_on_disk)
+            changed = await self._publisher.check_disk()
             if any(not rel.startswith("eds/") for rel in changed):
                 self._tree_due = True
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}

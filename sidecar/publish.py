@@ -175,6 +175,15 @@ class EdsPublisher:
             return
         self._stamps[rel] = (st.st_ino, st.st_mtime_ns, st.st_size)
 
+    def _write_stamped(self, rel: str, data: bytes) -> None:
+        atomic_write(self.xds_dir / rel, data)
+        self._stamp(rel)
+
+    async def check_disk(self) -> list[str]:
+        """`changed_on_disk`, in a thread, never while a write of ours is half done."""
+        async with self._write_lock:
+            return await asyncio.to_thread(self.changed_on_disk)
+
     def changed_on_disk(self) -> list[str]:
         """Files we wrote that someone else replaced since (blocking: stats; run in a thread).
 
@@ -250,7 +259,7 @@ class EdsPublisher:
             path = self.xds_dir / layout.eds_path(pool)
             try:
                 async with self._write_lock:
-                    await asyncio.to_thread(atomic_write, path, data)
+                    await asyncio.to_thread(self._write_stamped, layout.eds_path(pool), data)
             except OSError as exc:
                 self.write_failures[pool] += 1
                 self.failing[pool] = f"cannot write {path}: {exc.strerror or exc}"
@@ -258,7 +267,6 @@ class EdsPublisher:
                           error=exc.strerror or str(exc), note="the previous file stays; retried next cycle")
                 return
             self.failing.pop(pool, None)
-            self._stamp(layout.eds_path(pool))
             self._written[pool] = data
             self._last_write_at[pool] = loop.time()
             self.publishes[pool] += 1

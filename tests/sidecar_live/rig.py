@@ -95,7 +95,7 @@ class SidecarProcess:
             self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=log, stderr=log,
                                          cwd=self._cwd, env=env)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
+    def wait_ready(self, timeout: float = 30.0) -> None:
         def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
