@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
+from confgen.model import Topology
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
@@ -21,7 +22,7 @@ from sidecar.saturation import SaturationPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
+__all__ = ["ConfigError", "SidecarConfig", "config_dir_for", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy)
@@ -59,6 +60,13 @@ class SidecarConfig:
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
+
+    @property
+    def publisher(self) -> str:
+        """The publisher the flags select (a key of sidecar.publisher.PUBLISHERS)."""
+        if self.nginx is not None:
+            return "nginx"
+        return "ads" if self.serve_xds is not None else "envoy"
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -197,3 +205,23 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
     )
+
+
+def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
+    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
+    if config.xds_dir is not None:
+        return config.xds_dir.absolute()
+    if topo.envoy.config_dir:
+        return Path(topo.envoy.config_dir).absolute()
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
+    """The directory Envoy reads (paths inside the files); may differ from where we write.
+
+    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
+    absolute (sidecar.tree.config_dir_for_tree).
+    """
+    from sidecar.tree import config_dir_for_tree
+
+    return config_dir_for_tree(xds_dir_for(config, topo), topo)

@@ -484,7 +484,12 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
     hpas = _hpas(plan)
-    docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
+    if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
+        from ._kubernetes_ads import ads_objects
+
+        docs = [_configmap(plan), *ads_objects(plan), *hpas]
+    else:
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
     if topo.kubernetes.monitoring:
         docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
     scaled = _scaled_objects(plan)
