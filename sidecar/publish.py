@@ -230,7 +230,13 @@ class EdsPublisher:
         return changed
 
     async def start(self) -> None:
-        """Nothing to open: the files are written on demand."""
+        """Nothing to open (files are written on demand); remove the temp files a predecessor
+        killed mid-write left behind (found by the fault campaign: SIGKILL between mkstemp
+        and rename leaves `.endpoints.json.XXXXXXXX.tmp`)."""
+        removed = await asyncio.to_thread(_sweep_temp_files, self.xds_dir)
+        if removed:
+            log_event(_log, logging.WARNING, "startup.temp_files_removed", dir=str(self.xds_dir), files=removed,
+                      note="left by a write that was killed before its rename; the files Envoy reads are whole")
 
     def problems(self) -> list[str]:
         return ([f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
@@ -473,6 +479,21 @@ def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping
 
 
 _XDS_PATTERN = r"^(cluster_manager\.cds|listener_manager\.lds)\.update_(success|rejected)$"
+
+
+_TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")  # confgen.output.atomic_write's mkstemp names
+
+
+def _sweep_temp_files(xds_dir: Path) -> list[str]:
+    """Remove atomic_write's leftover temp files under `xds_dir` (blocking); their relative paths."""
+    if not xds_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(xds_dir.rglob(".*.tmp")):
+        if _TEMP_NAME.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(str(path.relative_to(xds_dir)))
+    return removed
 
 
 def _eds_pattern(pool: str) -> str:
