@@ -11,8 +11,8 @@ import math
 from collections.abc import Collection
 from typing import Any
 
-from ._checks import fallback_chain
 from .model import Topology
+from .plan import fallback_chain
 
 Json = dict[str, Any]
 

@@ -26,11 +26,12 @@ SAMPLED_ENDPOINTS = 8
 
 def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[str]:
     """Problems the real proxy reports for `topo` rendered for `target` ([] when accepted)."""
-    if target == "envoy":
-        return verify_envoy(topo, all_endpoints=all_endpoints)
-    if target == "nginx":
-        return verify_nginx(topo)
-    raise VerifyError(f"no real-proxy check for target {target!r}")
+    from . import targets
+
+    check = targets.get(target).verify
+    if check is None:
+        raise VerifyError(f"target {target!r} has no real-proxy check")
+    return check(topo, all_endpoints)
 
 
 def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:

@@ -91,8 +91,13 @@ class SidecarCollector(Collector):
         stale = GaugeMetricFamily(_PREFIX + "topology_stale", "1 while the running configuration is older than "
                                   "the topology file (its last reload was invalid or needed API keys).")
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
-                                  "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
+                                  "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
+                                  "unless the pool is saturated.", labels=["pool"])
+        saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
+                                      "(sidecar.saturation: waiting queue per slot, its trend, KV use; fresh "
+                                      "metrics only).", labels=["pool"])
         for pool in snap.pools:
+            saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
@@ -124,7 +129,7 @@ class SidecarCollector(Collector):
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, stale, limit)
+                    rejected, reloads, cycles, ready, stale, limit, saturated)
 
 
 def _le(bound: float) -> str:

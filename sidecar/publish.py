@@ -9,9 +9,11 @@
   means Envoy refused it and keeps the previous endpoints (file xDS has no ACK). A
   rejection is logged at error level, counted, and keeps the pool in `rejected` (the
   daemon reports not-ready) until a write of that pool is confirmed.
-- The whole tree (topology reload): written with `confgen.output.write_tree`, which
-  orders EDS before CDS before LDS; skipped entirely when the disk already holds it, since
-  any rename in a watched directory makes Envoy reload everything watching it.
+- The whole tree (first cycle, topology reload): rendered by `confgen.envoy.render` in a
+  thread, each pool's EDS file replaced by the endpoints the daemon decided (or the file
+  already written, never by none), then written with `confgen.output.write_tree` in
+  Envoy's order (EDS before CDS before LDS); skipped entirely when the disk already holds
+  it, since any rename in a watched directory makes Envoy reload everything watching it.
 - An empty endpoint list is never published for a pool (Envoy would drop every host).
 
 Disk writes run in a thread (fsync blocks) under one lock, so a tree write and a pool
@@ -26,18 +28,25 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import aiohttp
 
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
+from confgen.model import Topology
 from confgen.output import atomic_write, diff_tree, write_tree
+from sidecar.config import xds_dir_for
 from sidecar.logs import log_event
+from sidecar.publisher import Built, Wiring
+from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 
-__all__ = ["EdsPublisher", "EnvoyAdmin", "read_published"]
+if TYPE_CHECKING:
+    from sidecar.xds.publisher import XdsView
+
+__all__ = ["EdsPublisher", "EnvoyAdmin", "build", "read_published"]
 
 _log = logging.getLogger("sidecar.publish")
 _POLL_S = 0.02
@@ -136,7 +145,7 @@ def read_published(xds_dir: Path, pool: str) -> tuple[bytes, list[Endpoint]] | N
 
 
 class EdsPublisher:
-    """Writes EDS files and the whole tree; confirms through the admin stats."""
+    """Writes EDS files and the whole tree; confirms through the admin stats (a `Publisher`)."""
 
     def __init__(self, xds_dir: Path, admin: EnvoyAdmin, *, debounce_s: float, confirm_timeout_s: float) -> None:
         self.xds_dir = xds_dir
@@ -152,13 +161,24 @@ class EdsPublisher:
         self.rejections: Counter[str] = Counter()
         self.rejected: set[str] = set()  # pools (or "cds"/"lds") whose last write Envoy refused
         self.versions: dict[str, str] = {}
+        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
 
-    def adopt(self, pool: str, data: bytes) -> None:
-        """The content already on disk for `pool` (no write needed to reach it)."""
-        self._written[pool] = data
+    def adopt(self, pool: str) -> list[Endpoint]:
+        """The endpoints of `pool`'s EDS file on disk, kept as written (no write needed to reach it)."""
+        found = read_published(self.xds_dir, pool)
+        if found is None:
+            return []
+        self._written[pool] = found[0]
+        return found[1]
 
-    def written(self, pool: str) -> bytes | None:
-        return self._written.get(pool)
+    async def start(self) -> None:
+        """Nothing to open: the files are written on demand."""
+
+    def problems(self) -> list[str]:
+        return [f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
+
+    def xds_view(self) -> XdsView | None:
+        return None
 
     def forget(self, pool: str) -> None:
         """A pool left the topology: drop its bookkeeping (its file goes with the tree)."""
@@ -168,16 +188,13 @@ class EdsPublisher:
         self.publishes.pop(pool, None)
         self.rejections.pop(pool, None)
 
-    def render(self, pool: str, endpoints: Sequence[Endpoint]) -> bytes:
-        return render_eds(pool, endpoints)
-
     def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
         """Publish `endpoints` for `pool` if they differ from what is on disk (debounced)."""
         if not endpoints:
             log_event(_log, logging.WARNING, "eds.empty_refused", pool=pool,
                       note="no endpoint to publish; keeping the current file")
             return
-        data = self.render(pool, endpoints)
+        data = render_eds(pool, endpoints)
         if data == self._written.get(pool) and pool not in self._pending:
             return
         self._pending[pool] = data
@@ -239,6 +256,34 @@ class EdsPublisher:
         log_event(_log, logging.WARNING, "eds.unconfirmed", pool=pool, version=version,
                   admin=self._admin.base_url, reachable=seen is not None, timeout_s=self._confirm_timeout_s)
 
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """Where the next tree write takes LDS from (sidecar.tree.keys_for_reload: the keys are
+        read only when listeners or auth change); SecretError when they are needed and unreadable."""
+        lds = keys_for_reload(old, new)
+
+        def adopt() -> None:
+            if not isinstance(lds, str) or self._lds == "keep":
+                self._lds = lds  # a pending LDS render (keys read) survives a reload that keeps LDS
+
+        return adopt
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """Render the whole tree for `topo` (in a thread: sidecar.tree.render_tree), each pool's EDS
+        file holding `endpoints` (or what is written, never none), and write what changed."""
+        config_dir = await asyncio.to_thread(config_dir_for_tree, self.xds_dir, topo)
+        files, lds, why = await asyncio.to_thread(render_tree, topo, xds_dir=self.xds_dir, config_dir=config_dir,
+                                                  lds=self._lds)
+        self._lds = "keep"  # the keys (if any were read) are dropped with this call
+        if lds == "absent":
+            log_event(_log, logging.ERROR, "tree.lds_absent", dir=str(self.xds_dir), note=why)
+        elif lds == "kept":
+            log_event(_log, logging.INFO, "tree.lds_kept", dir=str(self.xds_dir), note=why)
+        kept = dict(self._written)
+        eds = await asyncio.to_thread(_render_eds_files, endpoints, kept)
+        files.update(eds)
+        await self.write_tree(files, mode=0o600 if topo.auth is not None else 0o644)
+        return True
+
     async def write_tree(self, files: Mapping[str, bytes], mode: int) -> bool:
         """Write the whole rendered output if it differs from the disk; False when it did not."""
         async with self._write_lock:
@@ -248,7 +293,7 @@ class EdsPublisher:
             eds_before = {pool: await self._admin.stats(_eds_pattern(pool))
                           for pool in (_eds_pool(rel) for rel in changed) if pool is not None}
             before = await self._admin.stats(_XDS_PATTERN)
-            await asyncio.to_thread(write_tree, files, self.xds_dir, mode)
+            await asyncio.to_thread(functools.partial(write_tree, files, self.xds_dir, mode, rank=layout.write_rank))
         loop = asyncio.get_running_loop()
         for rel, data in files.items():
             pool = _eds_pool(rel)
@@ -302,6 +347,28 @@ class EdsPublisher:
             for task in still:
                 task.cancel()
             await asyncio.gather(*still, return_exceptions=True)
+
+
+def build(wiring: Wiring) -> Built:
+    """The file-xDS publisher (`sidecar.publisher.PUBLISHERS["envoy"]`), limits through Envoy's admin runtime."""
+    from sidecar.backpressure import InflightLimiter  # it imports this module (EnvoyAdmin)
+
+    config = wiring.config
+    publisher = EdsPublisher(xds_dir_for(config, wiring.topo), wiring.admin, debounce_s=config.publish_debounce_s,
+                             confirm_timeout_s=config.confirm_timeout_s)
+    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation))
+
+
+def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Each pool's EDS file holding `endpoints`, or the file already written when there are none
+    (never replace endpoints by none); blocking: run in a thread."""
+    files: dict[str, bytes] = {}
+    for pool, members in endpoints.items():
+        if members:
+            files[layout.eds_path(pool)] = render_eds(pool, members)
+        elif pool in kept:
+            files[layout.eds_path(pool)] = kept[pool]
+    return files
 
 
 _XDS_PATTERN = r"^(cluster_manager\.cds|listener_manager\.lds)\.update_(success|rejected)$"

@@ -73,6 +73,8 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "rejections": pool.rejections,
                 "rejected": pool.rejected,
                 "inflight_limit": pool.inflight_limit,
+                "saturated": pool.saturated,
+                "shedding": pool.shedding,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,

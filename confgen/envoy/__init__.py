@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 
 from ..model import Topology
+from ..plan import plan
 from . import ads, layout
 from ._clusters import assignments, clusters
 from ._listener import listeners
@@ -64,10 +65,11 @@ def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None
         return {layout.BOOTSTRAP: dumps(ads.bootstrap(topo))}
     keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
     config_dir = config_dir.rstrip("/") or "/"
+    routing = plan(topo)
     files = {
         layout.BOOTSTRAP: dumps(bootstrap(topo, config_dir)),
-        layout.LDS: dumps({"version_info": topo.name, "resources": listeners(topo, keys)}),
-        layout.CDS: dumps({"version_info": topo.name, "resources": clusters(topo, config_dir)}),
+        layout.LDS: dumps({"version_info": topo.name, "resources": listeners(topo, routing, keys)}),
+        layout.CDS: dumps({"version_info": topo.name, "resources": clusters(topo, routing, config_dir)}),
     }
     for pool, cla in assignments(topo).items():
         files[layout.eds_path(pool)] = eds_document(cla)

@@ -24,29 +24,11 @@ from typing import Any
 from confgen import envoy, parse_topology
 from confgen.output import write_tree
 from confgen.runtime import EnvoyProcess, free_port
-from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_thread
+from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
 from tests.support.envoy import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
-TOPOLOGY = """\
-version: 1
-name: live
-admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
-  - name: chat
-    engine: vllm
-    models: [sim-model]
-    capacity: {capacity}
-    balancing: {{policy: {policy}}}
-    # The sidecar alone decides health here: no active checks, no outlier ejection.
-    health: {{enabled: false}}
-    outlier_detection: {{enabled: false}}
-    workers:
-{workers}
-"""
 
 # Fast, test-sized policy: a 0.5 s cycle, no slow-start ramp, short stall floor.
 FAST_ARGS = (
@@ -60,8 +42,10 @@ FAST_ARGS = (
 def topology_text(
     workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request"
 ) -> str:
-    lines = "\n".join(f"      - {w}" for w in workers)
-    return TOPOLOGY.format(admin=admin, port=port, workers=lines, capacity=capacity, policy=policy)
+    # The sidecar alone decides health here: no active checks, no outlier ejection.
+    return fleet_topology(name="live", admin=admin, port=port, workers=workers, models=["sim-model"],
+                          capacity=capacity, pool=[f"balancing: {{policy: {policy}}}", "health: {enabled: false}",
+                                                   "outlier_detection: {enabled: false}"])
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
@@ -233,7 +217,7 @@ def live_rig(
             topo_path.write_text(text)
         xds = tmp / "envoy"
         topo, _ = parse_topology(text.encode())
-        write_tree(envoy.render(topo, config_dir=str(xds)), xds)
+        write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
         args = ["--topology", str(topo_path), "--xds-dir", str(xds), "--listen", f"127.0.0.1:{listen}",
                 *sidecar_args]
         sidecar = SidecarProcess(args, tmp / "sidecar.log", listen, wrapper)

@@ -35,6 +35,7 @@ FULL: dict[str, Any] = {
         "sidecar_image": "registry.example/confgen/sidecar:0.1.0",
         "keys_secret": "confgen-keys",
         "monitoring": True,
+        "admin_token_secret": "confgen-sidecar-token",
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
