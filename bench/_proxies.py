@@ -197,8 +197,9 @@ class SidecarProcess:
         return self.proc.pid
 
     def metric_sum(self, *needles: str) -> float | None:
-        """Sum of the sidecar's own metric samples whose name contains every needle (None: none found
-        or the server did not answer); e.g. ("eds", "publish") counts EDS writes."""
+        """Sum of the sidecar's own metric samples whose name contains every needle, where a needle
+        may offer alternatives ("publish|write") (None: none found or the server did not answer);
+        e.g. ("eds", "publish|write") counts EDS writes under either name."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
@@ -209,7 +210,8 @@ class SidecarProcess:
         total, seen = 0.0, False
         for family in text_string_to_metric_families(body):
             for sample in family.samples:
-                if all(n in sample.name for n in needles) and not sample.name.endswith("_created"):
+                if (all(any(alt in sample.name for alt in n.split("|")) for n in needles)
+                        and not sample.name.endswith("_created") and "rejected" not in sample.name):
                     total += sample.value
                     seen = True
         return total if seen else None

@@ -75,7 +75,7 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
               "|---|---|---|---|---|---|"]
     for r in results:
         for t in r.targets:
-            limit = "" if t.limit is None else f" ({t.limit:g})"
+            limit = "" if t.limit is None else f" ({t.limit:.3g})"
             lines.append(f"| {r.name} | {t.name} | {t.goal} | {t.measured} | {_ratio(t.ratio)}{limit} | "
                          f"{_met(t.met)} |")
     for name, err in errors.items():

@@ -313,7 +313,7 @@ class Backpressure:
         doc="Read by the sidecar only. A pool is saturated, and the sidecar sheds new requests (429), when "
         "the workers without headroom hold at least this share of the declared capacity of the workers in "
         "rotation. A worker has no headroom when, on fresh metrics, its engine's waiting queue (smoothed, "
-        "projected along its rise) reaches one request per declared slot, or its KV-cache use is at least 0.8 "
+        "projected along its rise) reaches 1.5 requests per declared slot, or its KV-cache use is at least 0.8 "
         "while requests wait. In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
