@@ -44,6 +44,8 @@ def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
         problems = _validate_envoy(envoy.ads.bootstrap(topo))
         return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
+    if problems := envoy.file_type_problems(files):  # what validate mode cannot see in the files
+        return problems
     return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit))
 
 

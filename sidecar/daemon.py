@@ -78,6 +78,7 @@ class EndpointView:
     last_outcome: str | None
     last_error: str | None
     errors: Mapping[str, int]
+    serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +388,8 @@ class Daemon:
                     last_outcome=t.report.result.outcome.value if t.report else None,
                     last_error=t.report.detail if t.report and t.report.error else None,
                     errors=dict(t.errors),
+                    serving=(t.decision.status in (Status.HEALTHY, Status.DEGRADED) and not t.decision.min_weight)
+                    if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
                 )
                 for k, t in members
             )
