@@ -83,6 +83,14 @@ def fmt_ms(v: float | None) -> str:
     return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}")
 
 
+def judged(value: float | None, ours: float | None, limit: float) -> bool | None:
+    """A ratio target: missed when our own figure is missing (our run failed), not measured when
+    only the reference is missing, else value <= limit."""
+    if ours is None:
+        return False
+    return None if value is None else value <= limit
+
+
 def fmt_x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 

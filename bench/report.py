@@ -75,7 +75,7 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
               "|---|---|---|---|---|---|"]
     for r in results:
         for t in r.targets:
-            limit = "" if t.limit is None else f" ({t.limit:g})"
+            limit = "" if t.limit is None else f" ({t.limit:.3g})"
             lines.append(f"| {r.name} | {t.name} | {t.goal} | {t.measured} | {_ratio(t.ratio)}{limit} | "
                          f"{_met(t.met)} |")
     for name, err in errors.items():
@@ -102,8 +102,9 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     path = out / "report.md"
     path.write_text("\n".join(lines))
     raw = {"machine": info, "wall_s": wall_s, "errors": errors,
-           "scenarios": {r.name: {"targets": [t.row() for t in r.targets], "raw": r.raw, "wall_s": r.wall_s,
-                                  "tables": r.tables, "notes": r.notes, "chart": r.chart} for r in results}}
+           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": r.raw,
+                                  "wall_s": r.wall_s, "tables": r.tables, "notes": r.notes, "chart": r.chart}
+                         for r in results}}
     (out / "results.json").write_text(json.dumps(raw, indent=1, default=str))
     chart(out / "chart.png", results)
     return path
@@ -122,7 +123,8 @@ def results_from_json(path: Path) -> list[Result]:
     data = json.loads(path.read_text())
     out = []
     for name, sc in data["scenarios"].items():
-        r = Result(name, name, raw=sc["raw"], chart=sc.get("chart") or _chart_from_raw(name, sc["raw"]))
+        r = Result(name, sc.get("title", name), raw=sc["raw"],
+                   chart=sc.get("chart") or _chart_from_raw(name, sc["raw"]))
         from ._harness import Target
 
         r.targets = [Target(t["name"], t["goal"], t["measured"], t["ratio"], t["met"], t.get("limit"))
@@ -157,7 +159,9 @@ def chart(path: Path, results: list[Result]) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return
-    fig, axes = plt.subplots(n, 1, figsize=(11, 3.6 * n), squeeze=False)
+    heights = [3.6] * len(panels) + ([max(3.0, 0.22 * len(targets))] if targets else [])
+    fig, axes = plt.subplots(n, 1, figsize=(11, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, (kind, panel) in zip(axes[:, 0], panels, strict=False):
         if kind == "groups":
             _grouped(ax, panel)
@@ -176,11 +180,11 @@ def chart(path: Path, results: list[Result]) -> None:
     if targets:
         ax = axes[-1, 0]
         names = [n for n, _ in targets]
-        scores = [min(t.ratio / t.limit, 3.0) if t.ratio is not None and t.limit else 0.0 for _, t in targets]
+        scores = [_score(t) for _, t in targets]
         colors = ["tab:green" if t.met else ("tab:gray" if t.met is None else "tab:red") for _, t in targets]
         ax.barh(range(len(targets)), scores, color=colors)
         for i, (_, t) in enumerate(targets):
-            if t.ratio is None or not t.limit:
+            if t.ratio is None:
                 ax.text(0.02, i, "met" if t.met else "missed" if t.met is False else "-", va="center", fontsize=7)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(targets)), names, fontsize=7)
@@ -204,3 +208,13 @@ def _grouped(ax: Any, panel: dict[str, Any]) -> None:
     ax.set_ylabel(panel.get("ylabel", "x reference"))
     ax.set_title(panel["title"], fontsize=10)
     ax.legend(fontsize=7)
+
+
+def _score(t: Any) -> float:
+    """Bar length: measured / limit (capped at 3); a zero limit (a count that must be 0) draws 0.1 when
+    met and 1.5 when missed, so a miss is a red bar like the others."""
+    if t.ratio is None:
+        return 0.0
+    if not t.limit:
+        return 0.1 if t.met else 1.5
+    return float(min(t.ratio / t.limit, 3.0))

@@ -11,11 +11,14 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
+from .balancing import POLICIES, is_hashing
 from .errors import Severity
-from .model import Pool, Topology, is_ip, split_address
+from .model import Topology, is_ip, split_address
+from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
 ERROR, WARNING = Severity.ERROR, Severity.WARNING
+_HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy.hashing)
 
 
 def check(topo: Topology) -> list[Finding]:
@@ -55,7 +58,8 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
     for index, lst in enumerate(topo.listeners):
-        if lst.port == topo.admin.port and (lst.address in ("0.0.0.0", "::") or lst.address == topo.admin.address):
+        wildcard = {lst.address, topo.admin.address} & {"0.0.0.0", "::"}  # either side binds every address
+        if lst.port == topo.admin.port and (wildcard or lst.address == topo.admin.address):
             yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
@@ -67,7 +71,7 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
 
 
 def _addresses(topo: Topology) -> Iterator[Finding]:
-    for name, address in [("admin.address", topo.admin.address)] + [
+    for name, address in [("admin.address", topo.admin.address), ("sidecar.address", topo.sidecar.address)] + [
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):
@@ -160,15 +164,6 @@ def _references(topo: Topology) -> Iterator[Finding]:
         yield from unknown_pool("default_pool", topo.default_pool)
 
 
-def fallback_chain(topo: Topology, pool: Pool) -> list[Pool]:
-    """The pool and the pools it falls back to, in order (stops at a cycle or unknown)."""
-    by_name = {p.name: p for p in topo.pools}
-    chain = [pool]
-    while chain[-1].fallback in by_name and by_name[chain[-1].fallback] not in chain:
-        chain.append(by_name[chain[-1].fallback])
-    return chain
-
-
 def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
     by_name = {p.name: p for p in topo.pools}
     reported: set[str] = set()
@@ -185,35 +180,6 @@ def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
                 break
             seen.append(nxt.name)
             current = nxt
-
-
-def primary_pool_for(topo: Topology, model: str) -> Pool | None:
-    """The pool that answers `model` by the implicit per-model routes, if unambiguous.
-
-    A name served by several pools belongs to the one whose fallback chain holds all the
-    others (70B -> 7B both serving "chat": the 70B pool answers, the 7B one is its fallback).
-    """
-    serving = [p for p in topo.pools if model in p.served_names]
-    for pool in serving:
-        chain = {p.name for p in fallback_chain(topo, pool)}
-        if all(p.name in chain for p in serving):
-            return pool
-    return None
-
-
-def implicit_model_routes(topo: Topology) -> list[tuple[str, Pool]]:
-    """(model name, pool) for every served name no explicit route claims, in topology order."""
-    out: list[tuple[str, Pool]] = []
-    seen: set[str] = set()
-    for pool in topo.pools:
-        for model in pool.served_names:
-            if model in seen:
-                continue
-            seen.add(model)
-            owner = primary_pool_for(topo, model)
-            if owner is not None:  # None: claimed by an explicit route (checked on load)
-                out.append((model, owner))
-    return out
 
 
 def _model_routing(topo: Topology) -> Iterator[Finding]:
@@ -265,7 +231,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
         bal = pool.balancing
-        hashing = bal.policy in ("ring_hash", "maglev")
+        hashing = is_hashing(bal.policy)
         if bal.hash_on is not None:
             given = [k for k in ("header", "cookie") if getattr(bal.hash_on, k) is not None]
             if len(given) != 1:
@@ -273,7 +239,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             if not hashing:
                 yield (
                     f"{base}.balancing.hash_on",
-                    f"hash_on needs policy ring_hash or maglev, not {bal.policy}",
+                    f"hash_on needs policy {_HASHING_NAMES}, not {bal.policy}",
                     ERROR,
                 )
         elif hashing:
@@ -310,6 +276,13 @@ def _routes(topo: Topology) -> Iterator[Finding]:
                     "routing on credentials or the client header is refused",
                     ERROR,
                 )
+            elif header.name in UNROUTABLE_HEADERS:
+                yield (
+                    f"{base}.match.headers[{hi}].name",
+                    f"{header.name!r} is a header the proxy strips or sets itself before routing (Envoy and "
+                    "nginx would route the same request differently); route on a header of your own",
+                    ERROR,
+                )
         try:
             pool = topo.pool(route.pool)
         except KeyError:
@@ -337,6 +310,15 @@ RESERVED_HEADERS = frozenset({
     "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port", "x-real-ip", "x-request-id",
 })
 RESERVED_HEADER_PREFIXES = ("x-envoy-", "proxy-")
+
+
+# Headers the two targets do not show a route alike (measured with both real proxies): Envoy
+# drops hop-by-hop headers and sets x-forwarded-for/-proto and x-request-id before routing,
+# while nginx's router (njs) sees only what the client sent.
+UNROUTABLE_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "x-forwarded-for", "x-forwarded-proto", "x-request-id",
+})
 
 
 def reserved_header(name: str) -> bool:

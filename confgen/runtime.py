@@ -282,7 +282,7 @@ class EnvoyProcess(_Proxy):
                 continue
             value = value.strip()
             # Histograms print "P0(...)" summaries: keep them as text.
-            result[name] = int(value) if value.isdigit() else value
+            result[name] = int(value) if value.isascii() and value.isdigit() else value
         return result
 
     def clusters_text(self) -> str:

@@ -14,17 +14,19 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
+from confgen.model import Topology
 from sidecar.hysteresis import HysteresisPolicy
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
+from sidecar.saturation import SaturationPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
+__all__ = ["ConfigError", "SidecarConfig", "config_dir_for", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
-_P = TypeVar("_P", HealthPolicy, WeightPolicy, HysteresisPolicy)
+_P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
 
 
 class ConfigError(ConfgenError, ValueError):
@@ -48,15 +50,25 @@ class SidecarConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
     hysteresis: HysteresisPolicy = field(default_factory=HysteresisPolicy)  # which weight changes are published
+    saturation: SaturationPolicy = field(default_factory=SaturationPolicy)  # when to shed, how much
     publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
     dns_timeout_s: float = 2.0
-    ingresses: int = 1  # Envoys sharing the fleet: each takes 1/ingresses of the in-flight limit
+    ingresses: int = 1  # Envoys sharing the fleet: each corrects 1/ingresses of the shedding error
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
+    admin_token_env: str | None = None  # ... or the environment variable holding it
+
+    @property
+    def publisher(self) -> str:
+        """The publisher the flags select (a key of sidecar.publisher.PUBLISHERS)."""
+        if self.nginx is not None:
+            return "nginx"
+        return "ads" if self.serve_xds is not None else "envoy"
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -107,15 +119,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hysteresis", action="append", default=[], metavar="KEY=VALUE",
                    help="override a HysteresisPolicy field (repeatable): when a weight change is "
                    "published, e.g. --hysteresis threshold=0.1 (sustain=1 threshold=0 min_step=0: every change)")
+    p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
+                   "(stale_after_s defaults to 2.5 x --interval)")
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
-    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet; each one's "
-                   "in-flight limit is its 1/N share of the pool's (default 1)")
+    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet: while a pool is "
+                   "saturated each one corrects 1/N of the queue error per cycle (default 1)")
     p.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="least severe level logged (default INFO)")
+    p.add_argument("--admin-token-file", type=Path, metavar="PATH",
+                   help="file holding the bearer token POST /drain and /undrain require (16-512 token "
+                   "characters). Without a token they answer only on a loopback --listen")
+    p.add_argument("--admin-token-env", metavar="NAME",
+                   help="environment variable holding that token (instead of --admin-token-file)")
     p.add_argument("--serve-xds", metavar="HOST:PORT",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
@@ -126,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise ConfigError(f"{flag} must be host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -163,6 +183,8 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
     hysteresis = _override(HysteresisPolicy(), args.hysteresis, "--hysteresis")
+    stale = SaturationPolicy(stale_after_s=2.5 * args.interval) if args.interval > 0 else SaturationPolicy()
+    saturation = _override(stale, args.saturation, "--saturation")
     deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
     return SidecarConfig(
         topology=args.topology,
@@ -178,6 +200,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         health=health,
         weights=weights,
         hysteresis=hysteresis,
+        saturation=saturation,
         publish_debounce_s=args.publish_debounce,
         confirm_timeout_s=args.confirm_timeout,
         watch_debounce_s=args.watch_debounce,
@@ -186,4 +209,26 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         log_level=args.log_level,
         nginx=nginx,
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
+        admin_token_file=args.admin_token_file,
+        admin_token_env=args.admin_token_env,
     )
+
+
+def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
+    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
+    if config.xds_dir is not None:
+        return config.xds_dir.absolute()
+    if topo.envoy.config_dir:
+        return Path(topo.envoy.config_dir).absolute()
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
+    """The directory Envoy reads (paths inside the files); may differ from where we write.
+
+    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
+    absolute (sidecar.tree.config_dir_for_tree).
+    """
+    from sidecar.tree import config_dir_for_tree
+
+    return config_dir_for_tree(xds_dir_for(config, topo), topo)

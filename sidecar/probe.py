@@ -199,7 +199,7 @@ class Prober:
                 body = await self._read(resp)
                 if not 200 <= resp.status < 300:
                     raise _BadStatus(resp.status)
-        return extract(target.engine, body)
+        return extract(target.engine, body, openmetrics=resp.content_type == "application/openmetrics-text")
 
 
 def _health_failure(exc: BaseException) -> tuple[Outcome, str, str]:

@@ -2,10 +2,15 @@
 
     GET  /metrics    Prometheus text from the registry passed in
     GET  /healthz    200 while the process serves (liveness)
-    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes
+    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
+                     its body also says when the running config is stale (a reload refused)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
-    POST /drain?pool=P&worker=HOST:PORT     planned drain (published DRAINING)
-    POST /undrain?pool=P&worker=HOST:PORT   end it
+    GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.models)
+    POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
+    POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
+                   (Content-Type: application/json; pool/worker may also be query
+                   parameters; no Origin header; a bearer token beyond loopback:
+                   sidecar.guard)
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon, Snapshot
+from sidecar.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.models import models_answer
 from sidecar.xds.cache import SHORT
 from sidecar.xds.publisher import XdsView
 
@@ -66,6 +73,8 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "rejections": pool.rejections,
                 "rejected": pool.rejected,
                 "inflight_limit": pool.inflight_limit,
+                "saturated": pool.saturated,
+                "shedding": pool.shedding,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,
@@ -98,8 +107,15 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    reasons = request.app[_DAEMON].not_ready()
-    return web.json_response({"ready": not reasons, "not_ready": reasons}, status=503 if reasons else 200)
+    """Ready or not, and why; `stale` says why the running config is older than the topology.
+
+    A stale config does not make the sidecar unready: every replica reads the same
+    topology, so failing readiness would take them all out of service at once.
+    """
+    daemon = request.app[_DAEMON]
+    reasons = daemon.not_ready()
+    body = {"ready": not reasons, "not_ready": reasons, "stale": daemon.stale()}
+    return web.json_response(body, status=503 if reasons else 200)
 
 
 async def _state(request: web.Request) -> web.Response:
@@ -107,10 +123,15 @@ async def _state(request: web.Request) -> web.Response:
 
 
 async def _set_drain(request: web.Request, drained: bool) -> web.Response:
-    pool, worker = request.query.get("pool", ""), request.query.get("worker", "")
+    body = await json_object(request)
+    if isinstance(body, web.Response):
+        return body
+    pool = body.get("pool", request.query.get("pool", ""))
+    worker = body.get("worker", request.query.get("worker", ""))
     daemon = request.app[_DAEMON]
-    if not pool or not worker:
-        return web.json_response({"error": "pool and worker query parameters are required"}, status=400)
+    if not isinstance(pool, str) or not isinstance(worker, str) or not pool or not worker:
+        return web.json_response({"error": "pool and worker are required (JSON body or query parameters)"},
+                                 status=400)
     if not daemon.set_drain(pool, worker, drained):
         return web.json_response({"error": f"no worker {worker!r} in pool {pool!r}"}, status=404)
     await daemon.republish()
@@ -125,14 +146,22 @@ async def _undrain(request: web.Request) -> web.Response:
     return await _set_drain(request, False)
 
 
-def build_app(daemon: Daemon, registry: CollectorRegistry) -> web.Application:
-    app = web.Application()
+async def _models(request: web.Request) -> web.Response:
+    daemon = request.app[_DAEMON]
+    return web.Response(text=models_answer(daemon.topology, daemon.view()), content_type="application/json")
+
+
+def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
+    """The sidecar's routes; `guard` decides who may POST (sidecar.guard)."""
+    app = web.Application(client_max_size=MAX_BODY)
     app[_DAEMON] = daemon
     app[_REGISTRY] = registry
+    app[GUARD] = guard
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/state", _state)
-    app.router.add_post("/drain", _drain)
-    app.router.add_post("/undrain", _undrain)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/drain", guarded(_drain))
+    app.router.add_post("/undrain", guarded(_undrain))
     return app

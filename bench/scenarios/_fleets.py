@@ -107,9 +107,12 @@ class FleetPlan:
         return WorkloadSpec(rate=rate, count=count, seed=seed, prompt_tokens=self.prompt_tokens,
                             output_range=self.output_range, session_share=0.0, arrivals=self.arrivals)
 
+    def describe_workers(self) -> str:
+        return (f"{len(self.speeds)} workers, speeds {_list(self.speeds)}, max_num_seqs {_list(self.max_num_seqs)}; "
+                f"decode {self.decode_ms:g} ms/step at 1x, prefill {self.prefill_ms_per_1k:g} ms per 1k prompt tokens")
+
     def describe(self) -> str:
-        parts = [f"{len(self.speeds)} workers, speeds {_list(self.speeds)}, max_num_seqs {_list(self.max_num_seqs)}",
-                 f"decode {self.decode_ms:g} ms/step at 1x", f"prompts {self.prompt_tokens[0]}-{self.prompt_tokens[1]} "
+        parts = [self.describe_workers(), f"prompts {self.prompt_tokens[0]}-{self.prompt_tokens[1]} "
                  f"tokens (log-uniform), outputs {self.output_range[0]}-{self.output_range[1]}",
                  f"{self.arrivals} arrivals"]
         if self.slowdown is not None:
@@ -130,7 +133,7 @@ MATRIX: tuple[FleetPlan, ...] = (
     FleetPlan("equal", "equal speeds", (1.0, 1.0, 1.0, 1.0), (8, 8, 8, 8), decode_ms=25),
     FleetPlan("batch", "batch sizes 4 to 64", (1.0, 1.0, 1.0), (4, 16, 64), decode_ms=30),
     FleetPlan("prompt_heavy", "prompt-heavy mix", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20,
-              prompt_tokens=(1024, 4096), output_range=(4, 16)),
+              prompt_tokens=(768, 3072), output_range=(4, 16)),
     FleetPlan("output_heavy", "output-heavy mix", (1.0, 0.7, 0.5), (8, 8, 8), decode_ms=15,
               prompt_tokens=(32, 256), output_range=(32, 96)),
     FleetPlan("bursty", "bursty arrivals", (1.0, 1.0, 0.5), (8, 8, 8), decode_ms=20, arrivals="bursty"),

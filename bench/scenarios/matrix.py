@@ -8,10 +8,10 @@ from typing import Any
 
 from confgen.simulate import FleetHandle
 
-from .._harness import Context, Result, Target, fmt_ms, fmt_x, ratio
+from .._harness import Context, Result, Target, fmt_ms, fmt_x, judged, ratio
 from . import _fleets
 from ._fleets import FleetPlan
-from ._runner import BARE, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure, vllm
+from ._runner import BARE, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure_or_fail, vllm
 
 NAME = "matrix"
 TITLE = "Routing matrix: the product as shipped against vLLM Router and a bare Envoy, fleet by fleet"
@@ -19,7 +19,7 @@ TITLE = "Routing matrix: the product as shipped against vLLM Router and a bare E
 
 def setups(ctx: Context, plan: FleetPlan) -> list[Setup]:
     if ctx.quick:
-        return [PRODUCT, RENDER, BARE, vllm("power_of_two"), vllm("cache_aware")]
+        return [PRODUCT, RENDER, BARE, vllm("power_of_two")]
     return [PRODUCT, RENDER, BARE,
             *(vllm(p) for p in PEER_POLICIES if p != "round_robin" or plan.round_robin_overload() <= 1.0)]
 
@@ -44,11 +44,12 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float) -
     rows: dict[str, dict[str, Any]] = {}
     for s in setups(ctx, plan):
         tag = f"mx-{plan.key}-{s.key}"
-        rows[s.key] = measure(ctx, plan.spec(ctx.seed), list(plan.max_num_seqs), requests, s, tag,
+        rows[s.key] = measure_or_fail(ctx, plan.spec(ctx.seed), list(plan.max_num_seqs), requests, s, tag,
                               warmup_s=warmup_s, deadline_s=deadline, ingresses=plan.ingresses, during=during)
         r = rows[s.key]
         print(f"  [{plan.key}] {s.label}: p50 {fmt_ms(r['p50_ms'])} p99 {fmt_ms(r['p99_ms'])} ms, "
-              f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s)", flush=True)
+              f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s: start {r.get('startup_s')}, "
+              f"load {r.get('load_s')}, stop {r.get('teardown_s')})", flush=True)
     return {"plan": plan.key, "label": plan.label, "describe": plan.describe(), "even": plan.even,
             "capacity_rps": cap, "rate_rps": rate, "load": plan.load, "requests": count, "warmup_s": warmup_s,
             "window_s": window_s, "results": rows}
@@ -105,20 +106,21 @@ def targets(data: dict[str, Any]) -> list[Target]:
         pr = ratio(prod["p99_ms"], rows[peer]["p99_ms"])
         out.append(Target(f"[{key}] product P99 vs vLLM Router's best ({rows[peer]['label']})", f"<= {limit:g}x",
                           f"{fmt_ms(prod['p99_ms'])} vs {fmt_ms(rows[peer]['p99_ms'])} ms", pr,
-                          None if pr is None else pr <= limit, limit))
+                          judged(pr, prod['p99_ms'], limit), limit))
     out.append(Target(f"[{key}] product: requests shed (429) at {data['load']:.0%} load", "0",
-                      f"{prod['shed']} of {prod['requests']}", float(prod["shed"]), prod["shed"] == 0, 0.0))
+                      f"{prod['shed']} of {prod['requests']}", float(prod["shed"]),
+                      prod["shed"] == 0 and not prod.get("failed"), 0.0))
     rr = ratio(rows["render"]["p99_ms"], rows["bare"]["p99_ms"])
     out.append(Target(f"[{key}] render alone P99 vs bare Envoy least_request", "<= 1.05x",
                       f"{fmt_ms(rows['render']['p99_ms'])} vs {fmt_ms(rows['bare']['p99_ms'])} ms", rr,
-                      None if rr is None else rr <= 1.05, 1.05))
+                      judged(rr, rows['render']['p99_ms'], 1.05), 1.05))
     return out
 
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plans = [p for p in _fleets.MATRIX if not ctx.quick or p.key in _fleets.QUICK]
-    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(7, 4)
+    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(6, 3)
     groups: list[str] = []
     series: dict[str, list[float | None]] = {"product": [], "render alone": [], "bare Envoy": [],
                                              "vLLM Router best": []}
@@ -148,6 +150,9 @@ def run(ctx: Context) -> Result:
         "where workers differ (speed, batch size or a slowdown) and <= 1.0x where they are alike, with nothing shed; "
         "the render alone must stay within 1.05x of a bare Envoy least_request.")
     res.notes += [
+        "P99 is over the requests that were served (200). A setup that answers 429 drops those requests from its "
+        "latency figures, which can only flatter its P99: read the P99 and 429 columns together (the target asks "
+        "for both: the ratio and 0 shed).",
         "Product = `confgen render` (the CLI, its own process) of the topology a user writes for the fleet: each "
         "worker's address and its max_num_seqs as `capacity`, engine vllm, the model, nothing else (bench/_proxies.py "
         "user_topology). Output unmodified, real Envoy 1.40 (--concurrency 1), and `confgen-sidecar` as its own "
@@ -175,5 +180,5 @@ def run(ctx: Context) -> Result:
     ]
     if ctx.quick:
         res.notes.append(f"Quick mode runs the fleet(s) {', '.join(_fleets.QUICK)} only, {window_s:g} s measured, "
-                         "and vLLM Router's power_of_two and cache_aware only.")
+                         "and vLLM Router's power_of_two only.")
     return res

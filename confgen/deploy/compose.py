@@ -19,6 +19,7 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
             "volumes": shared,
             "environment": key_env,
+            "network_mode": "none",  # it renders files: no network at all
         },
         "sidecar": {
             "image": k8s.sidecar_image,
@@ -26,6 +27,8 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
                         "--listen", "127.0.0.1:9109"],
             "volumes": shared,
             "environment": key_env,
+            # host networking: it reaches Envoy's admin on loopback and the workers as Envoy
+            # does; it listens on loopback only, so nothing of it is reachable from outside
             "network_mode": "host",
             "depends_on": {"render": {"condition": "service_completed_successfully"}},
             "restart": "unless-stopped",

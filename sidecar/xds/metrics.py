@@ -1,12 +1,12 @@
 """Prometheus families of the control plane, read from `AdsPublisher.view()` at scrape time.
 
-    confgen_xds_connected_nodes                      Envoys with an open ADS stream
-    confgen_xds_resource_version{type,version}       1 for the version served of each type
-    confgen_xds_node_acked{node,type,version}        1 for the version each Envoy last accepted
-    confgen_xds_node_nacked{node,type,version}       1 while an Envoy refuses a version (it keeps its last ACK)
-    confgen_xds_nacks_total{node,type}               NACKs by Envoy and type (connected Envoys)
-    confgen_xds_responses_total{type}                responses sent over all streams
-    confgen_xds_updates_total{type}                  changes of the served resources
+    confgen_sidecar_xds_connected_nodes                 Envoys with an open ADS stream
+    confgen_sidecar_xds_resource_version{type,version}  1 for the version served of each type
+    confgen_sidecar_xds_node_acked{node,type,version}   1 for the version each Envoy last accepted
+    confgen_sidecar_xds_node_nacked{node,type,version}  1 while an Envoy refuses a version (it keeps its last ACK)
+    confgen_sidecar_xds_nacks_total{node,type}          NACKs by Envoy and type (connected Envoys)
+    confgen_sidecar_xds_responses_total{type}           responses sent over all streams
+    confgen_sidecar_xds_updates_total{type}             changes of the served resources
 
 Series exist only for connected Envoys (a node that left has none left behind).
 """
@@ -23,7 +23,7 @@ from sidecar.xds.publisher import XdsView
 
 __all__ = ["XdsCollector", "register_xds"]
 
-_P = "confgen_xds_"
+_P = "confgen_sidecar_xds_"
 
 
 class XdsCollector(Collector):

@@ -141,9 +141,10 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         for name, proxy in rig.envoys.items():
             assert int(proxy.stats().get("http.public.downstream_rq_total", 0)) > 0, name
 
-        # The in-flight limit per Envoy is the fleet's share: floor(0.8 x 12 / 5 Envoys) = 1.
+        # Below saturation every Envoy's in-flight limit is the render's safety cap, 4 x 12 slots
+        # (served over RTDS); only a saturated pool gets a lower one (sidecar.saturation).
         layer = rig.envoys["envoy-0"].admin_get("/runtime")[1]
-        assert json.loads(layer)["entries"]["circuit_breakers.chat.default.max_requests"]["final_value"] == "1"
+        assert json.loads(layer)["entries"]["circuit_breakers.chat.default.max_requests"]["final_value"] == "48"
 
         # Probes: one control plane probes each worker once per cycle (health + metrics at most),
         # whatever the number of Envoys; five sidecars would send at least five times the minimum.
@@ -191,9 +192,9 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         nacked = rig.sidecar.state()["xds"]["nodes"]["envoy-0"]["nacked"]["lds"]
         assert "cannot bind" in nacked["error"]
         metrics = rig.sidecar.metrics()
-        line = f'confgen_xds_node_nacked{{node="envoy-0",type="lds",version="{nacked["version"]}"}} 1.0'
+        line = f'confgen_sidecar_xds_node_nacked{{node="envoy-0",type="lds",version="{nacked["version"]}"}} 1.0'
         assert line in metrics, metrics
-        assert re.search(r'confgen_xds_nacks_total\{node="envoy-3",type="lds"\} 1.0', metrics)
+        assert re.search(r'confgen_sidecar_xds_nacks_total\{node="envoy-3",type="lds"\} 1.0', metrics)
         assert Counter(rig.send()[0] for _ in range(20)) == {200: 20}
 
         # The control plane killed: every Envoy keeps its last config and serves, the dead worker kept out.

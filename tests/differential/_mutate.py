@@ -231,8 +231,16 @@ def _set_field(draw: st.DrawFn, doc: dict[str, Any]) -> str:
     return f"set {'.'.join(map(str, path))}.{yaml_key(fld)}"
 
 
+def _pools(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The document's pools when an earlier mutation left some (it may have set `pools: []`)."""
+    pools = doc.get("pools")
+    return pools if isinstance(pools, list) and pools and all(isinstance(p, dict) for p in pools) else []
+
+
 def _grow_workers(draw: st.DrawFn, doc: dict[str, Any]) -> str:
-    pools = doc["pools"]
+    pools = _pools(doc)
+    if not pools:
+        return "no pools"
     index = draw(st.integers(0, len(pools) - 1))
     count = draw(st.sampled_from([1, 2, 9, 64, 320, 330, 400, 1000, 2500]))
     pools[index]["workers"] = draw(worker_addresses(count))
@@ -243,6 +251,8 @@ def _grow_workers(draw: st.DrawFn, doc: dict[str, Any]) -> str:
 
 def _grow_pools(draw: st.DrawFn, doc: dict[str, Any]) -> str:
     count = draw(st.sampled_from([2, 10, 60, 101, 130]))
+    if not _pools(doc):
+        return "no pools"
     base = copy.deepcopy(doc["pools"][0])
     base.pop("fallback", None)
     base.pop("autoscale", None)
@@ -258,7 +268,9 @@ def _grow_pools(draw: st.DrawFn, doc: dict[str, Any]) -> str:
 
 
 def _grow_models(draw: st.DrawFn, doc: dict[str, Any]) -> str:
-    pools = doc["pools"]
+    pools = _pools(doc)
+    if not pools:
+        return "no pools"
     index = draw(st.integers(0, len(pools) - 1))
     count = draw(st.sampled_from([1, 30, 59, 61, 100, 300]))
     width = draw(st.sampled_from([1, 20, 128]))
@@ -268,7 +280,9 @@ def _grow_models(draw: st.DrawFn, doc: dict[str, Any]) -> str:
 
 
 def _rename_pool(draw: st.DrawFn, doc: dict[str, Any]) -> str:
-    pools = doc["pools"]
+    pools = _pools(doc)
+    if not pools:
+        return "no pools"
     index = draw(st.integers(0, len(pools) - 1))
     old = pools[index]["name"]
     new = draw(st.sampled_from(["p" * 63, "0", "a_b-c", "z" + "9" * 62]))

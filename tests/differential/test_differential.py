@@ -25,7 +25,7 @@ CASES = sorted(CORPUS.glob("*.yaml"))
 # both proxies). The proxies are skipped past the soft budget so a loaded machine makes the
 # run check less, never fail; CONFGEN_FUZZ_EXAMPLES raises the count for a local run.
 EXAMPLES = int(os.environ.get("CONFGEN_FUZZ_EXAMPLES", "110"))
-PROXY_BUDGET_S = float(os.environ.get("CONFGEN_FUZZ_PROXY_BUDGET_S", "70"))
+PROXY_BUDGET_S = float(os.environ.get("CONFGEN_FUZZ_PROXY_BUDGET_S", "60"))
 
 
 def _expectation(case: Path) -> tuple[str, str | None]:

@@ -59,6 +59,7 @@ def test_overrides() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--listen", "9109"], "--listen must be host:port"),
     (["--listen", "127.0.0.1:http"], "--listen must be host:port"),
+    (["--listen", "127.0.0.1:\u00b2"], "--listen must be host:port"),  # int("²") raised: ASCII digits only
     (["--listen", "127.0.0.1:70000"], "listen port 70000 out of range"),
     (["--health", "bogus=1"], "--health 'bogus=1': expected KEY=VALUE"),
     (["--health", "fall"], "expected KEY=VALUE"),

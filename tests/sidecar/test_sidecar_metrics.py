@@ -54,6 +54,8 @@ LABELS = {
     "confgen_sidecar_topology_reloads_total": {"result"},
     "confgen_sidecar_probe_cycles_total": set(),
     "confgen_sidecar_ready": set(),
+    "confgen_sidecar_topology_stale": set(),
+    "confgen_sidecar_write_failures_total": {"target"},
 }
 
 
@@ -124,7 +126,9 @@ def test_series_and_label_sets_follow_the_fleet(tmp_path: Path, fleet: FleetHand
     assert workers(before) == {f"127.0.0.1:{w.port}" for w in fleet.workers}
     assert workers(after) == {f"127.0.0.1:{fleet.workers[0].port}"}
     assert after["confgen_sidecar_topology_reloads_total"] == [{"result": "ok", "=": "1.0"},
-                                                              {"result": "error", "=": "0.0"}]
+                                                              {"result": "error", "=": "0.0"},
+                                                              {"result": "needs_keys", "=": "0.0"}]
+    assert after["confgen_sidecar_topology_stale"] == [{"=": "0.0"}]
     assert "confgen_sidecar_inflight_limit" not in after  # no limiter, no series
     # one probe per endpoint per cycle: two endpoints probed once, all within the last bucket
     assert before["confgen_sidecar_probe_duration_seconds_count"] == [{"pool": "chat", "=": "2.0"}]

@@ -81,9 +81,8 @@ def test_unchanged_endpoints_are_not_rewritten(tmp_path: Path) -> None:
 
     async def restarted(publisher: EdsPublisher) -> None:
         found = read_published(tmp_path, POOL)
-        assert found is not None
-        publisher.adopt(POOL, found[0])
-        assert found[1] == sorted(eps(5, 3))
+        assert found is not None and found[1] == sorted(eps(5, 3))
+        assert publisher.adopt(POOL) == found[1]
         publisher.offer(POOL, eps(5, 3))
         await asyncio.sleep(0.1)
         assert publisher.publishes[POOL] == 0

@@ -1,0 +1,134 @@
+"""Who may call the sidecar's mutating endpoints (POST /drain, /undrain).
+
+Safe by default, with no setting at all:
+- No cross-site request reaches them. A request carrying an `Origin` header (every browser
+  sends one on a cross-origin POST, and on same-origin ones too; curl and scripts do not)
+  is refused with 403. The content type must be `application/json` (415 otherwise) and the
+  body, if any, a JSON object: a browser cannot send that cross-site without a CORS
+  preflight, which this server never answers. So no "simple request" (form, text/plain)
+  can drain a worker.
+- On a non-loopback bind they also require `Authorization: Bearer <token>` (401 without
+  it, compared in constant time). The token comes from a file (`--admin-token-file`, read
+  with the same bound as an API key file) or an environment variable
+  (`--admin-token-env`). Bound beyond loopback without a token, the mutating endpoints are
+  off (403, saying how to turn them on); scraping stays open.
+- A configured token is required on loopback too.
+
+GET endpoints (/metrics, /healthz, /readyz, /state, the Envoy relay) are not guarded:
+Prometheus and the kubelet reach them without credentials.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from confgen.secrets import BEARER_TOKEN, read_key_file
+from sidecar.config import ConfigError
+
+__all__ = ["GUARD", "MutationGuard", "guarded", "is_loopback", "json_object", "load_token"]
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = 4096  # a drain call is a pool and a worker name
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine ("" and 0.0.0.0 do not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def load_token(file: Path | None, env: str | None) -> str | None:
+    """The admin token from a file or an environment variable; ConfigError when unusable."""
+    if file is not None and env is not None:
+        raise ConfigError("give --admin-token-file or --admin-token-env, not both")
+    if file is not None:
+        try:
+            token = read_key_file(str(file))
+        except OSError as exc:
+            raise ConfigError(f"--admin-token-file {file}: {exc.strerror or exc}") from exc
+        where = f"--admin-token-file {file}"
+    elif env is not None:
+        token = os.environ.get(env, "").strip()
+        where = f"--admin-token-env {env}"
+        if not token:
+            raise ConfigError(f"{where}: the variable is not set or empty")
+    else:
+        return None
+    if not BEARER_TOKEN.fullmatch(token) or not 16 <= len(token) <= 512:
+        raise ConfigError(f"{where}: the token must be 16-512 characters of letters, digits and - . _ ~ + / "
+                          "(a bearer token)")
+    return token
+
+
+@dataclass(frozen=True)
+class MutationGuard:
+    """The rule for mutating calls: `token` if set; `remote` when bound beyond loopback."""
+
+    token: str | None
+    remote: bool
+
+    def refusal(self, request: web.Request) -> web.Response | None:
+        """None when `request` may mutate, else the answer refusing it."""
+        if "Origin" in request.headers:
+            return _error(403, "cross-origin requests are refused (the request carries an Origin header)")
+        if request.content_type != "application/json":
+            return _error(415, "send Content-Type: application/json")
+        if self.token is None:
+            if self.remote:
+                return _error(403, "mutating endpoints are off: the sidecar listens beyond loopback and no "
+                              "--admin-token-file/--admin-token-env is set")
+            return None
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            return _error(401, "a bearer token is required (Authorization: Bearer <token>)",
+                          {"WWW-Authenticate": 'Bearer realm="confgen-sidecar"'})
+        return None
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+GUARD = web.AppKey("mutation_guard", MutationGuard)
+
+
+async def json_object(request: web.Request) -> dict[str, object] | web.Response:
+    """The request's JSON object body ({} when empty), or the 400/413 answer refusing it."""
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        return _error(413, f"body over {MAX_BODY} bytes")
+    raw = await request.content.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        return _error(413, f"body over {MAX_BODY} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return _error(400, "the body is not JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
+def guarded(handler: _Handler) -> _Handler:
+    """`handler` behind the app's MutationGuard."""
+
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        refusal = request.app[GUARD].refusal(request)
+        if refusal is not None:
+            return refusal
+        return await handler(request)
+
+    return wrapper
