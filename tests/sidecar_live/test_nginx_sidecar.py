@@ -272,10 +272,11 @@ def test_crashed_worker_is_marked_down_by_one_reload_without_losing_in_flight_re
 def test_weight_jitter_under_changing_load_never_reloads(tmp_path: Path) -> None:
     """Load that comes and goes moves the sidecar's load weights (seen in /state), but the
     upstream file (health only, static weights) keeps its bytes and inode and nginx is never
-    reloaded: same worker processes, reload metric 0. The publish gate is opened and the
-    queue term on, so the weights do move (the defaults keep an even fleet's weights still)."""
+    reloaded: same worker processes, reload metric 0. The publish gate is opened, the queue
+    term on and the weights finer, so they do move (the defaults keep an even fleet's
+    weights still)."""
     jitter = ("--hysteresis", "threshold=0", "--hysteresis", "min_step=0", "--hysteresis", "sustain=1",
-              "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0")
+              "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0", "--weights", "weight_per_slot=16")
     with nginx_rig(tmp_path, _fleet(decode_ms=30), extra_args=jitter) as rig, WorkerWatch(rig.nginx.pid) as watch:
         before = (rig.upstream.stat().st_ino, rig.upstream.read_bytes())
         weights: dict[int, set[int]] = {}
