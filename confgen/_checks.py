@@ -71,7 +71,7 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
 
 
 def _addresses(topo: Topology) -> Iterator[Finding]:
-    for name, address in [("admin.address", topo.admin.address)] + [
+    for name, address in [("admin.address", topo.admin.address), ("sidecar.address", topo.sidecar.address)] + [
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):

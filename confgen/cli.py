@@ -10,6 +10,7 @@ Exit codes scripts can trust:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__, targets
+from ._rejection import Refusal
 from .errors import (
     ConfgenError,
     DeployError,
@@ -190,7 +192,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             except VerifyError as exc:
                 print(f"confgen: cannot run {target.name}: {exc}", file=sys.stderr)
                 return EXIT_UNAVAILABLE
-            findings += [Diagnostic(str(path), 0, 0, f"<{target.name}>", p) for p in problems]
+            findings += _refusals(path, target.name, problems)
             findings += _target_warnings(path, target, topo)
         errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
@@ -205,6 +207,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(report, indent=2))
     return status
+
+
+def _refusals(path: Path, target: str, refused: Sequence[Refusal]) -> list[Diagnostic]:
+    """A real proxy's refusals pinned to the topology field that led there (the file's top,
+    named <target>, when no field can be named)."""
+    from .topology import pin
+
+    pinned = pin(path, [(r.field, r.message) for r in refused], Severity.ERROR)
+    return [d if d.path else dataclasses.replace(d, path=f"<{target}>") for d in pinned]
 
 
 def cmd_schema(_: argparse.Namespace) -> int:

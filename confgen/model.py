@@ -313,7 +313,7 @@ class Backpressure:
         doc="Read by the sidecar only. A pool is saturated, and the sidecar sheds new requests (429), when "
         "the workers without headroom hold at least this share of the declared capacity of the workers in "
         "rotation. A worker has no headroom when, on fresh metrics, its engine's waiting queue (smoothed, "
-        "projected along its rise) reaches one request per declared slot, or its KV-cache use is at least 0.8 "
+        "projected along its rise) reaches 1.5 requests per declared slot, or its KV-cache use is at least 0.8 "
         "while requests wait. In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
@@ -441,6 +441,20 @@ class Kubernetes:
 
 
 @dataclass(frozen=True)
+class SidecarLink:
+    address: str = field(
+        "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
+    )
+    port: int = field(9109, doc="Port of confgen-sidecar's HTTP server.", minimum=1, maximum=65535)
+    models: bool = field(
+        True,
+        doc="Answer GET /v1/models from the sidecar's health view: only the models with healthy capacity "
+        "somewhere in their fallback chain. When the sidecar cannot be reached the proxy answers the full "
+        "list from the topology.",
+    )
+
+
+@dataclass(frozen=True)
 class Topology:
     version: int = field(doc="Format version; must be 1.", minimum=1, maximum=1)
     name: str = field(doc="Name of this deployment (Envoy node cluster).", pattern="name")
@@ -460,6 +474,7 @@ class Topology:
     )
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
+    sidecar: SidecarLink = field(factory=SidecarLink, doc="Where the proxy reaches confgen-sidecar, and what it asks.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")

@@ -78,6 +78,7 @@ class EndpointView:
     last_outcome: str | None
     last_error: str | None
     errors: Mapping[str, int]
+    serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,8 @@ class Snapshot:
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
+    write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)
+    external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
 
 
 class Daemon:
@@ -341,6 +344,8 @@ class Daemon:
         now = self._clock()
         self._apply_drains(now)
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
+        if not await self._publisher.check_published():
+            self._tree_due = True  # someone replaced a file we wrote: put ours back
         if self._tree_due:
             if not await self._publisher.publish_all(self._topo, per_pool):
                 return  # not publishable yet (e.g. ADS without the API keys): retried next cycle
@@ -389,6 +394,8 @@ class Daemon:
                     last_outcome=t.report.result.outcome.value if t.report else None,
                     last_error=t.report.detail if t.report and t.report.error else None,
                     errors=dict(t.errors),
+                    serving=(t.decision.status in (Status.HEALTHY, Status.DEGRADED) and not t.decision.min_weight)
+                    if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
                 )
                 for k, t in members
             )
@@ -416,4 +423,6 @@ class Daemon:
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
             xds=self._publisher.xds_view(),
+            write_failures=dict(self._publisher.write_failures),
+            external_changes=dict(self._publisher.external_changes),
         )

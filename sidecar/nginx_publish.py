@@ -100,6 +100,8 @@ class NginxPublisher:
         self.publishes: Counter[str] = Counter()  # upstream files replaced, per pool
         self.rejections: Counter[str] = Counter()  # candidates nginx -t refused, per pool
         self.rejected: set[str] = set()  # pools whose newest candidate was refused
+        self.write_failures: Counter[str] = Counter()  # (Publisher interface; not tracked here)
+        self.external_changes: Counter[str] = Counter()
         self.reloads = 0  # confirmed reloads
         self.failures: Counter[str] = Counter()  # by stage: include, test, write, signal, confirm
         self._reload_problem: str | None = None
@@ -162,6 +164,9 @@ class NginxPublisher:
         self.rejected.discard(pool)
         self.publishes.pop(pool, None)
         self.rejections.pop(pool, None)
+
+    async def check_published(self) -> bool:
+        return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
 
     def problems(self) -> list[str]:
         """Reasons /readyz answers 503 for, [] when nginx runs what the sidecar decided."""

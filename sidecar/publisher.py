@@ -44,6 +44,8 @@ class Publisher(Protocol):
     publishes: Counter[str]  # writes per pool
     rejections: Counter[str]  # refusals by the proxy per pool (or per resource kind)
     rejected: set[str]  # pools (or kinds) whose newest content the proxy refused
+    write_failures: Counter[str]  # writes that failed (disk read-only, full...), by pool or "tree"
+    external_changes: Counter[str]  # published files someone else replaced (then restored)
 
     async def start(self) -> None:
         """Before the first cycle: bind or open what it serves from; OSError when it cannot."""
@@ -71,6 +73,11 @@ class Publisher(Protocol):
 
     def forget(self, pool: str) -> None:
         """`pool` left the topology: drop what is kept about it."""
+        ...
+
+    async def check_published(self) -> bool:
+        """Each cycle: whether what was published is still in place. False when someone else
+        changed it and publish_all is due again (the daemon then calls it)."""
         ...
 
     def problems(self) -> list[str]:

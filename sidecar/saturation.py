@@ -11,10 +11,13 @@ Per worker (`Headroom.observe`, one call per probe cycle):
 - The queue is measured per declared slot, `waiting / capacity`, and smoothed (EWMA,
   half-life `queue_half_life_s`): a fixed count of 5 is a full batch for one engine and
   noise for another, and a single sample is a burst, not saturation.
-- Trend: the smoothed queue is projected `lookahead_s` ahead along its rise, so a queue
-  that grows cycle after cycle is caught before it is long.
+- Trend: once the smoothed queue has risen on two samples in a row it is projected
+  `lookahead_s` ahead along its rise, so a queue that grows cycle after cycle is caught
+  before it is long, while a single jump (a burst) is only smoothed.
 - Hysteresis: a worker loses its headroom when the projected queue reaches `queue_enter`
-  (1.0: a whole batch waiting), or when its KV use is at least `kv_threshold` while the
+  (1.5: a batch and a half waiting; at 1.0 a 4-worker fleet of 4-slot engines shed 6-12
+  of ~880 requests in bursts at ~90 % load, at 1.5 none, and overload is caught a cycle
+  or two later), or when its KV use is at least `kv_threshold` while the
   smoothed queue is at least `queue_exit` of the batch it runs (a KV-bound engine runs
   fewer sequences than its slots, so its queue per slot stays short when it is full). It
   regains it only once the smoothed queue is at most `queue_exit` per slot and no KV
@@ -68,7 +71,7 @@ K = TypeVar("K", bound=Hashable)
 class SaturationPolicy:
     """Knobs of the detector and the controller (see the module docstring)."""
 
-    queue_enter: float = 1.0
+    queue_enter: float = 1.5
     queue_exit: float = 0.25
     kv_threshold: float = 0.8
     queue_half_life_s: float = 2.0
@@ -97,6 +100,7 @@ class Headroom:
     full: bool = False
     queue: float = 0.0  # smoothed waiting requests per declared slot
     slope: float = 0.0  # of the smoothed queue, per second
+    rising: int = 0  # consecutive samples on which the smoothed queue rose
     kv: float | None = None
     waiting: float = 0.0  # the latest sample's waiting requests (what the controller reads)
     running: float = 0.0  # the latest sample's running sequences
@@ -110,12 +114,13 @@ class Headroom:
             return self  # not newer than what we have
         raw = max(sample.waiting, 0.0) / capacity
         if self.at is None or at - self.at > policy.stale_after_s:
-            queue, slope = raw, 0.0
+            queue, slope, rising = raw, 0.0, 0
         else:
             dt = at - self.at
             keep = 0.5 ** (dt / policy.queue_half_life_s) if policy.queue_half_life_s > 0 else 0.0
             queue = self.queue * keep + raw * (1.0 - keep)
             slope = (queue - self.queue) / dt
+            rising = self.rising + 1 if slope > 0 else 0
         kv = sample.kv_usage
         # KV-bound: the engine runs fewer sequences than its slots, so its queue is weighed
         # against the batch it actually runs.
@@ -124,8 +129,10 @@ class Headroom:
         if self.full:
             full = queue > policy.queue_exit or kv_held
         else:
-            full = queue + max(slope, 0.0) * policy.lookahead_s >= policy.queue_enter or kv_held
-        return Headroom(full=full, queue=queue, slope=slope, kv=kv, waiting=max(sample.waiting, 0.0),
+            # The rise is projected only once it has lasted two samples: one jump is a burst.
+            trend = slope * policy.lookahead_s if rising >= 2 else 0.0
+            full = queue + trend >= policy.queue_enter or kv_held
+        return Headroom(full=full, queue=queue, slope=slope, rising=rising, kv=kv, waiting=max(sample.waiting, 0.0),
                         running=max(sample.running, 0.0), at=at)
 
     def fresh(self, now: float, policy: SaturationPolicy) -> bool:

@@ -130,6 +130,7 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
         with run_fleet_in_thread(spec) as fleet, front(ctx, fleet, max_num_seqs, setup, tag, ingresses) as fr:
             snapshots: dict[str, Any] = {}
             t0 = time.monotonic()
+            extra["startup_s"] = round(t0 - started, 2)
             loadgen.go(proc, fr.urls)
             timer = threading.Timer(warmup_s, lambda: snapshots.setdefault("warm", fleet_stats(fleet)))
             timer.start()
@@ -145,8 +146,11 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
                 timer.cancel()
             if worker is not None:
                 worker.join(timeout=deadline_s + timeout_s)
+            extra["load_s"] = round(time.monotonic() - t0, 2)
             after = fleet_stats(fleet)
             extra.update(fr.extras())
+            stopping = time.monotonic()
+        extra["teardown_s"] = round(time.monotonic() - stopping, 2)
     finally:
         if proc.poll() is None:
             runtime.stop_process(proc, timeout=5)

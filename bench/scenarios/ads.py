@@ -89,8 +89,9 @@ class _Sidecar:
         with urllib.request.urlopen(self.url + path, timeout=10) as resp:
             return json.loads(resp.read())
 
-    def post(self, path: str) -> None:
-        req = urllib.request.Request(self.url + path, method="POST", data=b"")
+    def post(self, path: str, body: dict[str, str]) -> None:
+        req = urllib.request.Request(self.url + path, method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             resp.read()
 
@@ -144,7 +145,7 @@ async def _fanout(sidecar: _Sidecar, admins: list[str], pools: list[list[int]], 
             called = time.monotonic()
             # The daemon decides when the call runs (after a probe cycle in progress: one lock), and
             # answers after the decision is in the served resources: the fan-out starts there.
-            await asyncio.to_thread(sidecar.post, f"/drain?pool=pool{p:04d}&worker={worker}")
+            await asyncio.to_thread(sidecar.post, "/drain", {"pool": f"pool{p:04d}", "worker": worker})
             started = time.monotonic()
             posts.append(started - called)
             pending = dict(enumerate(before))

@@ -48,7 +48,8 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float) -
                               warmup_s=warmup_s, deadline_s=deadline, ingresses=plan.ingresses, during=during)
         r = rows[s.key]
         print(f"  [{plan.key}] {s.label}: p50 {fmt_ms(r['p50_ms'])} p99 {fmt_ms(r['p99_ms'])} ms, "
-              f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s)", flush=True)
+              f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s: start {r.get('startup_s')}, "
+              f"load {r.get('load_s')}, stop {r.get('teardown_s')})", flush=True)
     return {"plan": plan.key, "label": plan.label, "describe": plan.describe(), "even": plan.even,
             "capacity_rps": cap, "rate_rps": rate, "load": plan.load, "requests": count, "warmup_s": warmup_s,
             "window_s": window_s, "results": rows}
@@ -119,7 +120,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plans = [p for p in _fleets.MATRIX if not ctx.quick or p.key in _fleets.QUICK]
-    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(6, 4)
+    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(6, 3)
     groups: list[str] = []
     series: dict[str, list[float | None]] = {"product": [], "render alone": [], "bare Envoy": [],
                                              "vLLM Router best": []}

@@ -168,7 +168,26 @@ def target_cluster(pool: Pool) -> str:
 def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
     out = [pool_cluster(topo, plan, pool, config_dir) for pool in topo.pools]
     out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
+    if topo.models_endpoint and topo.sidecar.models:
+        out.append(sidecar_cluster(topo))
     return out
+
+
+# The confgen-sidecar next to Envoy, asked for GET /v1/models only. A name no pool can have
+# (pool names hold no '.'); a short timeout, because its absence has an answer of its own.
+SIDECAR_CLUSTER = "confgen.sidecar"
+SIDECAR_TIMEOUT = "1s"
+
+
+def sidecar_cluster(topo: Topology) -> Json:
+    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.port}}
+    return typed("config.cluster.v3.Cluster", {
+        "name": SIDECAR_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "load_assignment": {"cluster_name": SIDECAR_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
+    })
 
 
 def assignments(topo: Topology) -> dict[str, Json]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from .._openai import MODEL_CONTENT_TYPES, models_body
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
-from ._clusters import target_cluster
+from ._clusters import SIDECAR_CLUSTER, SIDECAR_TIMEOUT, target_cluster
 from ._proto import Json, dur, extension, typed
 from ._replies import META_NS, local_reply_config
 
@@ -228,6 +228,7 @@ def _header_matcher(name: str, exact: str | None, prefix: str | None, present: b
     return {"name": name, "present_match": True, "invert_match": not present}
 
 
+MODELS_PATH = "/v1/models"
 DIRECT_RESPONSE_MAX = 1024 * 1024  # Envoy's route-wide cap on direct_response bodies (default 4 KB)
 
 
@@ -239,14 +240,22 @@ def direct_response_limit(topo: Topology) -> int:
 def routes(topo: Topology, plan: Plan) -> list[Json]:
     out: list[Json] = []
     if topo.models_endpoint:
-        out.append({
-            "name": "models-list",
-            "match": {"path": "/v1/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
-            "direct_response": {"status": 200, "body": {
-                "inline_string": models_body(topo)}},
-            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-        })
+        match = {"path": MODELS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}
+        if topo.sidecar.models:
+            # The sidecar answers from its health view; when it cannot be reached, the
+            # local reply for this path is the full list (see _replies.local_reply_config).
+            out.append({"name": "models-list", "match": match, "route": {
+                "cluster": SIDECAR_CLUSTER, "timeout": SIDECAR_TIMEOUT,
+                "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 0}}})
+        else:
+            out.append({
+                "name": "models-list",
+                "match": match,
+                "direct_response": {"status": 200, "body": {
+                    "inline_string": models_body(topo)}},
+                "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            })
     for planned in plan.routes:
         out.extend(_routes_for(topo, plan, planned))
     return out

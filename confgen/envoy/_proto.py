@@ -9,7 +9,7 @@ from .._fields import Duration
 
 Json = dict[str, Any]
 
-_PREFIX = "type.googleapis.com/envoy."
+TYPE_PREFIX = _PREFIX = "type.googleapis.com/envoy."
 
 
 def typed(type_name: str, body: Json) -> Json:

@@ -265,6 +265,8 @@ def build_context(
         "canned": canned,
         # served by njs: nginx refuses a config parameter over 4 KB (~60 model names)
         "models_body": models_body(topo) if topo.models_endpoint else None,
+        # asked first (ngx.fetch): the models with healthy capacity now, from confgen-sidecar
+        "models_url": _sidecar_models_url(topo) if topo.models_endpoint and topo.sidecar.models else None,
         "table": {
             "name": topo.name,
             "routes": route_table(routing),
@@ -276,3 +278,8 @@ def build_context(
         },
     }
     return Context(main=main, upstreams=upstreams, maps=maps)
+
+
+def _sidecar_models_url(topo: Topology) -> str:
+    host = topo.sidecar.address
+    return f"http://{f'[{host}]' if ':' in host else host}:{topo.sidecar.port}/v1/models"

@@ -17,6 +17,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from .._rejection import Refusal
 from ..model import Topology
 
 __all__ = ["Target", "get", "names", "verifiable"]
@@ -41,8 +42,8 @@ class Target:
     render: Callable[[Topology, str, Mapping[str, str] | None], dict[str, bytes]]
     # what the target cannot honour: (field path, message) warnings
     warnings: Callable[[Topology], list[Finding]] = _nothing
-    # the real proxy's check: (topology, check every endpoint) -> problems, [] when accepted
-    verify: Callable[[Topology, bool], list[str]] | None = None
+    # the real proxy's check: (topology, check every endpoint) -> what it refused, [] when accepted
+    verify: Callable[[Topology, bool], list[Refusal]] | None = None
     verify_help: str = ""
     # replacing files in a live directory: lower ranks first (then by path); removals in reverse
     write_rank: Callable[[str], int] = _by_name

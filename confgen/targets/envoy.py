@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .._rejection import Refusal
 from ..envoy import layout
 from ..model import Topology
 from . import Target
@@ -15,7 +16,7 @@ def _render(topo: Topology, config_dir: str, secrets: Mapping[str, str] | None) 
     return envoy.render(topo, config_dir=config_dir, secrets=secrets)
 
 
-def _verify(topo: Topology, all_endpoints: bool) -> list[str]:
+def _verify(topo: Topology, all_endpoints: bool) -> list[Refusal]:
     from ..verify import verify_envoy
 
     return verify_envoy(topo, all_endpoints=all_endpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .._rejection import Refusal
 from ..model import Topology
 from . import Finding, Target
 
@@ -22,7 +23,7 @@ def _warnings(topo: Topology) -> list[Finding]:
     return found
 
 
-def _verify(topo: Topology, all_endpoints: bool) -> list[str]:
+def _verify(topo: Topology, all_endpoints: bool) -> list[Refusal]:
     from ..verify import verify_nginx
 
     return verify_nginx(topo)

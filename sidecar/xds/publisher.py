@@ -64,6 +64,8 @@ class AdsPublisher:
         self.publishes: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
         self.rejected: set[str] = set()
+        self.write_failures: Counter[str] = Counter()  # (Publisher interface: nothing is written here)
+        self.external_changes: Counter[str] = Counter()
         self.versions: dict[str, str] = {}
         self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
@@ -94,6 +96,9 @@ class AdsPublisher:
     def adopt(self, pool: str) -> list[Endpoint]:
         """Nothing to adopt: a restarted control plane starts from what it decides now."""
         return []
+
+    async def check_published(self) -> bool:
+        return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
 
     def problems(self) -> list[str]:
         # A NACK does not make the sidecar not-ready (see the module docstring); `rejected` stays empty.

@@ -12,7 +12,7 @@ from sidecar.engines import LoadSample
 from sidecar.publish import EnvoyAdmin
 from sidecar.saturation import Admission, Headroom, PoolSaturation, SaturationPolicy, admit, assess
 
-POLICY = SaturationPolicy()  # queue_enter 1.0, queue_exit 0.25, half-life 2 s, lookahead 2 s, stale 5 s
+POLICY = SaturationPolicy()  # queue_enter 1.5, queue_exit 0.25, half-life 2 s, lookahead 2 s, stale 5 s
 
 
 def feed(queues: list[float], capacity: int = 8, step: float = 2.0, kv: float | None = None,
@@ -35,19 +35,20 @@ def sat(full_share: float = 1.0, capacity: int = 24, waiting: float = 0.0, satur
 def test_a_burst_is_not_saturation_but_a_sustained_queue_is() -> None:
     """One sample of a whole batch waiting (then back to none) keeps the headroom; the same
     queue held for a few cycles takes it."""
-    assert not feed([0, 0, 0.9, 0, 0]).full
-    assert not feed([0, 0, 0.9]).full  # smoothed: about half of it, rising slope projected below 1
-    assert feed([0, 1.2, 1.2, 1.2]).full
+    assert not feed([0, 0, 1.4, 0, 0]).full
+    assert not feed([0, 0, 2.2]).full  # one jump: smoothed to half of it, the rise not projected yet
+    assert not feed([0, 0, 2.2, 0]).full
+    assert feed([0, 2.0, 2.0]).full
 
 
 def test_a_rising_queue_is_caught_before_its_level_by_the_trend() -> None:
-    """A queue growing by 0.25 per slot per cycle is flagged while its smoothed level is
+    """A queue growing by 0.375 per slot per cycle is flagged while its smoothed level is
     still under 0.8 of queue_enter (the projected rise makes up for the smoothing's lag);
     a higher level held flat is not."""
-    rising = feed([0.0, 0.25, 0.5, 0.75, 1.0])
+    rising = feed([0.0, 0.375, 0.75, 1.125, 1.5])
     assert rising.full and rising.queue < 0.8 * POLICY.queue_enter
-    flat = feed([0.8] * 8)
-    assert not flat.full and flat.queue == pytest.approx(0.8)
+    flat = feed([1.2] * 8)
+    assert not flat.full and flat.queue == pytest.approx(1.2)
 
 
 def test_hysteresis_keeps_a_full_worker_full_until_its_queue_is_short() -> None:
@@ -225,7 +226,7 @@ def test_below_capacity_the_fluid_fleet_is_never_shed() -> None:
 def test_policy_refuses_inconsistent_thresholds() -> None:
     """queue_exit must sit below queue_enter (the hysteresis band), kv_threshold in (0, 1],
     stale_after_s > 0 and gain in (0, 1]."""
-    for bad in ({"queue_exit": 1.0}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5}):
+    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5}):
         with pytest.raises(ValueError):
             SaturationPolicy(**bad)  # type: ignore[arg-type]
 

@@ -37,6 +37,8 @@ class Recorder:
     publishes: Counter[str] = field(default_factory=Counter)
     rejections: Counter[str] = field(default_factory=Counter)
     rejected: set[str] = field(default_factory=set)
+    write_failures: Counter[str] = field(default_factory=Counter)
+    external_changes: Counter[str] = field(default_factory=Counter)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, pool or "*")
     latest: dict[str, list[Endpoint]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)
@@ -67,6 +69,9 @@ class Recorder:
     def forget(self, pool: str) -> None:
         self.calls.append(("forget", pool))
         self.latest.pop(pool, None)
+
+    async def check_published(self) -> bool:
+        return True
 
     def problems(self) -> list[str]:
         return list(self.broken)

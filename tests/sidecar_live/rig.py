@@ -79,7 +79,7 @@ class SidecarProcess:
             self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=log, stderr=log,
                                          cwd=self._cwd, env=env)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
+    def wait_ready(self, timeout: float = 30.0) -> None:
         def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -198,12 +198,14 @@ def live_rig(
     listed: int | None = None,
     configmap: bool = False,
     worker_item: Callable[[int], str] = lambda port: f"127.0.0.1:{port}",
+    prepare_xds: Callable[[Path], None] | None = None,
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
     `listed`: only the first N workers are in the topology. `configmap`: the topology is
     mounted the way Kubernetes mounts a ConfigMap (symlinks through `..data`).
     `worker_item`: the YAML list item that names the worker listening on a port.
+    `prepare_xds`: called with the xDS directory's path before anything is written there.
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
         port, admin, listen = free_port(), free_port(), free_port()
@@ -216,6 +218,8 @@ def live_rig(
             topo_path = tmp / "topology.yaml"
             topo_path.write_text(text)
         xds = tmp / "envoy"
+        if prepare_xds is not None:
+            prepare_xds(xds)  # e.g. a small filesystem mounted there
         topo, _ = parse_topology(text.encode())
         write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
         args = ["--topology", str(topo_path), "--xds-dir", str(xds), "--listen", f"127.0.0.1:{listen}",

@@ -118,18 +118,18 @@ def test_overload_is_shed_with_429_and_retry_after_and_admitted_requests_complet
 
 
 def test_saturation_from_outside_load_sheds_then_releases(tmp_path: Path) -> None:
-    """Load that bypasses this Envoy (30 long requests sent to the engines directly: 12
-    running, 18 waiting, 1.5 per slot) makes the pool saturated with nothing of this
+    """Load that bypasses this Envoy (36 long requests sent to the engines directly: 12
+    running, 24 waiting, 2 per slot) makes the pool saturated with nothing of this
     Envoy's in flight: its limit falls to the floor of 1, so of 4 concurrent requests
     through Envoy at least 3 get 429. Once the outside load has drained the limit
     climbs back to the safety cap (48) and requests pass again."""
     workers = worker_specs(["a", "b", "c"], max_num_seqs=4, decode_ms=20.0)
     with live_rig(tmp_path, workers, capacity=4) as rig:
         assert poll(lambda: _gauge(rig, "inflight_limit") == 48, timeout=5), rig.sidecar.metrics()
-        long_body = {"model": "sim-model", "prompt": "outside", "max_tokens": 150}
+        long_body = {"model": "sim-model", "prompt": "outside", "max_tokens": 120}
         targets = [rig.fleet.worker(name).url + "/v1/completions" for name in ("a", "b", "c")]
-        with ThreadPoolExecutor(max_workers=30) as outside:
-            jobs = [outside.submit(http, "POST", targets[i % 3], long_body, 60.0) for i in range(30)]
+        with ThreadPoolExecutor(max_workers=36) as outside:
+            jobs = [outside.submit(http, "POST", targets[i % 3], long_body, 60.0) for i in range(36)]
             assert poll(lambda: _gauge(rig, "inflight_limit") == 1, timeout=8), rig.sidecar.state()
             during = _burst(rig, 4)
             print(f"4 concurrent under outside load: {dict(during)}")

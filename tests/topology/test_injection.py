@@ -25,6 +25,7 @@ FULL: dict[str, Any] = {
     "version": 1,
     "name": "full",
     "admin": {"address": "127.0.0.1", "port": 9901},
+    "sidecar": {"address": "127.0.0.1", "port": 9109, "models": True},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1",
               "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta"}},
     "nginx": {"config_dir": "/etc/confgen/nginx"},

@@ -4,6 +4,8 @@
 const TABLE = {"forbidden":{"error":{"code":"permission_denied","message":"This API key is not allowed to use this model.","type":"invalid_request_error"}},"json_types":["application/json","application/json; charset=utf-8","application/json;charset=utf-8","application/json; charset=UTF-8","application/json;charset=UTF-8"],"model_not_found":["The model '{model}' does not exist or is not served here.","invalid_request_error","model_not_found"],"name":"single-box","pools":{"local":{"balance":"random_two","fallback":"confgen_unavailable"}},"routes":[{"models":["meta-llama/Llama-3.1-8B-Instruct"],"pool":"local"},{"models":["default"],"pool":"local"},{"no_model":true,"pool":"local"}]};
 // The GET /v1/models answer, the same bytes Envoy answers with (null: not answered here).
 const MODELS = "{\"data\":[{\"created\":0,\"id\":\"default\",\"object\":\"model\",\"owned_by\":\"confgen\"},{\"created\":0,\"id\":\"meta-llama/Llama-3.1-8B-Instruct\",\"object\":\"model\",\"owned_by\":\"confgen\"}],\"object\":\"list\"}";
+// Where confgen-sidecar answers GET /v1/models from its health view (null: not asked).
+const MODELS_URL = "http://127.0.0.1:9109/v1/models";
 
 function reply(r, status, body) {
     r.headersOut['Content-Type'] = 'application/json';
@@ -86,13 +88,26 @@ function route(r) {
     reply(r, 404, {error: {message: message, type: missing[1], code: missing[2]}});
 }
 
-function models(r) {
-    if (r.method === 'GET' && MODELS !== null) {
-        r.headersOut['Content-Type'] = 'application/json';
-        r.return(200, MODELS);
+// GET /v1/models: the sidecar's list (only models with healthy capacity now) when it
+// answers within js_fetch_timeout, else the full list from the topology.
+async function models(r) {
+    if (r.method !== 'GET' || MODELS === null) {
+        route(r);
         return;
     }
-    route(r);
+    let body = MODELS;
+    if (MODELS_URL !== null) {
+        try {
+            const reply = await ngx.fetch(MODELS_URL, {max_response_body_size: 1048576});
+            if (reply.status === 200) {
+                body = await reply.text();
+            }
+        } catch (e) {
+            // the sidecar is not running or did not answer in time: the full list
+        }
+    }
+    r.headersOut['Content-Type'] = 'application/json';
+    r.return(200, body);
 }
 
 function status(r) {
