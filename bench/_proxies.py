@@ -265,6 +265,11 @@ def run_vllm_router(urls: Sequence[str], policy: str, log: Path) -> Iterator[str
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-1500:]}")
             if _http_ok(f"{url}/health"):
+                # A router that lost its port to another process exits; a 200 from that process
+                # must not pass for ours.
+                time.sleep(0.3)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-1500:]}")
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("vllm-router not healthy in 30 s")

@@ -173,10 +173,21 @@ def measure_or_fail(ctx: Context, *args: Any, **kwargs: Any) -> dict[str, Any]:
     error = ""
     for attempt in range(2):
         try:
-            return measure(ctx, *args, **kwargs)
+            row = measure(ctx, *args, **kwargs)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
             print(f"  {setup.label}: attempt {attempt + 1} failed: {error}", flush=True)
+            continue
+        if row["requests"] and not row["ok"]:
+            # Not one request served: the setup never worked (a port another process held, a router
+            # that never saw its workers), not a latency to report. Said in the row if it happens twice.
+            error = f"no request served ({row['error_kinds']})"[:300]
+            print(f"  {setup.label}: attempt {attempt + 1}: {error}", flush=True)
+            continue
+        if error:
+            row["retried_after"] = error
+            row["label"] += " (second attempt)"
+        return row
     return failed_row(setup, error)
 
 
