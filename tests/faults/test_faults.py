@@ -229,7 +229,6 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
             figures = []
             failed = 0
             for mode in ("read-only", "full"):
-                before = {p: p.read_bytes() for p in xds.rglob("*.json")}
                 if mode == "read-only":
                     subprocess.run(["mount", "-o", "remount,ro", str(xds)], check=True, timeout=30)
                 else:
@@ -238,6 +237,7 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                         while True:
                             out.write(b"\0" * 65536)
                             out.flush()
+                before = {p: p.read_bytes() for p in xds.rglob("*.json")}  # nothing can change them now
                 answers = [rig.send()[0] for _ in range(size(10, 50))]  # served from the old files
                 failed += sum(1 for status in answers if status != 200)
                 failures = _metric(rig.sidecar.metrics(), "confgen_sidecar_write_failures_total")
