@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick clean prometheus-tools
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -46,6 +46,11 @@ test: $(STAMP) prometheus-tools
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest
+
+# Rewrite tests/golden (every example rendered for every target) after an intended output change;
+# review `git diff tests/golden` like any other change.
+golden: $(STAMP)
+	$(BIN)/python -m tests.golden --update
 
 bench: $(STAMP)
 	$(BIN)/python -m bench run --out bench/results

@@ -197,8 +197,9 @@ class SidecarProcess:
         return self.proc.pid
 
     def metric_sum(self, *needles: str) -> float | None:
-        """Sum of the sidecar's own metric samples whose name contains every needle (None: none found
-        or the server did not answer); e.g. ("eds", "publish") counts EDS writes."""
+        """Sum of the sidecar's own metric samples whose name contains every needle, where a needle
+        may offer alternatives ("publish|write") (None: none found or the server did not answer);
+        e.g. ("eds", "publish|write") counts EDS writes under either name."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
@@ -209,7 +210,8 @@ class SidecarProcess:
         total, seen = 0.0, False
         for family in text_string_to_metric_families(body):
             for sample in family.samples:
-                if all(n in sample.name for n in needles) and not sample.name.endswith("_created"):
+                if (all(any(alt in sample.name for alt in n.split("|")) for n in needles)
+                        and not sample.name.endswith("_created") and "rejected" not in sample.name):
                     total += sample.value
                     seen = True
         return total if seen else None
@@ -263,6 +265,11 @@ def run_vllm_router(urls: Sequence[str], policy: str, log: Path) -> Iterator[str
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-1500:]}")
             if _http_ok(f"{url}/health"):
+                # A router that lost its port to another process exits; a 200 from that process
+                # must not pass for ours.
+                time.sleep(0.3)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm-router exited {proc.returncode}: {log.read_text()[-1500:]}")
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("vllm-router not healthy in 30 s")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import subprocess
 import sys
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+_TARGETS_WAIT_S = 300.0
 
 
 def _record(req: dict[str, Any], url: str) -> dict[str, Any]:
@@ -121,6 +124,15 @@ async def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
+    if job.get("targets") is None:
+        # Started ahead of the proxies (its imports out of the measured run's way): the targets
+        # come as one JSON line on stdin once they are ready.
+        ready, _, _ = select.select([sys.stdin], [], [], _TARGETS_WAIT_S)
+        line = sys.stdin.readline() if ready else ""
+        if not line.strip():
+            print("no targets on stdin", file=sys.stderr)
+            return 2
+        job["targets"] = json.loads(line)
     records = asyncio.run(run_job(job))
     Path(argv[1]).write_text(json.dumps(records))
     return 0
@@ -137,13 +149,24 @@ def run(job: dict[str, Any], workdir: Path, name: str = "load") -> list[dict[str
 
 
 def start(job: dict[str, Any], workdir: Path, name: str = "load") -> tuple[subprocess.Popen[bytes], Path]:
-    """Start a job in the background; `collect` waits for it."""
+    """Start a job in the background; `collect` waits for it. A job with "targets": None waits
+    (at most _TARGETS_WAIT_S) for `go(proc, targets)` before its clock starts."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.records.json"
     job_path.write_text(json.dumps(job))
+    waits = job.get("targets") is None
     proc = subprocess.Popen([sys.executable, "-m", "bench.loadgen", str(job_path), str(out_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE if waits else subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     return proc, out_path
+
+
+def go(proc: subprocess.Popen[bytes], targets: list[str]) -> None:
+    """Hand the targets to a load generator started with "targets": None: its run starts now."""
+    if proc.stdin is None:
+        raise RuntimeError("this load generator was started with its targets")
+    proc.stdin.write((json.dumps(targets) + "\n").encode())
+    proc.stdin.flush()  # left open: `collect` (communicate) closes it
 
 
 def collect(proc: subprocess.Popen[bytes], out_path: Path, timeout: float) -> list[dict[str, Any]]:

@@ -75,7 +75,7 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
               "|---|---|---|---|---|---|"]
     for r in results:
         for t in r.targets:
-            limit = "" if t.limit is None else f" ({t.limit:g})"
+            limit = "" if t.limit is None else f" ({t.limit:.3g})"
             lines.append(f"| {r.name} | {t.name} | {t.goal} | {t.measured} | {_ratio(t.ratio)}{limit} | "
                          f"{_met(t.met)} |")
     for name, err in errors.items():
@@ -180,11 +180,11 @@ def chart(path: Path, results: list[Result]) -> None:
     if targets:
         ax = axes[-1, 0]
         names = [n for n, _ in targets]
-        scores = [min(t.ratio / t.limit, 3.0) if t.ratio is not None and t.limit else 0.0 for _, t in targets]
+        scores = [_score(t) for _, t in targets]
         colors = ["tab:green" if t.met else ("tab:gray" if t.met is None else "tab:red") for _, t in targets]
         ax.barh(range(len(targets)), scores, color=colors)
         for i, (_, t) in enumerate(targets):
-            if t.ratio is None or not t.limit:
+            if t.ratio is None:
                 ax.text(0.02, i, "met" if t.met else "missed" if t.met is False else "-", va="center", fontsize=7)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(targets)), names, fontsize=7)
@@ -208,3 +208,13 @@ def _grouped(ax: Any, panel: dict[str, Any]) -> None:
     ax.set_ylabel(panel.get("ylabel", "x reference"))
     ax.set_title(panel["title"], fontsize=10)
     ax.legend(fontsize=7)
+
+
+def _score(t: Any) -> float:
+    """Bar length: measured / limit (capped at 3); a zero limit (a count that must be 0) draws 0.1 when
+    met and 1.5 when missed, so a miss is a red bar like the others."""
+    if t.ratio is None:
+        return 0.0
+    if not t.limit:
+        return 0.1 if t.met else 1.5
+    return float(min(t.ratio / t.limit, 3.0))

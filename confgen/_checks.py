@@ -11,11 +11,14 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
+from .balancing import POLICIES, is_hashing
 from .errors import Severity
-from .model import Pool, Topology, is_ip, split_address
+from .model import Topology, is_ip, split_address
+from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
 ERROR, WARNING = Severity.ERROR, Severity.WARNING
+_HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy.hashing)
 
 
 def check(topo: Topology) -> list[Finding]:
@@ -68,7 +71,7 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
 
 
 def _addresses(topo: Topology) -> Iterator[Finding]:
-    for name, address in [("admin.address", topo.admin.address)] + [
+    for name, address in [("admin.address", topo.admin.address), ("sidecar.address", topo.sidecar.address)] + [
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):
@@ -161,15 +164,6 @@ def _references(topo: Topology) -> Iterator[Finding]:
         yield from unknown_pool("default_pool", topo.default_pool)
 
 
-def fallback_chain(topo: Topology, pool: Pool) -> list[Pool]:
-    """The pool and the pools it falls back to, in order (stops at a cycle or unknown)."""
-    by_name = {p.name: p for p in topo.pools}
-    chain = [pool]
-    while chain[-1].fallback in by_name and by_name[chain[-1].fallback] not in chain:
-        chain.append(by_name[chain[-1].fallback])
-    return chain
-
-
 def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
     by_name = {p.name: p for p in topo.pools}
     reported: set[str] = set()
@@ -186,35 +180,6 @@ def _fallback_cycles(topo: Topology) -> Iterator[Finding]:
                 break
             seen.append(nxt.name)
             current = nxt
-
-
-def primary_pool_for(topo: Topology, model: str) -> Pool | None:
-    """The pool that answers `model` by the implicit per-model routes, if unambiguous.
-
-    A name served by several pools belongs to the one whose fallback chain holds all the
-    others (70B -> 7B both serving "chat": the 70B pool answers, the 7B one is its fallback).
-    """
-    serving = [p for p in topo.pools if model in p.served_names]
-    for pool in serving:
-        chain = {p.name for p in fallback_chain(topo, pool)}
-        if all(p.name in chain for p in serving):
-            return pool
-    return None
-
-
-def implicit_model_routes(topo: Topology) -> list[tuple[str, Pool]]:
-    """(model name, pool) for every served name no explicit route claims, in topology order."""
-    out: list[tuple[str, Pool]] = []
-    seen: set[str] = set()
-    for pool in topo.pools:
-        for model in pool.served_names:
-            if model in seen:
-                continue
-            seen.add(model)
-            owner = primary_pool_for(topo, model)
-            if owner is not None:  # None: claimed by an explicit route (checked on load)
-                out.append((model, owner))
-    return out
 
 
 def _model_routing(topo: Topology) -> Iterator[Finding]:
@@ -282,7 +247,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
         bal = pool.balancing
-        hashing = bal.policy in ("ring_hash", "maglev")
+        hashing = is_hashing(bal.policy)
         if bal.hash_on is not None:
             given = [k for k in ("header", "cookie") if getattr(bal.hash_on, k) is not None]
             if len(given) != 1:
@@ -290,7 +255,7 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             if not hashing:
                 yield (
                     f"{base}.balancing.hash_on",
-                    f"hash_on needs policy ring_hash or maglev, not {bal.policy}",
+                    f"hash_on needs policy {_HASHING_NAMES}, not {bal.policy}",
                     ERROR,
                 )
         elif hashing:

@@ -102,16 +102,9 @@ class Duration:
     def seconds(self) -> float:
         return self.ms / 1000
 
-    def envoy(self) -> str:
-        """Protobuf JSON duration text."""
-        whole, frac = divmod(self.ms, 1000)
-        return f"{whole}.{frac:03d}s" if frac else f"{whole}s"
-
-    def nginx(self) -> str:
-        return f"{self.ms}ms" if self.ms % 1000 else f"{self.ms // 1000}s"
-
     def __str__(self) -> str:
-        return self.nginx()
+        """As a topology writes it: whole seconds when exact, else milliseconds (5s, 1500ms)."""
+        return f"{self.ms}ms" if self.ms % 1000 else f"{self.ms // 1000}s"
 
 
 # ASCII digits only (`\d` would take "\u0665s", an Arabic-Indic five, as 5 s); bounded

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 from .model import Topology
+from .plan import fallback_chain
 
 Json = dict[str, Any]
 
@@ -87,13 +89,21 @@ def canned_body(topo: Topology) -> Json:
     }
 
 
-def models_body(topo: Topology) -> str:
-    """The GET /v1/models answer, byte for byte the same from every target."""
-    return json.dumps(models_list(topo), sort_keys=True, separators=(",", ":"))
+def models_body(topo: Topology, in_rotation: Collection[str] | None = None) -> str:
+    """The GET /v1/models answer, byte for byte the same from every target (and the sidecar)."""
+    return json.dumps(models_list(topo, in_rotation), sort_keys=True, separators=(",", ":"))
 
 
-def models_list(topo: Topology) -> Json:
-    names = sorted({n for p in topo.pools for n in p.served_names})
+def models_list(topo: Topology, in_rotation: Collection[str] | None = None) -> Json:
+    """Every model name the pools serve; with `in_rotation` (the pools that have a worker in
+    rotation now), only the names some pool serves whose fallback chain has one of them:
+    what a client can actually be answered by a model, not by the canned last resort."""
+    if in_rotation is None:
+        names = sorted({n for p in topo.pools for n in p.served_names})
+    else:
+        live = set(in_rotation)
+        names = sorted({n for p in topo.pools if any(q.name in live for q in fallback_chain(topo, p))
+                        for n in p.served_names})
     return {
         "object": "list",
         "data": [{"id": n, "object": "model", "created": 0, "owned_by": "confgen"} for n in names],

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .model import Topology
 
-__all__ = ["explain_envoy", "explain_nginx"]
+__all__ = ["Refusal", "explain_envoy", "explain_nginx"]
+
+
+class Refusal(NamedTuple):
+    """One thing a real proxy refused, in the topology's terms."""
+
+    field: str  # topology field path; "" when none can be named (pinned to the file's top)
+    message: str  # one short line
 
 _MAX_MESSAGE = 300
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[^\]]*\]\[[^\]]*\] \[[^\]]*\] ")
@@ -107,20 +114,20 @@ def _listener_field(topo: Topology, listener: str, sub: str) -> str:
     return f"listeners[{names.index(listener)}]" if listener in names else "listeners"
 
 
-def explain_envoy(text: str, bootstrap: Mapping[str, Any], topo: Topology) -> tuple[str, str]:
+def explain_envoy(text: str, bootstrap: Mapping[str, Any], topo: Topology) -> Refusal:
     """(topology field, short message) for one error record of `envoy --mode validate`
     run on `bootstrap` (the static bootstrap the check inlined)."""
     located = _envoy_path(text)
     if located is None:
-        return "", f"Envoy refused it: {_first_line(text)}"
+        return Refusal("", f"Envoy refused it: {_first_line(text)}")
     path, reason = located
     message = f"Envoy refused {path}: {reason}" if reason else f"Envoy refused {path}"
     static = bootstrap.get("static_resources", {})
     if (hit := _index(path, "clusters")) is not None and hit[0] < len(static.get("clusters", [])):
-        return _pool_field(topo, str(static["clusters"][hit[0]].get("name", "")), hit[1]), message
+        return Refusal(_pool_field(topo, str(static["clusters"][hit[0]].get("name", "")), hit[1]), message)
     if (hit := _index(path, "listeners")) is not None and hit[0] < len(static.get("listeners", [])):
-        return _listener_field(topo, str(static["listeners"][hit[0]].get("name", "")), hit[1]), message
-    return "", message
+        return Refusal(_listener_field(topo, str(static["listeners"][hit[0]].get("name", "")), hit[1]), message)
+    return Refusal("", message)
 
 
 _NGINX_WHERE = re.compile(r" in (?P<file>\S+?):(?P<line>\d+)\s*$")
@@ -128,23 +135,23 @@ _NGINX_DIRECTIVES = (("limit_conn", "backpressure"), ("limit_req", "limits"), ("
                      ("server_name", "listeners"), ("client_max_body_size", "limits"), ("map", "auth"))
 
 
-def explain_nginx(line: str, files: Mapping[str, bytes], prefix: str, topo: Topology) -> tuple[str, str]:
+def explain_nginx(line: str, files: Mapping[str, bytes], prefix: str, topo: Topology) -> Refusal:
     """(topology field, short message) for one `nginx -t` error line about the files
     rendered under `prefix` (rel path -> content)."""
     text = re.sub(r"^nginx: ", "", line.strip()).replace(prefix.rstrip("/") + "/", "")
     where = _NGINX_WHERE.search(text)
     if where is None:
-        return "", f"nginx refused it: {text}"
+        return Refusal("", f"nginx refused it: {text}")
     rel, number = where.group("file"), int(where.group("line"))
     message = f"nginx refused {rel}:{number}: {text[: where.start()]}"
     if rel.startswith("upstreams/") and rel.endswith(".conf"):
-        return _pool_field(topo, rel.removeprefix("upstreams/").removesuffix(".conf"), ""), message
+        return Refusal(_pool_field(topo, rel.removeprefix("upstreams/").removesuffix(".conf"), ""), message)
     if rel.startswith("keys/"):
-        return "auth", message
+        return Refusal("auth", message)
     content = files.get(rel, b"").decode(errors="replace").splitlines()
     directive = content[number - 1].split()[0] if 0 < number <= len(content) and content[number - 1].split() else ""
     for name, block in _NGINX_DIRECTIVES:
         if directive == name or directive.startswith(f"{name}_"):
-            return block, message
-    return "", message
+            return Refusal(block, message)
+    return Refusal("", message)
 

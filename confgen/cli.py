@@ -10,13 +10,15 @@ Exit codes scripts can trust:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from . import __version__
+from . import __version__, targets
+from ._rejection import Refusal
 from .errors import (
     ConfgenError,
     DeployError,
@@ -31,7 +33,7 @@ from .model import Topology
 from .topology import load
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-TARGETS = ("envoy", "nginx", "kubernetes", "compose")
+TARGETS = targets.names()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,11 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check topology files; print every problem")
     validate.add_argument("topology", type=Path, nargs="+", help="topology YAML files (each judged on its own)")
-    validate.add_argument("--envoy", action="store_true", help="also run the real Envoy on the rendered output "
-                          "(every listener, route and cluster, and the first 8 endpoints of each pool)")
+    for target in targets.verifiable():
+        validate.add_argument(f"--{target.name}", action="store_true", help=target.verify_help)
     validate.add_argument("--envoy-all-endpoints", action="store_true",
                           help="with --envoy, have Envoy parse every endpoint too (about 1 s per 10,000)")
-    validate.add_argument("--nginx", action="store_true", help="also run the real nginx -t on the rendered output")
     validate.add_argument("--strict", action="store_true", help="treat warnings as errors")
     validate.add_argument("--format", choices=("text", "json"), default="text",
                           help="text: file:line:col: path: message lines; json: a list of objects for tools")
@@ -101,30 +102,24 @@ def _unreadable(paths: Sequence[Path]) -> list[str]:
     return problems
 
 
-def _config_dir(topo: Topology, args: argparse.Namespace, out: Path) -> str:
+def _config_dir(topo: Topology, target: targets.Target, args: argparse.Namespace, out: Path) -> str:
     if args.config_dir:
         return str(args.config_dir)
-    configured = {"envoy": topo.envoy.config_dir, "nginx": topo.nginx.config_dir}.get(args.target)
-    return configured or str(out.resolve())
+    return target.config_dir(topo) or str(out.resolve())
 
 
 def render_files(topo: Topology, target: str, config_dir: str, secrets: dict[str, str] | None) -> dict[str, bytes]:
-    if target == "envoy":
-        from . import envoy
+    """`topo` rendered for the target called `target` (kept for callers that name targets)."""
+    return targets.get(target).render(topo, config_dir, secrets)
 
-        return envoy.render(topo, config_dir=config_dir, secrets=secrets)
-    if target == "kubernetes":
-        from .deploy import render_kubernetes
 
-        return render_kubernetes(topo)
-    if target == "compose":
-        from .deploy import render_compose
+def _target_warnings(path: Path, target: targets.Target, topo: Topology) -> list[Diagnostic]:
+    found = target.warnings(topo)
+    if not found:
+        return []
+    from .topology import pin
 
-        return render_compose(topo)
-    from . import nginx
-
-    result: dict[str, bytes] = nginx.render(topo, config_dir=config_dir, secrets=secrets)
-    return result
+    return pin(path, found)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -139,22 +134,16 @@ def cmd_render(args: argparse.Namespace) -> int:
     except TopologyError as exc:
         _print_diagnostics(exc.diagnostics, sys.stderr)
         return EXIT_INVALID
-    if args.target == "nginx":
-        from . import nginx
-        from .topology import pin
-
-        warnings = sorted([*warnings, *pin(args.topology, nginx.unsupported(topo))])
+    target = targets.get(args.target)
+    warnings = sorted([*warnings, *_target_warnings(args.topology, target, topo)])
     _print_diagnostics(warnings, sys.stderr)
     if args.diff and args.check is None:
         print("confgen: --diff goes with --check DIR", file=sys.stderr)
         return EXIT_USAGE
     out: Path = args.out or args.check
     try:
-        # An ADS bootstrap holds no key: the control plane resolves and serves them. The
-        # deployment targets only reference the keys (a Secret, an env file): no key is read.
-        keyless = (args.target == "envoy" and topo.envoy.xds.mode == "ads") or args.target in ("kubernetes", "compose")
-        keys = None if args.placeholder_secrets or keyless else secret_mod.resolve(topo)
-        files = render_files(topo, args.target, _config_dir(topo, args, out), keys)
+        keys = secret_mod.resolve(topo) if target.needs_keys(topo) and not args.placeholder_secrets else None
+        files = target.render(topo, _config_dir(topo, target, args, out), keys)
         if args.check is not None:
             drift = diff_tree(files, args.check, detail=args.diff)
             for line in drift:  # detail lines (--diff) are indented under their file
@@ -164,7 +153,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                 return EXIT_INVALID
             return EXIT_OK
         has_keys = topo.auth is not None and keys is not None
-        write_tree(files, args.out, mode=0o600 if has_keys else 0o644)
+        write_tree(files, args.out, mode=0o600 if has_keys else 0o644, rank=target.write_rank)
     except (SecretError, DeployError) as exc:
         from .topology import pin
 
@@ -178,7 +167,6 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from . import verify
     from .secrets import check_sources
     from .topology import pin
 
@@ -196,19 +184,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
         findings = list(diags)
         if topo is not None and (sources := check_sources(topo)):
             findings += pin(path, sources, Severity.ERROR)
-        if topo is not None and (args.envoy or args.nginx):
-            targets = [t for t, on in (("envoy", args.envoy), ("nginx", args.nginx)) if on]
-            for target in targets:
-                try:
-                    problems = verify.verify(topo, target, all_endpoints=args.envoy_all_endpoints)
-                except VerifyError as exc:
-                    print(f"confgen: cannot run {target}: {exc}", file=sys.stderr)
-                    return EXIT_UNAVAILABLE
-                findings += [Diagnostic(str(path), 0, 0, f"<{target}>", p) for p in problems]
-            if args.nginx:
-                from . import nginx
-
-                findings += pin(path, nginx.unsupported(topo))
+        chosen = [t for t in targets.verifiable() if getattr(args, t.name)] if topo is not None else []
+        for target in chosen:
+            assert topo is not None and target.verify is not None
+            try:
+                problems = target.verify(topo, args.envoy_all_endpoints)
+            except VerifyError as exc:
+                print(f"confgen: cannot run {target.name}: {exc}", file=sys.stderr)
+                return EXIT_UNAVAILABLE
+            findings += _refusals(path, target.name, problems)
+            findings += _target_warnings(path, target, topo)
         errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
             status = EXIT_INVALID
@@ -222,6 +207,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(report, indent=2))
     return status
+
+
+def _refusals(path: Path, target: str, refused: Sequence[Refusal]) -> list[Diagnostic]:
+    """A real proxy's refusals pinned to the topology field that led there (the file's top,
+    named <target>, when no field can be named)."""
+    from .topology import pin
+
+    pinned = pin(path, [(r.field, r.message) for r in refused], Severity.ERROR)
+    return [d if d.path else dataclasses.replace(d, path=f"<{target}>") for d in pinned]
 
 
 def cmd_schema(_: argparse.Namespace) -> int:

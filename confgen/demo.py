@@ -34,27 +34,21 @@ from typing import Any, TextIO
 
 from . import envoy, runtime
 from .output import write_tree
+from .simulate import fleet_topology
 from .topology import parse
 
-DEMO_TOPOLOGY = """\
-version: 1
-name: demo
-admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
-  - name: chat
-    engine: vllm
-    models: [demo-8b]
-    aliases: [chat]
-    capacity: 8
-    balancing: {{policy: least_request, choice_count: 2}}
-    health: {{interval: 1s, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}}
-    outlier_detection: {{consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}}
-    workers:
-{workers}
-last_resort: {{kind: error, status: 503, message: Every demo worker is down.}}
-"""
+
+def demo_topology(admin: int, port: int, workers: list[str]) -> str:
+    """The demo's topology: pool `chat` of the simulated workers, Envoy's own checks fast."""
+    return fleet_topology(
+        name="demo", admin=admin, port=port, workers=workers, models=["demo-8b"], capacity=8,
+        pool=["aliases: [chat]",
+              "balancing: {policy: least_request, choice_count: 2}",
+              "health: {interval: 1s, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}",
+              "outlier_detection: {consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}"],
+        tail=["last_resort: {kind: error, status: 503, message: Every demo worker is down.}"],
+    )
+
 
 WORKERS = (("a100-0", 1.0), ("a100-1", 1.0), ("a10-slow", 0.5))
 SIDECAR_INTERVAL_S = 0.5
@@ -227,8 +221,7 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
             prefix="confgen-demo-")))
         base.mkdir(parents=True, exist_ok=True)
         port, admin, sidecar_port = runtime.free_port(), runtime.free_port(), runtime.free_port()
-        lines = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
-        text = DEMO_TOPOLOGY.format(admin=admin, port=port, workers=lines)
+        text = demo_topology(admin, port, [f"127.0.0.1:{w.port}" for w in fleet.workers])
         topology = base / "topology.yaml"
         topology.write_text(text)
         topo, _ = parse(text.encode(), str(topology))

@@ -310,10 +310,11 @@ NGINX_CAP_MAX = 65535
 class Backpressure:
     max_utilization: float = field(
         0.8,
-        doc="Read by the sidecar only: its pool counts as saturated when the workers without headroom "
-        "(reported waiting queue past its threshold, or KV cache nearly full and still queueing, on fresh "
-        "metrics) hold at least this share of the declared capacity of the workers in rotation; only "
-        "then does it shed new requests (429). In-flight counts are never compared with it.",
+        doc="Read by the sidecar only. A pool is saturated, and the sidecar sheds new requests (429), when "
+        "the workers without headroom hold at least this share of the declared capacity of the workers in "
+        "rotation. A worker has no headroom when, on fresh metrics, its engine's waiting queue (smoothed, "
+        "projected along its rise) reaches 1.5 requests per declared slot, or its KV-cache use is at least 0.8 "
+        "while requests wait. In-flight counts are never compared with it.",
         minimum=0.05,
         maximum=1.0,
     )
@@ -402,13 +403,22 @@ class NginxOptions:
 @dataclass(frozen=True)
 class Kubernetes:
     namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="name")
-    replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar).", minimum=1, maximum=1000)
+    replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar; with envoy.xds.mode ads, Envoy "
+                          "alone, and this is the HPA's minimum).", minimum=1, maximum=1000)
+    envoy_max_replicas: int = field(
+        10, doc="envoy.xds.mode ads: most Envoy pods the HPA scales to on CPU.", minimum=1, maximum=1000)
     envoy_image: str = field("envoyproxy/envoy:v1.40.0", doc="Envoy container image.", pattern="image")
     sidecar_image: str = field("confgen/sidecar:0.1.0", doc="Sidecar image (sidecar/Dockerfile).", pattern="image")
     keys_secret: str | None = field(
         None,
         doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
         "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
+        pattern="name",
+    )
+    admin_token_secret: str | None = field(
+        None,
+        doc="Secret whose entry `token` the sidecar requires on POST /drain and /undrain; bound on the pod's "
+        "address, those endpoints are off without it.",
         pattern="name",
     )
     termination_grace_seconds: int = field(
@@ -427,6 +437,20 @@ class Kubernetes:
         "http://prometheus-operated.monitoring.svc:9090",
         doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",
         pattern="url",
+    )
+
+
+@dataclass(frozen=True)
+class SidecarLink:
+    address: str = field(
+        "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
+    )
+    port: int = field(9109, doc="Port of confgen-sidecar's HTTP server.", minimum=1, maximum=65535)
+    models: bool = field(
+        True,
+        doc="Answer GET /v1/models from the sidecar's health view: only the models with healthy capacity "
+        "somewhere in their fallback chain. When the sidecar cannot be reached the proxy answers the full "
+        "list from the topology.",
     )
 
 
@@ -450,6 +474,7 @@ class Topology:
     )
     last_resort: Canned | None = field(None, doc="Canned answer when no pool in a fallback chain is healthy.")
     models_endpoint: bool = field(True, doc="Answer GET /v1/models at the edge from the pools' models.")
+    sidecar: SidecarLink = field(factory=SidecarLink, doc="Where the proxy reaches confgen-sidecar, and what it asks.")
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")

@@ -6,8 +6,9 @@ A render is complete in memory before anything is written. Then:
 - an existing one (maybe watched by a running Envoy, whose inotify watches follow the
   directory's inode, so the directory itself must stay) has each file replaced atomically
   (temp file in the same directory, fsync, rename, fsync the directory), in the order
-  Envoy needs: EDS before the clusters naming it, clusters before the routes naming them.
-  Files of the previous render that are no longer produced are removed last.
+  the target gives (`Target.write_rank`; Envoy: EDS before the clusters naming it,
+  clusters before the routes naming them). Files of the previous render that are no
+  longer produced are removed last, in the reverse order.
 """
 
 from __future__ import annotations
@@ -15,18 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ._diff import describe_change
 from .errors import OutputError
 
 MANIFEST = ".confgen-files"  # what the last render wrote, so stale files can be removed
-
-
-def _order(path: str) -> tuple[int, str]:
-    rank = 0 if path.startswith("eds/") else 1 if path == "cds.json" else 2 if path == "lds.json" else 3
-    return rank, path
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,7 +56,20 @@ def _check_relative(rel: str) -> None:
         raise OutputError(f"refusing to write outside the output directory: {rel!r}")
 
 
-def write_tree(files: Mapping[str, bytes], out_dir: Path, mode: int = 0o644) -> None:
+def _same_rank(path: str) -> int:
+    return 0
+
+
+def write_tree(
+    files: Mapping[str, bytes], out_dir: Path, mode: int = 0o644, *, rank: Callable[[str], int] = _same_rank
+) -> None:
+    """Write `files` under `out_dir` (see the module docstring). On a live directory, files are
+    replaced by ascending `rank(path)` (the target's order, e.g. `envoy.layout.write_rank`),
+    then by path; files no longer produced are removed in the reverse order."""
+
+    def order(path: str) -> tuple[int, str]:
+        return rank(path), path
+
     for rel in files:
         _check_relative(rel)
     manifest = "".join(f"{rel}\n" for rel in sorted(files)).encode()
@@ -82,11 +91,11 @@ def write_tree(files: Mapping[str, bytes], out_dir: Path, mode: int = 0o644) -> 
         if not out_dir.is_dir():
             raise OutputError(f"{out_dir} exists and is not a directory")
         previous = _previous_files(out_dir)
-        for rel in sorted(files, key=_order):
+        for rel in sorted(files, key=order):
             target = out_dir / rel
             if not target.exists() or target.read_bytes() != files[rel]:
                 atomic_write(target, files[rel], mode)
-        for rel in sorted(previous - set(files), key=_order, reverse=True):
+        for rel in sorted(previous - set(files), key=order, reverse=True):
             stale = out_dir / rel
             stale.unlink(missing_ok=True)
             if stale.parent != out_dir and not any(stale.parent.iterdir()):

@@ -13,44 +13,51 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from . import binaries
+from ._rejection import Refusal, explain_envoy, explain_nginx
 from .errors import BinaryNotFoundError, VerifyError
 from .model import Topology
 
-__all__ = ["SAMPLED_ENDPOINTS", "VerifyError", "loopback_ports", "verify", "verify_envoy", "verify_nginx"]
+__all__ = ["SAMPLED_ENDPOINTS", "Refusal", "VerifyError", "loopback_ports", "verify", "verify_envoy", "verify_nginx"]
 
 # Endpoints per pool that Envoy parses in `validate --envoy` (see envoy.static_bootstrap).
 SAMPLED_ENDPOINTS = 8
 
 
-def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[str]:
-    """Problems the real proxy reports for `topo` rendered for `target` ([] when accepted)."""
-    if target == "envoy":
-        return verify_envoy(topo, all_endpoints=all_endpoints)
-    if target == "nginx":
-        return verify_nginx(topo)
-    raise VerifyError(f"no real-proxy check for target {target!r}")
+def verify(topo: Topology, target: str, *, all_endpoints: bool = False) -> list[Refusal]:
+    """What the real proxy refuses in `topo` rendered for `target` ([] when accepted), each
+    said in the topology's terms (confgen._rejection)."""
+    from . import targets
+
+    check = targets.get(target).verify
+    if check is None:
+        raise VerifyError(f"target {target!r} has no real-proxy check")
+    return check(topo, all_endpoints)
 
 
-def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[str]:
-    """Problems `envoy --mode validate` reports for `topo`'s Envoy output ([] when accepted)."""
+def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[Refusal]:
+    """What `envoy --mode validate` refuses in `topo`'s Envoy output ([] when accepted)."""
     from . import envoy
 
     limit = None if all_endpoints else SAMPLED_ENDPOINTS
     if topo.envoy.xds.mode == "ads":
         # The bootstrap Envoy starts with, then what the control plane would send it.
-        problems = _validate_envoy(envoy.ads.bootstrap(topo))
-        return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit))
+        problems = _validate_envoy(envoy.ads.bootstrap(topo), topo)
+        return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit), topo)
     files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
-    return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit))
+    if untyped := envoy.file_type_problems(files):  # what validate mode cannot see in the files
+        return [Refusal("", problem) for problem in untyped]
+    return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit), topo)
 
 
-def _validate_envoy(boot: dict[str, object]) -> list[str]:
+def _validate_envoy(boot: dict[str, Any], topo: Topology) -> list[Refusal]:
     try:
-        return binaries.validate_envoy_static(boot)
+        records = binaries.validate_envoy_static(boot)
     except BinaryNotFoundError as exc:
         raise VerifyError(str(exc)) from exc
+    return [explain_envoy(record, boot, topo) for record in records]
 
 
 def loopback_ports(topo: Topology) -> dict[str, int]:
@@ -60,8 +67,8 @@ def loopback_ports(topo: Topology) -> dict[str, int]:
     return {name: binaries.free_port() for name in [*(lst.name for lst in topo.listeners), nginx.STATUS]}
 
 
-def verify_nginx(topo: Topology) -> list[str]:
-    """Problems `nginx -t` reports for `topo`'s nginx output ([] when accepted)."""
+def verify_nginx(topo: Topology) -> list[Refusal]:
+    """What `nginx -t` refuses in `topo`'s nginx output ([] when accepted)."""
     from . import nginx
 
     with tempfile.TemporaryDirectory(prefix="confgen-nginx-") as tmp:
@@ -72,6 +79,7 @@ def verify_nginx(topo: Topology) -> list[str]:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
         try:
-            return binaries.nginx_test((prefix / "nginx.conf").read_text(), prefix)
+            lines = binaries.nginx_test((prefix / "nginx.conf").read_text(), prefix)
         except BinaryNotFoundError as exc:
             raise VerifyError(str(exc)) from exc
+        return [explain_nginx(line, files, str(prefix), topo) for line in lines]

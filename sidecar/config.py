@@ -14,16 +14,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
+from confgen.model import Topology
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
+from sidecar.saturation import SaturationPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser"]
+__all__ = ["ConfigError", "SidecarConfig", "config_dir_for", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
-_P = TypeVar("_P", HealthPolicy, WeightPolicy)
+_P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy)
 
 
 class ConfigError(ConfgenError, ValueError):
@@ -46,17 +48,25 @@ class SidecarConfig:
     listen_port: int = 9109
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
+    saturation: SaturationPolicy = field(default_factory=SaturationPolicy)  # when to shed, how much
     publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
     dns_timeout_s: float = 2.0
-    ingresses: int = 1  # Envoys sharing the fleet: each takes 1/ingresses of the in-flight limit
+    ingresses: int = 1  # Envoys sharing the fleet: each corrects 1/ingresses of the shedding error
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
+
+    @property
+    def publisher(self) -> str:
+        """The publisher the flags select (a key of sidecar.publisher.PUBLISHERS)."""
+        if self.nginx is not None:
+            return "nginx"
+        return "ads" if self.serve_xds is not None else "envoy"
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.probe_deadline_s <= 0:
@@ -104,11 +114,14 @@ def parser() -> argparse.ArgumentParser:
                    help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
                    help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+    p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
+                   "(stale_after_s defaults to 2.5 x --interval)")
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
-    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet; each one's "
-                   "in-flight limit is its 1/N share of the pool's (default 1)")
+    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet: while a pool is "
+                   "saturated each one corrects 1/N of the queue error per cycle (default 1)")
     p.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -164,6 +177,8 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
     host, port = _split_listen(args.listen)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
+    stale = SaturationPolicy(stale_after_s=2.5 * args.interval) if args.interval > 0 else SaturationPolicy()
+    saturation = _override(stale, args.saturation, "--saturation")
     deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
     return SidecarConfig(
         topology=args.topology,
@@ -178,6 +193,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         listen_port=port,
         health=health,
         weights=weights,
+        saturation=saturation,
         publish_debounce_s=args.publish_debounce,
         confirm_timeout_s=args.confirm_timeout,
         watch_debounce_s=args.watch_debounce,
@@ -189,3 +205,23 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
     )
+
+
+def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
+    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
+    if config.xds_dir is not None:
+        return config.xds_dir.absolute()
+    if topo.envoy.config_dir:
+        return Path(topo.envoy.config_dir).absolute()
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
+    """The directory Envoy reads (paths inside the files); may differ from where we write.
+
+    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
+    absolute (sidecar.tree.config_dir_for_tree).
+    """
+    from sidecar.tree import config_dir_for_tree
+
+    return config_dir_for_tree(xds_dir_for(config, topo), topo)

@@ -1,10 +1,12 @@
 """The daemon's cycle: topology -> endpoints -> probes -> states -> decisions -> weights -> publish.
 
 One `Daemon` owns the mutable picture of the fleet and is driven by `main` (the loop,
-signals) and `server` (admin drain calls). It runs on one event loop, so nothing here
-needs a lock. Readers (the metrics collector, /state) get an immutable `Snapshot`
-rebuilt after every change, so a scrape never sees a half-updated cycle and an endpoint
-that left the topology leaves every view with it.
+signals), the topology watcher (reloads) and `server` (admin drain calls). It runs on one
+event loop, but a cycle awaits (probes, publishing), so one lock keeps a cycle, a reload
+and a republish from interleaving. It talks to its publisher only through the
+`sidecar.publisher.Publisher` interface. Readers (the metrics collector, /state) get an
+immutable `Snapshot` rebuilt after every change, so a scrape never sees a half-updated
+cycle and an endpoint that left the topology leaves every view with it.
 """
 
 from __future__ import annotations
@@ -16,26 +18,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confgen import envoy
-from confgen.envoy import Endpoint, layout
-from confgen.errors import SecretError, TopologyError
-from confgen.model import Pool, Topology, Worker, split_address
-from confgen.secrets import resolve as resolve_secrets
+from confgen.envoy import Endpoint
+from confgen.errors import Diagnostic, SecretError, TopologyError
+from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
 from confgen.topology import load as load_topology
-from sidecar.backpressure import InflightLimiter, PoolLoad
-from sidecar.config import ConfigError, SidecarConfig
+from sidecar.backpressure import PoolLoad
+from sidecar.config import ConfigError, SidecarConfig, config_dir_for, xds_dir_for
 from sidecar.engines import LoadSample
 from sidecar.histogram import DurationHistogram, HistogramView
 from sidecar.logs import log_event
-from sidecar.nginx_publish import NginxPublisher
 from sidecar.probe import Prober, ProbeReport, Target
-from sidecar.publish import EdsPublisher, read_published
+from sidecar.publisher import Limiter, Publisher
 from sidecar.resolve import Resolver
+from sidecar.saturation import Headroom, assess
 from sidecar.state import Decision, EndpointState, Status, decide_pool
-from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, weight
-from sidecar.xds.limits import RtdsLimiter
-from sidecar.xds.publisher import AdsPublisher, XdsView
+from sidecar.xds.publisher import XdsView
 
 __all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
 
@@ -63,6 +61,7 @@ class _Tracked:
     weight: int | None = None  # last weight published
     sample: LoadSample | None = None
     trend: Trend = field(default_factory=Trend)  # smoothed speed and queue, for the weights
+    headroom: Headroom = field(default_factory=Headroom)  # the saturation detector's view
     report: ProbeReport | None = None
     decision: Decision | None = None
     errors: Counter[str] = field(default_factory=Counter)
@@ -79,6 +78,7 @@ class EndpointView:
     last_outcome: str | None
     last_error: str | None
     errors: Mapping[str, int]
+    serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,8 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
+    saturated: bool = False  # the detector's verdict (sidecar.saturation)
+    shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
 
@@ -104,24 +106,8 @@ class Snapshot:
     not_ready: tuple[str, ...]  # reasons; empty when ready
     last_reload_error: str | None
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
-
-
-def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
-    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
-    if config.xds_dir is not None:
-        return config.xds_dir.absolute()
-    if topo.envoy.config_dir:
-        return Path(topo.envoy.config_dir).absolute()
-    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
-
-
-def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
-    """The directory Envoy reads (paths inside the files); may differ from where we write.
-
-    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
-    absolute (sidecar.tree.config_dir_for_tree).
-    """
-    return config_dir_for_tree(xds_dir_for(config, topo), topo)
+    write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)
+    external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
 
 
 class Daemon:
@@ -134,9 +120,9 @@ class Daemon:
         *,
         prober: Prober,
         resolver: Resolver,
-        publisher: EdsPublisher | NginxPublisher | AdsPublisher,
+        publisher: Publisher,
         clock: Callable[[], float],
-        limiter: InflightLimiter | RtdsLimiter | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         self.config = config
         self._topo = topo
@@ -153,8 +139,6 @@ class Daemon:
         self._cycles = 0
         self._probe_durations: dict[str, DurationHistogram] = {}
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
-        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
-        self._ads_keys_missing: str | None = None  # ADS: why the listeners cannot be served yet
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -164,17 +148,10 @@ class Daemon:
     # -- startup -----------------------------------------------------------------------
 
     def adopt_published(self) -> int:
-        """Seed states and weights from the EDS files on disk, so a restart changes nothing."""
-        if not isinstance(self._publisher, EdsPublisher):
-            return 0  # nginx: its files hold health only, which the first probe cycle re-derives
+        """Seed states and weights from what is published already, so a restart changes nothing."""
         count = 0
         for pool in self._eds_pools():
-            found = read_published(self._publisher.xds_dir, pool.name)
-            if found is None:
-                continue
-            data, endpoints = found
-            self._publisher.adopt(pool.name, data)
-            for ep in endpoints:
+            for ep in self._publisher.adopt(pool.name):
                 self._adopted[EndpointKey(pool.name, ep.worker, ep.address, ep.port)] = ep
                 count += 1
         log_event(_log, logging.INFO, "startup.adopted", endpoints=count)
@@ -189,7 +166,8 @@ class Daemon:
             keys = list(self._tracked)
             now, policy = self._clock(), self.config.health
             reports = await asyncio.gather(*(
-                self._prober.probe(self._target(k), health=self._tracked[k].state.needs_health(now, policy))
+                self._prober.probe(self._target(k), health=(st := self._tracked[k].state).needs_health(now, policy),
+                                   metrics=st.needs_metrics(now, policy))
                 for k in keys))
             for key, report in zip(keys, reports, strict=True):
                 self._observe(key, report)
@@ -204,15 +182,9 @@ class Daemon:
     async def reload(self) -> bool:
         """Load the topology again; on success adopt it and publish CDS/LDS/EDS, else keep the old."""
         path = self.config.topology
-        lds: LdsSource = "keep"
         try:
-            topo, warnings = await asyncio.to_thread(load_topology, path)
-            # nginx: the sidecar writes upstream files only; ADS: it serves resources, no tree
-            if self.config.nginx is None and self.config.serve_xds is None:
-                xds_dir_for(self.config, topo)
-                lds = await asyncio.to_thread(keys_for_reload, self._topo, topo)
-            elif self.config.serve_xds is not None and topo.auth is not None:
-                await asyncio.to_thread(resolve_secrets, topo)  # ADS serves the listeners: keys needed
+            topo, warnings = await asyncio.to_thread(self._load, path)
+            adopt = await asyncio.to_thread(self._publisher.check_reload, self._topo, topo)
         except SecretError as exc:
             # Listeners or auth changed and the keys are not here: LDS cannot be rendered, so
             # nothing of this topology is applied (CDS without its LDS would be half of it).
@@ -240,13 +212,19 @@ class Daemon:
                     self._limiter.forget(gone)
             self._topo = topo
             self._tree_due = True
-            if not isinstance(lds, str) or self._lds == "keep":
-                self._lds = lds  # a pending LDS render (keys read) survives a reload that keeps LDS
+            adopt()
             self._reloads["ok"] += 1
             self._last_reload_error = None
         log_event(_log, logging.INFO, "topology.reloaded", file=str(path), name=topo.name, pools=len(topo.pools))
         await self.cycle()
         return True
+
+    def _load(self, path: Path) -> tuple[Topology, list[Diagnostic]]:
+        """Load a topology for a reload (blocking: run in a thread)."""
+        topo, warnings = load_topology(path)
+        if self.config.nginx is None and self.config.serve_xds is None:
+            xds_dir_for(self.config, topo)  # the file target needs somewhere to write
+        return topo, warnings
 
     def set_drain(self, pool: str, worker: str, drained: bool) -> bool:
         """Admin drain/undrain of a worker as written in the topology; False when unknown."""
@@ -318,8 +296,11 @@ class Daemon:
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
         self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
-        tracked.sample = report.result.sample
-        tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
+        if report.result.metrics_checked:  # else a quiet engine's last sample stands (sidecar.state)
+            tracked.sample = report.result.sample
+            tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
+            tracked.headroom = tracked.headroom.observe(report.result.sample, report.result.at, tracked.capacity,
+                                                        self.config.saturation)
         if report.error is not None:
             tracked.errors[report.error] += 1
             log_event(_log, logging.DEBUG, "probe.failed", pool=key.pool, worker=key.worker,
@@ -363,59 +344,27 @@ class Daemon:
         now = self._clock()
         self._apply_drains(now)
         per_pool = {pool.name: self._endpoints(pool, now) for pool in self._eds_pools()}
-        if self._tree_due and isinstance(self._publisher, EdsPublisher):
-            await self._write_tree(per_pool)
-        elif self._tree_due and isinstance(self._publisher, AdsPublisher):
-            topo = self._topo
-            try:
-                secrets = await asyncio.to_thread(resolve_secrets, topo) if topo.auth is not None else {}
-            except SecretError as exc:  # startup without the keys: say so each cycle, never die
-                self._ads_keys_missing = str(exc)
-                log_event(_log, logging.ERROR, "ads.needs_keys", error=str(exc),
-                          note="the listeners (LDS) cannot be served without the API keys; retrying every cycle")
-                return
-            self._ads_keys_missing = None
-            served = await asyncio.to_thread(envoy.ads.resources, topo, secrets)
-            await self._publisher.publish_tree(served, per_pool)
+        if not await self._publisher.check_published():
+            self._tree_due = True  # someone replaced a file we wrote: put ours back
+        if self._tree_due:
+            if not await self._publisher.publish_all(self._topo, per_pool):
+                return  # not publishable yet (e.g. ADS without the API keys): retried next cycle
             self._tree_due = False
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
         if self._limiter is not None:
-            await self._limiter.apply({pool.name: self._pool_load(pool) for pool in self._eds_pools()})
+            await self._limiter.apply({pool.name: self._pool_load(pool, now) for pool in self._eds_pools()}, now)
 
-    def _pool_load(self, pool: Pool) -> PoolLoad:
-        """Capacity and saturation of the endpoints that serve (sidecar.backpressure's rule)."""
+    def _pool_load(self, pool: Pool, now: float) -> PoolLoad:
+        """The render's safety cap and the detector's verdict over the endpoints in rotation."""
         rotation = {k: t for k, t in self._tracked.items() if k.pool == pool.name and t.decision is not None
                     and t.decision.status in (Status.HEALTHY, Status.DEGRADED)}
         serving = {k: t for k, t in rotation.items() if t.decision is not None and not t.decision.min_weight}
         counted = serving or rotation  # all failing: the sidecar stands back, as with ejections
-        samples = {k: t.sample for k, t in counted.items()}
-        capacities = {k: t.capacity for k, t in counted.items()}
-        sampled = any(sample is not None for sample in samples.values())
-        saturation = pool_saturation(samples, capacities, self.config.weights.kv_knee) if sampled else None
-        return PoolLoad(sum(capacities.values()), saturation, self._topo.backpressure.max_utilization)
-
-    async def _write_tree(self, per_pool: Mapping[str, list[Endpoint]]) -> None:
-        assert isinstance(self._publisher, EdsPublisher)  # only the Envoy target writes a tree
-        topo = self._topo
-        xds_dir = self._publisher.xds_dir
-        config_dir = await asyncio.to_thread(config_dir_for_tree, xds_dir, topo)
-        files, lds, why = await asyncio.to_thread(render_tree, topo, xds_dir=xds_dir, config_dir=config_dir,
-                                                  lds=self._lds)
-        self._lds = "keep"  # the keys (if any were read) are dropped with this call
-        if lds == "absent":
-            log_event(_log, logging.ERROR, "tree.lds_absent", dir=str(xds_dir), note=why)
-        elif lds == "kept":
-            log_event(_log, logging.INFO, "tree.lds_kept", dir=str(xds_dir), note=why)
-        for pool_name, endpoints in per_pool.items():
-            rel = layout.eds_path(pool_name)
-            if endpoints:
-                files[rel] = self._publisher.render(pool_name, endpoints)
-            elif (kept := self._publisher.written(pool_name)) is not None:
-                files[rel] = kept  # nothing resolved yet: never replace endpoints by none
-        await self._publisher.write_tree(files, mode=0o600 if topo.auth is not None else 0o644)
-        self._tree_due = False
+        saturation = assess(((t.headroom, t.capacity) for t in counted.values()), now, self.config.saturation,
+                            self._topo.backpressure.max_utilization)
+        return PoolLoad(self._topo.in_flight_cap(pool, ENVOY_CAP_MAX), saturation)
 
     # -- views ----------------------------------------------------------------------------
 
@@ -427,13 +376,7 @@ class Daemon:
         reasons = []
         if self._cycles == 0:
             reasons.append("first probe cycle not done")
-        if isinstance(self._publisher, NginxPublisher):
-            reasons += self._publisher.problems()
-        else:
-            reasons += [f"last {name} update rejected by Envoy" for name in sorted(self._publisher.rejected)]
-        if self._ads_keys_missing is not None:
-            reasons.append(f"nothing served over ADS yet: {self._ads_keys_missing}")
-        return reasons
+        return reasons + self._publisher.problems()
 
     def view(self) -> Snapshot:
         """An immutable picture of the fleet now (built per call: cheap, never stale)."""
@@ -451,6 +394,8 @@ class Daemon:
                     last_outcome=t.report.result.outcome.value if t.report else None,
                     last_error=t.report.detail if t.report and t.report.error else None,
                     errors=dict(t.errors),
+                    serving=(t.decision.status in (Status.HEALTHY, Status.DEGRADED) and not t.decision.min_weight)
+                    if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
                 )
                 for k, t in members
             )
@@ -466,6 +411,8 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
+                saturated=self._pool_load(pool, self._clock()).saturation.saturated,
+                shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
                 probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(
@@ -475,5 +422,7 @@ class Daemon:
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
             last_reload_error=self._last_reload_error,
-            xds=self._publisher.view() if isinstance(self._publisher, AdsPublisher) else None,
+            xds=self._publisher.xds_view(),
+            write_failures=dict(self._publisher.write_failures),
+            external_changes=dict(self._publisher.external_changes),
         )

@@ -9,7 +9,8 @@ Errors, by design:
 - `extract` returns None for engine kinds that expose no metrics ("openai": health only).
 - It raises `MetricsFormatError` when the body is unusable: empty, truncated (the last
   line has no newline, so its value may be cut mid-number; OpenMetrics bodies end at
-  `# EOF` instead), not exposition text (HTML, JSON), or missing the running/waiting
+  `# EOF` instead, and one served as OpenMetrics without `# EOF` is truncated even when
+  cut at a line's end), not exposition text (HTML, JSON), or missing the running/waiting
   gauges. Optional fields (KV use, prefix counters, token counter, token latency) are
   None when absent.
 - It raises plain `ValueError` for an unknown engine kind (a configuration error, kept
@@ -26,7 +27,10 @@ Aggregation rules:
   (totals) and are ignored, so a total is never added to its parts.
 - KV usage is a fraction per engine: it is averaged over groups (DP engines are
   identical replicas behind one internal balancer), not summed, and clamped to 0..1.
-- Non-finite values (NaN, +Inf, -Inf) count as absent; negative gauges are clamped to 0.
+- Non-finite values (NaN, +Inf, -Inf) in an optional field count as absent; in the
+  running/waiting gauges they make the body unusable ("invalid value +Inf for ...": the
+  load is unknown, which is not the same as a missing metric). Negative gauges are
+  clamped to 0.
 - Renamed metrics: for each field the first name that has any series wins, so vLLM
   0.9.2-0.10 (which emit old and new names) are not double counted.
 - Token latency is a (seconds, tokens) pair of cumulative counters (a histogram's `_sum`
@@ -155,9 +159,11 @@ def has_metrics(engine_kind: str) -> bool:
     return _ENGINES[engine_kind] is not None
 
 
-def extract(engine_kind: str, body: bytes) -> LoadSample | None:
+def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> LoadSample | None:
     """Return the load in `body` for `engine_kind`; None for health-only kinds.
 
+    `openmetrics`: the server said the body is OpenMetrics (its Content-Type), which must
+    end with `# EOF`; without it the body is truncated, even when cut at a line's end.
     Raises MetricsFormatError for an unusable body, ValueError for an unknown kind.
     """
     if engine_kind not in _ENGINES:
@@ -167,16 +173,24 @@ def extract(engine_kind: str, body: bytes) -> LoadSample | None:
         return None
     if not body.strip():
         raise MetricsFormatError("empty metrics body")
-    text, complete = _prepare(body.decode("utf-8", "replace"), _WANTED[engine_kind])
+    raw = body.decode("utf-8", "replace")
+    text, eof = _prepare(raw, _WANTED[engine_kind])
     for prefix in spec.prefixes:
-        running = _aggregate(_first_named(text, prefix, spec.running))
-        waiting = _aggregate(_first_named(text, prefix, spec.waiting))
-        if running[0] is not None or waiting[0] is not None:
+        running_found = _first_named(text, prefix, spec.running)
+        waiting_found = _first_named(text, prefix, spec.waiting)
+        if running_found[0] or waiting_found[0]:
             break
-    if not complete:
+    if openmetrics and not eof:
+        raise MetricsFormatError(f"truncated OpenMetrics body: no `# EOF` ({_describe(body)})")
+    if not eof and not raw.endswith("\n"):
         raise MetricsFormatError(
             f"truncated metrics body: the last line has no newline ({_describe(body)})"
         )
+    for f, found in ((spec.running, running_found), (spec.waiting, waiting_found)):
+        bad = _non_finite(found[0])
+        if bad is not None:
+            raise MetricsFormatError(f"invalid value {bad} for {prefix}{f.names[0]}: the load is unknown")
+    running, waiting = _aggregate(running_found), _aggregate(waiting_found)
     if running[0] is None or waiting[0] is None:
         if running[0] is None and waiting[0] is None:
             prefix = spec.prefixes[0]
@@ -225,7 +239,7 @@ def _token_latency(
 
 def _prepare(raw: str, wanted: re.Pattern[str]) -> tuple[str, bool]:
     """Return ("\\n" + the wanted lines before `# EOF`, each ending in a newline), and whether
-    the body was complete (ends in a newline, or has `# EOF`).
+    the body has `# EOF`.
 
     One regex pass picks the lines of every name any field may ask for (`_wanted_lines`),
     so the per-name searches afterwards scan a few hundred bytes, not the whole body.
@@ -235,7 +249,7 @@ def _prepare(raw: str, wanted: re.Pattern[str]) -> tuple[str, bool]:
         if line.startswith("#"):  # the first `# EOF`: nothing after it counts
             return "\n" + "".join(f"{ln}\n" for ln in lines), True
         lines.append(line)
-    return "\n" + "".join(f"{ln}\n" for ln in lines), raw.endswith("\n")
+    return "\n" + "".join(f"{ln}\n" for ln in lines), False
 
 
 def _wanted_lines(spec: _Engine | None) -> re.Pattern[str]:
@@ -362,6 +376,22 @@ def _parse_labels(s: str) -> tuple[dict[str, str], int] | None:
             i += 1
         if i < n and s[i] == ",":
             i += 1
+
+
+def _counted(series: list[_Series]) -> list[_Series]:
+    """The series that count: all, or only per-engine ones when some carry a DP label."""
+    has_dp = any(label in labels for labels, _ in series for label in _DP_LABELS)
+    if not has_dp:
+        return series
+    return [(labels, value) for labels, value in series if any(labels.get(label) for label in _DP_LABELS)]
+
+
+def _non_finite(series: list[_Series]) -> str | None:
+    """The first NaN/+Inf/-Inf among the series that count, as exposition text; None if none."""
+    for _, value in _counted(series):
+        if not math.isfinite(value):
+            return "NaN" if math.isnan(value) else "+Inf" if value > 0 else "-Inf"
+    return None
 
 
 def _aggregate(found: tuple[list[_Series], _Combine]) -> tuple[float | None, int]:

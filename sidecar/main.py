@@ -27,22 +27,19 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.backpressure import InflightLimiter
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon, xds_dir_for
 from sidecar.envoy_relay import add_envoy_relay
 from sidecar.guard import MutationGuard, is_loopback, load_token
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
-from sidecar.nginx_publish import NginxPublisher, register_nginx
 from sidecar.probe import Prober
-from sidecar.publish import EdsPublisher, EnvoyAdmin
+from sidecar.publish import EnvoyAdmin
+from sidecar.publisher import Wiring
+from sidecar.publisher import build as build_publisher
 from sidecar.resolve import Resolver
 from sidecar.server import build_app
 from sidecar.watch import TopologyWatcher
-from sidecar.xds.limits import RtdsLimiter
-from sidecar.xds.metrics import register_xds
-from sidecar.xds.publisher import AdsPublisher
 
 __all__ = ["main", "run"]
 
@@ -101,28 +98,18 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                body_cap=config.body_cap_bytes, clock=loop.time) as prober,
         EnvoyAdmin(admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)) as admin,
     ):
-        publisher: EdsPublisher | NginxPublisher | AdsPublisher
-        limiter: InflightLimiter | RtdsLimiter | None = None
-        if config.nginx is not None:
-            publisher = NginxPublisher(config.nginx, lambda: daemon.topology)
-            register_nginx(registry, publisher)
-        elif config.serve_xds is not None:
-            publisher = AdsPublisher(*config.serve_xds, clock=loop.time)
-            try:
-                await publisher.start()
-            except (OSError, RuntimeError) as exc:
-                log_event(_log, logging.ERROR, "startup.listen_failed", serve_xds=config.serve_xds, error=str(exc))
-                return EXIT_USAGE
-            limiter = RtdsLimiter(publisher)
-            register_xds(registry, publisher.view)
-        else:
-            assert xds_dir is not None
-            publisher = EdsPublisher(xds_dir, admin, debounce_s=config.publish_debounce_s,
-                                     confirm_timeout_s=config.confirm_timeout_s)
-            limiter = InflightLimiter(admin, config.ingresses)
+        wiring = Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time)
+        built = build_publisher(config.publisher, wiring)
+        publisher = built.publisher
+        try:
+            await publisher.start()
+        except OSError as exc:
+            log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
+                      serve_xds=config.serve_xds, error=str(exc))
+            return EXIT_USAGE
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
-                        publisher=publisher, clock=loop.time, limiter=limiter)
-        daemon.adopt_published()
+                        publisher=publisher, clock=loop.time, limiter=built.limiter)
+        await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
         register(registry, daemon.view)
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
@@ -141,7 +128,8 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         bound = runner.addresses[0]
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
-        serving = publisher.view().listen if isinstance(publisher, AdsPublisher) else None
+        xds = publisher.xds_view()
+        serving = xds.listen if xds is not None else None
         log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
                   envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s,
                   mutations="token" if guard.token else "off (beyond loopback, no token)" if guard.remote

@@ -51,6 +51,8 @@ METRIC_NAMES = (
     _PREFIX + "eds_rejected_total",
     _PREFIX + "topology_reloads_total",
     _PREFIX + "topology_stale",
+    _PREFIX + "write_failures_total",
+    _PREFIX + "external_changes_total",
 )
 
 
@@ -88,11 +90,20 @@ class SidecarCollector(Collector):
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         cycles = CounterMetricFamily(_PREFIX + "probe_cycles", "Probe cycles completed (stalls when the loop does).")
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        write_failures = CounterMetricFamily(_PREFIX + "write_failures", "xDS file writes that failed (read-only "
+                                             "or full disk...), by pool or tree.", labels=["target"])
+        external = CounterMetricFamily(_PREFIX + "external_changes", "Files the sidecar wrote that someone else "
+                                       "replaced (restored), by pool or file.", labels=["file"])
         stale = GaugeMetricFamily(_PREFIX + "topology_stale", "1 while the running configuration is older than "
                                   "the topology file (its last reload was invalid or needed API keys).")
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
-                                  "answers 429 (circuit-breaker override Envoy confirmed).", labels=["pool"])
+                                  "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
+                                  "unless the pool is saturated.", labels=["pool"])
+        saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
+                                      "(sidecar.saturation: waiting queue per slot, its trend, KV use; fresh "
+                                      "metrics only).", labels=["pool"])
         for pool in snap.pools:
+            saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
@@ -121,10 +132,14 @@ class SidecarCollector(Collector):
         for result in ("ok", "error", "needs_keys"):
             reloads.add_metric([result], snap.reloads.get(result, 0))
         stale.add_metric([], 0.0 if snap.last_reload_error is None else 1.0)
+        for target, count in sorted({"tree": 0, **snap.write_failures}.items()):
+            write_failures.add_metric([target], count)
+        for name, count in sorted(snap.external_changes.items()):
+            external.add_metric([name], count)
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, stale, limit)
+                    rejected, reloads, cycles, ready, stale, write_failures, external, limit, saturated)
 
 
 def _le(bound: float) -> str:

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -53,10 +54,15 @@ from confgen.errors import BinaryNotFoundError
 from confgen.model import Topology
 from confgen.nginx import UpstreamServer, render_upstream, upstream_options, upstream_path
 from confgen.output import atomic_write
+from sidecar.config import ConfigError
 from sidecar.logs import log_event
 from sidecar.nginx_config import NginxSettings
+from sidecar.publisher import Built, Wiring
 
-__all__ = ["NginxCollector", "NginxPublisher", "register_nginx"]
+if TYPE_CHECKING:
+    from sidecar.xds.publisher import XdsView
+
+__all__ = ["NginxCollector", "NginxPublisher", "build", "register_nginx"]
 
 _log = logging.getLogger("sidecar.nginx")
 _POLL_S = 0.02
@@ -73,10 +79,11 @@ class _Outcome:
 
 
 class NginxPublisher:
-    """Writes upstream files, checks them with `nginx -t`, reloads nginx (rate-limited).
+    """Writes upstream files, checks them with `nginx -t`, reloads nginx (rate-limited): a `Publisher`.
 
-    Offers the subset of `EdsPublisher`'s interface the daemon uses: `offer`, `forget`,
-    `publishes`, `rejections`, `rejected`, `close`; plus `problems()` for /readyz.
+    `offer` only records the newest endpoints of a pool; one flusher task renders them,
+    reads the live files, writes candidates and fsyncs, all in threads, so the event loop
+    never blocks on a file or a render.
     """
 
     def __init__(self, settings: NginxSettings, topology: Callable[[], Topology]) -> None:
@@ -84,6 +91,7 @@ class NginxPublisher:
         self._topology = topology
         self._binary: Path | None = settings.binary
         self._written: dict[str, bytes | None] = {}  # what the live file holds (None: absent)
+        self._offers: dict[str, list[Endpoint]] = {}  # newest endpoints per pool, not rendered yet
         self._pending: dict[str, bytes] = {}
         self._refused: dict[str, bytes] = {}  # last candidate nginx -t refused, per pool
         self._last_attempt_at: float | None = None
@@ -92,6 +100,8 @@ class NginxPublisher:
         self.publishes: Counter[str] = Counter()  # upstream files replaced, per pool
         self.rejections: Counter[str] = Counter()  # candidates nginx -t refused, per pool
         self.rejected: set[str] = set()  # pools whose newest candidate was refused
+        self.write_failures: Counter[str] = Counter()  # (Publisher interface; not tracked here)
+        self.external_changes: Counter[str] = Counter()
         self.reloads = 0  # confirmed reloads
         self.failures: Counter[str] = Counter()  # by stage: include, test, write, signal, confirm
         self._reload_problem: str | None = None
@@ -117,33 +127,46 @@ class NginxPublisher:
             return None
         return render_upstream(pool, servers, **upstream_options(self._topology().pool(pool)))
 
+    async def start(self) -> None:
+        """Nothing to open: nginx is signalled on demand."""
+
+    def adopt(self, pool: str) -> list[Endpoint]:
+        """Nothing to adopt: the files hold health only, which the first probe cycle re-derives."""
+        return []
+
+    def xds_view(self) -> XdsView | None:
+        return None
+
     def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
-        """Schedule `pool`'s file if its health picture differs from what nginx has."""
+        """Schedule `pool`'s file if its health picture differs from what nginx has (decided
+        by the flusher, which renders and compares off the event loop)."""
         if not endpoints:
             log_event(_log, logging.WARNING, "nginx.empty_refused", pool=pool,
                       note="no endpoint to publish; keeping the current file")
             return
-        data = self.render(pool, endpoints)
-        if data is None:
-            return
-        if data == self._live(pool):
-            self._pending.pop(pool, None)  # a change undone before its reload: nothing to do
-            self._refused.pop(pool, None)
-            if self._reload_owed:
-                self._schedule()
-            return
-        if data == self._refused.get(pool):
-            return  # nginx -t refused exactly this; report stands, do not test it again
-        self._pending[pool] = data
+        self._offers[pool] = list(endpoints)
         self._schedule()
+
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """Any topology can follow: only the pools' upstream files are the sidecar's."""
+        return lambda: None
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """nginx.conf is the operator's (rendered by `confgen render`): only the pools' files follow."""
+        for pool, members in endpoints.items():
+            self.offer(pool, members)
+        return True
 
     def forget(self, pool: str) -> None:
         """A pool left the topology: drop its bookkeeping."""
-        for table in (self._written, self._pending, self._refused):
+        for table in (self._written, self._offers, self._pending, self._refused):
             table.pop(pool, None)
         self.rejected.discard(pool)
         self.publishes.pop(pool, None)
         self.rejections.pop(pool, None)
+
+    async def check_published(self) -> bool:
+        return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
 
     def problems(self) -> list[str]:
         """Reasons /readyz answers 503 for, [] when nginx runs what the sidecar decided."""
@@ -186,14 +209,39 @@ class NginxPublisher:
         if not task.cancelled() and (exc := task.exception()) is not None:
             log_event(_log, logging.ERROR, "nginx.reload_crashed", error=f"{type(exc).__name__}: {exc}")
 
+    def _render_offers(self, offers: Mapping[str, list[Endpoint]]) -> dict[str, tuple[bytes, bytes | None]]:
+        """(candidate, live bytes) per offered pool still in the topology (blocking: run in a thread)."""
+        out: dict[str, tuple[bytes, bytes | None]] = {}
+        for pool, endpoints in offers.items():
+            data = self.render(pool, endpoints)
+            if data is not None:
+                out[pool] = (data, self._live(pool))
+        return out
+
+    async def _take_offers(self) -> None:
+        offers, self._offers = self._offers, {}
+        rendered = await asyncio.to_thread(self._render_offers, offers)
+        for pool, (data, live) in rendered.items():
+            if pool in self._offers:
+                continue  # a newer offer arrived meanwhile: it decides
+            if data == live:
+                self._pending.pop(pool, None)  # a change undone before its reload: nothing to do
+                self._refused.pop(pool, None)
+            elif data != self._refused.get(pool):  # nginx -t refused exactly this: do not test it again
+                self._pending[pool] = data
+
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._pending or self._reload_owed:
+        while self._offers or self._pending or self._reload_owed:
+            if self._offers:
+                await self._take_offers()
+                continue
             if self._last_attempt_at is not None:
                 wait = self._last_attempt_at + self.settings.reload_min_interval_s - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)  # changes arriving meanwhile join this reload
-            batch = {pool: data for pool, data in self._pending.items() if data != self._live(pool)}
+                    continue
+            batch = {pool: data for pool, data in self._pending.items() if data != self._written.get(pool)}
             self._pending.clear()
             if not batch and not self._reload_owed:
                 continue
@@ -207,8 +255,11 @@ class NginxPublisher:
     async def _check(self, batch: Mapping[str, bytes]) -> _Outcome:
         """`nginx -t` on the live nginx.conf with `batch`'s candidates in place of the live files."""
         try:
-            with self._candidates(batch) as shadow:
+            shadow, made = await asyncio.to_thread(self._write_candidates, batch)
+            try:
                 outcome = await self._nginx_test(shadow)
+            finally:
+                await asyncio.to_thread(_unlink_all, made)
         except _IncludeMissingError as exc:
             self.failures["include"] += 1
             outcome = _Outcome(False, str(exc))
@@ -226,9 +277,9 @@ class NginxPublisher:
                   note="candidate refused; the live upstream files and nginx's running config are kept")
         return outcome
 
-    @contextlib.contextmanager
-    def _candidates(self, batch: Mapping[str, bytes]) -> Iterator[Path]:
-        """Candidate files and a copy of nginx.conf including them; all removed afterwards."""
+    def _write_candidates(self, batch: Mapping[str, bytes]) -> tuple[Path, list[Path]]:
+        """Candidate files and a copy of nginx.conf including them: (the copy, every file made).
+        Blocking (reads, fsyncs): run in a thread; the caller removes the files afterwards."""
         conf_text = self.settings.conf.read_text()
         made: list[Path] = []
         try:
@@ -248,10 +299,10 @@ class NginxPublisher:
             shadow = self.settings.conf.with_name(f".{self.settings.conf.name}.sidecar-test")
             atomic_write(shadow, conf_text.encode())
             made.append(shadow)
-            yield shadow
-        finally:
-            for path in made:
-                path.unlink(missing_ok=True)
+        except BaseException:
+            _unlink_all(made)
+            raise
+        return shadow, made
 
     async def _nginx_test(self, conf: Path) -> _Outcome:
         try:
@@ -309,7 +360,7 @@ class NginxPublisher:
         """SIGHUP the master and wait for its new workers."""
         loop = asyncio.get_running_loop()
         try:
-            pid = self._master_pid()
+            pid = await asyncio.to_thread(self._master_pid)
             before = await asyncio.to_thread(child_pids, pid)
             os.kill(pid, signal.SIGHUP)
             self._last_attempt_at = loop.time()  # the interval runs from one signal to the next
@@ -336,6 +387,11 @@ class NginxPublisher:
         self._reload_problem = f"nginx reload not confirmed: no new worker within {self.settings.confirm_timeout_s:g} s"
         log_event(_log, logging.ERROR, "nginx.reload_unconfirmed", pid=pid, timeout_s=self.settings.confirm_timeout_s,
                   note="nginx may have refused the config (see its error log) and keeps the old one")
+
+
+def _unlink_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _include_line(candidate: Path, match: re.Match[str]) -> str:
@@ -374,3 +430,13 @@ def register_nginx(registry: CollectorRegistry, publisher: NginxPublisher) -> Ng
     collector = NginxCollector(publisher)
     registry.register(collector)
     return collector
+
+
+def build(wiring: Wiring) -> Built:
+    """The nginx publisher (`sidecar.publisher.PUBLISHERS["nginx"]`), its metrics registered; nginx
+    keeps its own safety caps (limit_conn), so there is no limiter."""
+    if wiring.config.nginx is None:
+        raise ConfigError("the nginx publisher needs --target nginx settings")
+    publisher = NginxPublisher(wiring.config.nginx, wiring.topology)
+    register_nginx(wiring.registry, publisher)
+    return Built(publisher, None)

@@ -5,6 +5,7 @@
     GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
                      its body also says when the running config is stale (a reload refused)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
+    GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.models)
     POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
     POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
                    (Content-Type: application/json; pool/worker may also be query
@@ -23,6 +24,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon, Snapshot
 from sidecar.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.models import models_answer
 from sidecar.xds.cache import SHORT
 from sidecar.xds.publisher import XdsView
 
@@ -71,6 +73,8 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "rejections": pool.rejections,
                 "rejected": pool.rejected,
                 "inflight_limit": pool.inflight_limit,
+                "saturated": pool.saturated,
+                "shedding": pool.shedding,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,
@@ -142,6 +146,11 @@ async def _undrain(request: web.Request) -> web.Response:
     return await _set_drain(request, False)
 
 
+async def _models(request: web.Request) -> web.Response:
+    daemon = request.app[_DAEMON]
+    return web.Response(text=models_answer(daemon.topology, daemon.view()), content_type="application/json")
+
+
 def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
     """The sidecar's routes; `guard` decides who may POST (sidecar.guard)."""
     app = web.Application(client_max_size=MAX_BODY)
@@ -152,6 +161,7 @@ def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGua
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/state", _state)
+    app.router.add_get("/v1/models", _models)
     app.router.add_post("/drain", guarded(_drain))
     app.router.add_post("/undrain", guarded(_undrain))
     return app

@@ -97,7 +97,7 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         def extras() -> dict[str, Any]:
             out: dict[str, Any] = {}
             if sidecars:
-                writes = [s.metric_sum("eds", "publish") for s in sidecars]
+                writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
                 out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
             out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
             return out
@@ -122,28 +122,38 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
     the load's start, give or take the load generator's start-up) and returns extra figures."""
     started = time.monotonic()
     extra: dict[str, Any] = {}
-    with run_fleet_in_thread(spec) as fleet, front(ctx, fleet, max_num_seqs, setup, tag, ingresses) as fr:
-        job = {"targets": fr.urls, "requests": requests, "deadline_s": deadline_s, "timeout_s": timeout_s,
-               "max_in_flight": 4000}
-        snapshots: dict[str, Any] = {}
-        t0 = time.monotonic()
-        proc, out_path = loadgen.start(job, ctx.work, tag)
-        timer = threading.Timer(warmup_s, lambda: snapshots.setdefault("warm", fleet_stats(fleet)))
-        timer.start()
-        worker: threading.Thread | None = None
-        if during is not None:
-            def run_during() -> None:
-                extra.update(during(fleet, fr, t0))
-            worker = threading.Thread(target=run_during, daemon=True)
-            worker.start()
-        try:
-            records = loadgen.collect(proc, out_path, deadline_s + timeout_s + 30)
-        finally:
-            timer.cancel()
-        if worker is not None:
-            worker.join(timeout=deadline_s + timeout_s)
-        after = fleet_stats(fleet)
-        extra.update(fr.extras())
+    # The load generator starts first (its imports are slow on a busy machine) and waits for the targets.
+    job = {"targets": None, "requests": requests, "deadline_s": deadline_s, "timeout_s": timeout_s,
+           "max_in_flight": 4000}
+    proc, out_path = loadgen.start(job, ctx.work, tag)
+    try:
+        with run_fleet_in_thread(spec) as fleet, front(ctx, fleet, max_num_seqs, setup, tag, ingresses) as fr:
+            snapshots: dict[str, Any] = {}
+            t0 = time.monotonic()
+            extra["startup_s"] = round(t0 - started, 2)
+            loadgen.go(proc, fr.urls)
+            timer = threading.Timer(warmup_s, lambda: snapshots.setdefault("warm", fleet_stats(fleet)))
+            timer.start()
+            worker: threading.Thread | None = None
+            if during is not None:
+                def run_during() -> None:
+                    extra.update(during(fleet, fr, t0))
+                worker = threading.Thread(target=run_during, daemon=True)
+                worker.start()
+            try:
+                records = loadgen.collect(proc, out_path, deadline_s + timeout_s + 30)
+            finally:
+                timer.cancel()
+            if worker is not None:
+                worker.join(timeout=deadline_s + timeout_s)
+            extra["load_s"] = round(time.monotonic() - t0, 2)
+            after = fleet_stats(fleet)
+            extra.update(fr.extras())
+            stopping = time.monotonic()
+        extra["teardown_s"] = round(time.monotonic() - stopping, 2)
+    finally:
+        if proc.poll() is None:
+            runtime.stop_process(proc, timeout=5)
     summary = _stats.summarize(records, warmup_s)
     delta = stats_delta(snapshots.get("warm", {}), after)
     summary.update(extra)
@@ -163,10 +173,21 @@ def measure_or_fail(ctx: Context, *args: Any, **kwargs: Any) -> dict[str, Any]:
     error = ""
     for attempt in range(2):
         try:
-            return measure(ctx, *args, **kwargs)
+            row = measure(ctx, *args, **kwargs)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:300]
             print(f"  {setup.label}: attempt {attempt + 1} failed: {error}", flush=True)
+            continue
+        if row["requests"] and not row["ok"]:
+            # Not one request served: the setup never worked (a port another process held, a router
+            # that never saw its workers), not a latency to report. Said in the row if it happens twice.
+            error = f"no request served ({row['error_kinds']})"[:300]
+            print(f"  {setup.label}: attempt {attempt + 1}: {error}", flush=True)
+            continue
+        if error:
+            row["retried_after"] = error
+            row["label"] += " (second attempt)"
+        return row
     return failed_row(setup, error)
 
 

@@ -38,7 +38,7 @@ def nominal_capacity(spec: wl.SessionSpec) -> float:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    warmup_s, window_s = ctx.scale(5, 3), ctx.scale(13, 6)
+    warmup_s, window_s = ctx.scale(4, 3), ctx.scale(11, 4)
     probe = wl.SessionSpec(rate=1.0, duration_s=1.0, seed=ctx.seed)
     cap = nominal_capacity(probe)
     load = 0.78

@@ -102,8 +102,8 @@ def _reflection(writes: list[tuple[float, dict[int, int] | None]], port: int | N
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    steady_s = ctx.option("steady_s", ctx.scale(150, 24))
-    settle_s, after_s = ctx.scale(60, 8), ctx.scale(20, 10)
+    steady_s = ctx.option("steady_s", ctx.scale(150, 20))
+    settle_s, after_s = ctx.scale(60, 8), ctx.scale(20, 8)
     cap = FLEET.capacity_rps()
     rate = cap * FLEET.load
     count = int(rate * (steady_s + after_s)) + 1

@@ -36,6 +36,7 @@ LIFECYCLE_DIR = "/var/run/confgen/lifecycle"  # the drain hand-off between the t
 WORK_DIR = "/var/run/confgen/work"  # render/sidecar working directory (relative key files live under it)
 DRAINED_MARKER = f"{LIFECYCLE_DIR}/envoy-drained"
 SIDECAR_PORT = 9109
+ADMIN_TOKEN_ENV = "CONFGEN_SIDECAR_ADMIN_TOKEN"  # noqa: S105 - a variable name, not a token
 RUN_AS = 101  # the envoy image's user; the sidecar image runs as any uid
 # Autoscaling target: the HPA aims at 80 % of the queue a worker may hold, 20 % headroom for the
 # time a new worker takes to start while the queue keeps growing (see docs/kubernetes.md).
@@ -145,6 +146,13 @@ def _key_env(plan: _Plan) -> list[Obj]:
     ]
 
 
+def _token_env(plan: _Plan) -> list[Obj]:
+    secret = plan.topo.kubernetes.admin_token_secret
+    if secret is None:
+        return []
+    return [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}}]
+
+
 def _key_files(plan: _Plan) -> list[tuple[int, str, str]]:
     """(index, mount path, Secret entry) per file key: the entry is the file's name, as
     `kubectl create secret generic --from-file=<path>` names it."""
@@ -224,13 +232,15 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
     return {
         "name": "sidecar",
         "image": topo.kubernetes.sidecar_image,
-        # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there.
-        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}"],
+        # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there;
+        # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
+        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}",
+                 *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
         "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
-        "env": _key_env(plan),
+        "env": [*_key_env(plan), *_token_env(plan)],
         "resources": RESOURCES["sidecar"],
         "securityContext": _restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
@@ -474,7 +484,12 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
     hpas = _hpas(plan)
-    docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
+    if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
+        from ._kubernetes_ads import ads_objects
+
+        docs = [_configmap(plan), *ads_objects(plan), *hpas]
+    else:
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
     if topo.kubernetes.monitoring:
         docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
     scaled = _scaled_objects(plan)

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from .._checks import fallback_chain
+from ..balancing import POLICIES
 from ..model import ENVOY_CAP_MAX, Pool, Topology, is_ip, split_address
+from ..plan import Plan
 from . import layout
 from ._proto import Json, dur, typed
 from .eds import Endpoint, build_cla, static_weight
-
-_LB_POLICY = {
-    "round_robin": "ROUND_ROBIN",
-    "random": "RANDOM",
-    "least_request": "LEAST_REQUEST",
-    "ring_hash": "RING_HASH",
-    "maglev": "MAGLEV",
-}
 
 
 def initial_endpoints(pool: Pool) -> list[Endpoint]:
@@ -51,15 +44,15 @@ def _dns_assignment(pool: Pool) -> Json:
     return {"cluster_name": pool.name, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
-def pool_cluster(topo: Topology, pool: Pool, config_dir: str | None) -> Json:
+def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None) -> Json:
     """The pool's cluster; its EDS comes from a file under `config_dir`, or over ADS when None."""
     cluster: Json = {
         "name": pool.name,
         "connect_timeout": dur(pool.timeouts.connect),
-        "lb_policy": _LB_POLICY[pool.balancing.policy],
+        "lb_policy": POLICIES[pool.balancing.policy].envoy,
         "ignore_health_on_host_removal": True,
         "circuit_breakers": {"thresholds": [_thresholds(topo, pool)]},
-        "common_lb_config": _common_lb(topo, pool),
+        "common_lb_config": _common_lb(topo, plan, pool),
     }
     if pool.discovery == "eds" and config_dir is None:
         cluster["type"] = "EDS"
@@ -144,19 +137,18 @@ def _thresholds(topo: Topology, pool: Pool) -> Json:
     }
 
 
-def _common_lb(topo: Topology, pool: Pool) -> Json:
+def _common_lb(topo: Topology, plan: Plan, pool: Pool) -> Json:
     common: Json = {}
-    bal = pool.balancing
-    if bal.policy in ("ring_hash", "maglev"):
-        common["consistent_hashing_lb_config"] = {"hash_balance_factor": bal.hash_balance_factor}
+    if plan.pool(pool.name).hashing:
+        common["consistent_hashing_lb_config"] = {"hash_balance_factor": pool.balancing.hash_balance_factor}
     if pool.fallback is not None or topo.last_resort is not None:
         # With somewhere better to go, never spray traffic over workers known to be down.
         common["healthy_panic_threshold"] = {"value": 0.0}
     return common
 
 
-def failover_cluster(topo: Topology, pool: Pool) -> Json:
-    chain = [p.name for p in fallback_chain(topo, pool)]
+def failover_cluster(plan: Plan, pool: Pool) -> Json:
+    chain = [p.name for p in plan.pool(pool.name).chain]
     return typed("config.cluster.v3.Cluster", {
         "name": layout.failover_cluster(pool.name),
         "connect_timeout": dur(pool.timeouts.connect),
@@ -173,10 +165,29 @@ def target_cluster(pool: Pool) -> str:
     return layout.failover_cluster(pool.name) if pool.fallback is not None else pool.name
 
 
-def clusters(topo: Topology, config_dir: str | None) -> list[Json]:
-    out = [pool_cluster(topo, pool, config_dir) for pool in topo.pools]
-    out += [failover_cluster(topo, pool) for pool in topo.pools if pool.fallback is not None]
+def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
+    out = [pool_cluster(topo, plan, pool, config_dir) for pool in topo.pools]
+    out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
+    if topo.models_endpoint and topo.sidecar.models:
+        out.append(sidecar_cluster(topo))
     return out
+
+
+# The confgen-sidecar next to Envoy, asked for GET /v1/models only. A name no pool can have
+# (pool names hold no '.'); a short timeout, because its absence has an answer of its own.
+SIDECAR_CLUSTER = "confgen.sidecar"
+SIDECAR_TIMEOUT = "1s"
+
+
+def sidecar_cluster(topo: Topology) -> Json:
+    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.port}}
+    return typed("config.cluster.v3.Cluster", {
+        "name": SIDECAR_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "load_assignment": {"cluster_name": SIDECAR_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
+    })
 
 
 def assignments(topo: Topology) -> dict[str, Json]:

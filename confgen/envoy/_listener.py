@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._checks import implicit_model_routes
 from .._openai import MODEL_CONTENT_TYPES, models_body
-from ..model import Listener, Pool, RateLimit, Route, Topology
-from ._clusters import target_cluster
+from ..model import Listener, Pool, RateLimit, Topology
+from ..plan import Plan, PlannedRoute
+from ._clusters import SIDECAR_CLUSTER, SIDECAR_TIMEOUT, target_cluster
 from ._proto import Json, dur, extension, typed
 from ._replies import META_NS, local_reply_config
 
@@ -138,7 +138,7 @@ def _per_client_limits(topo: Topology) -> list[tuple[str, RateLimit]]:
     return out
 
 
-def _rbac_only(topo: Topology, clients: list[str]) -> Json:
+def _rbac_only(topo: Topology, clients: tuple[str, ...]) -> Json:
     assert topo.auth is not None
     header = topo.auth.client_header
     principals = [{"header": {"name": header, "string_match": {"exact": c}}} for c in clients]
@@ -157,7 +157,7 @@ def _model_matcher(model: str, present: bool = True) -> Json:
     return {"filter": META_NS, "path": [{"key": "model"}], "value": {"present_match": True}, "invert": True}
 
 
-def _action(topo: Topology, pool: Pool) -> Json:
+def _action(topo: Topology, plan: Plan, pool: Pool) -> Json:
     action: Json = {
         "cluster": target_cluster(pool),
         "timeout": dur(pool.timeouts.request),
@@ -184,7 +184,7 @@ def _action(topo: Topology, pool: Pool) -> Json:
                 {"update_frequency": pool.retries.attempts},
             )
     hash_on = pool.balancing.hash_on
-    if hash_on is not None and pool.balancing.policy in ("ring_hash", "maglev"):
+    if hash_on is not None and plan.pool(pool.name).hashing:
         if hash_on.header is not None:
             action["hash_policy"] = [{"header": {"header_name": hash_on.header}}]
         elif hash_on.cookie is not None:
@@ -193,24 +193,30 @@ def _action(topo: Topology, pool: Pool) -> Json:
     return action
 
 
-def _route(topo: Topology, name: str, pool: Pool, match: Json, clients: list[str] | None) -> Json:
-    route: Json = {"name": name, "match": match, "route": _action(topo, pool)}
-    if clients is not None:
-        route["typed_per_filter_config"] = {"envoy.filters.http.rbac": _rbac_only(topo, clients)}
+def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: Json) -> Json:
+    route: Json = {"name": name, "match": match, "route": _action(topo, plan, planned.pool)}
+    if planned.clients is not None:
+        route["typed_per_filter_config"] = {"envoy.filters.http.rbac": _rbac_only(topo, planned.clients)}
     return route
 
 
-def _explicit(topo: Topology, index: int, route: Route) -> list[Json]:
-    pool = topo.pool(route.pool)
-    clients = route.allow_clients if route.allow_clients is not None else pool.allow_clients
-    base: Json = {"prefix": route.match.path_prefix or "/"}
-    if route.match.headers:
-        base["headers"] = [_header_matcher(h.name, h.exact, h.prefix, h.present) for h in route.match.headers]
-    if not route.match.models:
-        return [_route(topo, route.name, pool, base, clients)]
+def _routes_for(topo: Topology, plan: Plan, planned: PlannedRoute) -> list[Json]:
+    """Envoy routes for one plan entry: an explicit route naming models is one route per model."""
+    if planned.kind == "default":
+        return [_route(topo, plan, planned.name, planned,
+                       {"prefix": "/", "dynamic_metadata": [_model_matcher("", present=False)]})]
+    if planned.kind == "model":
+        assert planned.models is not None
+        return [_route(topo, plan, planned.name, planned,
+                       {"prefix": "/", "dynamic_metadata": [_model_matcher(planned.models[0])]})]
+    base: Json = {"prefix": planned.path_prefix or "/"}
+    if planned.headers:
+        base["headers"] = [_header_matcher(h.name, h.exact, h.prefix, h.present) for h in planned.headers]
+    if not planned.models:
+        return [_route(topo, plan, planned.name, planned, base)]
     return [
-        _route(topo, f"{route.name}/{mi}", pool, {**base, "dynamic_metadata": [_model_matcher(model)]}, clients)
-        for mi, model in enumerate(route.match.models)
+        _route(topo, plan, f"{planned.name}/{mi}", planned, {**base, "dynamic_metadata": [_model_matcher(model)]})
+        for mi, model in enumerate(planned.models)
     ]
 
 
@@ -222,6 +228,7 @@ def _header_matcher(name: str, exact: str | None, prefix: str | None, present: b
     return {"name": name, "present_match": True, "invert_match": not present}
 
 
+MODELS_PATH = "/v1/models"
 DIRECT_RESPONSE_MAX = 1024 * 1024  # Envoy's route-wide cap on direct_response bodies (default 4 KB)
 
 
@@ -230,33 +237,31 @@ def direct_response_limit(topo: Topology) -> int:
     return max(DIRECT_RESPONSE_MAX, len(models_body(topo)) if topo.models_endpoint else 0)
 
 
-def routes(topo: Topology) -> list[Json]:
+def routes(topo: Topology, plan: Plan) -> list[Json]:
     out: list[Json] = []
     if topo.models_endpoint:
-        out.append({
-            "name": "models-list",
-            "match": {"path": "/v1/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
-            "direct_response": {"status": 200, "body": {
-                "inline_string": models_body(topo)}},
-            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-        })
-    for index, route in enumerate(topo.routes):
-        out.extend(_explicit(topo, index, route))
-    for model, owner in implicit_model_routes(topo):
-        match = {"prefix": "/", "dynamic_metadata": [_model_matcher(model)]}
-        out.append(_route(topo, f"model/{model}", owner, match, owner.allow_clients))
-    if topo.default_pool is not None:
-        pool = topo.pool(topo.default_pool)
-        out.append(_route(topo, "default", pool,
-                          {"prefix": "/", "dynamic_metadata": [_model_matcher("", present=False)]},
-                          pool.allow_clients))
+        match = {"path": MODELS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}
+        if topo.sidecar.models:
+            # The sidecar answers from its health view; when it cannot be reached, the
+            # local reply for this path is the full list (see _replies.local_reply_config).
+            out.append({"name": "models-list", "match": match, "route": {
+                "cluster": SIDECAR_CLUSTER, "timeout": SIDECAR_TIMEOUT,
+                "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 0}}})
+        else:
+            out.append({
+                "name": "models-list",
+                "match": match,
+                "direct_response": {"status": 200, "body": {
+                    "inline_string": models_body(topo)}},
+                "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            })
+    for planned in plan.routes:
+        out.extend(_routes_for(topo, plan, planned))
     return out
 
 
-def listener(topo: Topology, lst: Listener, secrets: Mapping[str, str]) -> Json:
-    restricted = any(r.allow_clients is not None for r in topo.routes) or any(
-        p.allow_clients is not None for p in topo.pools)
+def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, str]) -> Json:
     hcm: Json = {
         "stat_prefix": lst.name,
         "codec_type": "AUTO",
@@ -270,9 +275,9 @@ def listener(topo: Topology, lst: Listener, secrets: Mapping[str, str]) -> Json:
         "route_config": {
             "name": f"{lst.name}-routes",
             "max_direct_response_body_size_bytes": direct_response_limit(topo),
-            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo)}],
+            "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo, plan)}],
         },
-        "http_filters": _filters(topo, secrets, restricted),
+        "http_filters": _filters(topo, secrets, plan.restricted),
         "local_reply_config": local_reply_config(topo),
         "access_log": [extension(
             "envoy.access_loggers.stdout",
@@ -301,5 +306,5 @@ def listener(topo: Topology, lst: Listener, secrets: Mapping[str, str]) -> Json:
     })
 
 
-def listeners(topo: Topology, secrets: Mapping[str, str]) -> list[Json]:
-    return [listener(topo, lst, secrets) for lst in topo.listeners]
+def listeners(topo: Topology, plan: Plan, secrets: Mapping[str, str]) -> list[Json]:
+    return [listener(topo, plan, lst, secrets) for lst in topo.listeners]

@@ -9,7 +9,7 @@ from .._fields import Duration
 
 Json = dict[str, Any]
 
-_PREFIX = "type.googleapis.com/envoy."
+TYPE_PREFIX = _PREFIX = "type.googleapis.com/envoy."
 
 
 def typed(type_name: str, body: Json) -> Json:
@@ -23,7 +23,9 @@ def extension(name: str, type_name: str, body: Json) -> Json:
 
 
 def dur(value: Duration) -> str:
-    return value.envoy()
+    """Protobuf JSON duration text: 5s, 1.500s."""
+    whole, frac = divmod(value.ms, 1000)
+    return f"{whole}.{frac:03d}s" if frac else f"{whole}s"
 
 
 def dumps(document: Json) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .._openai import canned_body, error_body, retry_after_seconds
+from .._openai import canned_body, error_body, models_body, retry_after_seconds
 from ..model import Topology
 from ._proto import Json
 
@@ -41,8 +41,26 @@ def _retry_after(topo: Topology) -> list[Json]:
     return [{"header": header, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 
 
+def _models_fallback(topo: Topology) -> list[Json]:
+    """GET /v1/models is asked of the sidecar; when Envoy cannot reach it (not running, not
+    answering in time) the answer is the full list from the topology, not an error."""
+    if not (topo.models_endpoint and topo.sidecar.models):
+        return []
+    unreachable = [_flag(flag) for flag in ("UF", "UH", "URX", "UC", "UT", "UO")]
+    return [{
+        "filter": {"and_filter": {"filters": [
+            {"header_filter": {"header": {"name": ":path", "string_match": {"exact": "/v1/models"}}}},
+            {"or_filter": {"filters": unreachable}},
+        ]}},
+        "status_code": 200,
+        "body_format_override": {"text_format_source": {"inline_string": models_body(topo).replace("%", "%%")},
+                                 "content_type": "application/json"},
+    }]
+
+
 def local_reply_config(topo: Topology) -> Json:
     mappers: list[Json] = [
+        *_models_fallback(topo),
         # First: a failed attempt whose retry was refused by the retry budget carries UO too,
         # and is a worker failure, not overload.
         {

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..model import Topology, is_ip, split_address
+from ..plan import plan
 from ._clusters import assignments, clusters
 from ._listener import listeners
 from ._proto import Json, typed
@@ -40,7 +41,8 @@ class Resources:
 
 
 def resources(topo: Topology, secrets: Mapping[str, str]) -> Resources:
-    return Resources(listeners=listeners(topo, secrets), clusters=clusters(topo, None),
+    routing = plan(topo)
+    return Resources(listeners=listeners(topo, routing, secrets), clusters=clusters(topo, routing, None),
                      assignments=assignments(topo), runtime={})
 
 
@@ -49,14 +51,18 @@ def _ads_source() -> Json:
 
 
 def _server_cluster(topo: Topology) -> Json:
-    endpoints: list[Json] = []
+    groups: list[Json] = []
     resolve = False
-    for server in topo.envoy.xds.servers:
+    for priority, server in enumerate(topo.envoy.xds.servers):
         parts = split_address(server)
         assert parts is not None  # checked on load
         host, port = parts
         resolve = resolve or not is_ip(host)
-        endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
+        # One priority per server, in the order listed: every Envoy follows the first healthy
+        # server, so the control plane's count of connected Envoys is the whole fleet; the
+        # next one takes over when it fails (docs/ads.md).
+        groups.append({"priority": priority, "lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]})
     cluster: Json = {
         "name": ADS_CLUSTER,
         "type": "STRICT_DNS" if resolve else "STATIC",
@@ -71,7 +77,9 @@ def _server_cluster(topo: Topology) -> Json:
                     "connection_keepalive": {"interval": "10s", "timeout": "5s"}}}},
             ),
         },
-        "load_assignment": {"cluster_name": ADS_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_assignment": {"cluster_name": ADS_CLUSTER, "endpoints": groups,
+                            # a failing server hands all of its share to the next one at once
+                            "policy": {"overprovisioning_factor": 100}},
         # A control plane that refuses connections is skipped until it accepts them again.
         "health_checks": [{
             "timeout": "1s", "interval": "2s", "no_traffic_interval": "2s",

@@ -26,6 +26,14 @@ def eds_path(cluster: str) -> str:
     return str(PurePosixPath(EDS_DIR, cluster, EDS_FILE))
 
 
+def write_rank(path: str) -> int:
+    """The order files are replaced in a live directory: EDS, then the clusters naming it,
+    then the listeners whose routes name the clusters, then the rest (removals in reverse)."""
+    if path.startswith(f"{EDS_DIR}/"):
+        return 0
+    return {CDS: 1, LDS: 2}.get(path, 3)
+
+
 def failover_cluster(pool: str) -> str:
     """Name of the aggregate cluster that tries a pool, then its fallbacks.
 

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import fallback_chain, implicit_model_routes
 from .._fields import Duration
 from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
-from ..model import NGINX_CAP_MAX, Pool, RateLimit, Route, Topology, is_ip, split_address
+from ..balancing import is_hashing, nginx_method
+from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, is_ip, split_address
+from ..plan import Plan, PlannedRoute, plan
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
 UNAVAILABLE = "confgen_unavailable"  # named location answering when a whole chain failed
@@ -29,8 +30,14 @@ class Context:
     maps: dict[str, list[tuple[str, str]]]  # auth map file -> [(api key, value)]
 
 
+def duration(d: Duration) -> str:
+    """nginx's time text: whole seconds when exact, else milliseconds."""
+    return f"{d.ms}ms" if d.ms % 1000 else f"{d.ms // 1000}s"
+
+
 def timeout(d: Duration) -> str:
-    return d.nginx() if d.ms else _NO_TIMEOUT
+    """A proxy timeout; 0 (none) becomes nginx's longest sensible one."""
+    return duration(d) if d.ms else _NO_TIMEOUT
 
 
 def rate(limit: RateLimit) -> str:
@@ -114,59 +121,43 @@ def upstream_options(pool: Pool) -> dict[str, Any]:
     return {
         "max_fails": od.consecutive_gateway_failure if od.enabled else 0,
         "fail_timeout": fail_timeout(pool),
-        "hashing": _balance(pool) in ("hash", "random", "random_two"),
+        "hashing": nginx_method(pool.balancing) in ("hash", "random", "random_two"),
     }
 
 
 def _hash_var(pool: Pool, index: int) -> str | None:
     hash_on = pool.balancing.hash_on
-    if hash_on is None or pool.balancing.policy not in ("ring_hash", "maglev"):
+    if hash_on is None or not is_hashing(pool.balancing.policy):
         return None
     if hash_on.header is not None:
         return "http_" + hash_on.header.replace("-", "_")
     return f"confgen_hash_{index}"
 
 
-def _balance(pool: Pool) -> str:
-    policy = pool.balancing.policy
-    if policy in ("ring_hash", "maglev"):
-        return "hash"
-    if policy == "least_request":
-        return "random_two" if pool.balancing.choice_count == 2 else "least_conn"
-    return policy  # round_robin (nginx's default) or random
-
-
-def _route_entry(pool: Pool, clients: list[str] | None, **match: Any) -> dict[str, Any]:
-    entry = {k: v for k, v in match.items() if v is not None}
-    entry["pool"] = pool.name
-    if clients is not None:
-        entry["clients"] = list(clients)
+def _route_entry(planned: PlannedRoute) -> dict[str, Any]:
+    """One entry of the table njs tries in order, as plain data."""
+    entry: dict[str, Any] = {}
+    if planned.kind == "default":
+        entry["no_model"] = True
+    if planned.path_prefix is not None:
+        entry["path_prefix"] = planned.path_prefix
+    if planned.headers:
+        entry["headers"] = [
+            {k: v for k, v in (("name", h.name), ("exact", h.exact), ("prefix", h.prefix), ("present", h.present))
+             if v is not None}
+            for h in planned.headers
+        ]
+    if planned.models is not None:
+        entry["models"] = list(planned.models)
+    entry["pool"] = planned.pool.name
+    if planned.clients is not None:
+        entry["clients"] = list(planned.clients)
     return entry
 
 
-def _explicit(topo: Topology, route: Route) -> dict[str, Any]:
-    pool = topo.pool(route.pool)
-    clients = route.allow_clients if route.allow_clients is not None else pool.allow_clients
-    headers = None
-    if route.match.headers:
-        headers = [
-            {k: v for k, v in (("name", h.name), ("exact", h.exact), ("prefix", h.prefix), ("present", h.present))
-             if v is not None}
-            for h in route.match.headers
-        ]
-    return _route_entry(pool, clients, path_prefix=route.match.path_prefix, headers=headers,
-                        models=route.match.models)
-
-
-def route_table(topo: Topology) -> list[dict[str, Any]]:
+def route_table(routing: Plan) -> list[dict[str, Any]]:
     """The routes njs tries in order, as plain data."""
-    table = [_explicit(topo, route) for route in topo.routes]
-    for model, owner in implicit_model_routes(topo):
-        table.append(_route_entry(owner, owner.allow_clients, models=[model]))
-    if topo.default_pool is not None:
-        pool = topo.pool(topo.default_pool)
-        table.append(_route_entry(pool, pool.allow_clients, no_model=True))
-    return table
+    return [_route_entry(planned) for planned in routing.routes]
 
 
 MapFiles = dict[str, list[tuple[str, str]]]  # auth map file -> [(api key, value)]
@@ -206,19 +197,21 @@ def build_context(
     ports: Mapping[str, int] | None,
 ) -> Context:
     test = test_prefix is not None
+    routing = plan(topo)
     pools: list[dict[str, Any]] = []
     upstreams: list[tuple[str, list[UpstreamServer], dict[str, Any]]] = []
     for index, pool in enumerate(topo.pools):
-        chain = fallback_chain(topo, pool)
+        chain = routing.pool(pool.name).chain
+        method = nginx_method(pool.balancing)
         hash_on = pool.balancing.hash_on
-        cookie = hash_on.cookie if hash_on is not None and _balance(pool) == "hash" else None
+        cookie = hash_on.cookie if hash_on is not None and method == "hash" else None
         next_up = next_upstream(pool)
         pools.append({
             "index": index,
             "name": pool.name,
             "upstream": upstream_name(pool.name),
             "include": upstream_path(pool.name),
-            "balance": _balance(pool),
+            "balance": method,
             "hash_var": _hash_var(pool, index),
             "cookie": cookie,
             "inflight": topo.in_flight_cap(pool, NGINX_CAP_MAX),
@@ -272,9 +265,11 @@ def build_context(
         "canned": canned,
         # served by njs: nginx refuses a config parameter over 4 KB (~60 model names)
         "models_body": models_body(topo) if topo.models_endpoint else None,
+        # asked first (ngx.fetch): the models with healthy capacity now, from confgen-sidecar
+        "models_url": _sidecar_models_url(topo) if topo.models_endpoint and topo.sidecar.models else None,
         "table": {
             "name": topo.name,
-            "routes": route_table(topo),
+            "routes": route_table(routing),
             "json_types": list(MODEL_CONTENT_TYPES),
             # the texts the router answers with itself, shared with the Envoy target
             "forbidden": error_body("forbidden"),
@@ -283,3 +278,8 @@ def build_context(
         },
     }
     return Context(main=main, upstreams=upstreams, maps=maps)
+
+
+def _sidecar_models_url(topo: Topology) -> str:
+    host = topo.sidecar.address
+    return f"http://{f'[{host}]' if ':' in host else host}:{topo.sidecar.port}/v1/models"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 
+from ..balancing import is_hashing
 from ..model import Topology
 from ._context import rate
 
@@ -23,7 +24,7 @@ def unsupported(topo: Topology) -> list[Finding]:
             found.append((f"{base}.health", (
                 "active health checks are NGINX Plus only; nginx notices a dead worker only when real "
                 "requests fail (max_fails from outlier_detection.consecutive_gateway_failure)")))
-        if bal.policy in ("ring_hash", "maglev"):
+        if is_hashing(bal.policy):
             found.append((f"{base}.balancing.hash_balance_factor", (
                 "bounded-load hashing is Envoy-only: nginx's consistent hash keeps a hot session on "
                 "its worker however loaded it is")))

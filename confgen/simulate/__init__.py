@@ -32,6 +32,7 @@ from ._spec import (
     SpecError,
     WorkerSpec,
 )
+from ._topology import fleet_topology
 
 __all__ = [
     "ENGINE_KINDS",
@@ -50,6 +51,7 @@ __all__ = [
     "SpecError",
     "WorkerHandle",
     "WorkerSpec",
+    "fleet_topology",
     "main",
     "run_fleet_in_thread",
     "simulate",

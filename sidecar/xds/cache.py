@@ -22,6 +22,8 @@ from typing import Any
 
 from google.protobuf import any_pb2, json_format
 
+from confgen.errors import ConfgenError
+
 __all__ = ["CDS", "EDS", "LDS", "RTDS", "TYPE_ORDER", "Packer", "Resource", "XdsCache", "XdsResourceError"]
 
 _PREFIX = "type.googleapis.com/"
@@ -34,7 +36,7 @@ TYPE_ORDER = (CDS, EDS, LDS, RTDS)
 SHORT = {CDS: "cds", EDS: "eds", LDS: "lds", RTDS: "rtds"}
 
 
-class XdsResourceError(ValueError):
+class XdsResourceError(ConfgenError, ValueError):
     """A resource that cannot be expressed as Envoy's protobuf (a renderer bug)."""
 
 
@@ -111,6 +113,7 @@ class XdsCache:
         self._versions: dict[str, str] = {t: type_version(()) for t in TYPE_ORDER}
         self._generation = 0
         self._listeners: set[asyncio.Event] = set()
+        self._primed = False
         self._packer = Packer()
         self.updates: dict[str, int] = dict.fromkeys(TYPE_ORDER, 0)
 
@@ -173,6 +176,17 @@ class XdsCache:
         self._generation += 1
         for event in self._listeners:
             event.set()
+
+    @property
+    def primed(self) -> bool:
+        """True once a whole configuration is in (before that, streams answer nothing)."""
+        return self._primed
+
+    def prime(self) -> None:
+        if not self._primed:
+            self._primed = True
+            for event in self._listeners:
+                event.set()
 
     def listen(self, event: asyncio.Event) -> asyncio.Event:
         """Set `event` on every change from now on (and once now: a new stream has everything to send)."""

@@ -23,12 +23,16 @@ from typing import Any
 import grpc
 
 from confgen.envoy import Endpoint, ads, build_cla
+from confgen.errors import SecretError
+from confgen.model import Topology
+from confgen.secrets import resolve as resolve_secrets
 from sidecar.logs import log_event
+from sidecar.publisher import Built, Wiring
 from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.xds.nodes import Nodes, NodeView
 from sidecar.xds.server import AdsServicer, serve
 
-__all__ = ["AdsPublisher", "XdsView"]
+__all__ = ["AdsPublisher", "XdsView", "build"]
 
 _log = logging.getLogger("sidecar.xds")
 
@@ -60,12 +64,18 @@ class AdsPublisher:
         self.publishes: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
         self.rejected: set[str] = set()
+        self.write_failures: Counter[str] = Counter()  # (Publisher interface: nothing is written here)
+        self.external_changes: Counter[str] = Counter()
         self.versions: dict[str, str] = {}
+        self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
-    async def start(self) -> int:
-        self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+    async def start(self) -> None:
+        """Serve ADS on the configured address; OSError when it cannot be bound."""
+        try:
+            self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+        except RuntimeError as exc:  # grpc reports a port it could not bind this way
+            raise OSError(str(exc)) from exc
         log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
-        return self.bound_port
 
     async def close(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -82,6 +92,45 @@ class AdsPublisher:
         if self.cache.set_one(EDS, pool, build_cla(pool, endpoints)):
             self.publishes[pool] += 1
             self.versions[pool] = self.cache.resources(EDS)[pool].version
+
+    def adopt(self, pool: str) -> list[Endpoint]:
+        """Nothing to adopt: a restarted control plane starts from what it decides now."""
+        return []
+
+    async def check_published(self) -> bool:
+        return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
+
+    def problems(self) -> list[str]:
+        # A NACK does not make the sidecar not-ready (see the module docstring); `rejected` stays empty.
+        reasons = [f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
+        if self._keys_missing is not None:
+            reasons.append(f"nothing served over ADS yet: {self._keys_missing}")
+        return reasons
+
+    def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
+        """ADS serves the listeners: a topology with API keys needs them readable (SecretError)."""
+        if new.auth is not None:
+            resolve_secrets(new)
+        return lambda: None
+
+    def xds_view(self) -> XdsView | None:
+        return self.view()
+
+    async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
+        """After a topology (re)load: the resources confgen renders for it (in a thread), with
+        `endpoints`. False while the API keys cannot be read (startup without them): said each
+        cycle, never fatal, retried by the daemon."""
+        try:
+            secrets = await asyncio.to_thread(resolve_secrets, topo) if topo.auth is not None else {}
+        except SecretError as exc:
+            self._keys_missing = str(exc)
+            log_event(_log, logging.ERROR, "ads.needs_keys", error=str(exc),
+                      note="the listeners (LDS) cannot be served without the API keys; retrying every cycle")
+            return False
+        self._keys_missing = None
+        served = await asyncio.to_thread(ads.resources, topo, secrets)
+        await self.publish_tree(served, endpoints)
+        return True
 
     def forget(self, pool: str) -> None:
         self.cache.remove(EDS, pool)
@@ -108,6 +157,7 @@ class AdsPublisher:
         for gone in [name for name in eds if name not in served.assignments]:
             self.forget(gone)
         changed = [SHORT[t] for t, resources in prepared if self.cache.install(t, resources)]
+        self.cache.prime()
         log_event(_log, logging.INFO, "xds.tree", changed=changed, clusters=len(served.clusters),
                   listeners=len(served.listeners))
 
@@ -128,3 +178,14 @@ class AdsPublisher:
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
         )
+
+
+def build(wiring: Wiring) -> Built:
+    """The ADS publisher (`sidecar.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
+    from sidecar.xds.limits import RtdsLimiter  # it imports this module
+    from sidecar.xds.metrics import register_xds
+
+    assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
+    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
+    register_xds(wiring.registry, publisher.view)
+    return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation))

@@ -1,5 +1,7 @@
 """Aggregated Discovery over gRPC: state of the world and delta, one grpc.aio server.
 
+Nothing is answered before the first whole configuration is in the cache (an Envoy
+connecting to a control plane that is still starting waits, rather than starting empty).
 Every stream belongs to one Envoy (its node id, sent in the first request) and is driven
 by one wake-up event, set by the stream's request reader and by every cache change; on
 each wake the stream handles the requests that arrived, then sends, type by type in make-
@@ -150,7 +152,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             for request in inbox:
                 stream.identify(request)
                 self._sotw_request(stream, types, request)
-            return self._sotw_responses(stream, types)
+            return self._sotw_responses(stream, types) if self._cache.primed else []
 
         async for response in self._run(stream, request_iterator, context, step):
             yield response
@@ -210,7 +212,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             for request in inbox:
                 stream.identify(request)
                 self._delta_request(stream, types, request)
-            return self._delta_responses(stream, types)
+            return self._delta_responses(stream, types) if self._cache.primed else []
 
         async for response in self._run(stream, request_iterator, context, step):
             yield response

@@ -141,9 +141,10 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         for name, proxy in rig.envoys.items():
             assert int(proxy.stats().get("http.public.downstream_rq_total", 0)) > 0, name
 
-        # The in-flight limit per Envoy is the fleet's share: floor(0.8 x 12 / 5 Envoys) = 1.
+        # Below saturation every Envoy's in-flight limit is the render's safety cap, 4 x 12 slots
+        # (served over RTDS); only a saturated pool gets a lower one (sidecar.saturation).
         layer = rig.envoys["envoy-0"].admin_get("/runtime")[1]
-        assert json.loads(layer)["entries"]["circuit_breakers.chat.default.max_requests"]["final_value"] == "1"
+        assert json.loads(layer)["entries"]["circuit_breakers.chat.default.max_requests"]["final_value"] == "48"
 
         # Probes: one control plane probes each worker once per cycle (health + metrics at most),
         # whatever the number of Envoys; five sidecars would send at least five times the minimum.

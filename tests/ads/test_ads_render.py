@@ -54,10 +54,11 @@ def test_ads_bootstrap_takes_everything_over_ads_and_nothing_from_files() -> Non
     assert dyn["cds_config"]["ads"] == {} and dyn["lds_config"]["ads"] == {}
     (cluster,) = boot["static_resources"]["clusters"]
     assert cluster["type"] == "STRICT_DNS"  # one server is a DNS name
-    hosts = [e["endpoint"]["address"]["socket_address"] for e in cluster["load_assignment"]["endpoints"][0]
-             ["lb_endpoints"]]
-    assert hosts == [{"address": "10.1.0.1", "port_value": 18000},
-                     {"address": "cp.example.internal", "port_value": 18000}]
+    hosts = [(g["priority"], g["lb_endpoints"][0]["endpoint"]["address"]["socket_address"])
+             for g in cluster["load_assignment"]["endpoints"]]
+    # primary and standby: every Envoy follows the first healthy server
+    assert hosts == [(0, {"address": "10.1.0.1", "port_value": 18000}),
+                     (1, {"address": "cp.example.internal", "port_value": 18000})]
     http2 = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in http2["explicit_http_config"]
     rtds = [layer for layer in boot["layered_runtime"]["layers"] if "rtds_layer" in layer]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -83,3 +84,19 @@ def test_bursty_arrivals_keep_the_mean_rate_and_bunch_up() -> None:
     assert 0.85 < len(reqs) / span / 20.0 < 1.15
     on = sum(1 for r in reqs if (r["t"] % spec.burst_period_s) < spec.burst_period_s / 2)
     assert on / len(reqs) > 0.75
+
+
+def test_a_load_generator_started_ahead_waits_for_its_targets(tmp_path: Path) -> None:
+    """Started with "targets": None, the load generator process sends nothing until `go` hands it
+    the targets; then it runs the job and `collect` returns one record per request."""
+    async def serve_and_run() -> list[dict[str, Any]]:
+        async with _server(0.01) as url:
+            job = {"targets": None, "requests": [_req(0, 0.0), _req(1, 0.05)], "deadline_s": 1.0, "timeout_s": 10.0}
+            proc, out = loadgen.start(job, tmp_path, "ahead")
+            await asyncio.sleep(0.2)
+            assert proc.poll() is None and not out.exists()
+            loadgen.go(proc, [url])
+            return await asyncio.to_thread(loadgen.collect, proc, out, 60.0)
+
+    records = asyncio.run(serve_and_run())
+    assert [r["status"] for r in records] == [200, 200]

@@ -19,6 +19,7 @@ from confgen.deploy import render_compose, render_kubernetes, topology_yaml
 from confgen.deploy.kubernetes import dns_label
 from confgen.errors import DeployError
 from confgen.model import Topology
+from sidecar.config import from_argv
 from tests.deploy.pss import violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,3 +284,20 @@ pools: [{name: chat, engine: vllm, models: [m], workers: ["10.0.0.1:8000"]}]
     assert violations(pod) == []
     topo, _ = load_topology(EXAMPLES[1])
     assert "add" not in pod_of(docs_of(render_kubernetes(topo)))["containers"][0]["securityContext"]["capabilities"]
+
+
+def test_the_sidecars_mutating_endpoints_get_a_token_from_a_secret_when_asked() -> None:
+    """Bound on the pod's address the sidecar's POST /drain and /undrain are off unless it has
+    a token: with kubernetes.admin_token_secret it reads one from that Secret's `token` entry
+    (never a value in the manifest); without, no token flag at all."""
+    topo, _ = load_topology(EXAMPLES[1])
+    sidecar = pod_of(docs_of(render_kubernetes(topo)))["containers"][1]
+    assert "--admin-token-env" not in sidecar["args"]
+    asked = dataclasses.replace(topo, kubernetes=dataclasses.replace(topo.kubernetes, admin_token_secret="drain-token"))
+    pod = pod_of(docs_of(render_kubernetes(asked)))
+    sidecar = pod["containers"][1]
+    name = sidecar["args"][sidecar["args"].index("--admin-token-env") + 1]
+    assert {"name": name, "valueFrom": {"secretKeyRef": {"name": "drain-token", "key": "token"}}} in sidecar["env"]
+    assert violations(pod) == []
+    config = from_argv(sidecar["args"])  # the sidecar's own parser takes the rendered flags
+    assert (config.admin_token_env, config.listen_host, config.listen_port) == (name, "0.0.0.0", 9109)

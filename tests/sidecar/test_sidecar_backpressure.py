@@ -1,66 +1,234 @@
-"""The in-flight limit rule (sidecar.backpressure): capacity share, saturation, bounds."""
+"""The saturation detector and the shedding controller (sidecar.saturation), with a fake
+clock: stale or missing metrics never shed; the queue's trend and KV use; hysteresis;
+the pool rule; the controller caps near the current in-flight, tracks the excess, and
+releases to the safety cap."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.backpressure import InflightLimiter, PoolLoad, base_limit, inflight_limit, runtime_keys
+from sidecar.backpressure import InflightLimiter, runtime_keys
+from sidecar.engines import LoadSample
 from sidecar.publish import EnvoyAdmin
+from sidecar.saturation import Admission, Headroom, PoolSaturation, SaturationPolicy, admit, assess
+
+POLICY = SaturationPolicy()  # queue_enter 1.5, queue_exit 0.25, half-life 2 s, lookahead 2 s, stale 5 s
 
 
-def load(capacity: int, saturation: float | None, u: float = 0.8) -> PoolLoad:
-    return PoolLoad(capacity=capacity, saturation=saturation, max_utilization=u)
+def feed(queues: list[float], capacity: int = 8, step: float = 2.0, kv: float | None = None,
+         start: Headroom | None = None, t0: float = 0.0) -> Headroom:
+    """One worker's headroom after samples of `queues` waiting per slot, `step` s apart."""
+    h = start or Headroom()
+    for i, q in enumerate(queues):
+        h = h.observe(LoadSample(running=capacity, waiting=q * capacity, kv_usage=kv), t0 + i * step, capacity, POLICY)
+    return h
 
 
-def test_base_is_the_80_percent_rule_over_serving_capacity_and_ingresses() -> None:
-    """floor(u x capacity / ingresses), never below 1 (also with nothing in rotation)."""
-    assert base_limit(12, 0.8, 1) == 9
-    assert base_limit(4, 0.8, 1) == 3
-    assert base_limit(12, 0.8, 2) == 4
-    assert base_limit(10, 0.8, 1) == 8  # 0.8 x 10 is 8.000000000000002 or 7.99..: exactly 8
-    assert base_limit(0, 0.8, 1) == 1
-    assert base_limit(1, 0.05, 3) == 1
+def sat(full_share: float = 1.0, capacity: int = 24, waiting: float = 0.0, saturated: bool = True) -> PoolSaturation:
+    return PoolSaturation(saturated=saturated, full_share=full_share, capacity=capacity, fresh_capacity=capacity,
+                          waiting=waiting)
 
 
-def test_without_saturation_the_limit_is_the_base() -> None:
-    """No sample (health-only engines) or an idle fleet: the capacity rule alone."""
-    assert inflight_limit(load(12, None), 1, active=5, previous=2) == 9
-    assert inflight_limit(load(12, 0.0), 1, active=None, previous=2) == 9
+# -- detector: one worker -------------------------------------------------------------------
 
 
-def test_saturated_fleet_scales_this_envoys_share_down() -> None:
-    """Above u the limit is floor(active x u / s): this Envoy's proportional share, in [1, base]."""
-    assert inflight_limit(load(12, 1.2), 1, active=6, previous=9) == 4
-    assert inflight_limit(load(12, 0.9), 1, active=0, previous=9) == 1  # all load from elsewhere
-    assert inflight_limit(load(12, 0.81), 1, active=9, previous=9) == 8
-    assert inflight_limit(load(12, 0.85), 1, active=50, previous=9) == 9  # never above base
-    # Envoy's own count unknown: hold (never raise), still within base.
-    assert inflight_limit(load(12, 1.5), 1, active=None, previous=5) == 5
-    assert inflight_limit(load(4, 1.5), 1, active=None, previous=5) == 3
+def test_a_burst_is_not_saturation_but_a_sustained_queue_is() -> None:
+    """One sample of a whole batch waiting (then back to none) keeps the headroom; the same
+    queue held for a few cycles takes it."""
+    assert not feed([0, 0, 1.4, 0, 0]).full
+    assert not feed([0, 0, 2.2]).full  # one jump: smoothed to half of it, the rise not projected yet
+    assert not feed([0, 0, 2.2, 0]).full
+    assert feed([0, 2.0, 2.0]).full
 
 
-def test_all_load_through_this_envoy_gives_back_the_base() -> None:
-    """When every request in the engines came through here (active = s x capacity), the
-    saturation rule agrees with the capacity rule: no double shedding."""
-    capacity, u = 100, 0.8
-    for active in range(81, 120):
-        s = active / capacity
-        assert inflight_limit(load(capacity, s, u), 1, active=active, previous=80) == 80
+def test_a_rising_queue_is_caught_before_its_level_by_the_trend() -> None:
+    """A queue growing by 0.375 per slot per cycle is flagged while its smoothed level is
+    still under 0.8 of queue_enter (the projected rise makes up for the smoothing's lag);
+    a higher level held flat is not."""
+    rising = feed([0.0, 0.375, 0.75, 1.125, 1.5])
+    assert rising.full and rising.queue < 0.8 * POLICY.queue_enter
+    flat = feed([1.2] * 8)
+    assert not flat.full and flat.queue == pytest.approx(1.2)
 
 
-def test_repeated_cycles_converge_to_the_share_left_by_outside_load() -> None:
-    """With outside load E the limit settles where ours + E = u x capacity, and climbs
-    back to the base (by at least 1 a cycle) once E is gone. Bounded loop."""
-    capacity, u, outside = 100, 0.8, 30
-    limit = 80
-    for _ in range(50):
-        active = limit  # demand is unbounded: this Envoy fills its limit
-        limit = inflight_limit(load(capacity, (active + outside) / capacity, u), 1, active, limit)
-        assert 1 <= limit <= 80
-    assert 49 <= limit <= 51
-    for _ in range(50):
-        limit = inflight_limit(load(capacity, limit / capacity, u), 1, limit, limit)
-    assert limit == 80
+def test_hysteresis_keeps_a_full_worker_full_until_its_queue_is_short() -> None:
+    """Once full, a worker stays full while its smoothed queue is above queue_exit (0.25),
+    and regains its headroom below it."""
+    h = feed([2.0, 2.0, 2.0])
+    assert h.full
+    h = feed([0.6, 0.6], start=h, t0=6.0)
+    assert h.full and h.queue > POLICY.queue_exit
+    h = feed([0.0] * 4, start=h, t0=10.0)
+    assert not h.full and h.queue <= POLICY.queue_exit
+
+
+def test_kv_pressure_with_a_queue_takes_the_headroom_without_one_it_does_not() -> None:
+    """KV use >= 0.8 with a smoothed queue of at least queue_exit of the running batch is
+    enough; KV use alone, with nothing waiting, is not. A KV-bound engine running 16 of its
+    256 slots with 8 waiting (0.03 per slot) is full."""
+    assert feed([0.4, 0.4, 0.4], kv=0.85).full
+    assert not feed([0.4, 0.4, 0.4], kv=0.5).full
+    assert not feed([0.0, 0.0, 0.0], kv=0.97).full
+    h = Headroom()
+    for i in range(4):
+        h = h.observe(LoadSample(running=16, waiting=8, kv_usage=0.95), i * 2.0, 256, POLICY)
+    assert h.full and h.queue < 0.05
+    h = h.observe(LoadSample(running=16, waiting=8, kv_usage=0.5), 8.0, 256, POLICY)
+    assert not h.full
+
+
+def test_missing_metrics_give_headroom_and_restart_the_trend() -> None:
+    """A probe without a sample (failed, or a health-only engine) resets the worker to
+    'has headroom'; a sample older than the previous one changes nothing."""
+    h = feed([2.0, 2.0, 2.0])
+    assert h.full
+    gone = h.observe(None, 8.0, 8, POLICY)
+    assert not gone.full and gone.at is None
+    assert h.observe(LoadSample(running=0, waiting=0), 1.0, 8, POLICY) is h
+
+
+def test_a_sample_after_a_long_gap_starts_the_trend_over() -> None:
+    """After more than stale_after_s without a sample, the next one is taken as it is (no
+    slope from the gap)."""
+    h = feed([0.0, 0.0])
+    later = h.observe(LoadSample(running=8, waiting=4), 60.0, 8, POLICY)
+    assert later.slope == 0.0 and later.queue == pytest.approx(0.5) and not later.full
+
+
+# -- detector: the pool --------------------------------------------------------------------
+
+
+def test_pool_is_saturated_when_the_full_share_of_capacity_reaches_max_utilization() -> None:
+    """Three workers of 8 slots: two full is 0.67 of the capacity, under 0.8; three full
+    is saturation. With max_utilization 0.5, two are enough. Capacity weighs: one full
+    worker of 32 slots against two of 4 is 0.8."""
+    full, free = feed([2.0] * 3), feed([0.0] * 3)
+    now = 4.0
+    assert not assess([(full, 8), (full, 8), (free, 8)], now, POLICY, 0.8).saturated
+    assert assess([(full, 8), (full, 8), (full, 8)], now, POLICY, 0.8).saturated
+    assert assess([(full, 8), (full, 8), (free, 8)], now, POLICY, 0.5).saturated
+    weighed = assess([(feed([2.0] * 3, capacity=32), 32), (free, 4), (free, 4)], now, POLICY, 0.8)
+    assert weighed.saturated and weighed.full_share == pytest.approx(0.8)
+
+
+def test_stale_or_missing_metrics_never_make_a_pool_saturated() -> None:
+    """Every worker full on its last sample, but that sample is older than stale_after_s:
+    not saturated, and nothing counts as waiting. A pool with no sample at all, or no
+    worker in rotation, is not saturated either."""
+    full = feed([2.0] * 3)  # last sample at t=4
+    stale = assess([(full, 8)] * 3, 4.0 + POLICY.stale_after_s + 0.1, POLICY, 0.8)
+    assert not stale.saturated and stale.fresh_capacity == 0 and stale.waiting == 0
+    assert not assess([(Headroom(), 8)] * 3, 4.0, POLICY, 0.8).saturated
+    assert not assess([], 4.0, POLICY, 0.8).saturated
+    half = assess([(full, 8), (full, 8), (Headroom(), 8)], 4.0, POLICY, 0.8)
+    assert not half.saturated and half.capacity == 24 and half.fresh_capacity == 16
+
+
+# -- controller ------------------------------------------------------------------------------
+
+
+def test_below_saturation_the_limit_is_the_safety_cap() -> None:
+    """Not saturated and not shedding: the render's cap, whatever Envoy has in flight."""
+    assert admit(None, sat(saturated=False, waiting=100), 500, False, 96, 1, 0.0, POLICY) == Admission(limit=96)
+
+
+def test_on_saturation_the_limit_caps_admission_near_the_current_in_flight() -> None:
+    """24 slots, 60 in flight, 36 waiting against a target of 12: the limit starts at
+    60 + 0.5 x (12 - 36) = 48, under what is in flight, so new requests get 429 at once;
+    with two ingresses each corrects half as much."""
+    first = admit(None, sat(waiting=36), 60, False, 96, 1, 0.0, POLICY)
+    assert first == Admission(limit=48, shedding=True)
+    assert admit(None, sat(waiting=36), 60, False, 96, 2, 0.0, POLICY).limit == 54
+    assert admit(None, sat(waiting=500), 3, False, 96, 1, 0.0, POLICY).limit == 1  # never below 1
+    assert admit(None, sat(waiting=0), 200, False, 96, 1, 0.0, POLICY).limit == 96  # never above the cap
+
+
+def test_without_its_own_in_flight_count_the_sidecar_never_starts_shedding() -> None:
+    """Envoy's stats unreadable: a saturated pool keeps the cap (or the limit in force)."""
+    assert admit(None, sat(waiting=99), None, False, 96, 1, 0.0, POLICY) == Admission(limit=96)
+    held = Admission(limit=40, shedding=True)
+    assert admit(held, sat(waiting=99), None, False, 96, 1, 0.0, POLICY) == held
+
+
+def test_release_waits_until_the_limit_refuses_nothing_then_returns_to_the_cap() -> None:
+    """The queue is short but the limit still refuses requests: still shedding (the limit
+    only rises). Once nothing was refused for release_after_s (4 s), back to the cap."""
+    state = Admission(limit=30, shedding=True)
+    clear = sat(saturated=False, full_share=0.0, waiting=0)
+    state = admit(state, clear, 30, True, 96, 1, 0.0, POLICY)
+    assert state.shedding and state.limit == 36 and state.clear_since is None
+    state = admit(state, clear, 20, False, 96, 1, 2.0, POLICY)
+    assert state.shedding and state.limit == 36 and state.clear_since == 2.0
+    state = admit(state, clear, 20, False, 96, 1, 4.0, POLICY)
+    assert state.shedding
+    state = admit(state, clear, 20, False, 96, 1, 6.0, POLICY)
+    assert state == Admission(limit=96)
+
+
+def _fluid(load: float, cycles: int = 300, slots: int = 24, ingresses: int = 1) -> tuple[float, float]:
+    """A fluid fleet of `slots` slots, each finishing 0.5 requests per 2 s cycle, offered
+    `load` x its capacity evenly through `ingresses` Envoys, each run by its own sidecar
+    (--ingresses N) on the same engine reports. Returns (shed share, mean waiting per
+    slot) over the second half."""
+    rate = 0.5 * slots * load / ingresses  # requests offered per cycle to each Envoy
+    heads = [Headroom()] * 3
+    states: list[Admission | None] = [None] * ingresses
+    own = [0.0] * ingresses  # each Envoy's requests in flight
+    shed = offered = waiting_sum = 0.0
+    for cycle in range(cycles):
+        now = cycle * 2.0
+        total = sum(own)
+        done_share = min(total, slots) * 0.5 / total if total else 0.0  # completions spread pro rata
+        refused = [0.0] * ingresses
+        for i in range(ingresses):
+            state = states[i]
+            limit = state.limit if state is not None else 4 * slots
+            left = own[i] * (1 - done_share)
+            admitted = min(rate, max(limit - left, 0.0))
+            refused[i] = rate - admitted
+            own[i] = left + admitted
+        total = sum(own)
+        waiting = max(total - slots, 0.0)
+        heads = [h.observe(LoadSample(running=min(total, slots) / 3, waiting=waiting / 3), now, slots // 3, POLICY)
+                 for h in heads]
+        pool = assess([(h, slots // 3) for h in heads], now, POLICY, 0.8)
+        states = [admit(states[i], pool, round(own[i]), refused[i] > 0, 4 * slots, ingresses, now, POLICY)
+                  for i in range(ingresses)]
+        if cycle >= cycles // 2:
+            offered += rate * ingresses
+            shed += sum(refused)
+            waiting_sum += waiting / slots
+    return shed / offered, waiting_sum / (cycles - cycles // 2)
+
+
+@pytest.mark.parametrize("ingresses", [1, 2])
+@pytest.mark.parametrize("load", [1.15, 1.2, 1.5, 2.0])
+def test_under_overload_the_shed_share_tracks_the_excess_and_the_queue_stays_bounded(load: float,
+                                                                                     ingresses: int) -> None:
+    """On a fluid model of the fleet, overload by 15 % to 100 % through one Envoy or two
+    (each with its own sidecar, --ingresses 2): the controller settles with a shed share
+    within 5 points of the excess (1 - 1/load) and the engines' queue near the target
+    (0.5 per slot), far below the 3 per slot the safety cap allows."""
+    share, queue = _fluid(load, ingresses=ingresses)
+    excess = 1 - 1 / load
+    print(f"load {load}, {ingresses} ingresses: shed {share:.3f} (excess {excess:.3f}), waiting per slot {queue:.2f}")
+    assert excess - 0.05 <= share <= excess + 0.05
+    assert queue <= 1.0
+
+
+def test_below_capacity_the_fluid_fleet_is_never_shed() -> None:
+    """At 75 % and 95 % of capacity nothing queues for long, nothing is shed."""
+    for load in (0.75, 0.95):
+        assert _fluid(load) == (0.0, 0.0)
+        assert _fluid(load, ingresses=2) == (0.0, 0.0)
+
+
+def test_policy_refuses_inconsistent_thresholds() -> None:
+    """queue_exit must sit below queue_enter (the hysteresis band), kv_threshold in (0, 1],
+    stale_after_s > 0 and gain in (0, 1]."""
+    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5}):
+        with pytest.raises(ValueError):
+            SaturationPolicy(**bad)  # type: ignore[arg-type]
 
 
 def test_runtime_keys_name_the_default_priority_thresholds() -> None:

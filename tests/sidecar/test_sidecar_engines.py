@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 from prometheus_client.openmetrics.parser import (
@@ -162,15 +163,40 @@ def test_label_values_with_escapes_braces_and_spaces() -> None:
 
 
 def test_special_values_exponents_timestamps() -> None:
-    """NaN/±Inf series count as absent; exponent values and timestamps parse."""
-    body = (b'vllm:num_requests_running{engine="0"} NaN\n'
+    """NaN/±Inf in an optional field count as absent; exponent values and timestamps parse;
+    a non-finite total next to per-engine series is ignored like any total."""
+    body = (b'vllm:num_requests_running NaN\n'
             b'vllm:num_requests_running{engine="1"} 4.5e+00 1732870000123\n'
-            b'vllm:num_requests_waiting{engine="0"} +Inf\n'
             b'vllm:num_requests_waiting{engine="1"} 0\n'
             b'vllm:generation_tokens_total{engine="0"} 4.81234e+06\n'
             b'vllm:generation_tokens_total{engine="1"} -Inf\n')
     assert extract("vllm", body) == LoadSample(running=4.5, waiting=0.0,
                                                generated_tokens=4.81234e6, engines=1)
+
+
+@pytest.mark.parametrize("value", ["+Inf", "-Inf", "NaN"])
+def test_non_finite_load_gauges_are_invalid_values_not_missing(value: str) -> None:
+    """running/waiting at ±Inf or NaN (all engines or one of several) is reported as an
+    invalid value naming the gauge, never as a missing metric: the load is unknown."""
+    alone = f"vllm:num_requests_running {value}\nvllm:num_requests_waiting 1\n".encode()
+    with pytest.raises(MetricsFormatError, match=re.escape(f"invalid value {value} for vllm:num_requests_running")
+                       ) as info:
+        extract("vllm", alone)
+    assert "no " not in str(info.value)
+    one_of_two = (f'vllm:num_requests_running{{engine="0"}} 1\nvllm:num_requests_running{{engine="1"}} 2\n'
+                  f'vllm:num_requests_waiting{{engine="0"}} 0\nvllm:num_requests_waiting{{engine="1"}} {value}\n')
+    with pytest.raises(MetricsFormatError, match=re.escape(f"invalid value {value} for vllm:num_requests_waiting")):
+        extract("vllm", one_of_two.encode())
+
+
+def test_openmetrics_without_eof_is_truncated() -> None:
+    """Served as OpenMetrics, a body cut at a line's end (no `# EOF`) is truncated; the same
+    body as Prometheus text is complete, and with `# EOF` OpenMetrics is complete."""
+    body = b"vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+    with pytest.raises(MetricsFormatError, match="truncated OpenMetrics body"):
+        extract("vllm", body, openmetrics=True)
+    assert extract("vllm", body) == LoadSample(running=2.0, waiting=1.0)
+    assert extract("vllm", body + b"# EOF\n", openmetrics=True) == LoadSample(running=2.0, waiting=1.0)
 
 
 def test_openmetrics_eof_and_exemplars() -> None:

@@ -55,6 +55,7 @@ LABELS = {
     "confgen_sidecar_probe_cycles_total": set(),
     "confgen_sidecar_ready": set(),
     "confgen_sidecar_topology_stale": set(),
+    "confgen_sidecar_write_failures_total": {"target"},
 }
 
 

@@ -24,29 +24,11 @@ from typing import Any
 from confgen import envoy, parse_topology
 from confgen.output import write_tree
 from confgen.runtime import EnvoyProcess, free_port
-from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_thread
+from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
 from tests.support.envoy import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
-TOPOLOGY = """\
-version: 1
-name: live
-admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
-  - name: chat
-    engine: vllm
-    models: [sim-model]
-    capacity: {capacity}
-    balancing: {{policy: {policy}}}
-    # The sidecar alone decides health here: no active checks, no outlier ejection.
-    health: {{enabled: false}}
-    outlier_detection: {{enabled: false}}
-    workers:
-{workers}
-"""
 
 # Fast, test-sized policy: a 0.5 s cycle, no slow-start ramp, short stall floor.
 FAST_ARGS = (
@@ -60,8 +42,10 @@ FAST_ARGS = (
 def topology_text(
     workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request"
 ) -> str:
-    lines = "\n".join(f"      - {w}" for w in workers)
-    return TOPOLOGY.format(admin=admin, port=port, workers=lines, capacity=capacity, policy=policy)
+    # The sidecar alone decides health here: no active checks, no outlier ejection.
+    return fleet_topology(name="live", admin=admin, port=port, workers=workers, models=["sim-model"],
+                          capacity=capacity, pool=[f"balancing: {{policy: {policy}}}", "health: {enabled: false}",
+                                                   "outlier_detection: {enabled: false}"])
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
@@ -95,7 +79,7 @@ class SidecarProcess:
             self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=log, stderr=log,
                                          cwd=self._cwd, env=env)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
+    def wait_ready(self, timeout: float = 30.0) -> None:
         def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -214,12 +198,14 @@ def live_rig(
     listed: int | None = None,
     configmap: bool = False,
     worker_item: Callable[[int], str] = lambda port: f"127.0.0.1:{port}",
+    prepare_xds: Callable[[Path], None] | None = None,
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
     `listed`: only the first N workers are in the topology. `configmap`: the topology is
     mounted the way Kubernetes mounts a ConfigMap (symlinks through `..data`).
     `worker_item`: the YAML list item that names the worker listening on a port.
+    `prepare_xds`: called with the xDS directory's path before anything is written there.
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
         port, admin, listen = free_port(), free_port(), free_port()
@@ -232,8 +218,10 @@ def live_rig(
             topo_path = tmp / "topology.yaml"
             topo_path.write_text(text)
         xds = tmp / "envoy"
+        if prepare_xds is not None:
+            prepare_xds(xds)  # e.g. a small filesystem mounted there
         topo, _ = parse_topology(text.encode())
-        write_tree(envoy.render(topo, config_dir=str(xds)), xds)
+        write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
         args = ["--topology", str(topo_path), "--xds-dir", str(xds), "--listen", f"127.0.0.1:{listen}",
                 *sidecar_args]
         sidecar = SidecarProcess(args, tmp / "sidecar.log", listen, wrapper)

@@ -22,7 +22,7 @@ def running_envoy(
 ) -> Iterator[EnvoyProcess]:
     topo, _ = parse_topology(topology_yaml.encode(), "test-topology.yaml")
     files = envoy.render(topo, config_dir=str(out_dir), secrets=secrets)
-    write_tree(files, out_dir)
+    write_tree(files, out_dir, rank=envoy.layout.write_rank)
     with EnvoyProcess(out_dir / "bootstrap.json") as proc:
         yield proc
 

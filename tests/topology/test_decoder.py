@@ -12,8 +12,10 @@ import pytest
 from confgen._decode import MAX_ERRORS
 from confgen._fields import Duration, parse_duration
 from confgen._yaml import MAX_BYTES
+from confgen.envoy._proto import dur
 from confgen.errors import TopologyError
 from confgen.model import split_address
+from confgen.nginx._context import duration
 from confgen.topology import load, parse
 
 BASE = """\
@@ -55,11 +57,12 @@ def test_parse_duration_refuses_the_rest(text: str) -> None:
 
 def test_duration_renders_for_envoy_and_nginx() -> None:
     """Envoy gets protobuf JSON seconds (fraction only when needed), nginx ms or s."""
-    assert Duration(1500).envoy() == "1.500s"
-    assert Duration(5000).envoy() == "5s"
-    assert Duration(0).envoy() == "0s"
-    assert Duration(1500).nginx() == "1500ms"
-    assert Duration(60_000).nginx() == "60s"
+    assert dur(Duration(1500)) == "1.500s"
+    assert dur(Duration(5000)) == "5s"
+    assert dur(Duration(0)) == "0s"
+    assert duration(Duration(1500)) == "1500ms"
+    assert duration(Duration(60_000)) == "60s"
+    assert str(Duration(1500)) == "1500ms" and str(Duration(60_000)) == "60s"
 
 
 @pytest.mark.parametrize(
