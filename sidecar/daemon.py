@@ -166,7 +166,8 @@ class Daemon:
             keys = list(self._tracked)
             now, policy = self._clock(), self.config.health
             reports = await asyncio.gather(*(
-                self._prober.probe(self._target(k), health=self._tracked[k].state.needs_health(now, policy))
+                self._prober.probe(self._target(k), health=(st := self._tracked[k].state).needs_health(now, policy),
+                                   metrics=st.needs_metrics(now, policy))
                 for k in keys))
             for key, report in zip(keys, reports, strict=True):
                 self._observe(key, report)
@@ -295,10 +296,11 @@ class Daemon:
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
         self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
-        tracked.sample = report.result.sample
-        tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
-        tracked.headroom = tracked.headroom.observe(report.result.sample, report.result.at, tracked.capacity,
-                                                    self.config.saturation)
+        if report.result.metrics_checked:  # else a quiet engine's last sample stands (sidecar.state)
+            tracked.sample = report.result.sample
+            tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
+            tracked.headroom = tracked.headroom.observe(report.result.sample, report.result.at, tracked.capacity,
+                                                        self.config.saturation)
         if report.error is not None:
             tracked.errors[report.error] += 1
             log_event(_log, logging.DEBUG, "probe.failed", pool=key.pool, worker=key.worker,

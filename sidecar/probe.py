@@ -3,7 +3,11 @@
 One `Prober` holds one ClientSession (keep-alive connections, at most `max_concurrency`
 of them) and a semaphore bounding probes in flight. A probe is one total deadline
 (`asyncio.timeout_at`) shared by the health and the metrics request, covering connect,
-headers and body reads; bodies are read up to `body_cap` bytes.
+headers and body reads; bodies are read up to `body_cap` bytes. The two requests run one
+after the other in the probe's own task, so they share one keep-alive connection per
+endpoint (run concurrently they needed two connections and two extra tasks: about 1.0 ms
+of CPU per probe instead of 0.6 ms on the bench's 40 KB body), and a failed /health
+spares the metrics request.
 
 Outcome mapping (what the state machine counts, see sidecar.state):
 - health: connection refused -> REFUSED; reset / server disconnected / cut body -> RESET;
@@ -18,6 +22,11 @@ progress as proof of life): one request instead of two. If it does not yield a s
 the probe falls back to the full health + metrics probe under a fresh deadline, so a
 failure is classified by /health exactly as above (such a probe may take up to two
 deadlines).
+
+Health only (`probe(..., metrics=False)`, when the state machine finds the engine quiet:
+nothing to weigh): one request, awaited directly (no task per request). An ok answer
+is reported with `metrics_checked=False` so the caller keeps its last sample; a failure
+is reported exactly as above.
 
 Cost (1,000 endpoints a second): bodies are asked for uncompressed (`Accept-Encoding:
 identity`: no inflate here, no gzip on the engine; a server that compresses anyway is
@@ -118,16 +127,18 @@ class Prober:
             await self._session.close()
             self._session = None
 
-    async def probe(self, target: Target, *, health: bool = True) -> ProbeReport:
+    async def probe(self, target: Target, *, health: bool = True, metrics: bool = True) -> ProbeReport:
         """Probe one endpoint; never raises for anything the endpoint does.
 
-        `health=False` asks only for the metrics (see the module docstring); ignored for
-        engines without metrics.
+        `health=False` asks only for the metrics, `metrics=False` only for the health (see
+        the module docstring); `health=False` is ignored for engines without metrics, and
+        at least one of the two is always asked.
         """
         async with self._slots:
             loop = asyncio.get_running_loop()
             started = self._clock()
-            wants_metrics = has_metrics(target.engine)
+            has = has_metrics(target.engine)
+            wants_metrics = has and (metrics or not health)
             if not health and wants_metrics:
                 try:
                     sample = await self._metrics(target, loop.time() + self._deadline_s)
@@ -139,13 +150,30 @@ class Prober:
                     return ProbeReport(ProbeResult(at, Outcome.OK, sample=sample, health_checked=False),
                                        None, "", at - started)
             deadline = loop.time() + self._deadline_s
-            health_job = asyncio.ensure_future(self._health(target, deadline))
-            metrics_job = asyncio.ensure_future(self._metrics(target, deadline)) if wants_metrics else None
-            jobs = [health_job] if metrics_job is None else [health_job, metrics_job]
-            await asyncio.gather(*jobs, return_exceptions=True)
-            duration = self._clock() - started
+            try:
+                status, latency = await self._health(target, deadline)
+            except (TimeoutError, _TooLarge, aiohttp.ClientError, ConnectionError) as exc:
+                at = self._clock()
+                outcome, kind, detail = _health_failure(exc)
+                return ProbeReport(ProbeResult(at, outcome), kind, detail, at - started)
+            if not 200 <= status < 300:
+                at = self._clock()
+                result = ProbeResult(at, Outcome.HTTP_STATUS, health_latency_s=latency, http_status=status)
+                return ProbeReport(result, "http_status", f"health answered HTTP {status}", at - started)
+            if not wants_metrics:
+                at = self._clock()
+                return ProbeReport(ProbeResult(at, Outcome.OK, health_latency_s=latency, metrics_checked=not has),
+                                   None, "", at - started)
+            try:
+                sample = await self._metrics(target, deadline)
+            except (MetricsFormatError, _TooLarge, _BadStatus, TimeoutError, aiohttp.ClientError,
+                    ConnectionError) as exc:
+                at = self._clock()
+                return ProbeReport(ProbeResult(at, Outcome.BAD_METRICS, health_latency_s=latency), "bad_metrics",
+                                   f"metrics: {type(exc).__name__}: {exc}", at - started)
             at = self._clock()
-            return _report(target, health_job, metrics_job, at, duration)
+            return ProbeReport(ProbeResult(at, Outcome.OK, health_latency_s=latency, sample=sample),
+                               None, "", at - started)
 
     def _require_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -216,32 +244,3 @@ def _health_failure(exc: BaseException) -> tuple[Outcome, str, str]:
         # ServerDisconnected, ClientOSError (reset), ClientPayloadError (cut body), bad HTTP
         return Outcome.RESET, "reset", f"{type(exc).__name__}: {exc}"
     raise exc  # a bug of ours, not a worker failure: let it surface
-
-
-def _report(
-    target: Target,
-    health_job: asyncio.Future[tuple[int, float]],
-    metrics_job: asyncio.Future[LoadSample | None] | None,
-    at: float,
-    duration: float,
-) -> ProbeReport:
-    exc = health_job.exception()
-    if exc is not None:
-        outcome, kind, detail = _health_failure(exc)
-        return ProbeReport(ProbeResult(at, outcome), kind, detail, duration)
-    status, latency = health_job.result()
-    if not 200 <= status < 300:
-        result = ProbeResult(at, Outcome.HTTP_STATUS, health_latency_s=latency, http_status=status)
-        return ProbeReport(result, "http_status", f"health answered HTTP {status}", duration)
-    if metrics_job is None:
-        return ProbeReport(ProbeResult(at, Outcome.OK, health_latency_s=latency), None, "", duration)
-    mexc = metrics_job.exception()
-    if mexc is None:
-        sample = metrics_job.result()
-        return ProbeReport(ProbeResult(at, Outcome.OK, health_latency_s=latency, sample=sample), None, "", duration)
-    if isinstance(mexc, MetricsFormatError | _TooLarge | _BadStatus | TimeoutError | aiohttp.ClientError
-                  | ConnectionError):
-        detail = f"metrics: {type(mexc).__name__}: {mexc}"
-        return ProbeReport(ProbeResult(at, Outcome.BAD_METRICS, health_latency_s=latency), "bad_metrics",
-                           detail, duration)
-    raise mexc

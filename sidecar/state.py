@@ -29,6 +29,15 @@ Policy, and why:
   answer (0 turns skipping off). An idle engine (counter flat) is always asked. A
   skipped probe carries no health latency, so a worker turning slow is seen DEGRADED at
   most `health_every_s` later than with a health probe every cycle.
+- Quiet is nothing to weigh: while the last sample showed an idle engine (nothing
+  running, nothing waiting, the counter flat) on a HEALTHY endpoint with nothing on
+  record, `needs_metrics` lets the prober skip /metrics (health only) until
+  `quiet_metrics_probes` probe intervals have passed since the last sample (1 turns
+  skipping off; the default 3 reads an idle engine's metrics every third probe). The
+  weights and the saturation trend keep the last sample; an idle engine that starts
+  taking traffic is weighed at most `quiet_metrics_probes - 1` intervals later. A busy engine is scraped every
+  probe (its speed is what the weights follow), and the two skips never combine: a
+  probe always asks at least one of /health and /metrics.
 - A new endpoint starts UNHEALTHY until its first ok probe (one is enough: it has no
   failure history). Returning to service (new, recovered, undrained) starts a linear
   slow-start ramp over `slow_start_s`.
@@ -97,6 +106,7 @@ class ProbeResult:
     sample: LoadSample | None = None
     http_status: int | None = None
     health_checked: bool = True  # False: /health skipped, progress in the metrics stood in
+    metrics_checked: bool = True  # False: /metrics skipped (quiet engine), `sample` is None by design
 
     def __post_init__(self) -> None:
         if (self.outcome is Outcome.HTTP_STATUS) != (self.http_status is not None):
@@ -123,10 +133,11 @@ class HealthPolicy:
     error_burst_window_s: float = 30.0
     max_ejected_fraction: float = 0.5
     health_every_s: float = 5.0  # longest /health gap while progress proves life; 0: never skip
+    quiet_metrics_probes: int = 3  # read an idle engine's metrics every this many probes; 1: every probe
 
     def __post_init__(self) -> None:
         counts = (self.rise, self.fall, self.refused_fall, self.reset_fall,
-                  self.degraded_probes, self.stall_probes, self.error_burst)
+                  self.degraded_probes, self.stall_probes, self.error_burst, self.quiet_metrics_probes)
         if min(counts) < 1 or self.max_rise < self.rise:
             raise ValueError("probe counts must be >= 1 and max_rise >= rise")
         if not 0.0 <= self.max_ejected_fraction <= 1.0:
@@ -161,6 +172,8 @@ class EndpointState:
     fresh: bool = False  # never served: one ok probe is enough
     advanced: bool = False  # the progress counter rose between the last two samples
     health_at: float | None = None  # time of the newest probe that asked /health
+    metrics_at: float | None = None  # time of the newest probe that read a load sample
+    quiet: bool = False  # the newest sample showed an idle engine (nothing running or waiting)
 
     @classmethod
     def new(cls, now: float) -> EndpointState:
@@ -229,6 +242,19 @@ class EndpointState:
         )
         return not proven
 
+    def needs_metrics(self, now: float, policy: HealthPolicy) -> bool:
+        """Whether the next probe must read /metrics; False only while the engine is quiet."""
+        quiet = (
+            self.quiet
+            and not self.advanced
+            and self.status is Status.HEALTHY
+            and not (self.fresh or self.stalled or self.failures)
+            and self.fail_streak == self.slow_streak == self.stall_streak == 0
+            and self.metrics_at is not None
+            and now - self.metrics_at < (policy.quiet_metrics_probes - 0.5) * policy.probe_interval_s
+        )
+        return not quiet
+
     def observe(self, result: ProbeResult, policy: HealthPolicy) -> EndpointState:
         """Take one probe result into account; results older than the last one are ignored."""
         at = result.at
@@ -259,8 +285,10 @@ class EndpointState:
             stall_streak=stall_streak,
             progress_at=progress_at,
             last_tokens=last_tokens,
-            advanced=_advanced(self.last_tokens, result.sample),
+            advanced=_advanced(self.last_tokens, result.sample) if result.metrics_checked else self.advanced,
             health_at=at if result.health_checked else self.health_at,
+            metrics_at=at if result.sample is not None else self.metrics_at,
+            quiet=_quiet(result.sample) if result.metrics_checked else self.quiet,
         )
         if self.status is Status.UNHEALTHY:
             if nxt.ok_streak >= nxt.rise_needed(policy):
@@ -304,6 +332,11 @@ class EndpointState:
             return self.stall_streak + 1, self.progress_at, tokens
         # Moved, went down (engine restarted: a fresh counter) or idle: progress.
         return 0, at, tokens
+
+
+def _quiet(sample: LoadSample | None) -> bool:
+    """Whether `sample` shows an idle engine: nothing running, nothing waiting."""
+    return sample is not None and sample.running == 0 and sample.waiting == 0
 
 
 def _advanced(before: float | None, sample: LoadSample | None) -> bool:

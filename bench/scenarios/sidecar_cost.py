@@ -179,7 +179,8 @@ def run(ctx: Context) -> Result:
     res.notes.append("The metrics body is the simulator's own vLLM exposition after some traffic, padded with extra "
                      "histogram series to 40 KB. 1,000 listening sockets come from 2 processes of 500 ports each "
                      "(bench/_metrics_server.py), not 1,000 engines. Idle fleet: the same body on every scrape (no "
-                     "request running, the generated-token counter flat), so every probe asks /health and /metrics. "
+                     "request running, the generated-token counter flat), so every probe asks /health and, the engine "
+                     "being quiet, /metrics only every 3rd probe (quiet_metrics_probes). "
                      "Busy fleet: 4 requests running and the token counter rising on every scrape, so the sidecar "
                      "takes that progress as proof of life and asks /health only every health_every_s (5 s) per "
                      "endpoint. The target row shows the worse of the two.")

@@ -48,3 +48,23 @@ def test_metrics_only_probe_with_a_cut_body_falls_back_to_bad_metrics() -> None:
         report = _probe(fleet.workers[0].port, health=False)
     assert report.result.outcome is Outcome.BAD_METRICS and report.error == "bad_metrics"
     assert report.result.health_checked and report.result.health_latency_s is not None
+
+
+def test_health_only_probe_keeps_the_sample_and_classifies_failures() -> None:
+    """metrics=False on a live engine: OK with a health latency and no sample, marked as not
+    metrics-checked (the caller keeps its last sample); on a crashed engine it is REFUSED and
+    marked metrics-checked, exactly as a full probe reports it."""
+
+    async def go(port: int) -> ProbeReport:
+        async with Prober(max_concurrency=4, deadline_s=2.0, body_cap=1 << 20) as prober:
+            return await prober.probe(Target("127.0.0.1", port, "vllm", "/health", "/metrics"), metrics=False)
+
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a"),), seed=1)) as fleet:
+        live = asyncio.run(go(fleet.workers[0].port))
+        fleet.workers[0].crash()
+        dead = asyncio.run(go(fleet.workers[0].port))
+    assert live.result.outcome is Outcome.OK and live.error is None
+    assert live.result.sample is None and not live.result.metrics_checked
+    assert live.result.health_checked and live.result.health_latency_s is not None
+    assert dead.result.outcome is Outcome.REFUSED and dead.error == "refused"
+    assert dead.result.metrics_checked

@@ -314,3 +314,45 @@ def test_probe_result_and_policy_validation() -> None:
         HealthPolicy(fall=0)
     with pytest.raises(ValueError, match="unknown published status"):
         EndpointState.adopt("SLEEPY", 0.0)
+
+
+def _health_only(at: float) -> ProbeResult:
+    """A health-only probe (metrics skipped, the engine quiet) that answered ok."""
+    return ProbeResult(at, Outcome.OK, health_latency_s=0.01, metrics_checked=False)
+
+
+def test_quiet_engine_lets_metrics_be_skipped_but_at_most_quiet_metrics_every_s() -> None:
+    """A HEALTHY endpoint whose last sample showed nothing running or waiting may skip /metrics,
+    until quiet_metrics_probes intervals passed since the last sample; a skipped probe keeps it quiet."""
+    idle = _busy(500.0, running=0.0)
+    state = healthy()
+    assert state.needs_metrics(0.0, POLICY)  # nothing known yet
+    state, _ = run(state, [ok(0.0, sample=idle)])
+    assert not state.needs_metrics(1.0, POLICY)
+    state, changes = run(state, [_health_only(1.0), _health_only(2.0)])
+    assert changes == [] and not state.needs_metrics(2.4, POLICY)
+    assert state.needs_metrics(2.6, POLICY)  # last sample at 0.0: the third probe reads metrics
+    assert state.needs_health(2.4, POLICY)  # never both skipped: a quiet engine is asked /health
+    off = HealthPolicy(quiet_metrics_probes=1)
+    assert run(healthy(), [ok(0.0, sample=idle)], off)[0].needs_metrics(0.5, off)
+
+
+def test_busy_slow_failing_or_new_endpoints_always_read_metrics() -> None:
+    """Running or waiting requests, a rising counter, a slow answer, a failure on record, a
+    DEGRADED or new endpoint, or no sample at all: /metrics is read on the next probe."""
+    idle = _busy(500.0, running=0.0)
+    cases = {
+        "running": [ok(0.0, sample=_busy(500.0))],
+        "waiting": [ok(0.0, sample=LoadSample(running=0.0, waiting=2.0, generated_tokens=500.0))],
+        "rising": [ok(0.0, sample=_busy(400.0, running=0.0)), ok(1.0, sample=idle)],
+        "slow": [ok(0.0, latency=2.0, sample=idle)],
+        "failed": [ok(0.0, sample=idle), fail(0.5), ok(1.0, sample=idle)],
+        "no sample": [ProbeResult(0.0, Outcome.BAD_METRICS, health_latency_s=0.01)],
+    }
+    for name, results in cases.items():
+        state, _ = run(healthy(), results)
+        assert state.needs_metrics(1.5, POLICY), name
+    degraded = EndpointState.adopt(Status.DEGRADED, 0.0)
+    assert run(degraded, [ok(0.0, sample=idle)])[0].needs_metrics(0.5, POLICY)
+    fresh = EndpointState.new(0.0)
+    assert fresh.needs_metrics(0.5, POLICY)
