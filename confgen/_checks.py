@@ -216,6 +216,11 @@ def _model_routing(topo: Topology) -> Iterator[Finding]:
                 )
 
 
+# Envoy keeps a resolver target per strict_dns host (30,000 passed `envoy --mode validate`
+# here, 102,000 ran out of file descriptors); large pools belong on EDS.
+MAX_STRICT_DNS_WORKERS = 10_000
+
+
 def _pool_settings(topo: Topology) -> Iterator[Finding]:
     eds_pools = sum(1 for p in topo.pools if p.discovery == "eds")
     if topo.envoy.xds.mode == "files" and eds_pools > topo.envoy.max_eds_files:
@@ -225,6 +230,17 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
                 f"{eds_pools} pools use EDS files but envoy.max_eds_files is {topo.envoy.max_eds_files}: Envoy opens "
                 "one inotify instance per file and aborts past fs.inotify.max_user_instances (often 128); raise "
                 "that sysctl and envoy.max_eds_files together, or merge pools"
+            ),
+            ERROR,
+        )
+    dns_hosts = sum(len(p.workers) for p in topo.pools if p.discovery == "strict_dns")
+    if dns_hosts > MAX_STRICT_DNS_WORKERS:
+        yield (
+            "pools",
+            (
+                f"{dns_hosts} workers are in strict_dns pools: Envoy resolves each one on its own (the fuzzer's "
+                f"102,000 made `envoy --mode validate` run out of file descriptors); at most "
+                f"{MAX_STRICT_DNS_WORKERS:,} in all: use discovery: eds (the sidecar resolves names) for large pools"
             ),
             ERROR,
         )

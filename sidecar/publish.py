@@ -190,6 +190,14 @@ class EdsPublisher:
             return
         self._stamps[rel] = (st.st_ino, st.st_mtime_ns, st.st_size)
 
+    def _written_ok(self, files: Mapping[str, bytes]) -> None:
+        """The disk holds `files`: no write of the tree or of its pools is failing any more."""
+        self.failing.pop("tree", None)
+        for rel in files:
+            pool = _eds_pool(rel)
+            if pool is not None:
+                self.failing.pop(pool, None)
+
     def _stamp_all(self, files: Mapping[str, bytes]) -> None:
         for rel in files:
             self._stamp(rel)
@@ -386,7 +394,7 @@ class EdsPublisher:
         async with self._write_lock:
             changed = await asyncio.to_thread(_changed_files, files, self.xds_dir)
             if not changed:
-                self.failing.pop("tree", None)
+                self._written_ok(files)
                 await asyncio.to_thread(self._stamp_all, files)
                 return False
             eds_before = {pool: await self._admin.stats(_eds_pattern(pool))
@@ -401,7 +409,7 @@ class EdsPublisher:
                 log_event(_log, logging.ERROR, "tree.write_failed", dir=str(self.xds_dir), error=str(exc),
                           note="the files on disk stay as they were; retried next cycle")
                 raise
-            self.failing.pop("tree", None)
+            self._written_ok(files)
             await asyncio.to_thread(self._stamp_all, files)
         loop = asyncio.get_running_loop()
         for rel, data in files.items():

@@ -26,7 +26,7 @@ def setups(ctx: Context) -> list[Setup]:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    warmup_s, window_s = ctx.scale(3, 2), ctx.scale(8, 4)
+    warmup_s, window_s = ctx.scale(4, 2), ctx.scale(14, 4)
     cap = FLEET.capacity_rps()
     rate = cap * FLEET.load
     count = int(rate * (warmup_s + window_s)) + 1

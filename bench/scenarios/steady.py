@@ -102,7 +102,7 @@ def _reflection(writes: list[tuple[float, dict[int, int] | None]], port: int | N
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    steady_s = ctx.option("steady_s", ctx.scale(150, 20))
+    steady_s = ctx.option("steady_s", ctx.scale(130, 20))
     settle_s, after_s = ctx.scale(60, 8), ctx.scale(20, 8)
     cap = FLEET.capacity_rps()
     rate = cap * FLEET.load

@@ -62,6 +62,24 @@ def test_corpus_case(case: Path) -> None:
         assert where in outcome.errors, outcome.errors
 
 
+def test_strict_dns_pools_are_bounded() -> None:
+    """Found by the campaign: 102 strict_dns pools of 1,000 workers passed validate and made
+    `envoy --mode validate` run out of file descriptors. Past 10,000 strict_dns workers in all
+    the loader refuses, pinned to `pools` (too large to keep as a corpus file)."""
+    def topology(count: int) -> bytes:
+        workers = "\n".join(f"      - 10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:8000" for i in range(1, count + 1))
+        return (
+            "version: 1\nname: dns\nlisteners: [{name: public, port: 8080}]\n"
+            f"pools:\n  - name: p\n    engine: vllm\n    models: [m]\n    discovery: strict_dns\n"
+            f"    workers:\n{workers}\n"
+        ).encode()
+
+    refused = judge(topology(10_001), proxies=False)
+    assert not refused.accepted and refused.errors == ["pools"] and refused.problems == []
+    accepted = judge(topology(10_000), proxies=False)
+    assert accepted.accepted and accepted.problems == []
+
+
 _started: list[float] = []
 
 

@@ -227,8 +227,8 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
         with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=4), prepare_xds=_mount_small_fs) as rig:
             time.sleep(1.0)
             figures = []
+            failed = 0
             for mode in ("read-only", "full"):
-                before = {p: p.read_bytes() for p in xds.rglob("*.json")}
                 if mode == "read-only":
                     subprocess.run(["mount", "-o", "remount,ro", str(xds)], check=True, timeout=30)
                 else:
@@ -237,6 +237,9 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                         while True:
                             out.write(b"\0" * 65536)
                             out.flush()
+                before = {p: p.read_bytes() for p in xds.rglob("*.json")}  # nothing can change them now
+                answers = [rig.send()[0] for _ in range(size(10, 50))]  # served from the old files
+                failed += sum(1 for status in answers if status != 200)
                 failures = _metric(rig.sidecar.metrics(), "confgen_sidecar_write_failures_total")
                 rig.fleet.worker("a").set_fault("crash")
                 # and a topology reload, whose tree write (CDS) fails too
@@ -247,8 +250,6 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                 assert status == 503 and b"write failing" in body, body
                 assert rig.sidecar.proc is not None and rig.sidecar.proc.poll() is None
                 assert {p: p.read_bytes() for p in xds.rglob("*.json")} == before
-                with Load(rig, threads=1, max_requests=20) as load:
-                    pass
                 if mode == "read-only":
                     subprocess.run(["mount", "-o", "remount,rw", str(xds)], check=True, timeout=30)
                 else:
@@ -261,14 +262,15 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                 rig.fleet.worker("a").set_fault("none")
                 assert poll(lambda: "UNHEALTHY" not in statuses(rig).values(), timeout=15)
                 assert poll(lambda c=old_cds: (xds / "cds.json").read_bytes() == c, timeout=15)
-                figures.append(f"{mode}: {load.sent} requests served from the old files")
+                figures.append(f"{mode}: {len(answers)} requests served from the old files")
             campaign.add(Row(
                 "xDS directory read-only, then full",
                 "xDS dir on a 1 MiB tmpfs: remounted read-only, then filled to ENOSPC, while a worker crashes "
                 "and the topology is reloaded (a CDS change)",
                 "; ".join(figures) + "; write failures counted, /readyz 503 until the disk is back, then the "
                 "crash published",
-                lost(failed_requests=load.failed)))
+                lost(failed_requests=failed)))
+            assert failed == 0
     finally:
         _umount(xds)
 
@@ -296,8 +298,10 @@ def test_hostile_health_and_metrics_answers(tmp_path: Path, campaign: Campaign) 
             f"4 workers: health answering after 30 s, garbage metrics, metrics cut mid-body, HTML; {seconds} s",
             f"slowest probe {worst:.2f} s (deadline {deadline} s); {cycles:.0f} cycles at a 0.5 s interval",
             "nothing"))
-        assert worst <= 2 * deadline + 0.5
-        assert cycles >= seconds / 0.5 * 0.5  # at least half the nominal pace, under a loaded machine
+        # Bounds with room for a loaded machine; a probe without its deadline would take 30 s
+        # (the slow health) and the loop would stall.
+        assert worst <= 2 * deadline + 2.0
+        assert cycles >= seconds / 0.5 * 0.25
 
 
 def test_sse_streams_through_eds_churn_and_topology_reloads(tmp_path: Path, campaign: Campaign) -> None:

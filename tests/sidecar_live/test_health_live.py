@@ -170,7 +170,11 @@ def test_weights_move_traffic_away_from_a_growing_queue(tmp_path: Path) -> None:
     """With the queue term on (waiting_penalty, off by default: Envoy counts its own queued
     requests), a worker whose queue grows (load from outside this Envoy) gets weight 1 while
     an idle one keeps its capacity, and Envoy's least_request then sends it a small share."""
-    queue_args = (*FAST_ARGS, "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0")
+    # Shedding is not under test here (tests/sidecar_live/test_backpressure_live.py): on a loaded
+    # machine the simulated engines queue too, and a saturated pool's 429s would hide the weights.
+    queue_args = (*FAST_ARGS, "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0",
+                  "--saturation", "queue_enter=1000", "--saturation", "queue_exit=999",
+                  "--saturation", "kv_threshold=1")
     with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=8, decode_ms=20.0), capacity=8,
                   sidecar_args=queue_args) as rig:
         pa, pb = rig.worker_port("a"), rig.worker_port("b")
