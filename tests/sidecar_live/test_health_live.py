@@ -13,6 +13,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
+from confgen.simulate import WorkerSpec
 from tests.sidecar_live.rig import FAST_ARGS, http, live_rig, now, poll, worker_specs
 
 INTERVAL = 0.5
@@ -197,3 +200,34 @@ def test_weights_move_traffic_away_from_a_growing_queue(tmp_path: Path) -> None:
         by_worker = Counter(name for (status, name), n in results.items() for _ in range(n) if status == 200)
         assert sum(by_worker.values()) == 24, results
         assert by_worker["b"] <= 6 < by_worker["a"], by_worker
+
+
+@pytest.mark.parametrize("policy", ["least_request", "ring_hash, hash_on: {header: x-session-id}"],
+                         ids=["least_request", "ring_hash"])
+def test_hashing_pools_keep_the_rendered_weights(tmp_path: Path, policy: str) -> None:
+    """A worker measured 4x slower loses weight under least_request, but a ring_hash pool keeps the
+    rendered weights (capacity x share): a weight change rebuilds Envoy's ring and moves sessions,
+    with their KV cache, to other workers."""
+    workers = tuple(WorkerSpec(name=name, models=("sim-model",), speed=speed, max_num_seqs=4, decode_ms=10.0)
+                    for name, speed in (("fast", 1.0), ("slow", 0.25)))
+    with live_rig(tmp_path, workers, capacity=4, policy=policy) as rig:
+        pf, ps = rig.worker_port("fast"), rig.worker_port("slow")
+        body = {"model": "sim-model", "prompt": "speed", "max_tokens": 60}
+        urls = [f"{rig.fleet.worker(name).url}/v1/completions" for name in ("fast", "slow")] * 4
+        with ThreadPoolExecutor(max_workers=8) as loaders:  # 8 bounded requests straight to the workers
+            jobs = [loaders.submit(http, "POST", url, body, 30.0) for url in urls]
+
+            def weights() -> tuple[int, int]:
+                return rig.sidecar.endpoint(pf)["weight"], rig.sidecar.endpoint(ps)["weight"]
+
+            if policy == "least_request":
+                assert poll(lambda: weights()[1] < weights()[0], timeout=10, interval=0.1), rig.sidecar.state()
+            else:
+                deadline = now() + 4.0
+                while now() < deadline:  # as long as the measurement takes under least_request
+                    assert weights() == (4, 4), rig.sidecar.state()
+                    time.sleep(0.1)
+            for job in jobs:
+                job.result(timeout=30)
+        if policy != "least_request":
+            assert rig.envoy_host(ps).get("weight") == "4"  # and Envoy holds the rendered weight
