@@ -341,13 +341,18 @@ def test_upstream_refused_by_nginx_t_is_reported_and_the_old_file_kept(tmp_path:
         rig.fleet.worker("b").crash()  # a real change, so the sidecar renders a new file
         assert poll(lambda: rig.sidecar.get("/readyz")[0] == 503, timeout=5)
         failures = 'confgen_sidecar_nginx_reload_failures_total{stage="test"}'
-        assert rig.metric(failures) == 1.0
+        assert rig.metric(failures) >= 1.0
         refused = [e for e in rig.sidecar.events() if e["event"] == "nginx.test_failed"]
         assert refused and refused[0]["level"] == "error" and refused[0]["pools"] == ["chat"]
         assert any('invalid parameter "max_fails=x' in line for line in refused[0]["errors"]), refused
         assert "chat" in json.loads(rig.sidecar.get("/readyz")[1])["not_ready"][0]
+        # b's crash may be seen in two steps (failing, then ejected): two different candidates,
+        # each tested once. Once b's state settles, the same refused candidate is not retested.
+        time.sleep(2 * INTERVAL)
+        settled = rig.metric(failures)
+        assert settled <= 2.0
         time.sleep(4 * INTERVAL)  # several cycles render the same refused candidate
-        assert rig.metric(failures) == 1.0
+        assert rig.metric(failures) == settled
         assert rig.upstream.read_bytes() == original
         assert not list(rig.upstream.parent.glob(".*"))  # no candidate left behind
         assert watch.reloads == 0
