@@ -55,7 +55,7 @@ _CLUSTER_FIELDS = {
 }
 # Words in a listener's sub-path -> the top-level block that sets them.
 _LISTENER_WORDS = (("token_bucket", "limits"), ("local_ratelimit", "limits"), ("api_key", "auth"),
-                   ("rbac", "auth"), ("retry_policy", ""), ("max_request_bytes", "limits"))
+                   ("rbac", "auth"), ("max_request_bytes", "limits"))
 
 
 def _snake(name: str) -> str:
@@ -108,7 +108,7 @@ def _pool_field(topo: Topology, cluster: str, sub: str) -> str:
 
 def _listener_field(topo: Topology, listener: str, sub: str) -> str:
     for word, block in _LISTENER_WORDS:
-        if word in sub and block:
+        if word in sub:
             return block
     names = [item.name for item in topo.listeners]
     return f"listeners[{names.index(listener)}]" if listener in names else "listeners"
