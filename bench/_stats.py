@@ -36,6 +36,9 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
     good = [r for r in measured if ok(r)]
     e2e = [(r["end"] - r["sched"]) * 1000 for r in good]
     ttft = [r["ttft"] * 1000 for r in good if r["ttft"] is not None]
+    # time per output token after the first: (end - first token) / (chunks - 1), streamed requests only
+    tpot = [(r["end"] - r["sched"] - r["ttft"]) * 1000 / (r["chunks"] - 1) for r in good
+            if r["ttft"] is not None and r.get("chunks", 0) > 1]
     lag = [(r["start"] - r["sched"]) * 1000 for r in measured if r["start"] is not None]
     span = (max(r["end"] for r in good) - min(r["sched"] for r in measured)) if good else 0.0
     by_worker = Counter(r["worker"] or "-" for r in good)
@@ -53,6 +56,7 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
         "p50_ms": pct(e2e, 50), "p90_ms": pct(e2e, 90), "p99_ms": pct(e2e, 99),
         "mean_ms": statistics.fmean(e2e) if e2e else None,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
         "send_lag_p99_ms": pct(lag, 99),
         "throughput_rps": len(good) / span if span > 0 else 0.0,
         "by_worker": dict(sorted(by_worker.items())),

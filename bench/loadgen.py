@@ -38,7 +38,7 @@ _TARGETS_WAIT_S = 300.0
 
 def _record(req: dict[str, Any], url: str) -> dict[str, Any]:
     return {"i": req["i"], "target": url, "sched": float(req["t"]), "start": None, "ttft": None, "end": None,
-            "status": 0, "worker": None, "error": None}
+            "status": 0, "worker": None, "error": None, "chunks": 0}
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: dict[str, Any], rec: dict[str, Any], t0: float,
@@ -59,6 +59,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: dict[str, Any], re
                             rec["ttft"] = time.monotonic() - t0 - rec["sched"]
                         if line.strip() == b"data: [DONE]":
                             done = True
+                        else:
+                            rec["chunks"] += 1  # one streamed chunk per token (the simulator's engines)
                     if not done:
                         rec["error"] = "truncated stream"
                 else:

@@ -59,11 +59,13 @@ class InflightLimiter:
         self._state: dict[str, Admission] = {}
         self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
+        self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
         self._state.pop(pool, None)
         self._overflows.pop(pool, None)
+        self.shed.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         """True while the pool's limit follows the controller rather than the safety cap."""
@@ -80,10 +82,10 @@ class InflightLimiter:
                       note="Envoy's runtime could not be read; limits unchanged")
             return
         wanted: dict[str, int] = {}
+        counters = await self._counters(list(loads))
         for pool, load in loads.items():
             previous = self._state.get(pool)
-            needs_active = load.saturation.saturated or (previous is not None and previous.shedding)
-            active, refused = await self._stats(pool) if needs_active else (None, False)
+            active, refused = self._read(pool, counters, previous)
             state = admit(previous, load.saturation, active, refused, load.cap, self._ingresses, now, self._policy)
             if state.shedding != (previous is not None and previous.shedding):
                 log_event(_log, logging.WARNING if state.shedding else logging.INFO,
@@ -109,16 +111,31 @@ class InflightLimiter:
                 log_event(_log, logging.WARNING, "limit.unconfirmed", pool=pool, limit=limit, envoy=list(held))
                 self.in_force.pop(pool, None)
 
-    async def _stats(self, pool: str) -> tuple[int | None, bool]:
+    async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
+        """Envoy's in-flight and overflow counters of every pool, in one admin call."""
+        names = "|".join(re.escape(p) for p in pools)
+        return await self._admin.stats(rf"^cluster\.({names})\.upstream_rq_(active|active_overflow|pending_overflow)$")
+
+    def _read(self, pool: str, counters: dict[str, int | str] | None,
+              previous: Admission | None) -> tuple[int | None, bool]:
         """This Envoy's requests in flight to the pool, and whether its breakers refused any
-        since the previous call (Envoy counts a max_requests overflow as a pending overflow)."""
-        active_name = f"cluster.{pool}.upstream_rq_active"
-        overflow_name = f"cluster.{pool}.upstream_rq_pending_overflow"
-        stats = await self._admin.stats(rf"^({re.escape(active_name)}|{re.escape(overflow_name)})$")
-        active = stats.get(active_name) if stats is not None else None
-        overflow = stats.get(overflow_name) if stats is not None else None
-        if not isinstance(overflow, int):
-            return (active if isinstance(active, int) else None), False
+        since the previous cycle (Envoy 1.40 counts a max_requests overflow in
+        `upstream_rq_active_overflow`, a max_pending_requests one in `upstream_rq_pending_overflow`:
+        both are refusals, summed; reading the pending one alone saw none of the 429s);
+        the refusals are tallied by reason: "saturated" while the controller's limit was in
+        force, "cap" when it was the render's safety cap."""
+        active = counters.get(f"cluster.{pool}.upstream_rq_active") if counters is not None else None
+        counts = [counters.get(f"cluster.{pool}.upstream_rq_{name}") if counters is not None else None
+                  for name in ("active_overflow", "pending_overflow")]
+        active = active if isinstance(active, int) else None
+        if not any(isinstance(c, int) for c in counts):
+            return active, False
+        overflow = sum(c for c in counts if isinstance(c, int))
         before = self._overflows.get(pool)
         self._overflows[pool] = overflow
-        return (active if isinstance(active, int) else None), before is not None and overflow > before
+        if before is None or overflow <= before:
+            return active, False
+        reason = "saturated" if previous is not None and previous.shedding else "cap"
+        tally = self.shed.setdefault(pool, {})
+        tally[reason] = tally.get(reason, 0) + overflow - before
+        return active, True

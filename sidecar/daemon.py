@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from confgen.balancing import is_hashing
@@ -33,7 +33,7 @@ from sidecar.logs import log_event
 from sidecar.probe import Prober, ProbeReport, Target
 from sidecar.publisher import Limiter, Publisher
 from sidecar.resolve import Resolver
-from sidecar.saturation import Headroom, assess
+from sidecar.saturation import Headroom, PoolSaturation, QueueWatch, assess
 from sidecar.state import Decision, EndpointState, Status, decide_pool
 from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, smooth, target
 from sidecar.xds.publisher import XdsView
@@ -96,7 +96,10 @@ class PoolView:
     rejected: bool
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
-    saturated: bool = False  # the detector's verdict (sidecar.saturation)
+    saturated: bool = False  # the detector's verdict (sidecar.saturation), as of the last cycle
+    saturated_reason: str = ""  # "headroom" (per-worker rule) or "queue" (the pool's standing queue)
+    queue_per_slot: float | None = None  # the detector's signal: waiting per declared slot (fresh metrics)
+    shed: Mapping[str, int] = field(default_factory=dict)  # requests this Envoy refused, by reason
     shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
 
@@ -135,6 +138,8 @@ class Daemon:
         self._publisher = publisher
         self._clock = clock
         self._limiter = limiter
+        self._watches: dict[str, QueueWatch] = {}  # pool -> its standing-queue detector (sidecar.saturation)
+        self._verdicts: dict[str, PoolSaturation] = {}  # pool -> the detector's last verdict
         self._tracked: dict[EndpointKey, _Tracked] = {}
         self._adopted: dict[EndpointKey, Endpoint] = {}
         self._admin_drains: set[tuple[str, str]] = set()
@@ -214,6 +219,8 @@ class Daemon:
                 self._publisher.forget(gone)
                 if self._limiter is not None:
                     self._limiter.forget(gone)
+                self._watches.pop(gone, None)
+                self._verdicts.pop(gone, None)
             self._topo = topo
             self._tree_due = True
             adopt()
@@ -334,6 +341,7 @@ class Daemon:
         # throws their KV cache away (measured: chat sessions' P99 2.5x worse with moving weights).
         # Health still changes, and the pool's hash_balance_factor bounds the load per worker.
         hashing = is_hashing(pool.balancing.policy)
+        shedding = self._limiter is not None and self._limiter.shedding(pool.name)
         for key, decision in decisions.items():
             tracked = members[key]
             tracked.decision = decision
@@ -345,6 +353,8 @@ class Daemon:
                 w, streak = tracked.weight or 1, 0
             else:
                 policy = self.config.weights
+                if shedding:  # under overload weights follow throughput (WeightPolicy.shedding_speed_exponent)
+                    policy = replace(policy, speed_exponent=policy.shedding_speed_exponent)
                 goal = target(tracked.sample, tracked.capacity, policy, ramp=decision.ramp, share=tracked.share,
                               speed=speeds[key], queue=tracked.trend.queue)
                 gated = gate(smooth(goal, tracked.weight, policy), tracked.weight, tracked.streak,
@@ -368,11 +378,19 @@ class Daemon:
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
+        loads = {}
+        for pool in self._eds_pools():
+            load = self._pool_load(pool, now)
+            watch = self._watches.get(pool.name, QueueWatch()).observe(load.saturation, now, self.config.saturation)
+            self._watches[pool.name] = watch
+            loads[pool.name] = PoolLoad(load.cap, watch.apply(load.saturation))
+            self._verdicts[pool.name] = loads[pool.name].saturation
         if self._limiter is not None:
-            await self._limiter.apply({pool.name: self._pool_load(pool, now) for pool in self._eds_pools()}, now)
+            await self._limiter.apply(loads, now)
 
     def _pool_load(self, pool: Pool, now: float) -> PoolLoad:
-        """The render's safety cap and the detector's verdict over the endpoints in rotation."""
+        """The render's safety cap and the per-worker headroom verdict over the endpoints in
+        rotation (the pool's standing queue, `QueueWatch`, is added once per cycle in `_publish`)."""
         rotation = {k: t for k, t in self._tracked.items() if k.pool == pool.name and t.decision is not None
                     and t.decision.status in (Status.HEALTHY, Status.DEGRADED)}
         serving = {k: t for k, t in rotation.items() if t.decision is not None and not t.decision.min_weight}
@@ -425,7 +443,10 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
-                saturated=self._pool_load(pool, self._clock()).saturation.saturated,
+                saturated=verdict.saturated if (verdict := self._verdicts.get(pool.name)) is not None else False,
+                saturated_reason=verdict.reason if verdict is not None else "",
+                queue_per_slot=self._watches[pool.name].signal if pool.name in self._watches else None,
+                shed=dict(self._limiter.shed.get(pool.name, {})) if self._limiter is not None else {},
                 shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
                 probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))

@@ -40,6 +40,10 @@ METRIC_NAMES = (
     _PREFIX + "probe_cycles_total",
     _PREFIX + "pool_saturation_ratio",
     _PREFIX + "inflight_limit",
+    _PREFIX + "pool_saturated",
+    _PREFIX + "pool_shedding",
+    _PREFIX + "pool_queue_per_slot",
+    _PREFIX + "shed_requests_total",
     _PREFIX + "endpoint_health",
     _PREFIX + "endpoint_running_requests",
     _PREFIX + "endpoint_waiting_requests",
@@ -100,10 +104,24 @@ class SidecarCollector(Collector):
                                   "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
                                   "unless the pool is saturated.", labels=["pool"])
         saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
-                                      "(sidecar.saturation: waiting queue per slot, its trend, KV use; fresh "
-                                      "metrics only).", labels=["pool"])
+                                      "(sidecar.saturation: the pool's standing queue per slot, or per-worker "
+                                      "queue, trend and KV use; fresh metrics only).", labels=["pool"])
+        shedding = GaugeMetricFamily(_PREFIX + "pool_shedding", "1 while this Envoy's limit for the pool follows "
+                                     "the shedding controller (saturated, or releasing), 0 at the safety cap.",
+                                     labels=["pool"])
+        signal = GaugeMetricFamily(_PREFIX + "pool_queue_per_slot", "The detector's signal: the pool's waiting "
+                                   "requests per declared slot over the workers with fresh metrics (saturated at "
+                                   ">= 1.0 for 2 s or >= 2.5 at once by default).", labels=["pool"])
+        shed = CounterMetricFamily(_PREFIX + "shed_requests", "Requests this Envoy answered 429 for the pool, as "
+                                   "seen in its overflow counter: reason saturated (the controller's limit) or cap "
+                                   "(the render's safety cap).", labels=["pool", "reason"])
         for pool in snap.pools:
             saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)
+            shedding.add_metric([pool.name], 1.0 if pool.shedding else 0.0)
+            if pool.queue_per_slot is not None:
+                signal.add_metric([pool.name], pool.queue_per_slot)
+            for reason in ("saturated", "cap"):
+                shed.add_metric([pool.name, reason], pool.shed.get(reason, 0))
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
@@ -139,7 +157,8 @@ class SidecarCollector(Collector):
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, stale, write_failures, external, limit, saturated)
+                    rejected, reloads, cycles, ready, stale, write_failures, external, limit, saturated, shedding,
+                    signal, shed)
 
 
 def _le(bound: float) -> str:

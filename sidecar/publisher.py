@@ -97,6 +97,7 @@ class Limiter(Protocol):
     """Keeps each pool's in-flight limit in the proxy (sidecar.backpressure's rule)."""
 
     in_force: dict[str, int]  # pool -> limit the proxy runs with
+    shed: dict[str, dict[str, int]]  # pool -> reason ("saturated" | "cap") -> requests the proxy refused (seen)
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None: ...
 

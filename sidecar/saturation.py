@@ -31,6 +31,17 @@ least `max_utilization` (the topology's `backpressure.max_utilization`) of the d
 capacity of the workers in rotation. With least_request the workers with headroom take
 the load the others cannot, so the default 0.8 sheds only when little room is left.
 
+Per pool, the standing queue (`QueueWatch`, the daemon runs it once per cycle and adds its
+verdict): the pool's waiting requests per declared slot (fresh metrics only) at least
+`pool_enter` (1.0) on every probe for `pool_hold_s` (2 s), or `pool_burst` (2.5) at once.
+The per-worker rule alone waited ~20 s into a 118 % surge on an uneven fleet: the speed-
+weighted balancer keeps the slow worker's queue short, so the workers without headroom
+never reached 80 % of the capacity, and the queue on the fast ones grew for the whole
+surge. Chosen over the offered rate against a measured service rate, the queue time
+against the inference time (CoDel's sojourn), a lower level held longer and probing at
+interval/4 near saturation, by their worst case in a virtual-time model of the bench's
+fleets (bench/sweep/overload.py, results in bench/sweep/overload.md).
+
 While saturated (`admit`), the in-flight limit of this Envoy follows a proportional
 controller on the pool's smoothed waiting queue:
 
@@ -57,12 +68,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from sidecar.engines import LoadSample
 
-__all__ = ["Admission", "Headroom", "PoolSaturation", "SaturationPolicy", "admit", "assess"]
+__all__ = ["Admission", "Headroom", "PoolSaturation", "QueueWatch", "SaturationPolicy", "admit", "assess"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -80,6 +91,11 @@ class SaturationPolicy:
     target_queue: float = 0.5
     gain: float = 0.5
     release_after_s: float = 4.0
+    # The pool's standing queue (`QueueWatch`): waiting requests per declared slot over the
+    # workers with fresh metrics.
+    pool_enter: float = 1.0
+    pool_hold_s: float = 2.0
+    pool_burst: float = 2.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.queue_exit < self.queue_enter:
@@ -90,6 +106,8 @@ class SaturationPolicy:
             raise ValueError("queue_half_life_s, lookahead_s and release_after_s must be >= 0")
         if self.stale_after_s <= 0 or self.target_queue < 0 or not 0 < self.gain <= 1:
             raise ValueError("stale_after_s must be > 0, target_queue >= 0 and gain within (0, 1]")
+        if not self.queue_exit < self.pool_enter <= self.pool_burst or self.pool_hold_s < 0:
+            raise ValueError("need queue_exit < pool_enter <= pool_burst and pool_hold_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +167,7 @@ class PoolSaturation:
     fresh_capacity: int  # ... of those with fresh metrics
     waiting: float  # waiting requests of the workers with fresh metrics (latest samples)
     in_flight: float = 0.0  # running + waiting of the workers with fresh metrics (latest samples)
+    reason: str = ""  # why saturated: "headroom" (per-worker rule) or "queue" (the pool's standing queue)
 
 
 def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: SaturationPolicy,
@@ -166,8 +185,48 @@ def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: Saturati
         if headroom.full:
             full_capacity += cap
     share = full_capacity / capacity if capacity else 0.0
-    return PoolSaturation(saturated=capacity > 0 and share >= max_utilization - 1e-9, full_share=share,
-                          capacity=capacity, fresh_capacity=fresh_capacity, waiting=waiting, in_flight=in_flight)
+    saturated = capacity > 0 and share >= max_utilization - 1e-9
+    return PoolSaturation(saturated=saturated, full_share=share, capacity=capacity, fresh_capacity=fresh_capacity,
+                          waiting=waiting, in_flight=in_flight, reason="headroom" if saturated else "")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueWatch:
+    """The pool's standing queue, CoDel's idea on the engines' waiting queues.
+
+    The signal is the pool's waiting requests per declared slot over the workers with fresh
+    metrics (`PoolSaturation.waiting / fresh_capacity`), read at each probe. The pool is
+    saturated once the signal has been at least `pool_enter` on every probe for
+    `pool_hold_s` (a queue that stands, not a burst the fleet absorbs), or at once when it
+    reaches `pool_burst` (a spike: a few seconds of it would bury the admitted requests).
+    It stays so until the signal is at most `queue_exit`; the controller's release rule
+    (`admit`) then decides when the limit returns to the cap. Per pool rather than per
+    worker: with least_request's weights the load (and the queue) sits on the fast
+    workers while a slow one keeps headroom, so a share of workers without headroom can
+    stay under `max_utilization` through a whole surge (measured: bench/sweep/overload.py).
+    Without fresh metrics the watch starts over: stale or missing metrics never shed.
+    """
+
+    since: float | None = None  # since when the signal has been >= pool_enter on every probe
+    on: bool = False
+    signal: float | None = None  # the last signal (None: no fresh metrics)
+
+    def observe(self, pool: PoolSaturation, now: float, policy: SaturationPolicy) -> QueueWatch:
+        if pool.fresh_capacity < 1:
+            return QueueWatch()
+        signal = pool.waiting / pool.fresh_capacity
+        since = (self.since if self.since is not None else now) if signal >= policy.pool_enter else None
+        if self.on:
+            on = signal > policy.queue_exit
+        else:
+            on = signal >= policy.pool_burst or (since is not None and now - since >= policy.pool_hold_s - 1e-9)
+        return QueueWatch(since=since, on=on, signal=signal)
+
+    def apply(self, pool: PoolSaturation) -> PoolSaturation:
+        """`pool` with this watch's verdict added (the per-worker headroom rule stands too)."""
+        if pool.saturated or not self.on:
+            return pool
+        return replace(pool, saturated=True, reason="queue")
 
 
 @dataclass(frozen=True, slots=True)

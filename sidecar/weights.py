@@ -88,6 +88,12 @@ class WeightPolicy:
     kv_knee: float = 1.0  # 1: KV use does not lower the weight (see the module docstring)
     smoothing: float = 1.0  # weight of the new target in the EWMA; 1 = no smoothing
     speed_exponent: float = 3.0
+    # While the pool sheds (its in-flight limit follows the shedding controller), weights
+    # follow throughput instead: speed^1. speed^3 keeps a slow worker's batch half empty
+    # while the fast ones queue, which at 78 % buys latency but under overload wastes the
+    # slow worker's capacity; the overload model (bench/sweep/overload.py) measured the
+    # false alarms at 78 % 49 -> 25 requests and the same surge figures.
+    shedding_speed_exponent: float = 1.0
     speed_half_life_s: float = 20.0
     speed_min_tokens: float = 16.0
     queue_half_life_s: float = 3.0
@@ -100,8 +106,8 @@ class WeightPolicy:
             raise ValueError(f"max_weight within 1..{MAX_WEIGHT}, weight_per_slot > 0, waiting_penalty >= 0")
         if not 0 < self.kv_knee <= 1 or not 0 < self.smoothing <= 1:
             raise ValueError("kv_knee and smoothing must be within (0, 1]")
-        if self.speed_exponent < 0 or self.speed_min_tokens < 1:
-            raise ValueError("speed_exponent must be >= 0 and speed_min_tokens >= 1")
+        if self.speed_exponent < 0 or self.shedding_speed_exponent < 0 or self.speed_min_tokens < 1:
+            raise ValueError("speed_exponent and shedding_speed_exponent must be >= 0 and speed_min_tokens >= 1")
         if self.speed_half_life_s <= 0 or self.queue_half_life_s < 0:
             raise ValueError("speed_half_life_s must be > 0 and queue_half_life_s >= 0")
         if self.speed_jump <= 0 or self.speed_jump_updates < 1 or self.speed_jump_noise < 0:

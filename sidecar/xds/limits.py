@@ -36,6 +36,7 @@ class RtdsLimiter:
         self._policy = policy or SaturationPolicy()
         self._state: dict[str, Admission] = {}
         self.in_force: dict[str, int] = {}  # pool -> limit served (every Envoy gets it)
+        self.shed: dict[str, dict[str, int]] = {}  # the control plane cannot see Envoys' refusals: stays empty
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)

@@ -10,7 +10,7 @@ import pytest
 from sidecar.backpressure import InflightLimiter, runtime_keys
 from sidecar.engines import LoadSample
 from sidecar.publish import EnvoyAdmin
-from sidecar.saturation import Admission, Headroom, PoolSaturation, SaturationPolicy, admit, assess
+from sidecar.saturation import Admission, Headroom, PoolSaturation, QueueWatch, SaturationPolicy, admit, assess
 
 POLICY = SaturationPolicy()  # queue_enter 1.5, queue_exit 0.25, half-life 2 s, lookahead 2 s, stale 5 s
 
@@ -223,10 +223,67 @@ def test_below_capacity_the_fluid_fleet_is_never_shed() -> None:
         assert _fluid(load, ingresses=2) == (0.0, 0.0)
 
 
+# -- detector: the pool's standing queue (QueueWatch) ----------------------------------------
+
+
+def watch(queues: list[float], step: float = 2.0, capacity: int = 24, start: QueueWatch | None = None,
+          t0: float = 0.0) -> QueueWatch:
+    """The watch after probes `step` s apart (a fake clock) seeing `queues` waiting per slot."""
+    w = start or QueueWatch()
+    for i, q in enumerate(queues):
+        pool = sat(full_share=0.0, capacity=capacity, waiting=q * capacity, saturated=False)
+        w = w.observe(pool, t0 + i * step, POLICY)
+    return w
+
+
+def test_a_standing_pool_queue_saturates_after_the_hold_a_burst_does_not() -> None:
+    """A batch per slot waiting on one probe (the bench's 2 s bursts at 1.75x) is not
+    saturation; held for pool_hold_s (2 s: two probes 2 s apart) it is, whatever the
+    per-worker rule says (the verdict's reason is "queue")."""
+    assert not watch([0.0, 1.2, 0.0, 1.4, 0.1]).on
+    assert not watch([1.2], step=0.5).on
+    held = watch([0.0, 1.1, 1.2])
+    assert held.on and held.signal == pytest.approx(1.2)
+    verdict = held.apply(sat(full_share=0.67, waiting=1.2 * 24, saturated=False))
+    assert verdict.saturated and verdict.reason == "queue"
+    assert watch([0.0, 1.1, 1.2], step=0.5).on is False  # held 0.5 s only (probes 0.5 s apart)
+    assert not watch([0.0, 1.1, 1.2, 1.0, 1.3], step=0.5).on  # 1.5 s
+    assert watch([0.0, 1.1, 1.2, 1.0, 1.3, 1.1], step=0.5).on  # held 2 s
+
+
+def test_a_spike_past_pool_burst_saturates_at_once() -> None:
+    """2.5 waiting per slot (a 3x spike buries the admitted requests within seconds) is
+    saturation on the first probe that sees it."""
+    assert watch([0.0, 2.5]).on
+    assert not watch([0.0, 2.4]).on
+
+
+def test_the_watch_clears_only_once_the_queue_is_short() -> None:
+    """Once on, the watch holds while the queue is above queue_exit (0.25 per slot): the
+    controller keeps it near target_queue (0.5), which must not read as recovery."""
+    w = watch([2.6])
+    w = watch([0.5, 0.4, 0.3], start=w, t0=2.0)
+    assert w.on
+    w = watch([0.25], start=w, t0=8.0)
+    assert not w.on
+
+
+def test_without_fresh_metrics_the_watch_starts_over_and_never_saturates() -> None:
+    """No worker with fresh metrics (fresh_capacity 0): no signal, not on, and the hold
+    starts over, so a stale view never sheds."""
+    w = watch([1.5])
+    blind = PoolSaturation(saturated=False, full_share=0.0, capacity=24, fresh_capacity=0, waiting=0.0)
+    w = w.observe(blind, 2.0, POLICY)
+    assert not w.on and w.signal is None and w.since is None
+    assert not watch([1.5], start=w, t0=4.0).on  # the hold starts over
+    assert not w.apply(blind).saturated
+
+
 def test_policy_refuses_inconsistent_thresholds() -> None:
     """queue_exit must sit below queue_enter (the hysteresis band), kv_threshold in (0, 1],
     stale_after_s > 0 and gain in (0, 1]."""
-    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5}):
+    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5},
+                {"pool_enter": 3.0}, {"pool_enter": 0.2}, {"pool_hold_s": -1.0}):
         with pytest.raises(ValueError):
             SaturationPolicy(**bad)  # type: ignore[arg-type]
 
