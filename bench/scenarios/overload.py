@@ -54,7 +54,8 @@ SURGES = (Surge("s118", "118 % for 30 s", 1.18, 30.0), Surge("s150", "150 % for 
 def setups(ctx: Context) -> list[Setup]:
     if ctx.quick:
         return [PRODUCT, vllm("power_of_two")]
-    return [PRODUCT, BARE, vllm("power_of_two"), vllm("cache_aware")]
+    extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
+    return [PRODUCT, *extra, vllm("power_of_two"), vllm("cache_aware")]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
