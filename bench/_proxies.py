@@ -115,10 +115,12 @@ def render(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, out_dir: Pa
     return RenderedEnvoy(out_dir, port, admin, files, topo_path)
 
 
-def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "") -> str:
+def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "",
+                  routes: str = "") -> str:
     """The topology a user writes for a fleet: each worker's address and its max_num_seqs as
     `capacity`, the pool's engine and model; everything else (balancing, health, retries,
-    breakers, backpressure) left at its default unless `balancing` is given (sessions)."""
+    breakers, backpressure) left at its default unless `balancing` is given (sessions);
+    `routes`: a top-level `routes:` list in flow style (traffic classes)."""
     lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
     extra = f"    balancing: {balancing}\n" if balancing else ""
     return f"""\
@@ -127,7 +129,7 @@ name: bench
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
+{f"routes: {routes}{chr(10)}" if routes else ""}pools:
   - name: {POOL}
     engine: vllm
     models: [{MODEL}]
@@ -136,10 +138,11 @@ pools:
 """
 
 
-def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "") -> RenderedEnvoy:
+def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "",
+               routes: str = "") -> RenderedEnvoy:
     """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write."""
     port, admin = runtime.free_port(), runtime.free_port()
-    text = user_topology(workers, port, admin, balancing)
+    text = user_topology(workers, port, admin, balancing, routes)
     # A directory of its own: the sidecar watches the topology's directory.
     topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
     topo_path.parent.mkdir(parents=True, exist_ok=True)

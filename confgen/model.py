@@ -22,6 +22,7 @@ Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
 XdsMode = Literal["files", "ads"]
 XdsProtocol = Literal["delta", "sotw"]
+TrafficClass = Literal["critical", "standard", "sheddable"]
 
 # The health path each engine answers on (see the engines' docs; sglang's /health runs a
 # one-token generation, which is what we want to know).
@@ -262,6 +263,11 @@ class Route:
     allow_clients: list[str] | None = field(
         None, doc="API-key clients allowed on this route (default: the pool's).", pattern="name"
     )
+    class_: TrafficClass = field(
+        "standard", key="class",
+        doc="Under overload, critical traffic is never shed by the sidecar's limit (only the safety cap bounds "
+        "it); standard and sheddable traffic absorb the excess (Envoy cannot order the two; nginx honours none).",
+    )
 
 
 @dataclass(frozen=True)
@@ -270,6 +276,11 @@ class ApiKey:
     env: str | None = field(None, doc="Environment variable that holds the key at render time.", pattern="env_var")
     file: str | None = field(None, doc="File that holds the key at render time.", pattern="file_path")
     rate_limit: RateLimit | None = field(None, doc="This client's own bucket (overrides limits.per_key).")
+    class_: TrafficClass = field(
+        "standard", key="class",
+        doc="This client's traffic class on every route (critical wins over the route's own class); see "
+        "routes[].class.",
+    )
 
 
 @dataclass(frozen=True)
@@ -480,6 +491,14 @@ class Topology:
     envoy: EnvoyOptions = field(factory=EnvoyOptions, doc="Envoy-specific output options.")
     nginx: NginxOptions = field(factory=NginxOptions, doc="Nginx-specific output options.")
     kubernetes: Kubernetes = field(factory=Kubernetes, doc="Options of the kubernetes and compose targets.")
+
+    def critical_clients(self) -> tuple[str, ...]:
+        """API-key clients whose traffic is critical on every route."""
+        return tuple(k.client for k in self.auth.api_keys if k.class_ == "critical") if self.auth else ()
+
+    def has_critical(self) -> bool:
+        """Some traffic is critical: the render gives the pools a HIGH-priority circuit breaker."""
+        return bool(self.critical_clients()) or any(r.class_ == "critical" for r in self.routes)
 
     def in_flight_cap(self, pool: Pool, ceiling: int) -> int:
         """The proxy's safety cap on requests in flight to `pool` (see `in_flight_cap`)."""

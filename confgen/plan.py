@@ -38,6 +38,7 @@ class PlannedRoute:
     models: tuple[str, ...] | None = None  # the body's `model` is one of these (None: any)
     path_prefix: str | None = None
     headers: tuple[HeaderMatch, ...] | None = None
+    traffic_class: str = "standard"  # critical: Envoy's HIGH priority (the sidecar never lowers its limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,7 @@ def plan(topo: Topology) -> Plan:
             models=tuple(match.models) if match.models is not None else None,
             path_prefix=match.path_prefix,
             headers=tuple(match.headers) if match.headers else None,
+            traffic_class=route.class_,
         ))
     for model, owner in implicit_model_routes(topo):
         routes.append(PlannedRoute(name=f"model/{model}", kind="model", pool=owner,

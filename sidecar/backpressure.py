@@ -85,7 +85,7 @@ class InflightLimiter:
         counters = await self._counters(list(loads))
         for pool, load in loads.items():
             previous = self._state.get(pool)
-            active, refused = self._read(pool, counters, previous)
+            active, refused = self._read(pool, counters, previous, load.cap)
             state = admit(previous, load.saturation, active, refused, load.cap, self._ingresses, now, self._policy)
             if state.shedding != (previous is not None and previous.shedding):
                 log_event(_log, logging.WARNING if state.shedding else logging.INFO,
@@ -114,17 +114,23 @@ class InflightLimiter:
     async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
         """Envoy's in-flight and overflow counters of every pool, in one admin call."""
         names = "|".join(re.escape(p) for p in pools)
-        return await self._admin.stats(rf"^cluster\.({names})\.upstream_rq_(active|active_overflow|pending_overflow)$")
+        return await self._admin.stats(rf"^cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
+                                       r"|circuit_breakers\.high\.remaining_rq)$")
 
-    def _read(self, pool: str, counters: dict[str, int | str] | None,
-              previous: Admission | None) -> tuple[int | None, bool]:
+    def _read(self, pool: str, counters: dict[str, int | str] | None, previous: Admission | None,
+              cap: int) -> tuple[int | None, bool]:
         """This Envoy's requests in flight to the pool, and whether its breakers refused any
         since the previous cycle (Envoy 1.40 counts a max_requests overflow in
         `upstream_rq_active_overflow`, a max_pending_requests one in `upstream_rq_pending_overflow`:
         both are refusals, summed; reading the pending one alone saw none of the 429s);
         the refusals are tallied by reason: "saturated" while the controller's limit was in
-        force, "cap" when it was the render's safety cap."""
+        force, "cap" when it was the render's safety cap. With critical traffic the render gives
+        the pool a HIGH-priority breaker at the safety cap that tracks what remains; those
+        requests are not this limit's (it is DEFAULT's), so they are taken out of `active`."""
         active = counters.get(f"cluster.{pool}.upstream_rq_active") if counters is not None else None
+        high_left = counters.get(f"cluster.{pool}.circuit_breakers.high.remaining_rq") if counters is not None else None
+        if isinstance(active, int) and isinstance(high_left, int):
+            active = max(0, active - max(0, cap - high_left))
         counts = [counters.get(f"cluster.{pool}.upstream_rq_{name}") if counters is not None else None
                   for name in ("active_overflow", "pending_overflow")]
         active = active if isinstance(active, int) else None

@@ -37,6 +37,7 @@ class Setup:
     kind: str  # product | render | bare | vllm
     policy: str = ""  # vllm: its --policy; product/render: the topology's `balancing` ("" = default)
     diagnostic: bool = False
+    routes: str = ""  # product/render: a top-level `routes:` list for the topology (traffic classes)
 
 
 PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
@@ -85,7 +86,7 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         rendered = []
         for i in range(ingresses):
             out = ctx.work / f"{tag}.envoy{i}"
-            rendered.append(_proxies.render_cli(workers, out, balancing))
+            rendered.append(_proxies.render_cli(workers, out, balancing, setup.routes))
         procs = [stack.enter_context(_proxies.run_envoy(r)) for r in rendered]
         sidecars: list[_proxies.SidecarProcess] = []
         if setup.kind == "product":
@@ -115,7 +116,8 @@ def _envoy_counter(proc: runtime.EnvoyProcess, suffix: str) -> int:
 
 def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: list[dict[str, Any]], setup: Setup,
             tag: str, *, warmup_s: float, deadline_s: float, ingresses: int = 1, timeout_s: float = 60.0,
-            during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None) -> dict[str, Any]:
+            during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None,
+            classify: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
     """One run: fleet, setup, load; the summary of the requests scheduled after `warmup_s`.
 
     `during(fleet, front, t0)` runs in a thread while the load runs (t0 = time.monotonic() at
@@ -155,6 +157,11 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
         if proc.poll() is None:
             runtime.stop_process(proc, timeout=5)
     summary = _stats.summarize(records, warmup_s)
+    if classify is not None:  # the same figures per request class (classify(request) -> its class)
+        by_class: dict[str, list[dict[str, Any]]] = {}
+        for rec in records:
+            by_class.setdefault(classify(requests[rec["i"]]), []).append(rec)
+        summary["by_class"] = {k: _stats.summarize(v, warmup_s) for k, v in sorted(by_class.items())}
     delta = stats_delta(snapshots.get("warm", {}), after)
     summary.update(extra)
     summary["fleet_by_worker"] = delta["by_worker"]

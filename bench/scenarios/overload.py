@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import _workload as wl
 from .._harness import Context, Result, Target, fmt_ms, ratio
-from ._fleets import FleetPlan
+from ._fleets import MATRIX, FleetPlan
 from ._runner import BARE, PRODUCT, Setup, measure_or_fail, vllm
 
 NAME = "overload"
@@ -47,6 +47,12 @@ class Surge:
         return 1.0 - 1.0 / self.level
 
 
+TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2)", "product")
+CRITICAL_SHARE = 0.2
+CLASSES = Setup("product_classes", f"confgen render + confgen-sidecar, {CRITICAL_SHARE:.0%} of the requests on a "
+                "critical route", "product",
+                routes="[{name: urgent, pool: chat, class: critical, "
+                "match: {headers: [{name: x-tier, exact: critical}]}}]")
 SURGES = (Surge("s118", "118 % for 30 s", 1.18, 30.0), Surge("s150", "150 % for 15 s", 1.5, 15.0),
           Surge("x3", "3x for 5 s", 3.0, 5.0))
 
@@ -55,15 +61,17 @@ def setups(ctx: Context) -> list[Setup]:
     if ctx.quick:
         return [PRODUCT, vllm("power_of_two")]
     extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
-    return [PRODUCT, *extra, vllm("power_of_two"), vllm("cache_aware")]
+    two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
+    return [PRODUCT, *two, *extra, vllm("power_of_two"), vllm("cache_aware")]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
-                   length_s: float = OWN_S + OWN_WARMUP_S) -> list[dict[str, Any]]:
+                   length_s: float = OWN_S + OWN_WARMUP_S, critical_share: float = 0.0) -> list[dict[str, Any]]:
     """Open-loop Poisson arrivals at BASE x capacity for LEAD_S, then the surge's level for
     its length (thinning from the top rate, so one seed gives one arrival sequence); without
     a surge, BASE for `length_s`. Same request shape as the matrix (bench/_workload)."""
     rng = random.Random(seed)
+    tier = random.Random(seed + 1)  # its own stream: the same arrivals with or without classes
     level = surge.level if surge is not None else BASE
     end = LEAD_S + surge.length_s if surge is not None else length_s
     top = max(level, BASE) * capacity
@@ -81,8 +89,53 @@ def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: 
         prompt = int(math.exp(rng.uniform(math.log(plo), math.log(phi))))
         body = {"model": "sim-model", "prompt": f"[request {i}] " + wl.text(rng, prompt),
                 "max_tokens": rng.randint(olo, ohi), "stream": True}
-        out.append({"i": i, "t": round(t, 6), "body": body, "headers": {}, "session": None})
+        headers = {"x-tier": "critical"} if tier.random() < critical_share else {}
+        out.append({"i": i, "t": round(t, 6), "body": body, "headers": headers, "session": None})
     return out
+
+
+def _classes_table(res: Result, rows: list[dict[str, Any]], surge: Surge) -> None:
+    table = []
+    crit_shed = 0
+    for k in ("critical", "standard"):
+        got = [r.get("by_class", {}).get(k) for r in rows]
+        got = [g for g in got if g is not None]
+        crit_shed += sum(g["shed"] for g in got) if k == "critical" else 0
+        table.append([k, str(sum(g["requests"] for g in got)), str(sum(g["shed"] for g in got)),
+                      _span([g["shed_share"] for g in got], 100, 1) + " %", _span([g["p99_ms"] for g in got]),
+                      _span([g["ttft_p99_ms"] for g in got])])
+    standard_excess = surge.excess / (1 - CRITICAL_SHARE)
+    res.tables.append((f"Traffic classes at {surge.label}: {CRITICAL_SHARE:.0%} of the requests on a route of class "
+                       f"critical (Envoy's HIGH-priority breaker), the rest standard; if only standard traffic absorbs "
+                       f"the excess its shed share is {standard_excess:.1%}", ["class", "requests", "shed (429)",
+                                                                               "shed share", "admitted P99 ms",
+                                                                               "TTFT P99 ms"], table))
+    failed = any(r.get("failed") for r in rows)
+    res.targets.append(Target(f"[overload] classes at {surge.label}: critical traffic shed", "0", str(crit_shed),
+                              float(crit_shed), crit_shed == 0 and not failed, 0.0))
+
+
+def _every_fleet(ctx: Context, res: Result, seeds: list[int], length_s: float) -> None:
+    """The product alone at 78 % on every matrix fleet (its arrivals: bursty where the matrix's
+    are) for `length_s`, every seed: longer than the matrix's 10 s, so that a detector that
+    mistakes bursts for a surge has time to show it."""
+    rows = []
+    shed = 0
+    for plan in MATRIX:
+        for seed in seeds:
+            rate = plan.capacity_rps() * BASE
+            reqs = wl.build(plan.workload(rate, int(rate * length_s) + 1, seed + 23))
+            r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), reqs, PRODUCT,
+                                f"ov78-{plan.key}-{seed}", warmup_s=0.0, deadline_s=reqs[-1]["t"] + 1.0,
+                                timeout_s=60.0, ingresses=plan.ingresses)
+            shed += r["shed"]
+            print(f"  [overload] 78 % {plan.key} seed {seed}: shed {r['shed']}/{r['requests']}, P99 "
+                  f"{fmt_ms(r['p99_ms'])} ms", flush=True)
+            rows.append([plan.key, str(seed), plan.arrivals, str(r["requests"]), str(r["shed"]), fmt_ms(r["p99_ms"])])
+    res.tables.append((f"The product alone at 78 % on every matrix fleet for {length_s:g} s", ["fleet", "seed",
+                       "arrivals", "requests", "shed (429)", "P99 ms"], rows))
+    res.targets.append(Target(f"[overload] product sheds nothing at 78 % on every matrix fleet ({length_s:g} s)", "0",
+                              str(shed), float(shed), shed == 0, 0.0))
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -118,11 +171,29 @@ def run(ctx: Context) -> Result:
             for s in setups(ctx):
                 r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, s,
                                     f"ov-{surge.key}-{s.key}-{seed}", warmup_s=LEAD_S + FROM_S,
-                                    deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0)
+                                    deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
+                                    ingresses=2 if s.key == TWO.key else 1)
                 r["seed"] = seed
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} ({r['wall_s']:.0f}s)", flush=True)
+    classes: list[dict[str, Any]] = []
+    if ctx.option("overload_classes", 0 if ctx.quick else 1):
+        surge = next(s for s in SURGES if s.key == "s150")
+        for seed in seeds:
+            reqs = surge_requests(FLEET, cap, surge, seed + 11, critical_share=CRITICAL_SHARE)
+            r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, CLASSES,
+                                f"ov-classes-{seed}", warmup_s=LEAD_S + FROM_S, deadline_s=reqs[-1]["t"] + 1.0,
+                                timeout_s=90.0, classify=lambda q: "critical" if q["headers"] else "standard")
+            classes.append(r)
+            by = r.get("by_class", {})
+            print(f"  [overload] classes at 150 % seed {seed}: " + ", ".join(
+                f"{k} shed {v['shed']}/{v['requests']} P99 {fmt_ms(v['p99_ms'])} ms" for k, v in by.items()),
+                flush=True)
+        _classes_table(res, classes, surge)
+    fleets_s = ctx.option("overload_fleets_s", 0)  # --set overload_fleets_s=60: the product alone at 78 %
+    if fleets_s > 0:
+        _every_fleet(ctx, res, seeds, fleets_s)
     own_p99 = _mean([r["p99_ms"] for r in own])
     res.tables.append((f"{FLEET.describe()}; the product at 78 % ({OWN_S:g} s after {OWN_WARMUP_S:g} s), "
                        f"seeds {seeds}", ["seed", "P50 ms", "P99 ms", "TTFT P99 ms", "TPOT P99 ms", "shed"],
@@ -167,6 +238,12 @@ def run(ctx: Context) -> Result:
         res.targets.append(Target(f"[overload] {surge.label}: product admitted P99 vs its own P99 at 78 %", "<= 1.5x",
                                   f"{_span([r['p99_ms'] for r in prod])} vs {fmt_ms(own_p99)} ms", po,
                                   po is not None and po <= 1.5, 1.5))
+        if TWO.key in rows:
+            two = rows[TWO.key]
+            share2 = _mean([r["shed_share"] for r in two]) or 0.0
+            res.targets.append(Target(f"[overload] {surge.label}: two Envoys' shed share vs the excess",
+                                      "within +-5 points", f"{share2:.1%}", abs(share2 - surge.excess),
+                                      abs(share2 - surge.excess) <= 0.05, 0.05))
         raw["surges"][surge.key] = {"label": surge.label, "excess": surge.excess, "results": rows}
     res.raw = raw
     last = runs[surges[0].key]

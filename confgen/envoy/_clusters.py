@@ -51,7 +51,7 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
         "connect_timeout": dur(pool.timeouts.connect),
         "lb_policy": POLICIES[pool.balancing.policy].envoy,
         "ignore_health_on_host_removal": True,
-        "circuit_breakers": {"thresholds": [_thresholds(topo, pool)]},
+        "circuit_breakers": {"thresholds": _all_thresholds(topo, pool)},
         "common_lb_config": _common_lb(topo, plan, pool),
     }
     if pool.discovery == "eds" and config_dir is None:
@@ -110,6 +110,17 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
             "enforcing_success_rate": 0,
         }
     return typed("config.cluster.v3.Cluster", cluster)
+
+
+def _all_thresholds(topo: Topology, pool: Pool) -> list[Json]:
+    """DEFAULT, and when some traffic is critical (routes[].class, auth.api_keys[].class) a
+    HIGH-priority twin at the same safety cap that the sidecar never lowers; both then track
+    what remains, so the sidecar can tell critical requests in flight from the others
+    (`circuit_breakers.high.remaining_rq`)."""
+    default = _thresholds(topo, pool)
+    if not topo.has_critical():
+        return [default]
+    return [{**default, "track_remaining": True}, {**default, "priority": "HIGH", "track_remaining": True}]
 
 
 def _thresholds(topo: Topology, pool: Pool) -> Json:

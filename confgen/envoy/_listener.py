@@ -14,6 +14,7 @@ Filter order, and why:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
@@ -193,11 +194,34 @@ def _action(topo: Topology, plan: Plan, pool: Pool) -> Json:
     return action
 
 
-def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: Json) -> Json:
-    route: Json = {"name": name, "match": match, "route": _action(topo, plan, planned.pool)}
+def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: Json,
+           critical: bool = False) -> Json:
+    action = _action(topo, plan, planned.pool)
+    if critical or planned.traffic_class == "critical":
+        # Envoy's HIGH-priority circuit breakers: the sidecar's shedding limit is on DEFAULT only
+        action = {**action, "priority": "HIGH"}
+    route: Json = {"name": name, "match": match, "route": action}
     if planned.clients is not None:
         route["typed_per_filter_config"] = {"envoy.filters.http.rbac": _rbac_only(topo, planned.clients)}
     return route
+
+
+def _critical_first(topo: Topology, routes: list[Json], plan: Plan, planned: PlannedRoute) -> list[Json]:
+    """Before each route that is not critical itself, the same route for the critical API-key
+    clients (matched on the client header api_key_auth sets; a client-sent copy is removed
+    first in the chain), at HIGH priority."""
+    clients = topo.critical_clients()
+    if not clients or planned.traffic_class == "critical" or topo.auth is None:
+        return routes
+    header = {"name": topo.auth.client_header,
+              "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(c) for c in clients) + ")$"}}}
+    out: list[Json] = []
+    for route in routes:
+        match = {**route["match"], "headers": [*route["match"].get("headers", []), header]}
+        out.append({**route, "name": f"{route['name']}/critical", "match": match,
+                    "route": {**route["route"], "priority": "HIGH"}})
+        out.append(route)
+    return out
 
 
 def _routes_for(topo: Topology, plan: Plan, planned: PlannedRoute) -> list[Json]:
@@ -257,7 +281,7 @@ def routes(topo: Topology, plan: Plan) -> list[Json]:
                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             })
     for planned in plan.routes:
-        out.extend(_routes_for(topo, plan, planned))
+        out.extend(_critical_first(topo, _routes_for(topo, plan, planned), plan, planned))
     return out
 
 

@@ -298,3 +298,23 @@ def test_limiter_refuses_zero_ingresses() -> None:
     """--ingresses 0 would divide by zero: refused when the limiter is built."""
     with pytest.raises(ValueError, match="ingresses"):
         InflightLimiter(EnvoyAdmin("http://127.0.0.1:1"), 0)
+
+
+def test_limiter_counts_refusals_by_reason_and_leaves_critical_requests_out_of_its_in_flight() -> None:
+    """Envoy 1.40 counts a max_requests refusal in upstream_rq_active_overflow and a pending
+    one in upstream_rq_pending_overflow: both are refusals, tallied as "cap" at the safety
+    cap and "saturated" under the controller's limit. With a HIGH-priority breaker (critical
+    traffic), the requests it holds (cap - remaining_rq) are not DEFAULT's in-flight."""
+    limiter = InflightLimiter(EnvoyAdmin("http://127.0.0.1:1"), 1)
+    base = {"cluster.chat.upstream_rq_active": 30, "cluster.chat.upstream_rq_active_overflow": 5,
+            "cluster.chat.upstream_rq_pending_overflow": 1}
+    assert limiter._read("chat", base, None, 96) == (30, False)  # the first read only sets the baseline
+    more = {**base, "cluster.chat.upstream_rq_active_overflow": 9}
+    assert limiter._read("chat", more, None, 96) == (30, True)
+    shedding = Admission(limit=20, shedding=True)
+    most = {**more, "cluster.chat.upstream_rq_pending_overflow": 3,
+            "cluster.chat.circuit_breakers.high.remaining_rq": 90}
+    assert limiter._read("chat", most, shedding, 96) == (24, True)  # 6 critical requests in flight
+    assert limiter.shed["chat"] == {"cap": 4, "saturated": 2}
+    assert limiter._read("chat", most, shedding, 96) == (24, False)
+    assert limiter._read("chat", None, shedding, 96) == (None, False)  # Envoy unreadable: unknown, never shed

@@ -42,7 +42,7 @@ FULL: dict[str, Any] = {
     "auth": {
         "client_header": "x-client",
         "api_keys": [
-            {"client": "web", "env": "CONFGEN_KEY_WEB"},
+            {"client": "web", "env": "CONFGEN_KEY_WEB", "class": "critical"},
             {"client": "batch", "file": "/run/secrets/batch-key"},
         ],
     },
@@ -52,6 +52,7 @@ FULL: dict[str, Any] = {
             "name": "tiered",
             "pool": "small",
             "allow_clients": ["web"],
+            "class": "sheddable",
             "match": {
                 "models": ["chat"],
                 "path_prefix": "/v1/chat",
