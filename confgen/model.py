@@ -448,6 +448,13 @@ class SidecarLink:
         "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
     )
     port: int = field(9109, doc="Port of confgen-sidecar's HTTP server.", minimum=1, maximum=65535)
+    grpc_port: int = field(
+        9110,
+        doc="Port of confgen-sidecar's gRPC services on the same address (the endpoint picker Envoy calls for "
+        "pools with policy prefix_affinity; the sidecar's --grpc-listen).",
+        minimum=1,
+        maximum=65535,
+    )
     models: bool = field(
         True,
         doc="Answer GET /v1/models from the sidecar's health view: only the models with healthy capacity "
