@@ -83,6 +83,7 @@ class EndpointView:
     last_error: str | None
     errors: Mapping[str, int]
     serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
+    token_latency_s: float | None = None  # smoothed time per output token (the weights' speed), when measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +412,7 @@ class Daemon:
                     errors=dict(t.errors),
                     serving=(t.decision.status in (Status.HEALTHY, Status.DEGRADED) and not t.decision.min_weight)
                     if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
+                    token_latency_s=t.trend.token_latency_s,
                 )
                 for k, t in members
             )

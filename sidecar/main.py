@@ -27,12 +27,15 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig
+from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for
 from sidecar.daemon import Daemon, xds_dir_for
 from sidecar.envoy_relay import add_envoy_relay
 from sidecar.guard import MutationGuard, is_loopback, load_token
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings
+from sidecar.outputs.service import ServiceWiring, wanted
+from sidecar.outputs.service import build as build_service
 from sidecar.probe import Prober
 from sidecar.publish import EnvoyAdmin
 from sidecar.publisher import Wiring
@@ -110,6 +113,18 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+        services = [build_service(name, ServiceWiring(config, topo, registry, loop.time)) for name in wanted(topo)]
+        grpc_server: GrpcServer | None = None
+        if services:
+            try:
+                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
+                for service in services:
+                    service.register(grpc_server)
+                await grpc_server.start()
+            except ConfigError as exc:
+                await publisher.close()
+                log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+                return EXIT_USAGE
         register(registry, daemon.view)
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
@@ -121,6 +136,8 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             await site.start()
         except OSError as exc:
             await runner.cleanup()
+            if grpc_server is not None:
+                await grpc_server.stop(0)
             await publisher.close()
             log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
                       port=config.listen_port, error=str(exc))
@@ -138,11 +155,19 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             while not stop.is_set():
                 started = loop.time()
                 await daemon.cycle()
+                if services:
+                    view = daemon.view()
+                    for service in services:
+                        service.update(view, daemon.topology)
                 pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
                 await _sleep_or_stop(stop, started + pause - loop.time())
         finally:
             log_event(_log, logging.INFO, "shutdown.begin")
             await watcher.stop()
+            if grpc_server is not None:
+                await grpc_server.stop()
+            for service in services:
+                await service.close()
             await publisher.close()
             await runner.cleanup()
     log_event(_log, logging.INFO, "shutdown.done")
