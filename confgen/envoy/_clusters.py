@@ -139,9 +139,10 @@ def _override_host(pool: Pool) -> Json:
         "envoy.load_balancing_policies.override_host",
         "extensions.load_balancing_policies.override_host.v3.OverrideHost",
         {
+            # The metadata first: it lists the picker's fallbacks after its choice (retries).
             "override_host_sources": [
-                {"header": PICKER_HEADER},
                 {"metadata": {"key": PICKER_METADATA_NS, "path": [{"key": PICKER_HEADER}]}},
+                {"header": PICKER_HEADER},
             ],
             "fallback_policy": {"policies": [least]},
         },

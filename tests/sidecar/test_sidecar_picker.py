@@ -168,8 +168,9 @@ def _destination(out: pb.ProcessingResponse, kind: str) -> str | None:
     for h in common.header_mutation.set_headers:
         if h.header.key == DESTINATION:
             value = h.header.raw_value.decode()
-            assert out.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value == value
-            return value
+            listed = out.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value
+            assert listed.split(",")[0] == value
+            return listed
     assert DESTINATION in common.header_mutation.remove_headers
     return None
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,3 +152,127 @@ def test_client_sent_destination_header_is_ignored(tmp_path: Path) -> None:
         assert seen == Counter({home: 10}), seen
         headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_headers"].items()}
         assert headers["x-gateway-destination-endpoint"].split(",")[0] == f"127.0.0.1:{rig.fleet.worker(home).port}"
+
+
+def test_a_hot_prefix_spills_when_its_worker_queues(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b", "c"], max_num_seqs=4), capacity=4) as rig:
+        messages = [{"role": "system", "content": conversation_system(7)}, {"role": "user", "content": "hot"}]
+        status, home = chat(rig, messages)
+        assert status == 200
+        got: Counter[str] = Counter()
+        lock = threading.Lock()
+
+        def one(_: int) -> None:
+            status, worker = chat(rig, messages, max_tokens=48, timeout=60)
+            with lock:
+                got[worker if status == 200 else f"status {status}"] += 1
+
+        with ThreadPoolExecutor(16) as pool:  # 16 at once, same prompt: far past the spill margin (2)
+            list(pool.map(one, range(16)))
+        assert sum(got.values()) == 16 and all(k in ("a", "b", "c") for k in got), got
+        assert got[home] < 16 and len(got) >= 2, got  # spilled instead of piling on the holder
+        assert picks(rig.sidecar, "spill") > 0
+
+
+def _load_loop(rig: Rig, stop: threading.Event, results: list[int], limit: int = 4000) -> None:
+    i = 0
+    while not stop.is_set() and i < limit:  # bounded in count; the caller bounds it in time
+        messages = [{"role": "system", "content": conversation_system(i % 6)}, {"role": "user", "content": "q"}]
+        status, _ = chat(rig, messages, max_tokens=2, timeout=20)
+        results.append(status)
+        i += 1
+
+
+def test_picker_down_costs_no_request_and_routing_resumes_when_it_returns(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        stop = threading.Event()
+        results: list[int] = []
+        workers = [threading.Thread(target=_load_loop, args=(rig, stop, results)) for _ in range(3)]
+        for t in workers:
+            t.start()
+        try:
+            assert poll(lambda: len(results) >= 30, timeout=30)
+            rig.sidecar.stop()  # the picker goes with it (SIGTERM, as a restart does)
+            down_at = len(results)
+            assert poll(lambda: len(results) >= down_at + 60, timeout=60)  # served while it is down
+            rig.sidecar.start()
+            rig.sidecar.wait_ready()
+            assert poll(lambda: picks(rig.sidecar) >= 20, timeout=30), rig.sidecar.log_tail()
+        finally:
+            stop.set()
+            for t in workers:
+                t.join(timeout=60)
+        assert len(results) > 100 and set(results) == {200}, Counter(results)
+
+
+def _plain_envoy_bootstrap(listen: int, admin: int, picker: int) -> dict[str, Any]:
+    """Envoy as the inference extension's standalone chart configures it for an EPP:
+    ext_proc in FULL_DUPLEX_STREAMED mode, an ORIGINAL_DST cluster routed by the header."""
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc", "authority": "localhost"}, "timeout": "10s"},
+            "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
+                                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+            "message_timeout": "1000s",
+        },
+    }
+    router = {"name": "envoy.filters.http.router",
+              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                 "HttpConnectionManager",
+        "stat_prefix": "plain",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/"}, "route": {"cluster": "original_destination_cluster", "timeout": "60s"}}]}]},
+        "http_filters": [ext_proc, router],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{"name": "plain", "address": {"socket_address": {"address": "127.0.0.1",
+                                                                            "port_value": listen}},
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [
+                {"name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                 "connect_timeout": "1s",
+                 "original_dst_lb_config": {"use_http_header": True,
+                                            "http_header_name": "x-gateway-destination-endpoint"}},
+                {"name": "ext_proc", "type": "STATIC", "connect_timeout": "1s",
+                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                     "explicit_http_config": {"http2_protocol_options": {}}}},
+                 "load_assignment": {"cluster_name": "ext_proc", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                     "address": {"socket_address": {"address": "127.0.0.1", "port_value": picker}}}}]}]}},
+            ],
+        },
+    }
+
+
+def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_picker(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b", "c"])) as rig:
+        listen = free_port()
+        boot = _plain_envoy_bootstrap(listen, free_port(), rig.extra["grpc_port"])
+        with EnvoyProcess(boot):
+            plain = Rig(rig.fleet, rig.envoy, rig.sidecar, rig.topology_path, rig.xds_dir, listen, rig.admin)
+            before = picks(rig.sidecar)
+            homes: dict[int, Counter[str]] = {}
+            for i in range(6):
+                messages = [{"role": "system", "content": conversation_system(200 + i)}]
+                homes[i] = Counter()
+                for turn in range(3):
+                    messages.append({"role": "user", "content": f"turn {turn}"})
+                    status, worker = chat(plain, messages)
+                    assert status == 200, (status, rig.sidecar.log_tail())
+                    homes[i][worker] += 1
+                    messages.append({"role": "assistant", "content": "ok"})
+            assert picks(rig.sidecar) - before == 18
+            assert all(len(c) == 1 for c in homes.values()), homes  # each conversation stayed home
+            # Without a pick ORIGINAL_DST has nowhere to go: a forged header is removed, not obeyed.
+            status, worker = chat(plain, [{"role": "user", "content": "x"}],
+                                  headers={"x-gateway-destination-endpoint": "127.0.0.1:1"})
+            assert status == 200 and worker in ("a", "b", "c")

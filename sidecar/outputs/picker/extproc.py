@@ -1,9 +1,10 @@
 """Envoy's ext_proc, speaking the Endpoint Picker Protocol (Gateway API Inference Extension).
 
 One gRPC stream per HTTP request. What it answers:
-- the pick: header `x-gateway-destination-endpoint: ip:port[,ip:port...]` (the best, then
-  fallbacks for retries) and the same value in dynamic metadata `envoy.lb` ->
-  `x-gateway-destination-endpoint` (never two different values);
+- the pick: header `x-gateway-destination-endpoint: ip:port` (the best), and in dynamic
+  metadata `envoy.lb` -> `x-gateway-destination-endpoint` the best then the fallbacks for
+  retries, `ip:port,ip:port,...` (the extension's EPP does the same: an ORIGINAL_DST
+  cluster reads the header and takes exactly one address; the list starts with it);
 - no pick (no pool, no eligible endpoint without a subset hint, a body it cannot read):
   the header removed and nothing else, so the proxy's own balancer decides;
 - a subset hint (`envoy.lb.subset_hint` -> `x-gateway-destination-endpoint-subset`) with
@@ -135,9 +136,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if hashes:
             chosen.index.add(hashes)
         self.metrics.observe_pick(pool, pick, self._clock() - started)
-        value = ",".join(e.address for e in pick.endpoints)
-        return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()),
-                                          append_action=_OVERWRITE), pick
+        header = base_pb2.HeaderValue(key=DESTINATION, raw_value=chosen.address.encode())
+        return base_pb2.HeaderValueOption(header=header, append_action=_OVERWRITE), pick
 
     def release(self, st: _Stream) -> None:
         if st.endpoint is not None:
@@ -154,9 +154,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             out = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
         else:
             out = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-        if decision is not None:
+        if decision is not None and pick is not None:
             lb = struct_pb2.Struct()
-            lb.update({DESTINATION: decision.header.raw_value.decode()})
+            lb.update({DESTINATION: ",".join(e.address for e in pick.endpoints)})
             out.dynamic_metadata.fields[LB_NAMESPACE].struct_value.CopyFrom(lb)
         return out
 
