@@ -120,7 +120,7 @@ def _least_request(pool: Pool) -> Json:
     }
 
 
-# The Endpoint Picker Protocol's destination: a header, and the same value in dynamic metadata.
+# The Endpoint Picker Protocol's destination header (and its dynamic metadata namespace).
 PICKER_HEADER = "x-gateway-destination-endpoint"
 PICKER_METADATA_NS = "envoy.lb"
 

@@ -164,6 +164,9 @@ def _picker_filter() -> Json:
         "failure_mode_allow": True,
         "message_timeout": PICKER_TIMEOUT,
         "processing_mode": {
+            # SEND, though the picker needs only the body: that is what holds the headers in
+            # this filter until the body's answer. With SKIP the router already has them and
+            # picks the host before the picker answers (measured: the pick was ignored).
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
             "request_trailer_mode": "SKIP",

@@ -116,20 +116,24 @@ class GrpcServer:
                 f"gRPC listen {settings.host}:{settings.port}: plaintext gRPC is allowed only on a loopback "
                 "address (anyone who reaches the port could steer routing); bind 127.0.0.1 or configure TLS")
         self.settings = settings
-        self._server = grpc.aio.server(options=settings.limits.options())
+        self._server: grpc.aio.Server | None = None  # made in start(), on the loop that will run it
+        self._services: list[Callable[[grpc.aio.Server], None]] = []
         self._names: list[str] = []
         self.port: int | None = None
 
     def add(self, register: Callable[[_S, grpc.aio.Server], None], servicer: _S, name: str = "") -> None:
         """Add one service: `add(pb2_grpc.add_FooServicer_to_server, servicer)`."""
-        if self.port is not None:
+        if self._server is not None:
             raise RuntimeError("services must be added before the server starts")
-        register(servicer, self._server)
+        self._services.append(lambda server: register(servicer, server))
         self._names.append(name or type(servicer).__name__)
 
     async def start(self) -> int:
         """Bind and start; the bound port. ConfigError when the address cannot be bound."""
         s = self.settings
+        self._server = grpc.aio.server(options=s.limits.options())
+        for register in self._services:
+            register(self._server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
         try:
             if s.tls is not None:
@@ -151,4 +155,5 @@ class GrpcServer:
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        await self._server.stop(grace_s)
+        if self._server is not None:
+            await self._server.stop(grace_s)

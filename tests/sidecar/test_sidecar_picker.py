@@ -234,3 +234,79 @@ def test_a_body_over_the_cap_is_picked_on_load_alone() -> None:
     (out,) = svc._step(st, _body(_chat([{"role": "user", "content": "x" * 5000}])))
     assert _destination(out, "request_body") is not None
     assert store.index_size() == 0  # nothing hashed
+
+
+# -- over real gRPC: the stream's bounds and its end ---------------------------------------
+
+
+def _grpc_case(body_timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from sidecar.outputs.grpc import GrpcServer, GrpcSettings
+    from sidecar.outputs.picker.extproc import ExtProcLimits
+
+    store = _store(_facts("10.0.0.1:8000"), _facts("10.0.0.2:8000"))
+    metrics = PickerMetrics(None, store.pools)
+    svc = PickerServicer(store, Picker(), metrics, limits=ExtProcLimits(body_timeout_s=body_timeout_s))
+    server = GrpcServer(GrpcSettings("127.0.0.1", 0))
+    server.add(pb_grpc.add_ExternalProcessorServicer_to_server, svc)
+    return asyncio, pb_grpc, server, store, metrics
+
+
+def test_a_stream_ends_its_request_when_the_proxy_resets_it() -> None:
+    import grpc
+
+    asyncio, pb_grpc, server, store, _ = _grpc_case()
+
+    async def main() -> None:
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=20)
+                await call.write(_headers())
+                await call.read()
+                await call.write(_body(_chat([SYSTEM])))
+                picked = await call.read()
+                assert _destination(picked, "request_body") is not None
+                assert sum(e.in_flight for e in store.endpoints("chat")) == 1  # until the response ends
+                call.cancel()  # what Envoy does when the client goes away
+                for _ in range(200):
+                    if sum(e.in_flight for e in store.endpoints("chat")) == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert sum(e.in_flight for e in store.endpoints("chat")) == 0
+                # A normal end: Envoy half-closes the stream when the HTTP stream is done.
+                call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=20)
+                await call.write(_headers())
+                await call.read()
+                await call.write(_body(_chat([SYSTEM])))
+                await call.read()
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+                assert sum(e.in_flight for e in store.endpoints("chat")) == 0
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_never_sends_its_body_is_dropped() -> None:
+    import grpc
+
+    asyncio, pb_grpc, server, _, metrics = _grpc_case(body_timeout_s=0.3)
+
+    async def main() -> None:
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=20)
+                await call.write(_headers())
+                await call.read()
+                assert await asyncio.wait_for(call.read(), 10) == grpc.aio.EOF  # closed by the picker
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert metrics.unpicked.labels(reason="timeout")._value.get() == 1

@@ -173,29 +173,23 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         pool = next((v for k, v in context.invocation_metadata() or () if k == POOL_METADATA), None)
         st = _Stream(pool if isinstance(pool, str) else None)
         self.metrics.streams.inc()
-        limits = self.limits
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.body_timeout_s
+        deadline = loop.time() + self.limits.body_timeout_s  # the body's bound, then the generation's
         iterator = aiter(request_iterator)
-        extended = False
         try:
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    self.metrics.unpicked.labels(reason="timeout").inc()
-                    return
                 try:
-                    msg = await asyncio.wait_for(anext(iterator), remaining)
+                    msg = await asyncio.wait_for(anext(iterator), max(0.0, deadline - loop.time()))
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    self.metrics.unpicked.labels(reason="timeout").inc()
+                    self.metrics.unpicked.labels(reason="timeout" if not st.decided else "stream_timeout").inc()
                     return
+                was_decided = st.decided
                 for out in self._step(st, msg):
                     yield out
-                if st.decided and not extended:
-                    extended = True  # decided: from now on the bound is the generation's
-                    deadline = loop.time() + limits.max_stream_s
+                if st.decided and not was_decided:
+                    deadline = loop.time() + self.limits.max_stream_s
         finally:  # ended, reset by the proxy (cancelled) or timed out
             self.release(st)
 
