@@ -1,1 +1,2 @@
-"""What the sidecar offers beside itself: publishers and gRPC services reading the fleet view."""
+"""Where the daemon's decisions go: publishers (files, nginx, ADS) and services (per-request
+answers), each behind an interface."""

@@ -1,7 +1,7 @@
 """The one place that builds a gRPC server (the endpoint picker, the rate-limit service).
 
     server = GrpcServer(GrpcSettings(host, port))
-    server.add(ext_proc_grpc.add_ExternalProcessorServicer_to_server, servicer)   # one line per service
+    server.add(service.add_to, service.name)   # one line per service (sidecar.outputs.service)
     port = await server.start()
     ...
     await server.stop()
@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -31,8 +31,6 @@ from sidecar.logs import log_event
 __all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsSettings", "is_loopback", "server_credentials"]
 
 _log = logging.getLogger("sidecar.grpc")
-
-_S = TypeVar("_S")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +119,13 @@ class GrpcServer:
         self._names: list[str] = []
         self.port: int | None = None
 
-    def add(self, register: Callable[[_S, grpc.aio.Server], None], servicer: _S, name: str = "") -> None:
-        """Add one service: `add(pb2_grpc.add_FooServicer_to_server, servicer)`."""
+    def add(self, register: Callable[[grpc.aio.Server], None], name: str) -> None:
+        """Add one service: `register` puts its servicers on the server (a Service's `add_to`, or
+        `lambda s: pb2_grpc.add_FooServicer_to_server(servicer, s)`)."""
         if self._server is not None:
             raise RuntimeError("services must be added before the server starts")
-        self._services.append(lambda server: register(servicer, server))
-        self._names.append(name or type(servicer).__name__)
+        self._services.append(register)
+        self._names.append(name)
 
     async def start(self) -> int:
         """Bind and start; the bound port. ConfigError when the address cannot be bound."""

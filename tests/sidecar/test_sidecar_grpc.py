@@ -22,8 +22,8 @@ def _echo() -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("confgen.test.Echo", {"Echo": handler})
 
 
-def _register(handler: grpc.GenericRpcHandler, server: grpc.aio.Server) -> None:
-    server.add_generic_rpc_handlers((handler,))
+def _register(handler: grpc.GenericRpcHandler):  # type: ignore[no-untyped-def]
+    return lambda server: server.add_generic_rpc_handlers((handler,))
 
 
 def test_plaintext_is_refused_beyond_loopback() -> None:
@@ -42,7 +42,7 @@ def test_tls_files_unreadable_is_a_config_error(tmp_path: Path) -> None:
 def test_serves_an_added_service_and_caps_message_size() -> None:
     async def main() -> None:
         server = GrpcServer(GrpcSettings("127.0.0.1", 0, GrpcLimits(max_message_bytes=64 * 1024)))
-        server.add(_register, _echo(), "echo")
+        server.add(_register(_echo()), "echo")
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -52,7 +52,7 @@ def test_serves_an_added_service_and_caps_message_size() -> None:
                     await call(b"x" * (128 * 1024), timeout=10)
                 assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             with pytest.raises(RuntimeError):
-                server.add(_register, _echo())
+                server.add(_register(_echo()), "echo")
         finally:
             await server.stop(0)
 

@@ -251,7 +251,7 @@ def _grpc_case(body_timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
     metrics = PickerMetrics(None, store.pools)
     svc = PickerServicer(store, Picker(), metrics, limits=ExtProcLimits(body_timeout_s=body_timeout_s))
     server = GrpcServer(GrpcSettings("127.0.0.1", 0))
-    server.add(pb_grpc.add_ExternalProcessorServicer_to_server, svc)
+    server.add(lambda s: pb_grpc.add_ExternalProcessorServicer_to_server(svc, s), "picker")
     return asyncio, pb_grpc, server, store, metrics
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from confgen.balancing import uses_picker
 from confgen.model import Topology
 
 from .datastore import Datastore, EndpointFacts, PoolFacts
@@ -26,17 +27,12 @@ from .metrics import PickerMetrics
 from .scheduling import Picker, PickerPolicy
 
 if TYPE_CHECKING:
-    from sidecar.daemon import Snapshot
-    from sidecar.outputs.grpc import GrpcServer
+    import grpc
+
+    from sidecar.fleet import Snapshot
     from sidecar.outputs.service import ServiceWiring
 
-__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "build", "facts", "routes", "wanted"]
-
-POLICY = "prefix_affinity"
-
-
-def wanted(topo: Topology) -> bool:
-    return any(p.balancing.policy == POLICY for p in topo.pools)
+__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "build", "facts", "routes"]
 
 
 def routes(topo: Topology) -> dict[str | None, str]:
@@ -53,7 +49,7 @@ def routes(topo: Topology) -> dict[str | None, str]:
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
     """The picker's pools (policy prefix_affinity), from the daemon's fleet view."""
-    pools = {p.name: p for p in topo.pools if p.balancing.policy == POLICY}
+    pools = {p.name: p for p in topo.pools if uses_picker(p.balancing.policy)}
     out = []
     for pv in view.pools:
         pool = pools.get(pv.name)
@@ -78,20 +74,30 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
 
 
 class PickerService:
+    """The picker as a `sidecar.outputs.service.Service`."""
+
     name = "picker"
 
     def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None) -> None:
+        self._topology = wiring.topology
         self.store = Datastore()
         self.metrics = PickerMetrics(wiring.registry, self.store.pools)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
         self.servicer = PickerServicer(self.store, Picker(policy), self.metrics, limits=ExtProcLimits())
 
-    def register(self, server: GrpcServer) -> None:
-        server.add(pb_grpc.add_ExternalProcessorServicer_to_server, self.servicer, "envoy.service.ext_proc.v3")
+    def add_to(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
 
-    def update(self, view: Snapshot, topo: Topology) -> None:
-        self.store.update(facts(view, topo), routes(topo))
+    async def start(self) -> None:
+        return None
+
+    def update(self, fleet: Snapshot) -> None:
+        topo = self._topology()
+        self.store.update(facts(fleet, topo), routes(topo))
+
+    def problems(self) -> list[str]:
+        return []  # before the first fleet view every request is left to Envoy's own balancer
 
     async def close(self) -> None:
         return None
