@@ -90,6 +90,14 @@ def chat(rig: Rig, messages: list[dict[str, str]], *, max_tokens: int = 4, heade
         return 0, "-"
 
 
+def picker_fallbacks(rig: Rig) -> int:
+    """Requests Envoy sent without the picker's answer (it timed out or failed: failure_mode_allow).
+    On a loaded machine a pick can miss its 200 ms; those requests go by least_request."""
+    stats = rig.envoy.stats()
+    return sum(int(v) for k, v in stats.items()
+               if k.endswith(("ext_proc.failure_mode_allowed", "ext_proc.message_timeouts")) and str(v).isdigit())
+
+
 def conversation_system(i: int) -> str:
     return f"You are assistant number {i}. " + f"Conversation {i} has a long shared context. " * 8
 
@@ -143,13 +151,15 @@ def test_client_sent_destination_header_is_ignored(tmp_path: Path) -> None:
         assert status == 200
         other = "b" if home == "a" else "a"
         forged = f"127.0.0.1:{rig.fleet.worker(other).port}"
+        fallbacks = picker_fallbacks(rig)
         seen: Counter[str] = Counter()
         for _ in range(10):
             status, worker = chat(rig, messages, headers={"x-gateway-destination-endpoint": forged})
             assert status == 200
             seen[worker] += 1
-        # The client named the other worker every time; the picker kept the prompt at home.
-        assert seen == Counter({home: 10}), seen
+        # The client named the other worker every time; the picker kept the prompt at home
+        # (but for requests Envoy routed itself because the picker's answer came too late).
+        assert seen[home] >= 10 - (picker_fallbacks(rig) - fallbacks), seen
         headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_headers"].items()}
         assert headers["x-gateway-destination-endpoint"].split(",")[0] == f"127.0.0.1:{rig.fleet.worker(home).port}"
 

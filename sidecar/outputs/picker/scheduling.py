@@ -14,7 +14,9 @@ our own rule:
                 (a hot prefix spills instead of piling up: balance wins when queues diverge),
                 a = min(1, prompt tokens / (prompt_share * max_tokens)): a cached prefix saves
                 prefill, worth little beside a generation many times longer than the prompt
-    load(e)   = 1 - min(1, excess(e) / spill(e))
+    load(e)   = 1 - min(1, (slow(e) load(e) - min of the same) / capacity(e)),
+                slow(e) = time per token(e) / the fastest's (a request in flight on a worker
+                half as fast holds it twice as long)
     kv(e)     = 1 - KV cache use (1 when not reported)
     cost(e)   = 1 - f * (1 - t_min / t(e)),  t(e) = time per token(e) * (1 + load(e) / capacity(e)),
                 f = min(1, max_tokens / long_tokens)
@@ -91,9 +93,18 @@ def _wanted(req: PickRequest, policy: PickerPolicy) -> int:
     return req.prompt.max_tokens if req.prompt is not None and req.prompt.max_tokens else policy.default_max_tokens
 
 
+def _slowness(cands: Sequence[Endpoint]) -> list[float]:
+    """Each endpoint's time per token over the fastest's (>= 1; 1 when not measured)."""
+    known = [e.facts.token_latency_s for e in cands if e.facts.token_latency_s]
+    fastest = min(known) if known else None
+    return [e.facts.token_latency_s / fastest if fastest and e.facts.token_latency_s else 1.0 for e in cands]
+
+
 def score_load(req: PickRequest, cands: Sequence[Endpoint], policy: PickerPolicy) -> list[float]:
-    floor = min(load_of(e) for e in cands)
-    return [1.0 - min(1.0, (load_of(e) - floor) / _spill(e, policy)) for e in cands]
+    # A request in flight on a worker half as fast holds it twice as long: count it twice.
+    loads = [load_of(e) * s for e, s in zip(cands, _slowness(cands), strict=True)]
+    floor = min(loads)
+    return [1.0 - min(1.0, (load - floor) / max(1, e.facts.capacity)) for e, load in zip(cands, loads, strict=True)]
 
 
 def score_kv(req: PickRequest, cands: Sequence[Endpoint], policy: PickerPolicy) -> list[float]:
