@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from confgen.balancing import uses_picker
 from confgen.model import Topology
+from confgen.plan import plan
 
 from .datastore import Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
@@ -36,14 +37,17 @@ __all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "bui
 
 
 def routes(topo: Topology) -> dict[str | None, str]:
-    """The pool each model's requests go to (None: requests naming no model), as the render's
-    per-model routes send them."""
+    """The pool each model's requests go to (None: requests naming no model), in the routing
+    plan's order: explicit routes that match on models alone, per-model routes (aliases
+    included), default_pool. A route that also matches on headers or a path is not knowable
+    from the body; its models keep the pool their per-model route gives."""
     out: dict[str | None, str] = {}
-    for pool in topo.pools:
-        for model in pool.models:
-            out.setdefault(model, pool.name)
-    if topo.default_pool is not None:
-        out[None] = topo.default_pool
+    for planned in plan(topo).routes:
+        if planned.kind == "default":
+            out.setdefault(None, planned.pool.name)
+        elif planned.models and not planned.headers and (planned.path_prefix or "/") == "/":
+            for model in planned.models:
+                out.setdefault(model, planned.pool.name)
     return out
 
 
@@ -68,6 +72,7 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 waiting=s.waiting if s else 0.0,
                 kv_usage=s.kv_usage if s else None,
                 token_latency_s=ev.token_latency_s,
+                kv_blocks=int(s.kv_blocks) if s and s.kv_blocks else None,
             ))
         out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints)))
     return out
