@@ -71,8 +71,8 @@ class ExtProcLimits:
 class _Stream:
     """One request's passage through the picker."""
 
-    __slots__ = ("body", "decided", "endpoint", "headers_held", "oversize", "pool", "streamed", "streamed_response",
-                 "subset")
+    __slots__ = ("body", "decided", "endpoint", "expired", "headers_held", "oversize", "pool", "streamed",
+                 "streamed_response", "subset", "task")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -84,6 +84,8 @@ class _Stream:
         self.subset: frozenset[str] | None = None
         self.endpoint: Endpoint | None = None  # in flight there until released
         self.decided = False  # picked, or left to the proxy
+        self.expired = False
+        self.task: asyncio.Task[Any] | None = None  # the RPC's, to end it when past its bound
 
 
 def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -174,24 +176,32 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st = _Stream(pool if isinstance(pool, str) else None)
         self.metrics.streams.inc()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.body_timeout_s  # the body's bound, then the generation's
-        iterator = aiter(request_iterator)
+        st.task = asyncio.current_task()
+        # One timer per stream, not one per message: the body's bound, then the generation's.
+        timer = loop.call_at(loop.time() + self.limits.body_timeout_s, self._expire, st, context)
         try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(anext(iterator), max(0.0, deadline - loop.time()))
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    self.metrics.unpicked.labels(reason="timeout" if not st.decided else "stream_timeout").inc()
-                    return
+            async for msg in request_iterator:
                 was_decided = st.decided
                 for out in self._step(st, msg):
                     yield out
                 if st.decided and not was_decided:
-                    deadline = loop.time() + self.limits.max_stream_s
+                    timer.cancel()
+                    timer = loop.call_at(loop.time() + self.limits.max_stream_s, self._expire, st, context)
+        except asyncio.CancelledError:
+            if not st.expired:
+                raise
         finally:  # ended, reset by the proxy (cancelled) or timed out
+            timer.cancel()
             self.release(st)
+
+    def _expire(self, st: _Stream, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """A stream past its bound: count it, release its request and end the RPC."""
+        st.expired = True
+        self.metrics.unpicked.labels(reason="timeout" if not st.decided else "stream_timeout").inc()
+        self.release(st)
+        task = st.task
+        if task is not None:
+            task.cancel()
 
     def _step(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if msg.HasField("protocol_config"):
