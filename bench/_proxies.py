@@ -47,6 +47,16 @@ def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port
     balancing = f"{{policy: {cfg.policy}, choice_count: {cfg.choice_count}}}"
     if cfg.policy == "ring_hash":
         balancing = "{policy: ring_hash, hash_on: {header: x-session-id}, hash_balance_factor: 150}"
+    pool = (f"    capacity: {cfg.capacity}\n    balancing: {balancing}\n"
+            f"    health: {{interval: {cfg.health_interval}, timeout: 500ms, unhealthy_threshold: 2, "
+            f"no_traffic_interval: 1s}}\n    outlier_detection: {cfg.outlier}\n    retries: {cfg.retries}\n")
+    return _one_pool(workers, port, admin, pool)
+
+
+def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str,
+              routes: str = "") -> str:
+    """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers;
+    `routes`: a top-level `routes:` list in flow style."""
     lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
     return f"""\
 version: 1
@@ -54,16 +64,11 @@ name: bench
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
+{f"routes: {routes}{chr(10)}" if routes else ""}pools:
   - name: {POOL}
     engine: vllm
     models: [{MODEL}]
-    capacity: {cfg.capacity}
-    balancing: {balancing}
-    health: {{interval: {cfg.health_interval}, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}}
-    outlier_detection: {cfg.outlier}
-    retries: {cfg.retries}
-    workers:
+{pool_fields}    workers:
 {lines}
 """
 
@@ -121,21 +126,7 @@ def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int
     `capacity`, the pool's engine and model; everything else (balancing, health, retries,
     breakers, backpressure) left at its default unless `balancing` is given (sessions);
     `routes`: a top-level `routes:` list in flow style (traffic classes)."""
-    lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
-    extra = f"    balancing: {balancing}\n" if balancing else ""
-    return f"""\
-version: 1
-name: bench
-admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
-{f"routes: {routes}{chr(10)}" if routes else ""}pools:
-  - name: {POOL}
-    engine: vllm
-    models: [{MODEL}]
-{extra}    workers:
-{lines}
-"""
+    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "", routes)
 
 
 def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "",

@@ -56,10 +56,10 @@ from typing import Protocol
 
 from confgen.envoy.eds import static_weight
 from confgen.simulate import BatchEngine, EngineRequest, LatencyModel
-from sidecar.engines import LoadSample
-from sidecar.hysteresis import HysteresisPolicy, gate
-from sidecar.saturation import Admission, Headroom, PoolSaturation, QueueWatch, SaturationPolicy, admit, assess
-from sidecar.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.decide.hysteresis import HysteresisPolicy, gate
+from sidecar.decide.saturation import Admission, Headroom, PoolSaturation, QueueWatch, SaturationPolicy, admit, assess
+from sidecar.decide.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.observe.engines import LoadSample
 
 from ..scenarios._fleets import MATRIX, FleetPlan
 from ..scenarios.overload import FLEET as OVERLOAD_FLEET

@@ -11,12 +11,12 @@ from typing import Any
 import yaml
 
 from confgen.deploy._observability import alert_rules, dashboard
-from sidecar.metrics import METRIC_NAMES
+from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool
 
 HERE = Path(__file__).resolve().parent
 RULES = HERE.parents[1] / "confgen" / "deploy" / "assets" / "alerts.yaml"
-ALERTS = {"ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
+ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent", "ConfgenSustainedShedding"}
 

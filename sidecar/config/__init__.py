@@ -1,0 +1,236 @@
+"""The daemon's settings: one frozen `SidecarConfig`, built from argv by `from_argv`.
+
+Kept apart from the server and the loop so they can be built in tests without argv, and
+so every default is in one place. Durations are seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from confgen.errors import ConfgenError
+from confgen.model import Topology
+from sidecar.config.nginx import NginxSettings
+from sidecar.config.nginx import add_arguments as add_nginx_arguments
+from sidecar.config.nginx import from_args as nginx_from_args
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.saturation import SaturationPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.decide.weights import WeightPolicy
+
+__all__ = ["ConfigError", "SidecarConfig", "from_argv", "grpc_listen_for", "parser", "xds_dir_for"]
+
+LogFormat = Literal["json", "text"]
+_P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
+
+
+class ConfigError(ConfgenError, ValueError):
+    """The command line asks for something impossible."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything the daemon needs besides the topology itself."""
+
+    topology: Path
+    xds_dir: Path | None = None  # where Envoy reads the files; default: the topology's envoy.config_dir
+    envoy_admin: str | None = None  # default: http://<topology admin address>:<port>
+    interval_s: float = 2.0
+    jitter: float = 0.1  # each sleep is interval * (1 +- jitter)
+    max_concurrency: int = 64
+    probe_deadline_s: float = 1.5  # whole probe: connect, health, metrics, body reads
+    body_cap_bytes: int = 1024 * 1024
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9109
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    weights: WeightPolicy = field(default_factory=WeightPolicy)
+    hysteresis: HysteresisPolicy = field(default_factory=HysteresisPolicy)  # which weight changes are published
+    saturation: SaturationPolicy = field(default_factory=SaturationPolicy)  # when to shed, how much
+    publish_debounce_s: float = 0.1  # at most one EDS write per pool per this long
+    confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
+    watch_debounce_s: float = 0.2
+    dns_timeout_s: float = 2.0
+    ingresses: int = 1  # Envoys sharing the fleet: each corrects 1/ingresses of the shedding error
+    log_format: LogFormat = "json"
+    log_level: str = "INFO"
+    nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
+    serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
+    admin_token_env: str | None = None  # ... or the environment variable holding it
+    grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
+
+    @property
+    def publisher(self) -> str:
+        """The publisher the flags select (a key of sidecar.outputs.publisher.PUBLISHERS)."""
+        if self.nginx is not None:
+            return "nginx"
+        return "ads" if self.serve_xds is not None else "envoy"
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.probe_deadline_s <= 0:
+            raise ConfigError("interval and probe deadline must be > 0")
+        if not 0 <= self.jitter < 1:
+            raise ConfigError("jitter must be within [0, 1)")
+        if self.max_concurrency < 1 or self.body_cap_bytes < 1024:
+            raise ConfigError("max concurrency must be >= 1 and the body cap >= 1024 bytes")
+        if not 0 <= self.listen_port <= 65535:
+            raise ConfigError(f"listen port {self.listen_port} out of range")
+        if min(self.publish_debounce_s, self.confirm_timeout_s, self.watch_debounce_s, self.dns_timeout_s) < 0:
+            raise ConfigError("debounces and timeouts must be >= 0")
+        if self.ingresses < 1:
+            raise ConfigError(f"ingresses must be >= 1, got {self.ingresses}")
+        if self.serve_xds is not None and self.nginx is not None:
+            raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
+        if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
+            raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
+        if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
+            raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
+
+
+def _version() -> str:
+    from confgen import __version__
+
+    return __version__
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="confgen-sidecar",
+        description="Probe the inference workers of a confgen topology and publish Envoy EDS "
+        "health and load-aware weights; reload the topology when it changes.",
+    )
+    p.add_argument("--version", action="version", version=f"confgen-sidecar {_version()}")
+    p.add_argument("--topology", required=True, type=Path, help="topology YAML (the same file confgen renders)")
+    p.add_argument("--xds-dir", type=Path, help="directory Envoy reads its xDS files from "
+                   "(default: the topology's envoy.config_dir)")
+    p.add_argument("--envoy-admin", help="Envoy admin URL (default: from the topology's admin)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between probe cycles (default 2)")
+    p.add_argument("--jitter", type=float, default=0.1, help="fraction of the interval to jitter by (0.1)")
+    p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")
+    p.add_argument("--probe-deadline", type=float, help="seconds for one whole probe (default: 0.75 * interval)")
+    p.add_argument("--body-cap", type=int, default=1024 * 1024, help="largest metrics body read, bytes (1 MiB)")
+    p.add_argument("--listen", default="127.0.0.1:9109", help="host:port of the sidecar's own HTTP server")
+    p.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
+    p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+    p.add_argument("--hysteresis", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a HysteresisPolicy field (repeatable): when a weight change is "
+                   "published, e.g. --hysteresis threshold=0.1 (sustain=1 threshold=0 min_step=0: every change)")
+    p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
+                   "(stale_after_s defaults to 2.5 x --interval)")
+    p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
+    p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
+    p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
+    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet: while a pool is "
+                   "saturated each one corrects 1/N of the queue error per cycle (default 1)")
+    p.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="json: one object per line for log shippers; text: for people (default json)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="least severe level logged (default INFO)")
+    p.add_argument("--admin-token-file", type=Path, metavar="PATH",
+                   help="file holding the bearer token POST /drain and /undrain require (16-512 token "
+                   "characters). Without a token they answer only on a loopback --listen")
+    p.add_argument("--admin-token-env", metavar="NAME",
+                   help="environment variable holding that token (instead of --admin-token-file)")
+    p.add_argument("--serve-xds", metavar="HOST:PORT",
+                   help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
+                   "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
+                   "the number of connected Envoys")
+    p.add_argument("--grpc-listen", metavar="HOST:PORT",
+                   help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
+                   "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
+                   "Plaintext: a loopback address only")
+    add_nginx_arguments(p)
+    return p
+
+
+def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"{flag} must be host:port, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _override(policy: _P, pairs: Sequence[str], flag: str) -> _P:
+    """`policy` with KEY=VALUE pairs applied, each value converted to the field's type."""
+    if not pairs:
+        return policy
+    current = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in current:
+            raise ConfigError(f"{flag} {pair!r}: expected KEY=VALUE with KEY one of {sorted(current)}")
+        kind = type(current[key])
+        try:
+            changes[key] = kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {key}: {raw!r} is not a {kind.__name__}") from exc
+    try:
+        return dataclasses.replace(policy, **changes)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from exc
+
+
+def from_argv(argv: Sequence[str]) -> SidecarConfig:
+    """Parse argv (without the program name); argparse exits 2 on usage errors."""
+    args = parser().parse_args(list(argv))
+    try:
+        nginx = nginx_from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    host, port = _split_listen(args.listen)
+    health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
+    weights = _override(WeightPolicy(), args.weights, "--weights")
+    hysteresis = _override(HysteresisPolicy(), args.hysteresis, "--hysteresis")
+    stale = SaturationPolicy(stale_after_s=2.5 * args.interval) if args.interval > 0 else SaturationPolicy()
+    saturation = _override(stale, args.saturation, "--saturation")
+    deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
+    return SidecarConfig(
+        topology=args.topology,
+        xds_dir=args.xds_dir,
+        envoy_admin=args.envoy_admin.rstrip("/") if args.envoy_admin else None,
+        interval_s=args.interval,
+        jitter=args.jitter,
+        max_concurrency=args.max_concurrency,
+        probe_deadline_s=deadline,
+        body_cap_bytes=args.body_cap,
+        listen_host=host,
+        listen_port=port,
+        health=health,
+        weights=weights,
+        hysteresis=hysteresis,
+        saturation=saturation,
+        publish_debounce_s=args.publish_debounce,
+        confirm_timeout_s=args.confirm_timeout,
+        watch_debounce_s=args.watch_debounce,
+        ingresses=args.ingresses,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        nginx=nginx,
+        serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
+        admin_token_file=args.admin_token_file,
+        admin_token_env=args.admin_token_env,
+        grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
+    )
+
+
+def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
+    """Where the gRPC services listen: --grpc-listen, else loopback at the topology's grpc_port."""
+    return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
+
+
+def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
+    """Where the sidecar writes: --xds-dir, else the topology's envoy.config_dir."""
+    if config.xds_dir is not None:
+        return config.xds_dir.absolute()
+    if topo.envoy.config_dir:
+        return Path(topo.envoy.config_dir).absolute()
+    raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")

@@ -1,0 +1,63 @@
+"""Prometheus families of the control plane, read from `AdsPublisher.view()` at scrape time.
+
+    confgen_sidecar_xds_connected_nodes                 Envoys with an open ADS stream
+    confgen_sidecar_xds_resource_version{type,version}  1 for the version served of each type
+    confgen_sidecar_xds_node_acked{node,type,version}   1 for the version each Envoy last accepted
+    confgen_sidecar_xds_node_nacked{node,type,version}  1 while an Envoy refuses a version (it keeps its last ACK)
+    confgen_sidecar_xds_nacks_total{node,type}          NACKs by Envoy and type (connected Envoys)
+    confgen_sidecar_xds_responses_total{type}           responses sent over all streams
+    confgen_sidecar_xds_updates_total{type}             changes of the served resources
+
+Series exist only for connected Envoys (a node that left has none left behind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from sidecar.fleet import XdsView
+from sidecar.outputs.xds.cache import SHORT
+
+__all__ = ["XdsCollector", "register_xds"]
+
+_P = "confgen_sidecar_xds_"
+
+
+class XdsCollector(Collector):
+    def __init__(self, view: Callable[[], XdsView]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        connected = GaugeMetricFamily(_P + "connected_nodes", "Envoys with an open ADS stream.")
+        served = GaugeMetricFamily(_P + "resource_version", "1 for the version served of each type.",
+                                   labels=["type", "version"])
+        acked = GaugeMetricFamily(_P + "node_acked", "1 for the version each Envoy last accepted.",
+                                  labels=["node", "type", "version"])
+        nacked = GaugeMetricFamily(_P + "node_nacked", "1 while an Envoy refuses a version (it keeps its last "
+                                   "accepted one).", labels=["node", "type", "version"])
+        nacks = CounterMetricFamily(_P + "nacks", "NACKs by Envoy and type.", labels=["node", "type"])
+        responses = CounterMetricFamily(_P + "responses", "Responses sent over all streams.", labels=["type"])
+        updates = CounterMetricFamily(_P + "updates", "Changes of the served resources.", labels=["type"])
+        connected.add_metric([], len(view.nodes))
+        for kind, version in view.versions.items():
+            served.add_metric([kind, version], 1.0)
+            responses.add_metric([kind], view.responses.get(kind, 0))
+            updates.add_metric([kind], view.updates.get(kind, 0))
+        for node in view.nodes:
+            for type_url, version in sorted(node.acked.items()):
+                acked.add_metric([node.node, SHORT.get(type_url, type_url), version], 1.0)
+            for type_url, nack in sorted(node.nacked.items()):
+                nacked.add_metric([node.node, SHORT.get(type_url, type_url), nack.version], 1.0)
+            for type_url, count in sorted(node.nacks.items()):
+                nacks.add_metric([node.node, SHORT.get(type_url, type_url)], count)
+        yield from (connected, served, acked, nacked, nacks, responses, updates)
+
+
+def register_xds(registry: CollectorRegistry, view: Callable[[], XdsView]) -> XdsCollector:
+    collector = XdsCollector(view)
+    registry.register(collector)
+    return collector

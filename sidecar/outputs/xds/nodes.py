@@ -1,0 +1,77 @@
+"""Connected Envoys by node id, and what each one accepted or refused, per resource type.
+
+A node may hold several streams (a reconnect overlapping the old stream's end); it counts
+as connected while any is open and leaves every view when its last one closes. A NACK is
+kept with Envoy's error_detail until the node ACKs a later version of that type: the
+version it last accepted stays in force in that Envoy meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sidecar.fleet import Nack, NodeView
+
+__all__ = ["Nack", "NodeView", "Nodes"]
+
+
+@dataclass(slots=True)
+class _Node:
+    cluster: str
+    protocol: str  # "sotw" | "delta"
+    streams: int = 0
+    acked: dict[str, str] = field(default_factory=dict)  # type_url -> version
+    nacked: dict[str, Nack] = field(default_factory=dict)
+    nacks: Counter[str] = field(default_factory=Counter)
+
+
+class Nodes:
+    """The fleet of Envoys as the control plane sees it; `on_change` runs when the set of nodes changes."""
+
+    def __init__(self, clock: Callable[[], float], on_change: Callable[[], None] | None = None) -> None:
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._on_change = on_change
+        self.nacks_total = 0
+
+    def connect(self, node: str, cluster: str, protocol: str) -> None:
+        entry = self._nodes.get(node)
+        if entry is None:
+            entry = self._nodes[node] = _Node(cluster, protocol)
+        entry.streams += 1
+        if entry.streams == 1 and self._on_change is not None:
+            self._on_change()
+
+    def disconnect(self, node: str) -> None:
+        entry = self._nodes.get(node)
+        if entry is None:
+            return
+        entry.streams -= 1
+        if entry.streams <= 0:
+            del self._nodes[node]
+            if self._on_change is not None:
+                self._on_change()
+
+    def ack(self, node: str, type_url: str, version: str) -> None:
+        entry = self._nodes.get(node)
+        if entry is not None:
+            entry.acked[type_url] = version
+            entry.nacked.pop(type_url, None)
+
+    def nack(self, node: str, type_url: str, version: str, message: str) -> None:
+        entry = self._nodes.get(node)
+        if entry is not None:
+            entry.nacked[type_url] = Nack(version, message, self._clock())
+            entry.nacks[type_url] += 1
+            self.nacks_total += 1
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def view(self) -> tuple[NodeView, ...]:
+        return tuple(
+            NodeView(name, n.cluster, n.protocol, n.streams, dict(n.acked), dict(n.nacked), dict(n.nacks))
+            for name, n in sorted(self._nodes.items())
+        )

@@ -1,0 +1,167 @@
+"""The sidecar's own HTTP server: metrics, probes of the sidecar itself, state, drain calls.
+
+    GET  /metrics    Prometheus text from the registry passed in
+    GET  /healthz    200 while the process serves (liveness)
+    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
+                     its body also says when the running config is stale (a reload refused)
+    GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
+    GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.serve.models)
+    POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
+    POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
+                   (Content-Type: application/json; pool/worker may also be query
+                   parameters; no Origin header; a bearer token beyond loopback:
+                   sidecar.serve.guard)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from sidecar.daemon import Daemon
+from sidecar.fleet import Snapshot, XdsView
+from sidecar.outputs.xds.cache import SHORT
+from sidecar.serve.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.serve.models import models_answer
+
+__all__ = ["build_app", "state_json"]
+
+_DAEMON = web.AppKey("daemon", Daemon)
+_REGISTRY = web.AppKey("registry", CollectorRegistry)
+
+
+def _xds_json(view: XdsView) -> dict[str, Any]:
+    return {
+        "listen": view.listen,
+        "versions": dict(view.versions),
+        "resources": dict(view.resources),
+        "nacks_total": view.nacks_total,
+        "nodes": {
+            node.node: {
+                "cluster": node.cluster,
+                "protocol": node.protocol,
+                "streams": node.streams,
+                "acked": {SHORT.get(t, t): v for t, v in sorted(node.acked.items())},
+                "nacked": {SHORT.get(t, t): {"version": n.version, "error": n.message}
+                           for t, n in sorted(node.nacked.items())},
+                "nacks": {SHORT.get(t, t): c for t, c in sorted(node.nacks.items())},
+            }
+            for node in view.nodes
+        },
+    }
+
+
+def state_json(snap: Snapshot) -> dict[str, Any]:
+    return {
+        "xds": _xds_json(snap.xds) if snap.xds is not None else None,
+        "topology": snap.topology,
+        "cycles": snap.cycles,
+        "ready": not snap.not_ready,
+        "not_ready": list(snap.not_ready),
+        "reloads": dict(snap.reloads),
+        "last_reload_error": snap.last_reload_error,
+        "pools": {
+            pool.name: {
+                "engine": pool.engine,
+                "saturation": pool.saturation,
+                "queue_depth": pool.queue_depth,
+                "publishes": pool.publishes,
+                "rejections": pool.rejections,
+                "rejected": pool.rejected,
+                "inflight_limit": pool.inflight_limit,
+                "saturated": pool.saturated,
+                "shedding": pool.shedding,
+                "endpoints": [
+                    {
+                        "worker": ep.key.worker,
+                        "address": ep.key.address,
+                        "port": ep.key.port,
+                        "status": ep.status,
+                        "reason": ep.reason,
+                        "weight": ep.weight,
+                        "sample": dataclasses.asdict(ep.sample) if ep.sample is not None else None,
+                        "probe_latency_s": ep.probe_latency_s,
+                        "last_outcome": ep.last_outcome,
+                        "last_error": ep.last_error,
+                        "errors": dict(ep.errors),
+                    }
+                    for ep in pool.endpoints
+                ],
+            }
+            for pool in snap.pools
+        },
+    }
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[_REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Ready or not, and why; `stale` says why the running config is older than the topology.
+
+    A stale config does not make the sidecar unready: every replica reads the same
+    topology, so failing readiness would take them all out of service at once.
+    """
+    daemon = request.app[_DAEMON]
+    reasons = daemon.not_ready()
+    body = {"ready": not reasons, "not_ready": reasons, "stale": daemon.stale()}
+    return web.json_response(body, status=503 if reasons else 200)
+
+
+async def _state(request: web.Request) -> web.Response:
+    return web.json_response(state_json(request.app[_DAEMON].view()))
+
+
+async def _set_drain(request: web.Request, drained: bool) -> web.Response:
+    body = await json_object(request)
+    if isinstance(body, web.Response):
+        return body
+    pool = body.get("pool", request.query.get("pool", ""))
+    worker = body.get("worker", request.query.get("worker", ""))
+    daemon = request.app[_DAEMON]
+    if not isinstance(pool, str) or not isinstance(worker, str) or not pool or not worker:
+        return web.json_response({"error": "pool and worker are required (JSON body or query parameters)"},
+                                 status=400)
+    if not daemon.set_drain(pool, worker, drained):
+        return web.json_response({"error": f"no worker {worker!r} in pool {pool!r}"}, status=404)
+    await daemon.republish()
+    return web.json_response({"pool": pool, "worker": worker, "drained": drained})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    return await _set_drain(request, True)
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    return await _set_drain(request, False)
+
+
+async def _models(request: web.Request) -> web.Response:
+    daemon = request.app[_DAEMON]
+    return web.Response(text=models_answer(daemon.topology, daemon.view()), content_type="application/json")
+
+
+def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
+    """The sidecar's routes; `guard` decides who may POST (sidecar.serve.guard)."""
+    app = web.Application(client_max_size=MAX_BODY)
+    app[_DAEMON] = daemon
+    app[_REGISTRY] = registry
+    app[GUARD] = guard
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/state", _state)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/drain", guarded(_drain))
+    app.router.add_post("/undrain", guarded(_undrain))
+    return app
