@@ -102,12 +102,22 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     path = out / "report.md"
     path.write_text("\n".join(lines))
     raw = {"machine": info, "wall_s": wall_s, "errors": errors,
-           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": r.raw,
+           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": _lean(r.raw),
                                   "wall_s": r.wall_s, "tables": r.tables, "notes": r.notes, "chart": r.chart}
                          for r in results}}
     (out / "results.json").write_text(json.dumps(raw, indent=1, default=str))
     chart(out / "chart.png", results)
     return path
+
+
+def _lean(value: Any) -> Any:
+    """`value` without the per-request "samples" lists (kept in memory for pooling across seeds,
+    too bulky for results.json: the percentiles computed from them are there)."""
+    if isinstance(value, dict):
+        return {k: _lean(v) for k, v in value.items() if k != "samples"}
+    if isinstance(value, list):
+        return [_lean(v) for v in value]
+    return value
 
 
 def _short(label: str) -> str:
