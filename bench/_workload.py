@@ -150,7 +150,7 @@ class ChatSpec:
 
     rate: float  # mean requests per second (turns + one-shots) over the window
     duration_s: float
-    turns: tuple[int, int] = (4, 12)
+    turns: tuple[int, int] = (8, 16)
     think_s: float = 2.0
     min_gap_s: float = 1.0
     system_tokens: tuple[int, int] = (1000, 3000)

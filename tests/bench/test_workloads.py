@@ -161,7 +161,13 @@ def test_pooled_percentiles_with_spread_across_seeds() -> None:
 
 
 def test_ratios_are_the_median_of_per_seed_ratios() -> None:
-    data = {"per_seed": {"product": [{"p99_ms": 100.0}, {"p99_ms": 300.0}, {"p99_ms": 90.0}],
-                         "vr_cache_aware": [{"p99_ms": 200.0}, {"p99_ms": 200.0}, {"p99_ms": 100.0}]}}
+    """Seed by seed, then (min, median, max); a row run on fewer seeds (context rows run on the
+    first seed only) is compared on the seeds it has."""
+    data = {"per_seed": {"product": [{"seed": 1, "p99_ms": 100.0}, {"seed": 2, "p99_ms": 300.0},
+                                     {"seed": 3, "p99_ms": 90.0}],
+                         "bare": [{"seed": 1, "p99_ms": 50.0}],
+                         "vr_cache_aware": [{"seed": 1, "p99_ms": 200.0}, {"seed": 2, "p99_ms": 200.0},
+                                            {"seed": 3, "p99_ms": 100.0}]}}
     assert prefix.seed_ratios(data, "product", "vr_cache_aware", "p99_ms") == pytest.approx((0.5, 0.9, 1.5))
+    assert prefix.seed_ratios(data, "bare", "vr_cache_aware", "p99_ms") == pytest.approx((0.25, 0.25, 0.25))
     assert prefix.seed_ratios(data, "product", None, "p99_ms") is None
