@@ -9,7 +9,7 @@ from typing import Any
 from confgen.simulate import FleetHandle
 
 from .. import _stats
-from .._harness import Context, Result, Target, fmt_ms, fmt_x, judged, ratio
+from .._harness import Context, Result, Target, fmt_ms, fmt_ms3, fmt_x, fmt_x3, judged, ratio
 from . import _fleets
 from ._fleets import FleetPlan
 from ._runner import BARE, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure_or_fail, vllm
@@ -104,16 +104,6 @@ def seed_ratio(data: dict[str, Any], ours: str, ref: str | None, key: str = "p99
     return _stats.spread3([ratio(a.get(key), b.get(key)) for a, b in zip(per[ours], per[ref], strict=True)])
 
 
-def _x3(s: tuple[float, float, float] | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s[1]:.2f}x" if s[0] == s[2] else f"{s[1]:.2f}x [{s[0]:.2f}-{s[2]:.2f}]"
-
-
-def _ms3(s: tuple[float, float, float] | None) -> str:
-    if s is None:
-        return "-"
-    return fmt_ms(s[1]) if s[0] == s[2] else f"{fmt_ms(s[1])} [{fmt_ms(s[0])}-{fmt_ms(s[2])}]"
 
 
 def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -129,9 +119,10 @@ def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         label = r["label"] + (" **(vLLM Router best)**" if key == peer else "")
         per_worker = "/".join(str(v) for v in r["fleet_by_worker"].values())
         p90_ref = rows[peer]["p90_ms"] if peer else None
-        out.append([label, fmt_ms(r["p50_ms"]), fmt_ms(r["p90_ms"]), fmt_ms(r["p99_ms"]), _ms3(r["spread"]["p99_ms"]),
-                    _x3(seed_ratio(data, key, peer)), fmt_x(ratio(r["p90_ms"], p90_ref)),
-                    _x3(seed_ratio(data, key, "bare")), fmt_ms(r["ttft_p99_ms"]), fmt_ms(r["ntpot_p99_ms"]),
+        out.append([label, fmt_ms(r["p50_ms"]), fmt_ms(r["p90_ms"]), fmt_ms(r["p99_ms"]),
+                    fmt_ms3(r["spread"]["p99_ms"]),
+                    fmt_x3(seed_ratio(data, key, peer)), fmt_x(ratio(r["p90_ms"], p90_ref)),
+                    fmt_x3(seed_ratio(data, key, "bare")), fmt_ms(r["ttft_p99_ms"]), fmt_ms(r["ntpot_p99_ms"]),
                     str(r["shed"]), str(r["other_errors"]), str(r["requests"]), per_worker,
                     fmt_ms(r["send_lag_p99_ms"])])
     return head, out
@@ -149,9 +140,9 @@ def summary(raw: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         out.append([key, "yes" if data["even"] else "no", str(len(data["seeds"])), str(r["product"]["requests"]),
                     fmt_ms(r["product"]["p99_ms"]),
                     f"{fmt_ms(ref)} ({r[peer]['label'].removeprefix('vLLM Router ')})" if peer else "-",
-                    _x3(seed_ratio(data, "product", peer)),
+                    fmt_x3(seed_ratio(data, "product", peer)),
                     fmt_x(ratio(r["product"]["p90_ms"], r[peer]["p90_ms"] if peer else None)),
-                    _x3(seed_ratio(data, "product", "bare")), _x3(seed_ratio(data, "render", "bare")),
+                    fmt_x3(seed_ratio(data, "product", "bare")), fmt_x3(seed_ratio(data, "render", "bare")),
                     str(r["product"]["shed"]), "<= 1.0x" if data["even"] else "<= 0.8x"])
     return head, out
 
@@ -170,7 +161,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
         pr = None if s is None else s[1]
         out.append(Target(f"[{key}] product P99 vs vLLM Router's best ({rows[peer]['label']}), median of {n} seeds",
                           f"<= {limit:g}x", f"{fmt_ms(prod['p99_ms'])} vs {fmt_ms(rows[peer]['p99_ms'])} ms pooled; "
-                          f"per seed {_x3(s)}", pr, judged(pr, prod['p99_ms'], limit), limit))
+                          f"per seed {fmt_x3(s)}", pr, judged(pr, prod['p99_ms'], limit), limit))
         p90 = ratio(prod["p90_ms"], rows[peer]["p90_ms"])
         out.append(Target(f"[{key}] product P90 vs vLLM Router's best, pooled over {n} seeds", "<= 1x",
                           f"{fmt_ms(prod['p90_ms'])} vs {fmt_ms(rows[peer]['p90_ms'])} ms", p90,
@@ -182,7 +173,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
     rr = None if s is None else s[1]
     out.append(Target(f"[{key}] render alone P99 vs bare Envoy least_request, median of {n} seeds", "<= 1.05x",
                       f"{fmt_ms(rows['render']['p99_ms'])} vs {fmt_ms(rows['bare']['p99_ms'])} ms pooled; "
-                      f"per seed {_x3(s)}", rr, judged(rr, rows['render']['p99_ms'], 1.05), 1.05))
+                      f"per seed {fmt_x3(s)}", rr, judged(rr, rows['render']['p99_ms'], 1.05), 1.05))
     return out
 
 

@@ -26,7 +26,7 @@ from confgen.simulate._server import block_hashes
 
 from .. import _stats
 from .. import _workload as wl
-from .._harness import Context, Result, Target, fmt_ms, ratio
+from .._harness import Context, Result, Target, fmt_ms, fmt_ms3, fmt_pct3, fmt_x3, ratio
 from ._fleets import FleetPlan
 from ._runner import BARE, PRODUCT, RENDER, SESSION_BALANCING, Setup, measure_or_fail, vllm
 
@@ -215,20 +215,11 @@ def seed_ratios(data: dict[str, Any], ours: str, ref: str | None, key: str) -> t
                            for a in data["per_seed"][ours] if a.get("seed") in theirs])
 
 
-def _x3(s: tuple[float, float, float] | None) -> str:
-    return "-" if s is None else f"{s[1]:.2f}x [{s[0]:.2f}-{s[2]:.2f}]"
-
-
-def _ms3(s: tuple[float, float, float] | None) -> str:
-    return "-" if s is None else f"{fmt_ms(s[1])} [{fmt_ms(s[0])}-{fmt_ms(s[2])}]"
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
-
-def _pct3(s: tuple[float, float, float] | None) -> str:
-    return "-" if s is None else f"{s[1]:.0%} [{s[0]:.0%}-{s[2]:.0%}]"
 
 
 def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -242,10 +233,10 @@ def table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         mark = " **(vLLM Router best P99)**" if key == peer else ""
         mark += " **(best TTFT P99)**" if key == peer_ttft and key.startswith("vr_") else ""
         out.append([r["label"] + mark, str(r["seeds"]), fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]),
-                    _ms3(r["spread"]["p99_ms"]),
-                    _x3(seed_ratios(data, key, peer, "p99_ms")), fmt_ms(r["ttft_p50_ms"]), fmt_ms(r["ttft_p99_ms"]),
-                    _x3(seed_ratios(data, key, peer_ttft, "ttft_p99_ms")), fmt_ms(r["ntpot_p50_ms"]),
-                    fmt_ms(r["ntpot_p99_ms"]), _pct3(r["spread"]["prefix_hit_rate"]), str(r["shed"]),
+                    fmt_ms3(r["spread"]["p99_ms"]),
+                    fmt_x3(seed_ratios(data, key, peer, "p99_ms")), fmt_ms(r["ttft_p50_ms"]), fmt_ms(r["ttft_p99_ms"]),
+                    fmt_x3(seed_ratios(data, key, peer_ttft, "ttft_p99_ms")), fmt_ms(r["ntpot_p50_ms"]),
+                    fmt_ms(r["ntpot_p99_ms"]), fmt_pct3(r["spread"]["prefix_hit_rate"]), str(r["shed"]),
                     str(r["other_errors"]), str(r["requests"]), "/".join(str(v) for v in r["fleet_by_worker"])])
     return head, out
 
@@ -266,9 +257,9 @@ def summary(raw: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if not rows_kind(k):
                 continue
             out.append([key, _short(r["label"]), str(r["seeds"]), fmt_ms(r["p99_ms"]),
-                        _x3(seed_ratios(data, k, peer, "p99_ms")), fmt_ms(r["ttft_p99_ms"]),
-                        _x3(seed_ratios(data, k, peer_ttft, "ttft_p99_ms")), fmt_ms(r["ntpot_p99_ms"]),
-                        _pct3(r["spread"]["prefix_hit_rate"]), _pct(ceiling), str(r["shed"]), ref])
+                        fmt_x3(seed_ratios(data, k, peer, "p99_ms")), fmt_ms(r["ttft_p99_ms"]),
+                        fmt_x3(seed_ratios(data, k, peer_ttft, "ttft_p99_ms")), fmt_ms(r["ntpot_p99_ms"]),
+                        fmt_pct3(r["spread"]["prefix_hit_rate"]), _pct(ceiling), str(r["shed"]), ref])
     return head, out
 
 
@@ -291,12 +282,12 @@ def targets(data: dict[str, Any], w: Workload) -> list[Target]:
             met = None if s is None else s[1] <= LIMIT
             out.append(Target(f"{name}: {what} vs vLLM Router's best ({rows[ref]['label']}), median of "
                               f"{r['seeds']} seed(s)", f"<= {LIMIT:g}x",
-                              f"{fmt_ms(r[fig])} vs {fmt_ms(rows[ref][fig])} ms pooled; per seed {_x3(s)}",
+                              f"{fmt_ms(r[fig])} vs {fmt_ms(rows[ref][fig])} ms pooled; per seed {fmt_x3(s)}",
                               None if s is None else s[1], False if r[fig] is None else met, LIMIT))
         if not w.header:
             hit = r["prefix_hit_rate"]
             out.append(Target(f"{name}: prefix-cache hit rate", f">= {HIT_TARGET:.0%}",
-                              f"{_pct3(r['spread']['prefix_hit_rate'])} (mean [min-max] of the seeds)",
+                              f"{fmt_pct3(r['spread']['prefix_hit_rate'])} (mean [min-max] of the seeds)",
                               hit, hit is not None and hit >= HIT_TARGET, None))
         out.append(Target(f"{name}: requests shed (429)", "0", f"{r['shed']} of {r['requests']}", float(r["shed"]),
                           r["shed"] == 0 and r["seeds_ok"] == r["seeds"], 0.0))
@@ -400,6 +391,8 @@ def run(ctx: Context) -> Result:
 
 
 def _short(label: str) -> str:
+    label = label.replace("confgen render (balancing: {policy: ", "policy ")
+    label = label.replace("}) + confgen-sidecar", " + sidecar")
     for long, short in (("confgen render + confgen-sidecar (as shipped)", "product (as shipped)"),
                         ("confgen render (ring_hash on x-session-id, load bound) + confgen-sidecar (recommended)",
                          "ring_hash session (recommended)"), (" + confgen-sidecar", ""), ("confgen render ", "")):
