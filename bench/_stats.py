@@ -63,6 +63,21 @@ def spread3(values: list[float | None]) -> tuple[float, float, float] | None:
     return have[0], statistics.median(have), have[-1]
 
 
+def seed_ratios(per_seed: dict[str, list[dict[str, Any]]], ours: str, ref: str | None, key: str = "p99_ms"
+                ) -> tuple[float, float, float] | None:
+    """(min, median, max) over the seeds both setups ran of ours[key] / ref[key], seed by seed
+    (rows matched on their "seed"); None when there is no pair with both figures."""
+    if ref is None or ours not in per_seed or ref not in per_seed:
+        return None
+    theirs = {r.get("seed"): r for r in per_seed[ref]}
+    values: list[float | None] = []
+    for a in per_seed[ours]:
+        b = theirs.get(a.get("seed"))
+        if b is not None and a.get(key) is not None and b.get(key):
+            values.append(a[key] / b[key])
+    return spread3(values)
+
+
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One setup over several seeds: percentiles over every seed's measured requests together
     (runs must carry "samples", see `summarize`), counts summed, and per figure the

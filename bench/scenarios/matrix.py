@@ -60,6 +60,7 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
             tag = f"mx-{plan.key}-{s.key}-{seed}"
             r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), requests, s, tag,
                                 warmup_s=warmup_s, deadline_s=deadline, ingresses=plan.ingresses, during=during)
+            r["seed"] = seed
             per_seed.setdefault(s.key, []).append(r)
             print(f"  [{plan.key} seed {seed}] {s.label}: p50 {fmt_ms(r['p50_ms'])} p99 {fmt_ms(r['p99_ms'])} ms, "
                   f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s: start {r.get('startup_s')}, "
@@ -75,8 +76,8 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
 
 
 def _lean(r: dict[str, Any]) -> dict[str, Any]:
-    keep = ("p50_ms", "p90_ms", "p99_ms", "ttft_p99_ms", "ntpot_p99_ms", "shed", "other_errors", "requests", "ok",
-            "fleet_by_worker", "failed", "wall_s", "startup_s", "load_s", "teardown_s", "slowed_at_s")
+    keep = ("seed", "p50_ms", "p90_ms", "p99_ms", "ttft_p99_ms", "ntpot_p99_ms", "shed", "other_errors", "requests",
+            "ok", "fleet_by_worker", "failed", "wall_s", "startup_s", "load_s", "teardown_s", "slowed_at_s")
     return {k: r.get(k) for k in keep if k in r}
 
 
@@ -98,11 +99,7 @@ def _build(plan: FleetPlan, rate: float, count: int, seed: int) -> list[dict[str
 def seed_ratio(data: dict[str, Any], ours: str, ref: str | None, key: str = "p99_ms"
                ) -> tuple[float, float, float] | None:
     """(min, median, max) over the seeds of ours[key] / ref[key], seed by seed."""
-    per = data.get("per_seed", {})
-    if ref is None or ours not in per or ref not in per:
-        return None
-    return _stats.spread3([ratio(a.get(key), b.get(key)) for a, b in zip(per[ours], per[ref], strict=True)])
-
+    return _stats.seed_ratios(data.get("per_seed", {}), ours, ref, key)
 
 
 

@@ -207,13 +207,8 @@ def best_peer(data: dict[str, Any], key: str = "p99_ms") -> str | None:
 
 
 def seed_ratios(data: dict[str, Any], ours: str, ref: str | None, key: str) -> tuple[float, float, float] | None:
-    """(min, median, max) over the seeds both ran of ours[key] / ref[key], seed by seed."""
-    if ref is None or ours not in data["per_seed"] or ref not in data["per_seed"]:
-        return None
-    theirs = {r.get("seed"): r for r in data["per_seed"][ref]}
-    return _stats.spread3([ratio(a.get(key), theirs[a.get("seed")].get(key))
-                           for a in data["per_seed"][ours] if a.get("seed") in theirs])
-
+    """(min, median, max) over the seeds of ours[key] / ref[key], seed by seed."""
+    return _stats.seed_ratios(data["per_seed"], ours, ref, key)
 
 
 

@@ -171,3 +171,5 @@ def test_ratios_are_the_median_of_per_seed_ratios() -> None:
     assert prefix.seed_ratios(data, "product", "vr_cache_aware", "p99_ms") == pytest.approx((0.5, 0.9, 1.5))
     assert prefix.seed_ratios(data, "bare", "vr_cache_aware", "p99_ms") == pytest.approx((0.25, 0.25, 0.25))
     assert prefix.seed_ratios(data, "product", None, "p99_ms") is None
+    failed = {**data["per_seed"], "vr_failed": [{"seed": 1, "p99_ms": None}, {"seed": 2, "p99_ms": 150.0}]}
+    assert _stats.seed_ratios(failed, "product", "vr_failed") == pytest.approx((2.0, 2.0, 2.0))  # seed 1 left out
