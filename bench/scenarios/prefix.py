@@ -23,8 +23,9 @@ from typing import Any
 from confgen.balancing import POLICIES
 from confgen.simulate._engine import BLOCK_TOKENS
 from confgen.simulate._server import block_hashes
+from confgen.topology import parse
 
-from .. import _stats
+from .. import _proxies, _stats
 from .. import _workload as wl
 from .._harness import Context, Result, Target, fmt_ms, fmt_ms3, fmt_pct3, fmt_x3, ratio
 from ._fleets import FleetPlan
@@ -51,10 +52,19 @@ LIMIT = 0.75  # issue 17: product <= 0.75x vLLM Router's best, P99 and TTFT P99
 HIT_TARGET = 0.80
 
 
+def default_policy() -> str:
+    """The balancing policy of the product as shipped: the one confgen gives the bench's user topology."""
+    text = _proxies.user_topology([("127.0.0.1", 8000, 8)], 8001, 8002)
+    topo, _ = parse(text.encode(), "<bench user topology>")
+    return str(topo.pools[0].balancing.policy)
+
+
 def policy_setups() -> tuple[list[Setup], list[str]]:
-    """The product rows for PRODUCT_POLICIES that confgen knows, and the names it does not know."""
+    """The product rows for PRODUCT_POLICIES that confgen knows and does not already ship as the
+    default (then the product row is that policy), and the names it does not know."""
+    shipped = default_policy()
     have = [Setup(f"pol_{p}", f"confgen render (balancing: {{policy: {p}}}) + confgen-sidecar", "product",
-                  f"{{policy: {p}}}") for p in PRODUCT_POLICIES if p in POLICIES]
+                  f"{{policy: {p}}}") for p in PRODUCT_POLICIES if p in POLICIES and p != shipped]
     return have, [p for p in PRODUCT_POLICIES if p not in POLICIES]
 
 
@@ -89,12 +99,10 @@ WORKLOADS = (
     Workload("plain", "conversations from plain OpenAI clients (no session header)", _conversations(False),
              ("cache_aware", "power_of_two"), context=(RENDER, BARE), seeds=3, headline=True),
     Workload("header", "the same conversations with x-session-id", _conversations(True),
-             ("cache_aware", "consistent_hash"), (RECOMMENDED,), context=(PRODUCT,), seeds=3, headline=True,
-             header=True),
+             ("cache_aware", "consistent_hash"), context=(RECOMMENDED,), seeds=3, headline=True, header=True),
     Workload("agents", "agents: long shared system + tool contexts, distinct tasks", _agents,
              ("cache_aware", "power_of_two")),
-    Workload("mix", "conversations (plain clients) mixed 1:1 with one-shot requests", _mix,
-             ("cache_aware", "power_of_two")),
+    Workload("mix", "conversations (plain clients) mixed 1:1 with one-shot requests", _mix, ("cache_aware",)),
 )
 QUICK = ("plain",)
 QUICK_PEERS = ("cache_aware",)  # quick is a harness check within make bench-quick's 4 minutes
@@ -104,8 +112,7 @@ def setups(ctx: Context, w: Workload, first_seed: bool = True) -> list[Setup]:
     own, _ = policy_setups()
     if ctx.quick:
         return [PRODUCT, *own, *(vllm(p) for p in QUICK_PEERS)]
-    main = [*([] if PRODUCT in w.context else [PRODUCT]), *own, *w.extra]
-    return [*main, *(w.context if first_seed else ()), *(vllm(p) for p in w.peers)]
+    return [PRODUCT, *own, *w.extra, *(w.context if first_seed else ()), *(vllm(p) for p in w.peers)]
 
 
 def prompt_tokens(r: dict[str, Any]) -> int:
@@ -266,7 +273,7 @@ def targets(data: dict[str, Any], w: Workload) -> list[Target]:
     out: list[Target] = []
     peer, peer_ttft = best_peer(data), best_peer(data, "ttft_p99_ms")
     rows = data["pooled"]
-    ours = [k for k in rows if rows_kind(k) and (k != "product" or not w.header)]
+    ours = [k for k in rows if rows_kind(k)]
     for key in ours:
         r = rows[key]
         name = f"[{w.key}] {r['label']}"
@@ -297,7 +304,7 @@ def rows_kind(key: str) -> bool:
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     warmup_s = ctx.option("prefix_warmup_s", ctx.scale(4, 3))
-    window_s = ctx.option("prefix_window_s", ctx.scale(6, 5))
+    window_s = ctx.option("prefix_window_s", ctx.scale(5, 5))
     own, unknown = policy_setups()
     chosen = [w for w in WORKLOADS if not ctx.quick or w.key in QUICK]
     groups: list[str] = []
@@ -369,6 +376,8 @@ def run(ctx: Context) -> Result:
         "(examples/03-session-affinity.yaml) + the sidecar. vLLM Router: each policy listed, same flags as the "
         "matrix; its consistent_hash hashes the x-session-id header when one is sent.",
     ]
+    res.notes.append(f"The product as shipped balances this pool with `{default_policy()}` (confgen's default for "
+                     "the bench's user topology).")
     if own:
         res.notes.append("Policy rows: " + ", ".join(s.label for s in own) + " (the topology's `balancing`, "
                          "everything else as shipped).")
@@ -376,9 +385,9 @@ def run(ctx: Context) -> Result:
         res.notes.append(f"Not run: the product with balancing policy {', '.join(unknown)} (not in confgen's "
                          "balancing table at this commit); the rows appear once it is.")
     res.notes.append("Seeds: " + "; ".join(f"{k} {len(d['seeds'])}" for k, d in res.raw.items()) + ". Rows for "
-                     "context (the render alone and a bare Envoy on plain clients, the product as shipped where a "
-                     "header is sent) run on the first seed only in the full run, to keep `make bench` within its "
-                     "budget; `--set prefix_seeds=N` runs every workload on N seeds.")
+                     "context (the render alone and a bare Envoy on plain clients, the recommended ring_hash "
+                     "session setup where a header is sent) run on the first seed only in the full run, to keep "
+                     "`make bench` within its budget; `--set prefix_seeds=N` runs every workload on N seeds.")
     if ctx.quick:
         res.notes.append(f"Quick mode: the {', '.join(QUICK)} workload only, 1 seed, {window_s:g} s measured, "
                          f"vLLM Router {' and '.join(QUICK_PEERS)} only: it shows the harness works, not the targets.")
