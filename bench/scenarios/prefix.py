@@ -276,7 +276,7 @@ def targets(data: dict[str, Any], w: Workload) -> list[Target]:
     ours = [k for k in rows if rows_kind(k)]
     for key in ours:
         r = rows[key]
-        name = f"[{w.key}] {r['label']}"
+        name = f"[{w.key}] {_short(r['label'])}"
         for fig, ref, what in (("p99_ms", peer, "P99"), ("ttft_p99_ms", peer_ttft, "TTFT P99")):
             s = seed_ratios(data, key, ref, fig)
             if ref is None:
