@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from confgen import runtime
+from confgen.balancing import POLICIES
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
+from confgen.topology import parse
 
 from .. import _bare_envoy, _proxies, _stats, loadgen
 from .._harness import Context, fleet_stats, stats_delta
@@ -50,6 +52,25 @@ def vllm(policy: str) -> Setup:
 
 
 PEER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+# Product rows with an explicit balancing policy (the topology's `balancing`, all else as shipped):
+# the endpoint picker's policy (issue 17), run wherever confgen knows it and does not ship it as the default.
+PRODUCT_POLICIES = ("prefix_affinity",)
+
+
+def default_policy() -> str:
+    """The balancing policy of the product as shipped: the one confgen gives the bench's user topology."""
+    text = _proxies.user_topology([("127.0.0.1", 8000, 8)], 8001, 8002)
+    topo, _ = parse(text.encode(), "<bench user topology>")
+    return str(topo.pools[0].balancing.policy)
+
+
+def policy_setups() -> tuple[list[Setup], list[str]]:
+    """The product rows for PRODUCT_POLICIES that confgen knows and does not already ship as the
+    default (then the product row is that policy), and the names it does not know."""
+    shipped = default_policy()
+    have = [Setup(f"pol_{p}", f"confgen render (balancing: {{policy: {p}}}) + confgen-sidecar", "product",
+                  f"{{policy: {p}}}") for p in PRODUCT_POLICIES if p in POLICIES and p != shipped]
+    return have, [p for p in PRODUCT_POLICIES if p not in POLICIES]
 
 
 @dataclass

@@ -12,7 +12,7 @@ from .. import _stats
 from .._harness import Context, Result, Target, fmt_ms, fmt_ms3, fmt_x, fmt_x3, judged, ratio
 from . import _fleets
 from ._fleets import FleetPlan
-from ._runner import BARE, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure_or_fail, vllm
+from ._runner import BARE, PEER_POLICIES, PRODUCT, RENDER, Front, Setup, best, measure_or_fail, policy_setups, vllm
 
 NAME = "matrix"
 # Full run: every fleet on SEEDS_FULL seeds (fresh fleet, own arrivals), WINDOW_FULL s measured each.
@@ -24,9 +24,12 @@ TITLE = "Routing matrix: the product as shipped against vLLM Router and a bare E
 
 
 def setups(ctx: Context, plan: FleetPlan) -> list[Setup]:
+    """The setups of a fleet; `--set matrix_policy_rows=1` adds the PRODUCT_POLICIES rows (the endpoint
+    picker on the matrix: ~2 min more per seed, outside the 25-minute budget, so off by default)."""
+    own = policy_setups()[0] if ctx.option("matrix_policy_rows", 0) else []
     if ctx.quick:
-        return [PRODUCT, RENDER, BARE, vllm("power_of_two")]
-    return [PRODUCT, RENDER, BARE,
+        return [PRODUCT, *own, RENDER, BARE, vllm("power_of_two")]
+    return [PRODUCT, *own, RENDER, BARE,
             *(vllm(p) for p in PEER_POLICIES if p != "round_robin" or plan.round_robin_overload() <= 1.0)]
 
 

@@ -20,16 +20,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from confgen.balancing import POLICIES
 from confgen.simulate._engine import BLOCK_TOKENS
 from confgen.simulate._server import block_hashes
-from confgen.topology import parse
 
-from .. import _proxies, _stats
+from .. import _stats
 from .. import _workload as wl
 from .._harness import Context, Result, Target, fmt_ms, fmt_ms3, fmt_pct3, fmt_x3, ratio
 from ._fleets import FleetPlan
-from ._runner import BARE, PRODUCT, RENDER, SESSION_BALANCING, Setup, measure_or_fail, vllm
+from ._runner import (
+    BARE,
+    PRODUCT,
+    RENDER,
+    SESSION_BALANCING,
+    Setup,
+    default_policy,
+    measure_or_fail,
+    policy_setups,
+    vllm,
+)
 
 NAME = "prefix"
 TITLE = "Prefix-cache affinity: conversations (plain clients and x-session-id), agents, a mix"
@@ -45,27 +53,10 @@ FLEET = FleetPlan("prefix", "4 equal workers with block prefix caches", (1.0, 1.
 LOAD = 0.8
 HIT_REF = 0.5  # the load is LOAD x what the fleet serves when this share of prompt tokens is cached
 
-PRODUCT_POLICIES = ("prefix_affinity",)  # the endpoint picker's policy (issue 17), once confgen has it
 RECOMMENDED = Setup("rec", "confgen render (ring_hash on x-session-id, load bound) + confgen-sidecar (recommended)",
                     "product", SESSION_BALANCING)
 LIMIT = 0.75  # issue 17: product <= 0.75x vLLM Router's best, P99 and TTFT P99
 HIT_TARGET = 0.80
-
-
-def default_policy() -> str:
-    """The balancing policy of the product as shipped: the one confgen gives the bench's user topology."""
-    text = _proxies.user_topology([("127.0.0.1", 8000, 8)], 8001, 8002)
-    topo, _ = parse(text.encode(), "<bench user topology>")
-    return str(topo.pools[0].balancing.policy)
-
-
-def policy_setups() -> tuple[list[Setup], list[str]]:
-    """The product rows for PRODUCT_POLICIES that confgen knows and does not already ship as the
-    default (then the product row is that policy), and the names it does not know."""
-    shipped = default_policy()
-    have = [Setup(f"pol_{p}", f"confgen render (balancing: {{policy: {p}}}) + confgen-sidecar", "product",
-                  f"{{policy: {p}}}") for p in PRODUCT_POLICIES if p in POLICIES and p != shipped]
-    return have, [p for p in PRODUCT_POLICIES if p not in POLICIES]
 
 
 @dataclass(frozen=True)
