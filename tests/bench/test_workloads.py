@@ -13,7 +13,7 @@ import pytest
 from bench import _stats
 from bench import _workload as wl
 from bench.scenarios import prefix
-from confgen.simulate._server import block_hashes
+from confgen.simulate import block_hashes
 
 
 def _blocks(r: dict[str, Any]) -> tuple[str, ...]:
