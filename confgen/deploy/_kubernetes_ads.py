@@ -55,6 +55,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     container = {
         "name": "control-plane",
         "image": topo.kubernetes.sidecar_image,
+        "command": ["confgen-sidecar"],
         "args": ["--topology", topology_file, "--serve-xds", f"0.0.0.0:{port}",
                  "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}"],
         "workingDir": k8s_mod.WORK_DIR,

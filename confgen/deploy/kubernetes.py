@@ -234,6 +234,8 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         "image": topo.kubernetes.sidecar_image,
         # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there;
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
+        # The program is named, not left to the image's ENTRYPOINT (an image built otherwise works).
+        "command": ["confgen-sidecar"],
         "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}",
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
