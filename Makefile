@@ -44,10 +44,14 @@ prometheus-tools:
 		exit 1; \
 	fi
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist): measured on the 2-core machine, see
+# CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) prometheus-tools
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 # Rewrite tests/golden (every example rendered for every target) after an intended output change;
 # review `git diff tests/golden` like any other change.

@@ -231,8 +231,13 @@ class Pool:
 
     @property
     def total_capacity(self) -> int:
-        """Concurrent sequences the pool's workers run in all."""
-        return sum(w.capacity or self.capacity for w in self.workers)
+        """Concurrent sequences the pool's workers run in all: the listed workers', or, for a
+        pool with `autoscale`, at least `max_replicas` workers' (a headless Service listed once
+        resolves to every pod the autoscaler starts; the safety cap must make room for them)."""
+        listed = sum(w.capacity or self.capacity for w in self.workers)
+        if self.autoscale is None:
+            return listed
+        return max(listed, self.autoscale.max_replicas * self.capacity)
 
 
 @dataclass(frozen=True)
