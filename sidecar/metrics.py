@@ -37,6 +37,7 @@ METRIC_NAMES = (
     "llm_queue_depth",
     _PREFIX + "build_info",
     _PREFIX + "ready",
+    _PREFIX + "problems",
     _PREFIX + "probe_cycles_total",
     _PREFIX + "pool_saturation_ratio",
     _PREFIX + "inflight_limit",
@@ -90,6 +91,9 @@ class SidecarCollector(Collector):
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         cycles = CounterMetricFamily(_PREFIX + "probe_cycles", "Probe cycles completed (stalls when the loop does).")
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        problems = GaugeMetricFamily(_PREFIX + "problems", "What the proxy does not run of the sidecar's decisions "
+                                     "now (updates refused, writes failing; listed in /state): not a readiness "
+                                     "failure, alerted on.")
         write_failures = CounterMetricFamily(_PREFIX + "write_failures", "xDS file writes that failed (read-only "
                                              "or full disk...), by pool or tree.", labels=["target"])
         external = CounterMetricFamily(_PREFIX + "external_changes", "Files the sidecar wrote that someone else "
@@ -138,8 +142,9 @@ class SidecarCollector(Collector):
             external.add_metric([name], count)
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
+        problems.add_metric([], float(len(snap.problems)))
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, stale, write_failures, external, limit, saturated)
+                    rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated)
 
 
 def _le(bound: float) -> str:
