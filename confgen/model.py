@@ -440,6 +440,12 @@ class Kubernetes:
         doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
         "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
     )
+    monitoring_labels: dict[str, str] = field(
+        factory=dict,
+        doc="Labels added to the ServiceMonitor, PrometheusRule and dashboard ConfigMap, for the Prometheus and "
+        "Grafana that select them (kube-prometheus-stack selects `release: <its release name>` by default).",
+        pattern="k8s_label_value",
+    )
     prometheus_url: str = field(
         "http://prometheus-operated.monitoring.svc:9090",
         doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",

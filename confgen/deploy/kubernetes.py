@@ -215,13 +215,40 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
         # the admin interface stays on the pod's loopback.
         "readinessProbe": {"httpGet": {"path": "/envoy/ready", "port": "metrics"},
                            "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": envoy_liveness(topo),
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", wait]}}},
     }
 
 
-def _admin_url(topo: Topology) -> str:
+def envoy_liveness(topo: Topology) -> Obj:
+    """Envoy answers its admin's GET /server_info within 4 s (its main thread lives; also while
+    draining, unlike /ready). Asked from inside the container: the admin stays on the pod's
+    loopback and the envoy image has bash (/dev/tcp) but no HTTP client; the sidecar's relay
+    would tie Envoy's restarts to the sidecar's. tests/deploy/test_probes_live.py runs it."""
+    host = _admin_host(topo)
+    request = "GET /server_info HTTP/1.1\\r\\nHost: envoy-admin\\r\\nConnection: close\\r\\n\\r\\n"
+    script = (f"exec 3<>/dev/tcp/{host}/{topo.admin.port} && printf '{request}' >&3 && "
+              "read -r -t 4 status <&3 && case \"$status\" in 'HTTP/1.1 200'*) exit 0;; esac; exit 1")
+    return {"exec": {"command": ["/bin/bash", "-c", script]},
+            "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
+
+
+def spread(selector: dict[str, str]) -> list[Obj]:
+    """Replicas spread over zones, then nodes, as evenly as the cluster allows (ScheduleAnyway:
+    a one-node or one-zone cluster still schedules them): one node or zone lost takes one
+    replica's share, not the whole Service."""
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector}}
+            for key in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")]
+
+
+def _admin_host(topo: Topology) -> str:
     host = topo.admin.address
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+
+
+def _admin_url(topo: Topology) -> str:
+    host = _admin_host(topo)
     return f"http://[{host}]:{topo.admin.port}" if ":" in host else f"http://{host}:{topo.admin.port}"
 
 
@@ -303,6 +330,7 @@ def _deployment(plan: _Plan) -> Obj:
                 "spec": {
                     "securityContext": _pod_security(),
                     "automountServiceAccountToken": False,
+                    "topologySpreadConstraints": spread(plan.selector),
                     "initContainers": [init],
                     "containers": [_envoy_container(plan, f"{XDS_DIR}/bootstrap.json"),
                                    _sidecar_container(plan, topology_file, mounts)],
@@ -315,14 +343,26 @@ def _deployment(plan: _Plan) -> Obj:
 
 
 def _service(plan: _Plan) -> Obj:
+    """The clients' Service: the listeners only (the sidecar's port is on its own Service)."""
     ports = [{"name": _port_name(lst.name), "port": lst.port, "targetPort": lst.port}
              for lst in plan.topo.listeners]
-    ports.append({"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": plan.meta(plan.base, "proxy"),
         "spec": {"selector": plan.selector, "ports": ports},
+    }
+
+
+def _metrics_service(plan: _Plan) -> Obj:
+    """The sidecar's port (metrics, /envoy/stats, /state) for Prometheus, apart from the clients'
+    Service: headless (Prometheus scrapes each pod), its own component label for the ServiceMonitor."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": plan.meta(f"{plan.base}-metrics", "metrics"),
+        "spec": {"clusterIP": "None", "selector": plan.selector,
+                 "ports": [{"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"}]},
     }
 
 
@@ -490,10 +530,14 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
         from ._kubernetes_ads import ads_objects
 
         docs = [_configmap(plan), *ads_objects(plan), *hpas]
+        scraped = "control-plane"  # its Service carries the metrics port
     else:
-        docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _metrics_service(plan), _pdb(plan), *hpas]
+        scraped = "metrics"
     if topo.kubernetes.monitoring:
-        docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
+        docs += _observability.kubernetes_objects(
+            plan.meta, plan.base, {**plan.selector, "app.kubernetes.io/component": scraped},
+            dict(topo.kubernetes.monitoring_labels))
     scaled = _scaled_objects(plan)
     problems = _key_problems(plan) + _collisions(docs) + _collisions(scaled)
     if problems:
