@@ -99,6 +99,7 @@ class PoolView:
     saturated: bool = False  # the detector's verdict (sidecar.saturation)
     shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
+    model: str = ""  # the pool's model (its first `models` entry): the engine metrics' `model` label
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,6 +433,7 @@ class Daemon:
             pools.append(PoolView(
                 name=pool.name,
                 engine=pool.engine,
+                model=pool.models[0],
                 saturation=pool_saturation(samples, {k: t.capacity for k, t in members}),
                 queue_depth=queue_depth(samples),
                 publishes=self._publisher.publishes[pool.name],
