@@ -25,7 +25,7 @@ _HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy
 def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Finding]:
     """Every finding about `topo`; `sections` are the top-level keys the file wrote (a default
     section and one written out mean different intents: `kubernetes:` deploys the sidecar)."""
-    found: list[Finding] = list(_dns_workers(topo, sections))
+    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections)]
     for checker in (
         _duplicates,
         _addresses,
@@ -124,6 +124,40 @@ def _dns_workers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
                 ),
                 WARNING,
             )
+
+
+def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
+    """In mode ads, `confgen render --target kubernetes` names the control plane itself (the
+    StatefulSet <base>-xds in kubernetes.namespace, serving on the first server's port): a
+    server meant to be it (its name starts with <base>-xds, or any in-cluster `.svc` name when
+    the file has a `kubernetes:` section) must be one of its names, or Envoy never connects."""
+    xds = topo.envoy.xds
+    if xds.mode != "ads" or not xds.servers:
+        return
+    from .deploy.kubernetes import dns_label  # the render's own naming
+
+    control = f"{dns_label(f'confgen-{topo.name}')}-xds"
+    namespace = topo.kubernetes.namespace
+    first = split_address(xds.servers[0])
+    port = first[1] if first is not None else 18000
+    service = f"{control}.{namespace}.svc"
+    known = {f"{control}-{i}.{service}" for i in (0, 1)} | {service}
+    known |= {f"{name}.cluster.local" for name in known}
+    expected = f"{control}-0.{service}:{port} and {control}-1.{service}:{port}"
+    for i, server in enumerate(xds.servers):
+        parts = split_address(server)
+        if parts is None:
+            continue  # reported by _xds
+        host, server_port = parts
+        meant = host.startswith(control) or ("kubernetes" in sections and host.endswith((".svc", ".svc.cluster.local")))
+        if meant and host not in known:
+            yield (f"envoy.xds.servers[{i}]",
+                   f"{host!r} is not a name of the control plane `render --target kubernetes` creates "
+                   f"(the StatefulSet {control} in namespace {namespace}): list {expected}", WARNING)
+        elif meant and server_port != port:
+            yield (f"envoy.xds.servers[{i}]",
+                   f"port {server_port} differs from the first server's {port}, the port the rendered control "
+                   f"plane serves on", WARNING)
 
 
 def _xds(topo: Topology) -> Iterator[Finding]:
