@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
+from ._names import dns_label
 from .balancing import POLICIES, is_hashing
 from .errors import Severity
 from .model import Pool, Topology, is_ip, split_address
@@ -134,8 +135,6 @@ def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
     xds = topo.envoy.xds
     if xds.mode != "ads" or not xds.servers:
         return
-    from .deploy.kubernetes import dns_label  # the render's own naming
-
     control = f"{dns_label(f'confgen-{topo.name}')}-xds"
     namespace = topo.kubernetes.namespace
     first = split_address(xds.servers[0])
