@@ -96,6 +96,7 @@ class LoadSample:
     ttft: HistogramSample | None = None  # time to first token (vLLM, SGLang)
     tpot: HistogramSample | None = None  # time per output token (inter-token latency; TGI's per-request mean)
     output_tokens: float | None = None  # generated tokens counter, for tokens/s (moves on completion for some)
+    kv_blocks: float | None = None  # KV cache size in blocks (vLLM's cache_config_info num_gpu_blocks), summed
 
 
 _Combine = Literal["sum", "mean"]
@@ -124,6 +125,8 @@ class _Engine:
     ttft: tuple[str, ...] = ()
     tpot: tuple[str, ...] = ()
     output_tokens: _Field | None = None
+    # (info metric, label) giving the KV cache's size in blocks (the endpoint picker sizes its index).
+    kv_blocks: tuple[str, str] | None = None
 
 
 _ENGINES: Final[dict[str, _Engine | None]] = {
@@ -144,6 +147,7 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         ttft=("time_to_first_token_seconds",),
         tpot=("inter_token_latency_seconds", "time_per_output_token_seconds"),
         output_tokens=_Field(("generation_tokens_total",)),
+        kv_blocks=("cache_config_info", "num_gpu_blocks"),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
@@ -240,6 +244,11 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         total = field(_Field((spec.kv_ratio[1],)))
         kv = used / total if used is not None and total else None
     latency_s, latency_n = _token_latency(text, prefix, spec.token_latency)
+    kv_blocks = None
+    if spec.kv_blocks is not None:
+        blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
+        numbers = [float(b) for b in blocks if b.isascii() and b.isdigit()]
+        kv_blocks = sum(numbers) if numbers else None
     return LoadSample(
         running=running[0],
         waiting=waiting[0],
@@ -253,6 +262,7 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         ttft=_histogram(text, prefix, spec.ttft),
         tpot=_histogram(text, prefix, spec.tpot),
         output_tokens=field(spec.output_tokens),
+        kv_blocks=kv_blocks,
     )
 
 

@@ -317,3 +317,14 @@ def test_a_histogram_without_its_inf_bucket_is_not_kept() -> None:
     sample = extract("vllm", cut.encode())
     assert sample is not None and sample.ttft is None and sample.tpot is not None
     assert sample.output_tokens == pytest.approx(8_000_000.0)
+def test_vllm_kv_cache_size_in_blocks_from_cache_config_info() -> None:
+    body = (
+        b"vllm:num_requests_running{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"0\"} 0\n"
+        b"vllm:num_requests_running{engine=\"1\"} 1\nvllm:num_requests_waiting{engine=\"1\"} 0\n"
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4096",num_cpu_blocks="None"} 1.0\n'
+        b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4096",num_cpu_blocks="None"} 1.0\n'
+    )
+    sample = extract("vllm", body)
+    assert sample is not None and sample.kv_blocks == 8192  # both data-parallel engines
+    plain = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n")
+    assert plain is not None and plain.kv_blocks is None
