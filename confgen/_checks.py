@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from ._fields import COMPILED
 from .balancing import POLICIES, is_hashing
 from .errors import Severity
-from .model import Topology, is_ip, split_address
+from .model import LimitSet, RateLimit, Topology, is_ip, limit_list, split_address
 from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
@@ -355,6 +355,65 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
                 yield f"auth.api_keys[{ki}]", "give exactly one of env or file", ERROR
     if topo.limits.per_key is not None and topo.auth is None:
         yield "limits.per_key", "per-key limits need auth.api_keys", ERROR
+    sets: list[tuple[str, LimitSet | None]] = [
+        ("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)]
+    sets += [(f"auth.api_keys[{ki}].rate_limit", k.rate_limit) for ki, k in enumerate(topo.auth.api_keys)] \
+        if topo.auth is not None else []
+    any_global = False
+    for base, value in sets:
+        items = limit_list(value)
+        locals_ = 0
+        for index, lim in enumerate(items):
+            path = f"{base}[{index}]" if isinstance(value, list) else base
+            any_global = any_global or lim.scope == "global"
+            locals_ += lim.scope == "local"
+            if lim.scope == "local" and locals_ == 2:
+                yield f"{path}.scope", "one local limit per place (a proxy keeps one bucket here); " \
+                    "make the others scope: global", ERROR
+            yield from _one_limit(path, lim, topo)
+    if any_global and topo.limits.store is None:
+        yield "limits", "scope: global limits are counted in a shared store: add limits.store " \
+            "({redis: host:port})", ERROR
+    store = topo.limits.store
+    if store is not None and not any_global:
+        yield "limits.store", "no limit has scope: global; the store is unused", WARNING
+    if store is not None and store.check_timeout <= store.timeout:
+        yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
+            f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
+    tokens = lim.unit != "requests"
+    if lim.scope == "local":
+        if tokens:
+            yield f"{path}.unit", f"{lim.unit} limits need scope: global (a proxy's own bucket counts requests; " \
+                "tokens are known only when the answer ends, and counted by the rate limit service)", ERROR
+        if lim.per is None:
+            yield f"{path}.per", "a local limit needs per (its bucket's refill period)", ERROR
+        for name in ("window", "per_model", "fail_closed"):
+            if getattr(lim, name) not in (None, False):
+                yield f"{path}.{name}", f"{name} is for scope: global limits", ERROR
+    else:
+        if lim.window is None:
+            yield f"{path}.window", "a global limit needs window (second, minute, hour or day)", ERROR
+        if lim.per is not None:
+            yield f"{path}.per", "a global limit counts fixed windows: use window instead of per", ERROR
+        if lim.burst is not None:
+            yield f"{path}.burst", "burst is for local token buckets; a global window admits its whole amount", ERROR
+    if tokens:
+        if lim.tokens is None:
+            yield f"{path}.tokens", f"unit {lim.unit} needs tokens (the budget per window)", ERROR
+        if lim.requests is not None:
+            yield f"{path}.requests", f"unit {lim.unit} counts tokens: give tokens, not requests", ERROR
+    else:
+        if lim.requests is None:
+            yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
+        if lim.tokens is not None:
+            yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
+    if lim.scope == "global" and topo.envoy.xds.mode == "ads" and tokens:
+        yield f"{path}.unit", "token limits read the usage of streams with Envoy's sse_to_metadata filter, " \
+            "which the ADS control plane cannot serve yet (its proto is not in xds-protos); use envoy.xds.mode " \
+            "files", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

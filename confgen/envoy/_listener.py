@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
+from ..limits import local_client_limits, local_listener_limit
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
 from ._clusters import SIDECAR_CLUSTER, SIDECAR_TIMEOUT, target_cluster
@@ -43,7 +44,7 @@ ENVOY_CONTROL_HEADERS = (
 
 
 def _bucket(limit: RateLimit) -> Json:
-    return {"max_tokens": limit.bucket, "tokens_per_fill": limit.requests, "fill_interval": dur(limit.per)}
+    return {"max_tokens": limit.bucket, "tokens_per_fill": limit.rate, "fill_interval": dur(limit.period)}
 
 
 def _percent(key: str) -> Json:
@@ -69,19 +70,19 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
                 "forwarding": {"header": topo.auth.client_header, "hide_credentials": True},
             },
         ))
-    limits = topo.limits
-    if limits.global_ is not None:
+    listener_limit = local_listener_limit(topo)
+    if listener_limit is not None:
         filters.append(extension(
             "envoy.filters.http.local_ratelimit",
             "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
             {
                 "stat_prefix": "global",
-                "token_bucket": _bucket(limits.global_),
+                "token_bucket": _bucket(listener_limit),
                 "filter_enabled": _percent("confgen.ratelimit.global.enabled"),
                 "filter_enforced": _percent("confgen.ratelimit.global.enforced"),
             },
         ))
-    per_client = _per_client_limits(topo)
+    per_client = local_client_limits(topo)
     if per_client:
         assert topo.auth is not None
         filters.append(extension(
@@ -125,17 +126,6 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
         {"suppress_envoy_headers": True},
     ))
     return filters
-
-
-def _per_client_limits(topo: Topology) -> list[tuple[str, RateLimit]]:
-    if topo.auth is None:
-        return []
-    out = []
-    for key in topo.auth.api_keys:
-        limit = key.rate_limit or topo.limits.per_key
-        if limit is not None:
-            out.append((key.client, limit))
-    return out
 
 
 def _rbac_only(topo: Topology, clients: tuple[str, ...]) -> Json:

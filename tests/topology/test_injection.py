@@ -88,6 +88,11 @@ FULL: dict[str, Any] = {
         },
     ],
     "last_resort": {"kind": "error", "status": 503, "message": "Busy. Retry shortly."},
+    "limits": {
+        "per_key": [{"requests": 10, "per": "1s"},
+                    {"scope": "global", "unit": "total_tokens", "tokens": 100000, "window": "minute"}],
+        "store": {"redis": "redis.example:6379"},
+    },
 }
 
 BAD_CHARS = ["\n", ";", "{", "}", "#", "\x00", "$", '"', "'", "\\"]
@@ -106,8 +111,12 @@ def _is_text(tp: Any) -> bool:
 
 def _leaves(value: Any, tp: Any, path: Path_, owner: tuple[type, str] | None) -> Iterator[tuple[Path_, str, Any]]:
     """(path, kind, owner) for every string in `value`; kind is 'value', 'key' or 'shorthand'."""
+    if typing.get_origin(tp) in (Union, types.UnionType) and isinstance(value, list):  # X | list[X]
+        tp = next(a for a in typing.get_args(tp) if typing.get_origin(a) is list)
     tp = _unwrap(tp)
     origin = typing.get_origin(tp)
+    if tp is Duration:
+        return
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, str):  # worker shorthand
             shorthand = tp.__shorthand__  # type: ignore[attr-defined]
