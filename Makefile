@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -42,7 +42,21 @@ prometheus-tools:
 		exit 1; \
 	fi
 
-test: $(STAMP) prometheus-tools
+# The global rate limit tests start their own redis-server (Debian's package) on a free loopback
+# port; as root on Debian/Ubuntu this installs it when missing, and keeps the system's redis
+# service from starting (the tests never use it).
+redis-tools:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "==> installing Debian's redis-server for the global rate limit tests (its service stays off)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+		if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi; \
+	else \
+		echo "the global rate limit tests need redis-server: sudo apt-get install -y --no-install-recommends redis-server" >&2; \
+		exit 1; \
+	fi
+
+test: $(STAMP) prometheus-tools redis-tools
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest

@@ -60,6 +60,9 @@ class SidecarConfig:
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    # --grpc-listen: the gRPC server of the services Envoy calls (rate limits); default when the
+    # topology needs one: sidecar.address:sidecar.grpc_port
+    grpc_listen: tuple[str, int] | None = None
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
 
@@ -140,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
                    "the number of connected Envoys")
+    p.add_argument("--grpc-listen", metavar="HOST:PORT",
+                   help="host:port of the sidecar's gRPC server for Envoy (the rate limit service of scope: global "
+                   "limits); default, when the topology has such limits: the topology's sidecar.address and "
+                   "sidecar.grpc_port. Plaintext only on loopback")
     add_nginx_arguments(p)
     return p
 
@@ -209,6 +216,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         log_level=args.log_level,
         nginx=nginx,
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
+        grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
     )

@@ -18,13 +18,15 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import grpc
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import TopologyError
+from confgen.limits import needs_store
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import ConfigError, SidecarConfig
@@ -33,6 +35,9 @@ from sidecar.envoy_relay import add_envoy_relay
 from sidecar.guard import MutationGuard, is_loopback, load_token
 from sidecar.logs import configure, log_event
 from sidecar.metrics import register
+from sidecar.outputs.grpc import GrpcError
+from sidecar.outputs.grpc import serve as serve_grpc
+from sidecar.outputs.service import Service, ServiceWiring, build_all
 from sidecar.probe import Prober
 from sidecar.publish import EnvoyAdmin
 from sidecar.publisher import Wiring
@@ -126,6 +131,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                       port=config.listen_port, error=str(exc))
             return EXIT_USAGE
         bound = runner.addresses[0]
+        try:
+            grpc_server, services = await _start_services(config, daemon, registry, loop.time)
+        except (OSError, GrpcError) as exc:
+            await runner.cleanup()
+            await publisher.close()
+            log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+            return EXIT_USAGE
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
         xds = publisher.xds_view()
@@ -143,10 +155,37 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         finally:
             log_event(_log, logging.INFO, "shutdown.begin")
             await watcher.stop()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+            for service in services:
+                await service.close()
             await publisher.close()
             await runner.cleanup()
     log_event(_log, logging.INFO, "shutdown.done")
     return EXIT_OK
+
+
+async def _start_services(config: SidecarConfig, daemon: Daemon, registry: CollectorRegistry,
+                          clock: Callable[[], float]) -> tuple[grpc.aio.Server | None, list[Service]]:
+    """The gRPC server of the services Envoy calls, when asked (--grpc-listen) or needed (global limits)."""
+    topo = daemon.topology
+    listen = config.grpc_listen
+    if listen is None and needs_store(topo):
+        listen = (topo.sidecar.address, topo.sidecar.grpc_port)
+    if listen is None:
+        return None, []
+    services = build_all(ServiceWiring(lambda: daemon.topology, registry, clock))
+    for service in services:
+        await service.start()
+    try:
+        server, port = await serve_grpc(services, *listen)
+    except BaseException:
+        for service in services:
+            await service.close()
+        raise
+    log_event(_log, logging.INFO, "startup.grpc", listen=f"{listen[0]}:{port}",
+              services=[s.name for s in services])
+    return server, services
 
 
 def main(argv: Sequence[str] | None = None) -> int:

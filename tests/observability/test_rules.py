@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 RULES = HERE.parents[1] / "confgen" / "deploy" / "assets" / "alerts.yaml"
 ALERTS = {"ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
-          "ConfgenSidecarAbsent"}
+          "ConfgenSidecarAbsent", "ConfgenRateLimitStoreDown"}
 
 
 def dashboard_exprs() -> list[str]:

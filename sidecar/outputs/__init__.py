@@ -1,0 +1,1 @@
+"""What the sidecar offers the proxies: publishers (files, ADS, nginx) and gRPC services."""
