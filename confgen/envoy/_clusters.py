@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from ..balancing import POLICIES
+from ..limits import needs_store
 from ..model import ENVOY_CAP_MAX, Pool, Topology, is_ip, split_address
 from ..plan import Plan
 from . import layout
 from ._proto import Json, dur, typed
+from ._ratelimit import grpc_cluster
 from .eds import Endpoint, build_cla, static_weight
 
 
@@ -170,6 +172,8 @@ def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
     out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
     if topo.models_endpoint and topo.sidecar.models:
         out.append(sidecar_cluster(topo))
+    if needs_store(topo):
+        out.append(grpc_cluster(topo))
     return out
 
 

@@ -1,0 +1,171 @@
+"""Global limits in Envoy: the rate limit filter, per-route descriptors, usage into metadata.
+
+Per request, Envoy's global rate limit filter asks confgen-sidecar's rate limit service
+(cluster `confgen_sidecar_grpc`) about one descriptor per budget that applies to the
+request (confgen.limits documents the entries). Every descriptor is in the route's
+RateLimitPerRoute, the only place Envoy honours per-descriptor `hits_addend` and
+`apply_on_stream_done`:
+
+  requests budget   checked and counted (cost 1) before the request is forwarded
+  token budget      checked with cost 0 before the request is forwarded (a key over budget
+                    gets 429 before its prompt reaches a worker), and charged when the stream
+                    ends with the tokens in dynamic metadata confgen.usage:<key>
+
+The usage keys are filled in three steps, each overwriting the last:
+  1. request  (json_to_metadata)  the estimate: max_completion_tokens, else max_tokens, else
+                                  ESTIMATE_OUTPUT_TOKENS, for completion_tokens and total_tokens;
+                                  prompt_tokens has none (an input_tokens budget is not
+                                  charged for a stream without usage)
+  2. response JSON (json_to_metadata)  the body's usage.{prompt,completion,total}_tokens
+  3. response SSE (sse_to_metadata)    the usage chunk a stream sends when the client asked
+                                       stream_options.include_usage
+so a stream without usage is charged its estimate. Budgets with fail_closed go through a
+second filter instance with failure_mode_deny, the others fail open.
+"""
+
+from __future__ import annotations
+
+from ..limits import (
+    ANY_MODEL,
+    CLIENT_KEY,
+    LIMIT_KEY,
+    MODEL_KEY,
+    USAGE_KEYS,
+    USAGE_NS,
+    Budget,
+    budgets,
+    domain,
+)
+from ..model import Topology
+from ._proto import Json, dur, extension, typed
+
+GRPC_CLUSTER = "confgen_sidecar_grpc"  # agreed name: the sidecar's gRPC server (rate limits, picker)
+FILTER_OPEN = "envoy.filters.http.ratelimit"
+FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
+ESTIMATE_OUTPUT_TOKENS = 256  # charged for a stream without usage whose request set no max_tokens
+
+
+def grpc_cluster(topo: Topology) -> Json:
+    """The sidecar's gRPC server, over HTTP/2 (loopback beside Envoy)."""
+    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.grpc_port}}
+    return typed("config.cluster.v3.Cluster", {
+        "name": GRPC_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
+            "extensions.upstreams.http.v3.HttpProtocolOptions",
+            {"explicit_http_config": {"http2_protocol_options": {}}})},
+        "load_assignment": {"cluster_name": GRPC_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
+    })
+
+
+def uses_tokens(topo: Topology) -> bool:
+    return any(b.tokens for b in budgets(topo))
+
+
+def _filter(topo: Topology, name: str, deny: bool) -> Json:
+    store = topo.limits.store
+    assert store is not None  # checked on load
+    return extension(name, "extensions.filters.http.ratelimit.v3.RateLimit", {
+        "domain": domain(topo),
+        "stat_prefix": "confgen_global_closed" if deny else "confgen_global",
+        "timeout": dur(store.check_timeout),
+        "failure_mode_deny": deny,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_status": {"code": 429},
+        "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": GRPC_CLUSTER}},
+                               "transport_api_version": "V3"},
+    })
+
+
+def filters(topo: Topology) -> list[Json]:
+    """The global rate limit filter(s), placed after the route is final (after json_to_metadata)."""
+    found = budgets(topo)
+    out = []
+    if any(not b.limit.fail_closed for b in found):
+        out.append(_filter(topo, FILTER_OPEN, deny=False))
+    if any(b.limit.fail_closed for b in found):
+        out.append(_filter(topo, FILTER_CLOSED, deny=True))
+    return out
+
+
+def usage_request_rules() -> list[Json]:
+    """json_to_metadata request rules: the estimate a stream without usage is charged (see above)."""
+    rules: list[Json] = []
+    for key in ("completion_tokens", "total_tokens"):
+        # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
+        rules.append({"selectors": [{"key": "max_tokens"}],
+                      "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
+                      "on_missing": {"metadata_namespace": USAGE_NS, "key": key,
+                                     "value": ESTIMATE_OUTPUT_TOKENS, "type": "NUMBER"}})
+        rules.append({"selectors": [{"key": "max_completion_tokens"}],
+                      "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"}})
+    return rules
+
+
+def usage_response_rules() -> list[Json]:
+    """json_to_metadata response rules: a JSON body's usage."""
+    return [{
+        "selectors": [{"key": "usage"}, {"key": key}],
+        "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
+    } for key in sorted(set(USAGE_KEYS.values()))]
+
+
+def sse_filter() -> Json:
+    """sse_to_metadata: the usage chunk of a stream (stream_options.include_usage)."""
+    return extension("envoy.filters.http.sse_to_metadata", "extensions.filters.http.sse_to_metadata.v3.SseToMetadata", {
+        "response_rules": {"content_parser": extension(
+            "envoy.content_parsers.json", "extensions.content_parsers.json.v3.JsonContentParser",
+            {"rules": [{"rule": {
+                "selectors": [{"key": "usage"}, {"key": key}],
+                "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
+            }} for key in sorted(set(USAGE_KEYS.values()))]},
+        )},
+    })
+
+
+def _selector(topo: Topology, budget: Budget) -> list[Json]:
+    """The actions naming the budget (and its client), producing no descriptor when it does not apply."""
+    if not budget.per_client:
+        return [{"generic_key": {"descriptor_key": LIMIT_KEY, "descriptor_value": budget.id}}]
+    assert topo.auth is not None
+    header = topo.auth.client_header
+    if budget.clients is not None:
+        first: Json = {"header_value_match": {
+            "descriptor_key": LIMIT_KEY, "descriptor_value": budget.id, "expect_match": True,
+            "headers": [{"name": header, "string_match": {"exact": c}} for c in budget.clients[:1]]}}
+    elif budget.except_clients:
+        # client names are [a-z0-9_-] (the topology's pattern): safe inside a regex alternation
+        regex = "^(" + "|".join(budget.except_clients) + ")$"
+        first = {"header_value_match": {
+            "descriptor_key": LIMIT_KEY, "descriptor_value": budget.id, "expect_match": False,
+            "headers": [{"name": header, "string_match": {"safe_regex": {"regex": regex}}}]}}
+    else:
+        first = {"generic_key": {"descriptor_key": LIMIT_KEY, "descriptor_value": budget.id}}
+    return [first, {"request_headers": {"header_name": header, "descriptor_key": CLIENT_KEY}}]
+
+
+def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
+    actions = _selector(topo, budget)
+    if budget.limit.per_model:
+        actions.append({"generic_key": {"descriptor_key": MODEL_KEY, "descriptor_value": model or ANY_MODEL}})
+    if not budget.tokens:
+        return [{"actions": actions}]
+    return [
+        {"actions": actions, "hits_addend": {"number": 0}},  # check only: refused once the window is spent
+        {"actions": actions, "apply_on_stream_done": True,
+         "hits_addend": {"format": f"%DYNAMIC_METADATA({USAGE_NS}:{USAGE_KEYS[budget.limit.unit]})%"}},
+    ]
+
+
+def per_route(topo: Topology, model: str | None) -> Json:
+    """typed_per_filter_config entries of one route (model: the one it serves, if exactly one)."""
+    found = budgets(topo)
+    out: Json = {}
+    for name, closed in ((FILTER_OPEN, False), (FILTER_CLOSED, True)):
+        chosen = [b for b in found if b.limit.fail_closed == closed]
+        if chosen:
+            out[name] = typed("extensions.filters.http.ratelimit.v3.RateLimitPerRoute", {
+                "rate_limits": [entry for b in chosen for entry in _entries(topo, b, model)]})
+    return out
