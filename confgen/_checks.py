@@ -410,10 +410,10 @@ def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
             yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
         if lim.tokens is not None:
             yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
-    if lim.scope == "global" and topo.envoy.xds.mode == "ads" and tokens:
-        yield f"{path}.unit", "token limits read the usage of streams with Envoy's sse_to_metadata filter, " \
-            "which the ADS control plane cannot serve yet (its proto is not in xds-protos); use envoy.xds.mode " \
-            "files", ERROR
+    if lim.scope == "global" and topo.envoy.xds.mode == "ads":
+        yield f"{path}.scope", "global limits are counted by the sidecar beside each Envoy (envoy.xds.mode files); " \
+            "with ads the Envoys have no sidecar of their own, and the control plane does not serve the rate " \
+            "limit service yet", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

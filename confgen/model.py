@@ -530,6 +530,14 @@ class Kubernetes:
         doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
         "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
     )
+    redis: bool = field(
+        False,
+        doc="Also run a Redis for limits.store: kubernetes renders a Deployment and a Service named "
+        "confgen-<name>-redis (write limits.store.redis: confgen-<name>-redis:6379), compose a redis service on "
+        "the host's loopback (write 127.0.0.1:<port>). Counters live one window, so it keeps no data on disk. "
+        "Leave it false to point limits.store at a Redis you run.",
+    )
+    redis_image: str = field("redis:7.2-alpine", doc="Image of the rendered Redis.", pattern="image")
     prometheus_url: str = field(
         "http://prometheus-operated.monitoring.svc:9090",
         doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",

@@ -480,6 +480,83 @@ def _collisions(docs: list[Obj]) -> list[tuple[str, str]]:
     return out
 
 
+REDIS_PORT = 6379
+REDIS_RUN_AS = 999  # the redis image's own user
+
+
+def _redis_problems(plan: _Plan) -> list[tuple[str, str]]:
+    """kubernetes.redis serves limits.store: the store must name the rendered Service."""
+    topo = plan.topo
+    if not topo.kubernetes.redis:
+        return []
+    store = topo.limits.store
+    if store is None:
+        return [("kubernetes.redis", "there is no limits.store for the rendered Redis to serve")]
+    host = store.redis.rpartition(":")[0]
+    name = f"{plan.base}-redis"
+    if (host != name and not host.startswith(name + ".")) or not store.redis.endswith(f":{REDIS_PORT}"):
+        return [("limits.store.redis", f"with kubernetes.redis the store is the rendered Service: write "
+                 f"{name}:{REDIS_PORT} (or {name}.{topo.kubernetes.namespace}.svc:{REDIS_PORT})")]
+    return []
+
+
+def _redis_objects(plan: _Plan) -> list[Obj]:
+    """One Redis for the global limits' counters: no persistence (a counter lives one window),
+    memory bounded, reachable only from the proxy pods."""
+    name = f"{plan.base}-redis"
+    selector = {**plan.selector, "app.kubernetes.io/component": "redis"}
+    container = {
+        "name": "redis",
+        "image": plan.topo.kubernetes.redis_image,
+        "args": ["--save", "", "--appendonly", "no", "--maxmemory", "200mb", "--maxmemory-policy", "volatile-ttl",
+                 "--protected-mode", "no"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+        "securityContext": _restricted(),
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": plan.meta(name, "redis"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "Recreate"},
+            "template": {
+                "metadata": {"labels": plan.labels("redis")},
+                "spec": {
+                    "securityContext": {**_pod_security(), "runAsUser": REDIS_RUN_AS, "runAsGroup": REDIS_RUN_AS,
+                                        "fsGroup": REDIS_RUN_AS},
+                    "automountServiceAccountToken": False,
+                    "containers": [container],
+                    "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "64Mi"}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": plan.meta(name, "redis"),
+        "spec": {"selector": selector, "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis"}]},
+    }
+    policy = {  # only the proxy pods (their sidecars) talk to it
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": plan.meta(name, "redis"),
+        "spec": {
+            "podSelector": {"matchLabels": selector},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": plan.labels("proxy")}}],
+                         "ports": [{"port": REDIS_PORT, "protocol": "TCP"}]}],
+        },
+    }
+    return [deployment, service, policy]
+
+
 def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
@@ -492,8 +569,11 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
         docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
     if topo.kubernetes.monitoring:
         docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
+    redis_problems = _redis_problems(plan)
+    if topo.kubernetes.redis and not redis_problems:
+        docs += _redis_objects(plan)
     scaled = _scaled_objects(plan)
-    problems = _key_problems(plan) + _collisions(docs) + _collisions(scaled)
+    problems = _key_problems(plan) + redis_problems + _collisions(docs) + _collisions(scaled)
     if problems:
         raise DeployError(problems)
     files = {

@@ -85,6 +85,9 @@ def test_a_valid_topology_resolves_local_buckets_and_global_budgets() -> None:
      (15, 37), "limits.per_key[1].scope: one local limit per place"),
     ("limits:\n  store: {redis: 'r:6379'}\n  global: {scope: global, tokens: 5, window: second}\n",
      (16, 35), "limits.global.tokens: tokens needs a token unit"),
+    ("envoy: {xds: {mode: ads, servers: ['cp:18000', 'cp2:18000']}}\nlimits:\n  store: {redis: 'r:6379'}\n"
+     "  per_key: {scope: global, requests: 5, window: second}\n",
+     (17, 20), "limits.per_key.scope: global limits are counted by the sidecar beside each Envoy"),
     ("limits:\n  store: {redis: 'no port'}\n  per_key: {scope: global, requests: 5, window: second}\n",
      (15, 18), "limits.store.redis: 'no port' is not valid"),
 ])
