@@ -36,20 +36,24 @@ CLIENTS: dict[str, str | None] = {
     "out": "{scope: global, unit: output_tokens, tokens: 100000, window: hour}",
     "sec": "{scope: global, requests: 5, window: second}",
     "closed": "{scope: global, requests: 100000, window: minute, fail_closed: true}",
+    "big": "{scope: global, requests: 10000000, window: minute}",  # never refused: the check's cost alone
     "free": None,
 }
 KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 
 
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
-                  check_timeout: str = "500ms", store_timeout: str = "200ms") -> str:
+                  check_timeout: str | None = "500ms", store_timeout: str | None = "200ms") -> str:
+    """None for a timeout: the product's default."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in CLIENTS.items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
                     + (f", rate_limit: {limit}}}" if limit else "}"))
     tail = [*auth,
             "limits:",
-            f"  store: {{redis: '{redis}', timeout: {store_timeout}, check_timeout: {check_timeout}}}",
+            f"  store: {{redis: '{redis}'"
+            + (f", timeout: {store_timeout}" if store_timeout else "")
+            + (f", check_timeout: {check_timeout}" if check_timeout else "") + "}",
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}}}"]
     return fleet_topology(name=NAME, admin=admin, port=port, workers=workers, models=["sim-model"], capacity=64,
                           pool=["health: {enabled: false}", "outlier_detection: {enabled: false}"], tail=tail)
@@ -121,10 +125,13 @@ def usage_of(status: int, payload: bytes, stream: bool) -> dict[str, int] | None
 
 @contextlib.contextmanager
 def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: int = 2,
-               decode_ms: float = 2.0, check_timeout: str = "500ms", store_timeout: str = "200ms",
-               grpc_ports: Sequence[int] | None = None) -> Iterator[GlobalRig]:
+               decode_ms: float = 2.0, check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
+               grpc_ports: Sequence[int] | None = None, sidecar_args: Sequence[str] = FAST_ARGS,
+               envoy_concurrency: int = 1) -> Iterator[GlobalRig]:
     """`envoys` pairs (Envoy + sidecar) on one fleet and one Redis; `sidecars=False` starts
-    no sidecar (the rate limit service is unreachable)."""
+    no sidecar (the rate limit service is unreachable). The tests give the store and Envoy
+    generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
+    would count as a wrong admission); the bench passes None: the product's defaults."""
     import os
 
     specs = worker_specs([f"w{i}" for i in range(workers)], decode_ms=decode_ms, max_num_seqs=64,
@@ -142,17 +149,17 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
                                      store_timeout=store_timeout)
                 directory = tmp / f"pair{i}"
-                directory.mkdir()
+                directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
                 topo_path.write_text(text)
                 topo, _ = parse_topology(text.encode())
                 xds = directory / "envoy"
                 write_tree(envoy.render(topo, config_dir=str(xds), secrets=KEYS), xds, rank=envoy.layout.write_rank)
-                proxy = stack.enter_context(EnvoyProcess(xds / "bootstrap.json"))
+                proxy = stack.enter_context(EnvoyProcess(xds / "bootstrap.json", concurrency=envoy_concurrency))
                 sidecar = None
                 if sidecars:
                     sidecar = SidecarProcess(["--topology", str(topo_path), "--xds-dir", str(xds), "--listen",
-                                              f"127.0.0.1:{listen}", *FAST_ARGS], directory / "sidecar.log", listen,
+                                              f"127.0.0.1:{listen}", *sidecar_args], directory / "sidecar.log", listen,
                                              env=env)
                     sidecar.start()
                     started.append(sidecar)
