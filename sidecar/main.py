@@ -29,22 +29,23 @@ from confgen.errors import TopologyError
 from confgen.limits import needs_store
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig
-from sidecar.daemon import Daemon, xds_dir_for
-from sidecar.envoy_relay import add_envoy_relay
-from sidecar.guard import MutationGuard, is_loopback, load_token
+from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
-from sidecar.metrics import register
+from sidecar.observe.probe import Prober
+from sidecar.observe.resolve import Resolver
+from sidecar.observe.watch import TopologyWatcher
+from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcError
 from sidecar.outputs.grpc import serve as serve_grpc
-from sidecar.outputs.service import Service, ServiceWiring, build_all
-from sidecar.probe import Prober
-from sidecar.publish import EnvoyAdmin
-from sidecar.publisher import Wiring
-from sidecar.publisher import build as build_publisher
-from sidecar.resolve import Resolver
-from sidecar.server import build_app
-from sidecar.watch import TopologyWatcher
+from sidecar.outputs.publisher import Wiring
+from sidecar.outputs.publisher import build as build_publisher
+from sidecar.outputs.service import SERVICES, Service, ServiceWiring
+from sidecar.outputs.service import build as build_service
+from sidecar.serve.envoy_relay import add_envoy_relay
+from sidecar.serve.guard import MutationGuard, is_loopback, load_token
+from sidecar.serve.metrics import register
+from sidecar.serve.server import build_app
 
 __all__ = ["main", "run"]
 
@@ -150,6 +151,10 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             while not stop.is_set():
                 started = loop.time()
                 await daemon.cycle()
+                if services:
+                    fleet = daemon.view()
+                    for service in services:
+                        service.update(fleet)
                 pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
                 await _sleep_or_stop(stop, started + pause - loop.time())
         finally:
@@ -174,9 +179,18 @@ async def _start_services(config: SidecarConfig, daemon: Daemon, registry: Colle
         listen = (topo.sidecar.address, topo.sidecar.grpc_port)
     if listen is None:
         return None, []
-    services = build_all(ServiceWiring(lambda: daemon.topology, registry, clock))
-    for service in services:
-        await service.start()
+    wiring = ServiceWiring(config, lambda: daemon.topology, registry, clock)
+    services = [build_service(name, wiring) for name in SERVICES]
+    started: list[Service] = []
+    try:
+        for service in services:
+            await service.start()
+            started.append(service)
+            service.update(daemon.view())
+    except BaseException:
+        for service in started:
+            await service.close()
+        raise
     try:
         server, port = await serve_grpc(services, *listen)
     except BaseException:

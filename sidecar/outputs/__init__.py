@@ -1,1 +1,2 @@
-"""What the sidecar offers the proxies: publishers (files, ADS, nginx) and gRPC services."""
+"""Where the daemon's decisions go: publishers (files, nginx, ADS) and services (per-request
+answers), each behind an interface."""

@@ -7,6 +7,7 @@ Plaintext only on a loopback address (logged loudly); any other address needs TL
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ from typing import Protocol
 import grpc
 
 from confgen.errors import ConfgenError
-from sidecar.guard import is_loopback
 from sidecar.logs import log_event
 
 __all__ = ["GrpcError", "Registrar", "TlsFiles", "serve"]
@@ -38,6 +38,16 @@ OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (a name may resolve to anything)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class GrpcError(ConfgenError):
     """The gRPC server cannot be built as asked (plaintext beyond loopback, unreadable TLS files)."""
 
@@ -50,7 +60,7 @@ class TlsFiles:
 
 
 class Registrar(Protocol):
-    def register(self, server: grpc.aio.Server) -> None: ...
+    def add_to(self, server: grpc.aio.Server) -> None: ...
 
 
 async def serve(services: Sequence[Registrar], host: str, port: int,
@@ -61,7 +71,7 @@ async def serve(services: Sequence[Registrar], host: str, port: int,
                         "bind it to 127.0.0.1 or give it TLS files")
     server = grpc.aio.server(options=OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_STREAMS)
     for service in services:
-        service.register(server)
+        service.add_to(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is None:
         log_event(_log, logging.WARNING, "grpc.plaintext", address=address,

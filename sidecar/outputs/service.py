@@ -1,12 +1,16 @@
-"""The Service interface: a gRPC service the sidecar serves beside its publisher.
+"""What the sidecar needs of a service: an output that answers requests beside the publisher.
 
-Every service registers on the sidecar's one gRPC server (`sidecar.outputs.grpc`), reads
-the daemon's current topology (and, for those that need it, the fleet view), and has a
-start/close lifecycle around the server's. `SERVICES` maps a name to the module function
-that builds it; `build_all` builds those a topology needs.
+A publisher pushes the daemon's decisions to the proxy; a service is asked by the proxy
+(per request) and answers from the newest fleet view: the endpoint picker (Envoy ext_proc,
+the Endpoint Picker Protocol) and the rate limit service (Envoy's RLS on a shared store).
+Services that speak gRPC register their servicers on the sidecar's one gRPC server
+(`sidecar.outputs.grpc`), so they share its bind, its TLS and its limits.
 
-Adding a service: a module with `build(wiring) -> Service | None` (None: this topology
-does not need it) and its line in SERVICES.
+`sidecar.main` builds the services the topology needs from `SERVICES` (name -> the module's
+`build(ServiceWiring) -> Service`, imported on use) and hands each the fleet view after every
+daemon cycle. This module imports no implementation. Adding a service: a package under
+`sidecar/outputs/` with a class satisfying `Service` and a `build` function, plus its line in
+`SERVICES`.
 """
 
 from __future__ import annotations
@@ -14,50 +18,67 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-import grpc
-from prometheus_client.registry import CollectorRegistry
+from typing import TYPE_CHECKING, Protocol
 
 from confgen.model import Topology
 
-__all__ = ["SERVICES", "Service", "ServiceWiring", "build_all"]
+if TYPE_CHECKING:
+    import grpc
+    from prometheus_client.registry import CollectorRegistry
+
+    from sidecar.config import SidecarConfig
+    from sidecar.fleet import Snapshot
+
+__all__ = ["SERVICES", "Service", "ServiceWiring", "build"]
+
+
+class Service(Protocol):
+    """Answers the proxy's per-request questions from the newest fleet view.
+
+    Every method runs on the daemon's event loop; a service never blocks it (no blocking
+    I/O, bounded work per request) and never lets one caller's bad input end it.
+    """
+
+    name: str
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Register its gRPC servicers on the sidecar's gRPC server (before it starts)."""
+        ...
+
+    async def start(self) -> None:
+        """Open what it needs beyond the gRPC server (stores, sessions); OSError when it cannot."""
+        ...
+
+    def update(self, fleet: Snapshot) -> None:
+        """The newest fleet view (after every daemon cycle and reload); cheap, never blocks."""
+        ...
+
+    def problems(self) -> list[str]:
+        """Why it cannot answer as configured ([] when it can): /readyz and /state."""
+        ...
+
+    async def close(self) -> None:
+        """Stop answering; let calls in progress finish within their deadlines."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceWiring:
     """What `sidecar.main` hands a service's `build`."""
 
-    topology: Callable[[], Topology]  # the daemon's current topology (changes on reload)
+    config: SidecarConfig
+    topology: Callable[[], Topology]  # the daemon's current one (it changes on reload)
     registry: CollectorRegistry  # for the service's own metrics
-    clock: Callable[[], float]  # monotonic seconds (the event loop's)
+    clock: Callable[[], float]  # the event loop's
 
 
-class Service(Protocol):
-    name: str
-
-    def register(self, server: grpc.aio.Server) -> None:
-        """Add the servicer(s) to the server (one line per servicer)."""
-
-    async def start(self) -> None:
-        """Open what the service needs (clients, connections); it must not fail on a store that is down."""
-
-    async def close(self) -> None:
-        """Release it; the server has stopped."""
-
-
-SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning Service | None
+SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
     "ratelimit": "sidecar.outputs.ratelimit:build",
 }
 
 
-def build_all(wiring: ServiceWiring) -> list[Service]:
-    """The services the current topology needs, in SERVICES order."""
-    out: list[Service] = []
-    for target in SERVICES.values():
-        module, _, func = target.partition(":")
-        builder = getattr(importlib.import_module(module), func)
-        service = builder(wiring)
-        if service is not None:
-            out.append(service)
-    return out
+def build(name: str, wiring: ServiceWiring) -> Service:
+    """The service called `name` (a key of SERVICES), built for `wiring`."""
+    module, _, function = SERVICES[name].partition(":")
+    factory: Callable[[ServiceWiring], Service] = getattr(importlib.import_module(module), function)
+    return factory(wiring)

@@ -10,4 +10,4 @@ __all__ = ["RateLimitService", "build"]
 
 def build(wiring: ServiceWiring) -> RateLimitService:
     """Always built when the sidecar serves gRPC: a reload may add the first global limit."""
-    return RateLimitService(wiring.topology, wiring.registry, wiring.clock)
+    return RateLimitService(wiring.topology, wiring.registry, wiring.clock)  # the fleet view is not needed

@@ -34,6 +34,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from confgen.limits import ANY_MODEL, CLIENT_KEY, LIMIT_KEY, MODEL_KEY, Budget, budgets, domain
 from confgen.model import LimitStore, Topology, split_address
+from sidecar.fleet import Snapshot
 from sidecar.logs import log_event
 from sidecar.outputs.ratelimit.store import Mode, Op, RedisCounter, StoreUnavailable
 
@@ -106,8 +107,19 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._retired: list[RedisCounter] = []
 
     # -- Service lifecycle ---------------------------------------------------------------
-    def register(self, server: grpc.aio.Server) -> None:
+    def add_to(self, server: grpc.aio.Server) -> None:
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self, server)
+
+    def update(self, fleet: Snapshot) -> None:
+        """Budgets do not depend on the fleet's health; the topology is read per request."""
+
+    def problems(self) -> list[str]:
+        table = self._current
+        if table is None or not table.budgets:
+            return []
+        if table.store is None:
+            return ["global limits without limits.store"]
+        return [] if self._up else [f"rate limit store {table.store.redis} unreachable: global limits uncounted"]
 
     async def start(self) -> None:
         self._table_now()  # connects lazily: a store that is down at start is not an error
