@@ -4,7 +4,9 @@ The renderers (Envoy's filters, nginx's limit_req) read the local side; Envoy's 
 limit filter and confgen-sidecar's rate limit service read the same `Budget` list, so the
 descriptor Envoy sends and the limit the service applies come from one place:
 
-    descriptor  [("confgen_limit", budget.id), ("client", <client>)?, ("model", <model>)?]
+    descriptor  [("confgen_limit", budget.id), ("client", <client>)?, ("model", <model>)?,
+                 token budgets: ("request_id", <x-request-id>), and when the request is checked
+                 ("max_output", <tokens>), ("body_bytes", <content-length>)?]
     Redis key   confgen:<domain>:<budget.id>:<client>:<model>:<window start>
 
 A budget id is its place in the topology ("global/0", "per_key/1", "client/alice/0"), so a
@@ -17,11 +19,20 @@ from dataclasses import dataclass
 
 from .model import WINDOW_SECONDS, RateLimit, Topology, limit_list
 
-# Descriptor entry keys (Envoy -> the rate limit service).
+# Descriptor entry keys (Envoy -> the rate limit service); every descriptor starts with the budget.
 LIMIT_KEY = "confgen_limit"
 CLIENT_KEY = "client"
 MODEL_KEY = "model"
 ANY_MODEL = "*"  # the model entry of a per_model budget on a route that names no model
+# Token budgets only: the request's id (Envoy's x-request-id, which it sets itself for outside
+# requests) ties a request's reservation to its charge; the reservation is the request's
+# max output (max_completion_tokens, max_tokens or ESTIMATE_OUTPUT_TOKENS) plus, for prompt
+# tokens, its body's length / BYTES_PER_TOKEN.
+REQUEST_ID_KEY = "request_id"
+MAX_OUTPUT_KEY = "max_output"
+BODY_BYTES_KEY = "body_bytes"
+ESTIMATE_OUTPUT_TOKENS = 256
+BYTES_PER_TOKEN = 4
 
 # Dynamic metadata the response's usage is written to (json_to_metadata for JSON bodies,
 # sse_to_metadata for streams), read by the stream-done descriptors' hits_addend.

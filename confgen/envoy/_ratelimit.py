@@ -8,12 +8,14 @@ RateLimitPerRoute, the only place Envoy honours per-descriptor `hits_addend` and
 
   requests budget   checked and counted (cost 1) before the request is forwarded
   token budget      checked with cost 0 before the request is forwarded (a key over budget
-                    gets 429 before its prompt reaches a worker), and charged when the stream
+                    gets 429 before its prompt reaches a worker; the service reserves the
+                    request's estimate until its answer ends), and charged when the stream
                     ends with the tokens in dynamic metadata confgen.usage:<key>
 
 The usage keys are filled in three steps, each overwriting the last:
   1. request  (json_to_metadata)  the estimate: max_completion_tokens, else max_tokens, else
-                                  ESTIMATE_OUTPUT_TOKENS, for completion_tokens and total_tokens;
+                                  ESTIMATE_OUTPUT_TOKENS, for max_output (the reservation, see
+                                  sidecar/outputs/ratelimit/store.py), completion_tokens and total_tokens;
                                   prompt_tokens has none (an input_tokens budget is not
                                   charged for a stream without usage)
   2. response JSON (json_to_metadata)  the body's usage.{prompt,completion,total}_tokens
@@ -27,9 +29,13 @@ from __future__ import annotations
 
 from ..limits import (
     ANY_MODEL,
+    BODY_BYTES_KEY,
     CLIENT_KEY,
+    ESTIMATE_OUTPUT_TOKENS,
     LIMIT_KEY,
+    MAX_OUTPUT_KEY,
     MODEL_KEY,
+    REQUEST_ID_KEY,
     USAGE_KEYS,
     USAGE_NS,
     Budget,
@@ -42,7 +48,6 @@ from ._proto import Json, dur, extension, typed
 GRPC_CLUSTER = "confgen_sidecar_grpc"  # agreed name: the sidecar's gRPC server (rate limits, picker)
 FILTER_OPEN = "envoy.filters.http.ratelimit"
 FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
-ESTIMATE_OUTPUT_TOKENS = 256  # charged for a stream without usage whose request set no max_tokens
 
 
 def grpc_cluster(topo: Topology) -> Json:
@@ -93,7 +98,7 @@ def filters(topo: Topology) -> list[Json]:
 def usage_request_rules() -> list[Json]:
     """json_to_metadata request rules: the estimate a stream without usage is charged (see above)."""
     rules: list[Json] = []
-    for key in ("completion_tokens", "total_tokens"):
+    for key in (MAX_OUTPUT_KEY, "completion_tokens", "total_tokens"):
         # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
         rules.append({"selectors": [{"key": "max_tokens"}],
                       "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
@@ -152,9 +157,20 @@ def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
         actions.append({"generic_key": {"descriptor_key": MODEL_KEY, "descriptor_value": model or ANY_MODEL}})
     if not budget.tokens:
         return [{"actions": actions}]
+    # Envoy sets x-request-id itself on outside requests (use_remote_address, ids not preserved):
+    # it ties the request's reservation to its charge, and no client can choose it.
+    request_id = {"request_headers": {"header_name": "x-request-id", "descriptor_key": REQUEST_ID_KEY}}
+    check = [*actions, request_id,
+             {"metadata": {"descriptor_key": MAX_OUTPUT_KEY, "source": "DYNAMIC",
+                           "metadata_key": {"key": USAGE_NS, "path": [{"key": MAX_OUTPUT_KEY}]},
+                           "default_value": str(ESTIMATE_OUTPUT_TOKENS)}},
+             {"request_headers": {"header_name": "content-length", "descriptor_key": BODY_BYTES_KEY,
+                                  "skip_if_absent": True}}]
     return [
-        {"actions": actions, "hits_addend": {"number": 0}},  # check only: refused once the window is spent
-        {"actions": actions, "apply_on_stream_done": True,
+        # checked (cost 0) and the request's estimate reserved: refused once spent + reserved reach the budget
+        {"actions": check, "hits_addend": {"number": 0}},
+        # charged the answer's usage when the stream ends, the reservation released
+        {"actions": [*actions, request_id], "apply_on_stream_done": True,
          "hits_addend": {"format": f"%DYNAMIC_METADATA({USAGE_NS}:{USAGE_KEYS[budget.limit.unit]})%"}},
     ]
 

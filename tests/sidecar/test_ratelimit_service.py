@@ -69,12 +69,13 @@ class Clock:
 
 
 def _descriptor(limit: str, client: str | None = None, model: str | None = None,
-                hits: int | None = None) -> Any:
+                hits: int | None = None, **extra: str) -> Any:
     entries = [ratelimit_pb2.RateLimitDescriptor.Entry(key="confgen_limit", value=limit)]
     if client is not None:
         entries.append(ratelimit_pb2.RateLimitDescriptor.Entry(key="client", value=client))
     if model is not None:
         entries.append(ratelimit_pb2.RateLimitDescriptor.Entry(key="model", value=model))
+    entries += [ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in extra.items()]
     d = ratelimit_pb2.RateLimitDescriptor(entries=entries)
     if hits is not None:
         d.hits_addend.CopyFrom(wrappers_pb2.UInt64Value(value=hits))
@@ -154,6 +155,56 @@ def test_token_budgets_check_with_cost_0_and_charge_at_stream_end(redis: RedisPr
         return codes
 
     assert asyncio.run(run()) == [OK, OK, OK, OVER, OK, OK]
+
+
+def test_reservations_hold_a_token_budget_to_one_request_over(redis: RedisProcess) -> None:
+    """Requests in flight reserve their estimate (max output + body bytes / 4 for a total budget):
+    a request is admitted only while spent + reserved < budget; its charge releases it."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    def check(rid: str, max_output: str = "30", body: str = "40") -> Any:
+        return _request(_descriptor("client/bob/0", "bob", "m1", hits=0, request_id=rid, max_output=max_output,
+                                    body_bytes=body))
+
+    def charge(rid: str, tokens: int) -> Any:
+        return _request(_descriptor("client/bob/0", "bob", "m1", hits=tokens, request_id=rid))
+
+    async def run() -> list[Any]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            out = []
+            # budget 100; each estimate 30 + 40/4 = 40: two in flight reserve 80, a third still fits (80 < 100)
+            for rid in ("a", "b", "c"):
+                out.append(await service.ShouldRateLimit(check(rid), None))
+            out.append(await service.ShouldRateLimit(check("d"), None))  # 120 reserved: refused
+            out.append(await service.ShouldRateLimit(charge("a", 12), None))  # a spent 12: 12 + 80 reserved
+            out.append(await service.ShouldRateLimit(check("e"), None))  # 92 < 100: admitted
+            out.append(await service.ShouldRateLimit(check("f", max_output="17.0", body="x"), None))
+            return out
+        finally:
+            await service.close()
+
+    answers = asyncio.run(run())
+    assert [a.overall_code for a in answers[:4]] == [OK, OK, OK, OVER]
+    assert answers[2].statuses[0].limit_remaining == 0  # 120 reserved of 100
+    assert answers[5].overall_code == OK
+    assert answers[6].overall_code == OVER  # 12 + 120 reserved
+    client = redis_client(redis)
+    try:
+        keys = [k for k in client.scan_iter(match="confgen:*:r")]
+        assert len(keys) == 1
+        assert {k.decode(): int(v) for k, v in client.hgetall(keys[0]).items()} == {"b": 40, "c": 40, "e": 40}
+        assert client.ttl(keys[0]) > 0  # a reservation whose answer never comes expires with its window
+    finally:
+        client.close()
+
+
+def redis_client(redis: RedisProcess) -> Any:
+    import redis as redis_sync
+
+    return redis_sync.Redis(host="127.0.0.1", port=redis.port, socket_timeout=2)
 
 
 def test_what_is_not_a_budget_of_this_topology_is_not_counted(redis: RedisProcess) -> None:

@@ -82,13 +82,24 @@ class GlobalRig:
         return redis_sync.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=2, socket_connect_timeout=2)
 
     def counted(self, budget: str) -> int:
-        """Sum of the Redis counters of one budget id (every client, model, window)."""
+        """Sum of the Redis counters of one budget id (every client, model, window): what was spent."""
         client = self.store()
         try:
             total = 0
             for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*", count=1000):
-                total += int(client.get(key) or 0)
+                if not key.endswith(b":r"):  # the reservations beside a token counter
+                    total += int(client.get(key) or 0)
             return total
+        finally:
+            client.close()
+
+
+    def reserved(self, budget: str) -> int:
+        """Tokens still reserved by requests of one budget whose answer has not been charged."""
+        client = self.store()
+        try:
+            return sum(int(v) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
+                       for v in client.hvals(key))
         finally:
             client.close()
 

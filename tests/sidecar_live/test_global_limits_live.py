@@ -6,8 +6,8 @@ real redis-server, a simulated fleet.
   its documented estimate (max_tokens); output_tokens budgets count completion tokens.
 - 3 Envoys, one key limited to L requests a minute: L admitted (+-5 %); a local limit of
   L a minute admits about 3L (the baseline this replaces).
-- 3 Envoys, a budget of T total tokens a minute, streaming and non-streaming mixed:
-  admitted tokens <= T + the largest request's cost x the requests in flight.
+- 3 Envoys, a budget of T total tokens a minute, streaming and non-streaming mixed, 3 in
+  flight: admitted tokens <= T + the largest request's cost (reservations).
 - 429 answers carry the OpenAI-style body, retry-after and x-ratelimit-* headers.
 - The rate limit service unreachable with request-time and stream-done limits on the same
   route (CVE-2026-26330's case): every request is served, Envoy stays up.
@@ -77,6 +77,8 @@ def test_tokens_are_charged_from_usage_streaming_or_not(tmp_path: Path) -> None:
         status, _, payload = call(url, "out", _body(5, stream=True))
         assert status == 200
         assert _charged(rig, "client/out/0", 18) == 18
+        # every answer's charge released its request's reservation (same x-request-id both times)
+        assert wait_until(lambda: rig.reserved("client/tok/0") == 0 and rig.reserved("client/out/0") == 0)
 
 
 def test_three_envoys_admit_one_budget_of_requests(tmp_path: Path) -> None:
@@ -121,8 +123,10 @@ def test_three_envoys_hold_one_token_budget_streaming_and_not(tmp_path: Path) ->
         assert statuses.count(429) > 0
         print(f"\ntokens admitted {tokens} for a budget of {budget} (largest request {largest}, "
               f"{len(admitted)} requests admitted, {concurrency} in flight)")
-        assert tokens >= budget  # the budget is used, not refused early
-        assert tokens <= budget + concurrency * largest, (tokens, budget, largest)
+        # requests in flight reserve their estimate (max_tokens + body bytes / 4): the budget is
+        # passed by at most the last request admitted
+        assert tokens <= budget + largest, (tokens, budget, largest)
+        assert tokens >= 0.75 * budget, (tokens, budget)  # estimates above the usage refuse a little early
 
 
 def test_service_unreachable_with_request_and_stream_done_limits_serves_everything(tmp_path: Path) -> None:

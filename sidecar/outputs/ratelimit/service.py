@@ -32,11 +32,24 @@ from google.protobuf import duration_pb2
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
-from confgen.limits import ANY_MODEL, CLIENT_KEY, LIMIT_KEY, MODEL_KEY, Budget, budgets, domain
+from confgen.limits import (
+    ANY_MODEL,
+    BODY_BYTES_KEY,
+    BYTES_PER_TOKEN,
+    CLIENT_KEY,
+    ESTIMATE_OUTPUT_TOKENS,
+    LIMIT_KEY,
+    MAX_OUTPUT_KEY,
+    MODEL_KEY,
+    REQUEST_ID_KEY,
+    Budget,
+    budgets,
+    domain,
+)
 from confgen.model import LimitStore, Topology, split_address
 from sidecar.fleet import Snapshot
 from sidecar.logs import log_event
-from sidecar.outputs.ratelimit.store import Mode, Op, RedisCounter, StoreUnavailable
+from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
 
 __all__ = ["RateLimitService"]
 
@@ -47,6 +60,7 @@ _OK = rls_pb2.RateLimitResponse.OK
 _OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 _UINT32_MAX = 2**32 - 1
 _MAX_DESCRIPTORS = 64  # a request carries one per budget that applies; more is not Envoy
+_MAX_ESTIMATE = 10**9  # Envoy's own bound on a hits_addend
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,19 +190,19 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 statuses=[_status(None) if entry is None else
                           _status(entry[0], code=_OVER if entry[0].limit.fail_closed else _OK, now=now)
                           for entry in plan])
-        values, refused = counts
         statuses = []
         for entry in plan:
             if entry is None:
                 statuses.append(_status(None))
                 continue
             budget, index = entry
-            op = ops[index]
-            over = (op.mode == "a" and values[index] + op.cost > op.limit and refused) or \
-                (op.mode == "c" and values[index] >= op.limit)
-            statuses.append(_status(budget, code=_OVER if over else _OK, count=values[index], now=now))
-        self._metrics.decisions.labels("over_limit" if refused else "ok", "counted").inc()
-        return rls_pb2.RateLimitResponse(overall_code=_OVER if refused else _OK, statuses=statuses)
+            op, count, held = ops[index], counts.counts[index], counts.reserved[index]
+            over = (op.mode == "a" and count + op.cost > op.limit and counts.refused) or \
+                (op.mode == "c" and count >= op.limit) or \
+                (op.mode == "r" and count + held - (0 if counts.refused else op.estimate) >= op.limit)
+            statuses.append(_status(budget, code=_OVER if over else _OK, count=count + held, now=now))
+        self._metrics.decisions.labels("over_limit" if counts.refused else "ok", "counted").inc()
+        return rls_pb2.RateLimitResponse(overall_code=_OVER if counts.refused else _OK, statuses=statuses)
 
     def _op(self, table: _Table, descriptor: Any, request_addend: int, now: float) -> tuple[Budget, Op] | None:
         entries = {e.key: e.value for e in descriptor.entries}
@@ -207,14 +221,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             model = model if model in table.models else ANY_MODEL
         # per-descriptor hits_addend wins (0 = check only); else the request's, where 0 means 1
         cost = int(descriptor.hits_addend.value) if descriptor.HasField("hits_addend") else request_addend or 1
-        mode: Mode = ("f" if cost > 0 else "c") if budget.tokens else "a"
         window = budget.window_seconds
         start = int(now // window)
         ttl = max(1, math.ceil((start + 1) * window - now)) + 1
         key = f"confgen:{table.domain}:{budget.id}:{client}:{model}:{window}:{start}"
-        return budget, Op(key, mode, cost, budget.amount, ttl)
+        if not budget.tokens:
+            return budget, Op(key, "a", cost, budget.amount, ttl)
+        request_id = entries.get(REQUEST_ID_KEY, "")[:128]
+        if cost > 0:  # the answer's tokens, at stream end: counted, the reservation released
+            return budget, Op(key, "f", cost, budget.amount, ttl, request_id)
+        if not request_id:
+            return budget, Op(key, "c", 0, budget.amount, ttl)
+        return budget, Op(key, "r", 0, budget.amount, ttl, request_id, _estimate(budget, entries))
 
-    async def _decide(self, ops: list[Op]) -> tuple[list[int], bool] | None:
+    async def _decide(self, ops: list[Op]) -> Decision | None:
         counter = self._counter
         if counter is None or self._clock() < self._down_until:
             if counter is None:
@@ -239,6 +259,28 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._metrics.store_up.set(1)
         self._down_until = 0.0
         return result
+
+
+def _number(text: str | None) -> int | None:
+    """A descriptor entry's non-negative integer (Envoy writes a JSON number: 17 or 17.0)."""
+    if text is None or len(text) > 20:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if 0 <= value <= _MAX_ESTIMATE else None
+
+
+def _estimate(budget: Budget, entries: dict[str, str]) -> int:
+    """The tokens a request is expected to spend at most, reserved until its answer ends."""
+    output = _number(entries.get(MAX_OUTPUT_KEY))
+    output = ESTIMATE_OUTPUT_TOKENS if output is None else output
+    body = _number(entries.get(BODY_BYTES_KEY)) or 0
+    prompt = -(-body // BYTES_PER_TOKEN)
+    unit = budget.limit.unit
+    estimate = output if unit == "output_tokens" else prompt if unit == "input_tokens" else output + prompt
+    return max(1, min(estimate, _MAX_ESTIMATE))
 
 
 def _status(budget: Budget | None, code: int = _OK, count: int = 0, now: float = 0.0) -> Any:

@@ -11,11 +11,20 @@ The script decides every descriptor of one request at once, atomically:
 
     mode a  (admit: requests)   refused when count + cost > limit; counted only if the whole
                                 request is admitted (a refused request costs nothing anywhere)
-    mode c  (check: tokens, hits 0)   refused when count >= limit; counts nothing
-    mode f  (force: tokens at stream end)   always counted: the tokens were spent
+    mode c  (check: tokens, hits 0, no request id)   refused when count >= limit
+    mode r  (reserve: tokens, hits 0, with the request's id)   refused when count + the
+                                tokens reserved by requests in flight >= limit; else the
+                                request's estimate is reserved under its id until its answer
+    mode f  (force: tokens at stream end)   always counted (the tokens were spent), and the
+                                request's reservation released
 
-so a request over one budget does not eat into the others. Returned: each key's count after
-the script and whether the request was refused.
+Reservations make a token budget hold to T + one request: a request is admitted only while
+the tokens spent plus those reserved by the requests in flight stay under the budget, and its
+estimate (max_tokens, plus the body's length / 4 for prompt tokens) bounds what it spends. A
+reservation lives in a hash beside the counter (<key>:r, request id -> estimate) that expires
+with the window; one whose answer never comes is dropped with it. (Those keys are derived
+inside the script: fine for one Redis, not for Redis Cluster.) Returned: each counter after
+the script, the tokens reserved beside it, and whether the request was refused.
 """
 
 from __future__ import annotations
@@ -31,34 +40,51 @@ from redis.exceptions import RedisError
 
 from confgen.errors import ConfgenError
 
-__all__ = ["Mode", "Op", "RedisCounter", "StoreUnavailable"]
+__all__ = ["Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
 
-Mode = Literal["a", "c", "f"]
+Mode = Literal["a", "c", "r", "f"]
 
 _SCRIPT = """
 local n = #KEYS
 local cur = {}
+local held = {}
 local over = 0
 for i = 1, n do
+  local b = 6 * (i - 1)
+  local mode, add, lim = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local c = tonumber(redis.call('GET', KEYS[i]) or '0')
-  cur[i] = c
-  local mode = ARGV[4*i-3]
-  local add = tonumber(ARGV[4*i-2])
-  local lim = tonumber(ARGV[4*i-1])
-  if (mode == 'a' and c + add > lim) or (mode == 'c' and c >= lim) then over = 1 end
+  local h = 0
+  if mode == 'r' then
+    for _, v in ipairs(redis.call('HVALS', KEYS[i] .. ':r')) do h = h + tonumber(v) end
+  end
+  cur[i], held[i] = c, h
+  if (mode == 'a' and c + add > lim) or (mode == 'c' and c >= lim) or (mode == 'r' and c + h >= lim) then
+    over = 1
+  end
 end
 local out = {}
 for i = 1, n do
-  local mode = ARGV[4*i-3]
-  local add = tonumber(ARGV[4*i-2])
+  local b = 6 * (i - 1)
+  local mode, add, ttl, rid, est = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5],
+    tonumber(ARGV[b + 6])
   local v = cur[i]
   if add > 0 and (mode == 'f' or (mode == 'a' and over == 0)) then
     v = redis.call('INCRBY', KEYS[i], add)
-    if v == add then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[4*i])) end
+    if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
   end
-  out[i] = v
+  if mode == 'r' and over == 0 and est > 0 then
+    redis.call('HSET', KEYS[i] .. ':r', rid, est)
+    redis.call('EXPIRE', KEYS[i] .. ':r', ttl)
+    held[i] = held[i] + est
+  elseif mode == 'f' and rid ~= '' then
+    local had = tonumber(redis.call('HGET', KEYS[i] .. ':r', rid) or '0')
+    if had > 0 then redis.call('HDEL', KEYS[i] .. ':r', rid) end
+    held[i] = held[i] - had
+  end
+  out[2 * i - 1] = v
+  out[2 * i] = math.max(held[i], 0)
 end
-out[n + 1] = over
+out[2 * n + 1] = over
 return out
 """
 
@@ -74,6 +100,15 @@ class Op:
     cost: int
     limit: int
     ttl_s: int
+    request_id: str = ""  # modes r and f: the request the reservation belongs to
+    estimate: int = 0  # mode r: the tokens reserved until the answer's usage replaces them
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    counts: list[int]  # each counter after the script
+    reserved: list[int]  # tokens reserved beside each counter by requests in flight
+    refused: bool
 
 
 class RedisCounter:
@@ -91,18 +126,18 @@ class RedisCounter:
         )
         self._script = self._redis.register_script(_SCRIPT)
 
-    async def decide(self, ops: list[Op]) -> tuple[list[int], bool]:
-        """(count of each key after the decision, refused) for one request's descriptors."""
+    async def decide(self, ops: list[Op]) -> Decision:
+        """The decision on one request's descriptors (see the module's docstring)."""
         args: list[str | int] = []
         for op in ops:
-            args += [op.mode, op.cost, op.limit, op.ttl_s]
+            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate]
         try:
             async with asyncio.timeout(self.timeout_s):
                 raw = await self._script(keys=[op.key for op in ops], args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
         values = [int(v) for v in raw]
-        return values[:-1], bool(values[-1])
+        return Decision(values[0:-1:2], values[1:-1:2], bool(values[-1]))
 
     async def close(self) -> None:
         await self._redis.aclose()
