@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
 from prometheus_client import Counter, Gauge, Histogram
@@ -202,7 +203,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 (op.mode == "r" and count + held - (0 if counts.refused else op.estimate) >= op.limit)
             statuses.append(_status(budget, code=_OVER if over else _OK, count=count + held, now=now))
         self._metrics.decisions.labels("over_limit" if counts.refused else "ok", "counted").inc()
-        return rls_pb2.RateLimitResponse(overall_code=_OVER if counts.refused else _OK, statuses=statuses)
+        if not counts.refused:
+            return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=statuses)
+        # retry-after: when the last refusing window resets (Envoy's 429 keeps it)
+        wait = max((s.duration_until_reset.seconds for s in statuses if s.code == _OVER), default=1)
+        return rls_pb2.RateLimitResponse(overall_code=_OVER, statuses=statuses, response_headers_to_add=[
+            base_pb2.HeaderValue(key="retry-after", value=str(wait))])
 
     def _op(self, table: _Table, descriptor: Any, request_addend: int, now: float) -> tuple[Budget, Op] | None:
         entries = {e.key: e.value for e in descriptor.entries}
