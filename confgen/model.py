@@ -387,7 +387,9 @@ class LimitStore:
 @dataclass(frozen=True)
 class Limits:
     global_: LimitSet | None = field(
-        None, key="global", doc="Limits on all requests of a listener together: one, or a list."
+        None, key="global",
+        doc="Limits on all requests together, not per client (local: each listener of each proxy; global: every "
+        "listener of every Envoy): one, or a list."
     )
     per_key: LimitSet | None = field(
         None, doc="Limits on each API-key client's requests (each client its own budget): one, or a list."
