@@ -129,12 +129,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         """Budgets do not depend on the fleet's health; the topology is read per request."""
 
     def problems(self) -> list[str]:
-        table = self._current
-        if table is None or not table.budgets:
-            return []
-        if table.store is None:
-            return ["global limits without limits.store"]
-        return [] if self._up else [f"rate limit store {table.store.redis} unreachable: global limits uncounted"]
+        """Nothing: with its store down the service still answers (fail open, or 429 for
+        fail_closed budgets). A readiness failure there would take every proxy out of service
+        at once for a shared Redis; the store's state is a metric and an alert instead."""
+        return []
 
     async def start(self) -> None:
         self._table_now()  # connects lazily: a store that is down at start is not an error
