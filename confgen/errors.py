@@ -11,7 +11,6 @@
     │   └── VerifyError      `validate --envoy/--nginx` could not run its check
     ├── SpecError            a simulated fleet's spec is invalid (confgen.simulate; also a ValueError)
     ├── sidecar.config.ConfigError   the sidecar's flags or settings (also a ValueError)
-    ├── sidecar.outputs.grpc.GrpcError   the sidecar's gRPC server cannot be built as asked
     └── sidecar.outputs.ratelimit.store.StoreUnavailable   the rate limit store did not answer in time
 
 Errors from outside (OSError, subprocess.TimeoutExpired, ...) are translated into one of

@@ -555,8 +555,8 @@ class SidecarLink:
     port: int = field(9109, doc="Port of confgen-sidecar's HTTP server.", minimum=1, maximum=65535)
     grpc_port: int = field(
         9110,
-        doc="Port of confgen-sidecar's gRPC server (its --grpc-listen): the services Envoy calls, such as the "
-        "rate limit service of scope: global limits.",
+        doc="Port of confgen-sidecar's gRPC services on the same address (the endpoint picker Envoy calls for "
+        "pools with policy prefix_affinity; the sidecar's --grpc-listen).",
         minimum=1,
         maximum=65535,
     )

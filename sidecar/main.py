@@ -18,29 +18,26 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import TopologyError
-from confgen.limits import needs_store
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, xds_dir_for
 from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
-from sidecar.outputs.grpc import GrpcError
-from sidecar.outputs.grpc import serve as serve_grpc
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings
 from sidecar.outputs.publisher import Wiring
 from sidecar.outputs.publisher import build as build_publisher
-from sidecar.outputs.service import SERVICES, Service, ServiceWiring
+from sidecar.outputs.service import ServiceWiring, wanted
 from sidecar.outputs.service import build as build_service
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
@@ -116,6 +113,22 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+        # gRPC services the topology needs (the endpoint picker), on one server. A reload that
+        # adds a prefix_affinity pool needs a restart to start the picker.
+        service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
+        services = [build_service(name, service_wiring) for name in wanted(topo)]
+        grpc_server: GrpcServer | None = None
+        if services:
+            try:
+                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
+                for service in services:
+                    grpc_server.add(service.add_to, service.name)
+                    await service.start()
+                await grpc_server.start()
+            except (ConfigError, OSError) as exc:
+                await publisher.close()
+                log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+                return EXIT_USAGE
         register(registry, daemon.view)
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
@@ -127,18 +140,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             await site.start()
         except OSError as exc:
             await runner.cleanup()
+            if grpc_server is not None:
+                await grpc_server.stop(0)
             await publisher.close()
             log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
                       port=config.listen_port, error=str(exc))
             return EXIT_USAGE
         bound = runner.addresses[0]
-        try:
-            grpc_server, services = await _start_services(config, daemon, registry, loop.time)
-        except (OSError, GrpcError) as exc:
-            await runner.cleanup()
-            await publisher.close()
-            log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
-            return EXIT_USAGE
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
         xds = publisher.xds_view()
@@ -161,45 +169,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             log_event(_log, logging.INFO, "shutdown.begin")
             await watcher.stop()
             if grpc_server is not None:
-                await grpc_server.stop(grace=1.0)
+                await grpc_server.stop()
             for service in services:
                 await service.close()
             await publisher.close()
             await runner.cleanup()
     log_event(_log, logging.INFO, "shutdown.done")
     return EXIT_OK
-
-
-async def _start_services(config: SidecarConfig, daemon: Daemon, registry: CollectorRegistry,
-                          clock: Callable[[], float]) -> tuple[grpc.aio.Server | None, list[Service]]:
-    """The gRPC server of the services Envoy calls, when asked (--grpc-listen) or needed (global limits)."""
-    topo = daemon.topology
-    listen = config.grpc_listen
-    if listen is None and needs_store(topo):
-        listen = (topo.sidecar.address, topo.sidecar.grpc_port)
-    if listen is None:
-        return None, []
-    wiring = ServiceWiring(config, lambda: daemon.topology, registry, clock)
-    services = [build_service(name, wiring) for name in SERVICES]
-    started: list[Service] = []
-    try:
-        for service in services:
-            await service.start()
-            started.append(service)
-            service.update(daemon.view())
-    except BaseException:
-        for service in started:
-            await service.close()
-        raise
-    try:
-        server, port = await serve_grpc(services, *listen)
-    except BaseException:
-        for service in services:
-            await service.close()
-        raise
-    log_event(_log, logging.INFO, "startup.grpc", listen=f"{listen[0]}:{port}",
-              services=[s.name for s in services])
-    return server, services
 
 
 def main(argv: Sequence[str] | None = None) -> int:

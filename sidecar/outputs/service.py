@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from confgen.limits import needs_store
 from confgen.model import Topology
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
     from sidecar.fleet import Snapshot
 
-__all__ = ["SERVICES", "Service", "ServiceWiring", "build"]
+__all__ = ["SERVICES", "Service", "ServiceWiring", "build", "wanted"]
 
 
 class Service(Protocol):
@@ -73,8 +74,16 @@ class ServiceWiring:
 
 
 SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
-    "ratelimit": "sidecar.outputs.ratelimit:build",
+    "ratelimit": "sidecar.outputs.ratelimit:build",  # Envoy's rate limit service (scope: global limits)
 }
+
+
+def wanted(topo: Topology) -> list[str]:
+    """The services `topo` needs, in start order (`sidecar.main` starts these and no others)."""
+    out = []
+    if needs_store(topo):
+        out.append("ratelimit")
+    return out
 
 
 def build(name: str, wiring: ServiceWiring) -> Service:

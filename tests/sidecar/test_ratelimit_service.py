@@ -18,7 +18,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from confgen.runtime import RedisProcess
 from confgen.topology import parse
-from sidecar.outputs.grpc import serve
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings
 from sidecar.outputs.ratelimit import RateLimitService
 
 OK, OVER = rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -274,21 +274,23 @@ def test_grpc_round_trip_on_the_sidecars_server(redis: RedisProcess) -> None:
     async def run() -> list[int]:
         service = _service(redis, clock, registry)
         await service.start()
-        server, port = await serve([service], "127.0.0.1", 0)
+        server = GrpcServer(GrpcSettings("127.0.0.1", 0))
+        server.add(service.add_to, service.name)
+        port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = rls_pb2_grpc.RateLimitServiceStub(channel)
                 request = _request(_descriptor("client/carol/0", "carol"))
                 return [(await stub.ShouldRateLimit(request, timeout=5)).overall_code for _ in range(3)]
         finally:
-            await server.stop(grace=None)
+            await server.stop(0)
             await service.close()
 
     assert asyncio.run(run()) == [OK, OK, OVER]
 
 
 def test_plaintext_grpc_beyond_loopback_is_refused() -> None:
-    from sidecar.outputs.grpc import GrpcError
+    from sidecar.config import ConfigError
 
-    with pytest.raises(GrpcError, match="plaintext beyond loopback"):
-        asyncio.run(serve([], "0.0.0.0", 0))
+    with pytest.raises(ConfigError, match="loopback"):
+        GrpcServer(GrpcSettings("0.0.0.0", 0))
