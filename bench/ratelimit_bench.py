@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench._stats import summarize
+from bench._stats import pct, summarize
 from tests.sidecar_live.glimits import KEYS, global_rig
 
 
@@ -80,6 +80,41 @@ def latency(rate: float, count: int, rounds: int, workdir: Path) -> dict[str, An
     return result
 
 
+def sse_cost(rate: float, count: int, workdir: Path, max_tokens: int = 64) -> dict[str, Any]:
+    """What reading the usage costs a stream: two Envoys on one fleet, the same clients, one
+    with token budgets in its topology (json_to_metadata response rules + sse_to_metadata on
+    every response) and one without; client `free` (no limit of its own: no rate limit call)
+    streams with include_usage through both, alternately."""
+    from tests.sidecar_live.glimits import CLIENTS
+
+    without = {k: v for k, v in CLIENTS.items() if k not in ("tok", "out")}
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"authorization": f"Bearer {KEYS['free']}", "content-type": "application/json"}
+    job = {"targets": None, "path": "/v1/completions", "deadline_s": count / rate + 5, "timeout_s": 20,
+           "max_in_flight": 500, "requests": [{"i": i, "t": i / rate, "body": body, "headers": headers}
+                                              for i in range(count)]}
+    out: dict[str, Any] = {}
+    with global_rig(workdir / "sse", envoys=2, check_timeout=None, store_timeout=None, sidecar_args=(),
+                    decode_ms=2.0, clients=[None, without]) as rig:
+        urls = [f"http://127.0.0.1:{pair.port}" for pair in rig.pairs]  # even: with usage reading
+        proc, path = loadgen.start(job, workdir, "sse")
+        loadgen.go(proc, urls)
+        records = loadgen.collect(proc, path, count / rate + 60)
+        stats = rig.pairs[0].envoy.stats()
+    for parity, name in ((0, "with_usage_filters"), (1, "without")):
+        mine = [r for r in records if r["i"] % 2 == parity]
+        summary = summarize(mine, warmup_s=1.0)
+        good = [r for r in mine if r["status"] == 200 and r["ttft"] is not None and r["sched"] >= 1.0]
+        tpot = [(r["end"] - r["sched"] - r["ttft"]) * 1000 / (max_tokens - 1) for r in good]
+        out[name] = {"ok": summary["ok"], "requests": summary["requests"], "ttft_p50_ms": summary["ttft_p50_ms"],
+                     "ttft_p99_ms": summary["ttft_p99_ms"], "e2e_p50_ms": summary["p50_ms"],
+                     "e2e_p99_ms": summary["p99_ms"], "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}
+        print(f"{name}: {out[name]}", flush=True)
+    out["sse_to_metadata_stats"] = {k: v for k, v in stats.items() if k.startswith("sse_to_metadata")}
+    return out
+
+
 def outage(seconds: float, workdir: Path) -> dict[str, Any]:
     from tests.sidecar_live.test_global_limits_live import _first_refusal_after, run_redis_outage
 
@@ -103,12 +138,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--outage", type=float, default=10.0)
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--sse", type=int, default=0, metavar="N", help="also N streams for the usage filters' cost")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="confgen-rl-bench-") as tmp:
         result: dict[str, Any] = {}
         if not args.skip_latency:
             result["latency"] = latency(args.rate, args.requests, args.rounds, Path(tmp))
+        if args.sse:
+            result["sse"] = sse_cost(40.0, args.sse, Path(tmp))
         if args.outage > 0:
             result["outage"] = outage(args.outage, Path(tmp))
     text = json.dumps(result, indent=2)

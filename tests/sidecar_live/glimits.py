@@ -43,10 +43,11 @@ KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 
 
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
-                  check_timeout: str | None = "500ms", store_timeout: str | None = "200ms") -> str:
-    """None for a timeout: the product's default."""
+                  check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
+                  clients: dict[str, str | None] | None = None) -> str:
+    """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit."""
     auth = ["auth:", "  api_keys:"]
-    for client, limit in CLIENTS.items():
+    for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
                     + (f", rate_limit: {limit}}}" if limit else "}"))
     tail = [*auth,
@@ -138,10 +139,11 @@ def usage_of(status: int, payload: bytes, stream: bool) -> dict[str, int] | None
 def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: int = 2,
                decode_ms: float = 2.0, check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                grpc_ports: Sequence[int] | None = None, sidecar_args: Sequence[str] = FAST_ARGS,
-               envoy_concurrency: int = 1) -> Iterator[GlobalRig]:
+               envoy_concurrency: int = 1,
+               clients: Sequence[dict[str, str | None] | None] | None = None) -> Iterator[GlobalRig]:
     """`envoys` pairs (Envoy + sidecar) on one fleet and one Redis; `sidecars=False` starts
-    no sidecar (the rate limit service is unreachable). The tests give the store and Envoy
-    generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
+    no sidecar (the rate limit service is unreachable); `clients[i]`: pair i's clients. The
+    tests give the store and Envoy generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
     would count as a wrong admission); the bench passes None: the product's defaults."""
     import os
 
@@ -158,7 +160,7 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                 grpc = grpc_ports[i] if grpc_ports else free_port()
                 text = topology_text([f"127.0.0.1:{w.port}" for w in fleet.workers], admin=admin, port=port,
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
-                                     store_timeout=store_timeout)
+                                     store_timeout=store_timeout, clients=clients[i] if clients else None)
                 directory = tmp / f"pair{i}"
                 directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
