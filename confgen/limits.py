@@ -33,6 +33,11 @@ MAX_OUTPUT_KEY = "max_output"
 BODY_BYTES_KEY = "body_bytes"
 ESTIMATE_OUTPUT_TOKENS = 256
 BYTES_PER_TOKEN = 4
+# At stream end a second descriptor per token budget ("phase": "done", cost 0) settles a
+# reservation the answer's usage did not (no usage: its estimate is charged).
+PHASE_KEY = "phase"
+PHASE_DONE = "done"
+RESERVATION_HOLD_S = 600  # a reservation whose answer has not come after this (or its window) is dropped
 
 # Dynamic metadata the response's usage is written to (json_to_metadata for JSON bodies,
 # sse_to_metadata for streams), read by the stream-done descriptors' hits_addend.

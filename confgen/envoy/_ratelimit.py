@@ -12,15 +12,13 @@ RateLimitPerRoute, the only place Envoy honours per-descriptor `hits_addend` and
                     request's estimate until its answer ends), and charged when the stream
                     ends with the tokens in dynamic metadata confgen.usage:<key>
 
-The usage keys are filled in three steps, each overwriting the last:
-  1. request  (json_to_metadata)  the estimate: max_completion_tokens, else max_tokens, else
-                                  ESTIMATE_OUTPUT_TOKENS, for max_output (the reservation, see
-                                  sidecar/outputs/ratelimit/store.py), completion_tokens and total_tokens;
-                                  prompt_tokens has none (an input_tokens budget is not
-                                  charged for a stream without usage)
-  2. response JSON (json_to_metadata)  the body's usage.{prompt,completion,total}_tokens
-  3. response SSE (sse_to_metadata)    the usage chunk a stream sends when the client asked
-                                       stream_options.include_usage
+The usage keys come from the answer: a JSON body's usage (json_to_metadata response rules) or
+a stream's usage chunk (sse_to_metadata, when the client asked stream_options.include_usage).
+The request writes only confgen.usage:max_output (max_completion_tokens, else max_tokens, else
+ESTIMATE_OUTPUT_TOKENS), sent with the check: the service reserves the request's estimate until
+its end. At stream end, a descriptor charges the usage (Envoy drops it when there is none: a
+refused request, a stream without usage, an error) and a second one (phase: done, cost 0)
+settles what is left: a reservation still held is charged its estimate, none charges nothing,
 so a stream without usage is charged its estimate. Budgets with fail_closed go through a
 second filter instance with failure_mode_deny, the others fail open.
 """
@@ -35,6 +33,8 @@ from ..limits import (
     LIMIT_KEY,
     MAX_OUTPUT_KEY,
     MODEL_KEY,
+    PHASE_DONE,
+    PHASE_KEY,
     REQUEST_ID_KEY,
     USAGE_KEYS,
     USAGE_NS,
@@ -96,16 +96,18 @@ def filters(topo: Topology) -> list[Json]:
 
 
 def usage_request_rules() -> list[Json]:
-    """json_to_metadata request rules: the estimate a stream without usage is charged (see above)."""
+    """json_to_metadata request rules: the request's max output, for its reservation (see above).
+
+    STRING: Envoy's metadata rate limit action takes string values only (a NUMBER was
+    measured to fall back to the action's default)."""
     rules: list[Json] = []
-    for key in (MAX_OUTPUT_KEY, "completion_tokens", "total_tokens"):
-        # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
-        rules.append({"selectors": [{"key": "max_tokens"}],
-                      "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
-                      "on_missing": {"metadata_namespace": USAGE_NS, "key": key,
-                                     "value": ESTIMATE_OUTPUT_TOKENS, "type": "NUMBER"}})
-        rules.append({"selectors": [{"key": "max_completion_tokens"}],
-                      "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"}})
+    # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
+    rules.append({"selectors": [{"key": "max_tokens"}],
+                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"},
+                  "on_missing": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY,
+                                 "value": str(ESTIMATE_OUTPUT_TOKENS), "type": "STRING"}})
+    rules.append({"selectors": [{"key": "max_completion_tokens"}],
+                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"}})
     return rules
 
 
@@ -169,9 +171,14 @@ def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
     return [
         # checked (cost 0) and the request's estimate reserved: refused once spent + reserved reach the budget
         {"actions": check, "hits_addend": {"number": 0}},
-        # charged the answer's usage when the stream ends, the reservation released
+        # charged the answer's usage when the stream ends, the reservation released (no usage in
+        # metadata: Envoy drops this descriptor)
         {"actions": [*actions, request_id], "apply_on_stream_done": True,
          "hits_addend": {"format": f"%DYNAMIC_METADATA({USAGE_NS}:{USAGE_KEYS[budget.limit.unit]})%"}},
+        # then, always: a reservation still held (an answer without usage) is charged its estimate
+        {"actions": [*actions, request_id, {"generic_key": {"descriptor_key": PHASE_KEY,
+                                                             "descriptor_value": PHASE_DONE}}],
+         "apply_on_stream_done": True, "hits_addend": {"number": 0}},
     ]
 
 

@@ -195,8 +195,61 @@ def test_reservations_hold_a_token_budget_to_one_request_over(redis: RedisProces
     try:
         keys = [k for k in client.scan_iter(match="confgen:*:r")]
         assert len(keys) == 1
-        assert {k.decode(): int(v) for k, v in client.hgetall(keys[0]).items()} == {"b": 40, "c": 40, "e": 40}
+        held = {k.decode(): v.decode().split(":") for k, v in client.hgetall(keys[0]).items()}
+        assert {rid: int(est) for rid, (est, _) in held.items()} == {"b": 40, "c": 40, "e": 40}
+        assert all(int(deadline) == 1_700_000_080 + 600 for _, deadline in held.values())
         assert client.ttl(keys[0]) > 0  # a reservation whose answer never comes expires with its window
+    finally:
+        client.close()
+
+
+def test_the_end_of_an_answer_settles_its_reservation_and_a_refused_request_costs_nothing(
+        redis: RedisProcess) -> None:
+    """At stream end: the usage charge releases the reservation and the done marker then finds
+    nothing; an answer without usage is charged its estimate by the done marker; a request
+    that was refused (no reservation) is charged nothing, even with an estimate at hand."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+    budget = "client/bob/0"
+
+    def check(rid: str) -> Any:
+        return _request(_descriptor(budget, "bob", "m1", hits=0, request_id=rid, max_output="20", body_bytes="0"))
+
+    def end(rid: str, usage: int | None) -> Any:
+        done = _descriptor(budget, "bob", "m1", hits=0, request_id=rid, phase="done")
+        if usage is None:  # Envoy dropped the charge: no usage in metadata
+            return _request(done)
+        return _request(_descriptor(budget, "bob", "m1", hits=usage, request_id=rid), done)
+
+    async def run() -> list[int]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        spent = []
+        try:
+            await service.ShouldRateLimit(check("a"), None)
+            await service.ShouldRateLimit(end("a", 7), None)  # usage 7: charged 7, settled
+            spent.append(await _spent(redis))
+            await service.ShouldRateLimit(check("b"), None)
+            await service.ShouldRateLimit(end("b", None), None)  # no usage: the estimate, 20
+            spent.append(await _spent(redis))
+            await service.ShouldRateLimit(end("never-checked", None), None)  # refused/unknown: nothing
+            spent.append(await _spent(redis))
+        finally:
+            await service.close()
+        return spent
+
+    assert asyncio.run(run()) == [7, 27, 27]
+    client = redis_client(redis)
+    try:
+        assert [client.hlen(k) for k in client.scan_iter(match="confgen:*:r")] in ([], [0])
+    finally:
+        client.close()
+
+
+async def _spent(redis: RedisProcess) -> int:
+    client = redis_client(redis)
+    try:
+        return sum(int(client.get(k) or 0) for k in client.scan_iter(match="confgen:*") if not k.endswith(b":r"))
     finally:
         client.close()
 

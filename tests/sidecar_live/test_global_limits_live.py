@@ -65,11 +65,19 @@ def test_tokens_are_charged_from_usage_streaming_or_not(tmp_path: Path) -> None:
         assert status == 200 and usage is not None, payload
         expected += usage["total_tokens"]
         assert _charged(rig, "client/tok/0", expected) == expected
-        # 3. a stream without usage: the estimate, max_tokens
-        status, _, payload = call(url, "tok", _body(9, stream=True, usage=False))
+        # 3. a stream without usage: the estimate, max_tokens + the body's bytes / 4
+        body = _body(9, stream=True, usage=False)
+        status, _, payload = call(url, "tok", body)
         assert status == 200 and usage_of(status, payload, stream=True) is None
-        expected += 9
+        expected += 9 + -(-len(json.dumps(body).encode()) // 4)
         assert _charged(rig, "client/tok/0", expected) == expected
+        # 4. a refused request is charged nothing (it reserved nothing): spend the budget, then ask
+        rig.store().incrby(next(k for k in rig.store().scan_iter(match="confgen:*client/tok/0:*")
+                                if not k.endswith(b":r")), 5000)
+        status, _, _ = call(url, "tok", _body(50))
+        assert status == 429
+        time.sleep(0.5)  # the stream-done calls are fire-and-forget: give a wrong charge time to land
+        assert rig.counted("client/tok/0") == expected + 5000
         # output_tokens budget: completion tokens only, non-streaming and streaming
         status, _, payload = call(url, "out", _body(13))
         assert status == 200

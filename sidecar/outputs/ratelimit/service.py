@@ -42,7 +42,10 @@ from confgen.limits import (
     LIMIT_KEY,
     MAX_OUTPUT_KEY,
     MODEL_KEY,
+    PHASE_DONE,
+    PHASE_KEY,
     REQUEST_ID_KEY,
+    RESERVATION_HOLD_S,
     Budget,
     budgets,
     domain,
@@ -228,15 +231,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         window = budget.window_seconds
         start = int(now // window)
         ttl = max(1, math.ceil((start + 1) * window - now)) + 1
-        key = f"confgen:{table.domain}:{budget.id}:{client}:{model}:{window}:{start}"
+        base = f"confgen:{table.domain}:{budget.id}:{client}:{model}"
+        key = f"{base}:{window}:{start}"
         if not budget.tokens:
             return budget, Op(key, "a", cost, budget.amount, ttl)
         request_id = entries.get(REQUEST_ID_KEY, "")[:128]
+        reservations = f"{base}:r"
         if cost > 0:  # the answer's tokens, at stream end: counted, the reservation released
-            return budget, Op(key, "f", cost, budget.amount, ttl, request_id)
+            return budget, Op(key, "f", cost, budget.amount, ttl, request_id, reservations=reservations)
+        if entries.get(PHASE_KEY) == PHASE_DONE:  # the answer ended: settles a reservation still held
+            return budget, Op(key, "d", 0, budget.amount, ttl, request_id, reservations=reservations)
         if not request_id:
             return budget, Op(key, "c", 0, budget.amount, ttl)
-        return budget, Op(key, "r", 0, budget.amount, ttl, request_id, _estimate(budget, entries))
+        return budget, Op(key, "r", 0, budget.amount, ttl, request_id, _estimate(budget, entries), reservations,
+                          max(window, RESERVATION_HOLD_S))
 
     async def _decide(self, ops: list[Op]) -> Decision | None:
         counter = self._counter
@@ -246,7 +254,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             return None
         started = self._clock()
         try:
-            result = await counter.decide(ops)
+            result = await counter.decide(ops, self._wall())
         except StoreUnavailable as exc:
             self._metrics.store_failures.inc()
             if self._up:

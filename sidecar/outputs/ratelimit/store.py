@@ -15,16 +15,23 @@ The script decides every descriptor of one request at once, atomically:
     mode r  (reserve: tokens, hits 0, with the request's id)   refused when count + the
                                 tokens reserved by requests in flight >= limit; else the
                                 request's estimate is reserved under its id until its answer
-    mode f  (force: tokens at stream end)   always counted (the tokens were spent), and the
-                                request's reservation released
+    mode f  (charge: tokens at stream end, the answer's usage)   counted (the tokens were
+                                spent), the request's reservation released
+    mode d  (done: tokens at stream end, after mode f in the same call)   the reservation
+                                still there means the answer had no usage (a stream without
+                                include_usage, an error, a cancel): its estimate is counted
+                                and released. No reservation: nothing (a refused request, or
+                                mode f already settled it).
 
 Reservations make a token budget hold to T + one request: a request is admitted only while
 the tokens spent plus those reserved by the requests in flight stay under the budget, and its
 estimate (max_tokens, plus the body's length / 4 for prompt tokens) bounds what it spends. A
-reservation lives in a hash beside the counter (<key>:r, request id -> estimate) that expires
-with the window; one whose answer never comes is dropped with it. (Those keys are derived
-inside the script: fine for one Redis, not for Redis Cluster.) Returned: each counter after
-the script, the tokens reserved beside it, and whether the request was refused.
+request refused by any budget reserves nothing, so its end charges nothing. Reservations live
+in a hash per budget (and client, model), not per window (a request admitted in one window
+may end in the next), as request id -> "estimate:deadline"; one past its deadline (its answer
+never came) is dropped when the hash is next read. (The keys are passed in ARGV, fine for one
+Redis, not for Redis Cluster.) Returned: each counter after the script, the tokens reserved
+beside it, and whether the request was refused.
 """
 
 from __future__ import annotations
@@ -42,21 +49,31 @@ from confgen.errors import ConfgenError
 
 __all__ = ["Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
 
-Mode = Literal["a", "c", "r", "f"]
+Mode = Literal["a", "c", "r", "f", "d"]
 
 _SCRIPT = """
+local now = tonumber(ARGV[1])
 local n = #KEYS
-local cur = {}
-local held = {}
+local function held_in(rkey)
+  local total, flat = 0, redis.call('HGETALL', rkey)
+  for j = 1, #flat, 2 do
+    local est, deadline = string.match(flat[j + 1], '^(%d+):(%d+)$')
+    if est == nil or tonumber(deadline) < now then
+      redis.call('HDEL', rkey, flat[j])
+    else
+      total = total + tonumber(est)
+    end
+  end
+  return total
+end
+local cur, held = {}, {}
 local over = 0
 for i = 1, n do
-  local b = 6 * (i - 1)
-  local mode, add, lim = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  local b = 1 + 8 * (i - 1)
+  local mode, add, lim, rkey = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 7]
   local c = tonumber(redis.call('GET', KEYS[i]) or '0')
   local h = 0
-  if mode == 'r' then
-    for _, v in ipairs(redis.call('HVALS', KEYS[i] .. ':r')) do h = h + tonumber(v) end
-  end
+  if mode == 'r' then h = held_in(rkey) end
   cur[i], held[i] = c, h
   if (mode == 'a' and c + add > lim) or (mode == 'c' and c >= lim) or (mode == 'r' and c + h >= lim) then
     over = 1
@@ -64,25 +81,31 @@ for i = 1, n do
 end
 local out = {}
 for i = 1, n do
-  local b = 6 * (i - 1)
-  local mode, add, ttl, rid, est = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5],
-    tonumber(ARGV[b + 6])
+  local b = 1 + 8 * (i - 1)
+  local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
+  local est, rkey, hold = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8])
+  if mode == 'd' and rid ~= '' then
+    local had = redis.call('HGET', rkey, rid)
+    if had then
+      local e, deadline = string.match(had, '^(%d+):(%d+)$')
+      if e ~= nil and tonumber(deadline) >= now then add = tonumber(e) end
+      redis.call('HDEL', rkey, rid)
+    end
+  end
   local v = cur[i]
-  if add > 0 and (mode == 'f' or (mode == 'a' and over == 0)) then
+  if add > 0 and (mode == 'f' or mode == 'd' or (mode == 'a' and over == 0)) then
     v = redis.call('INCRBY', KEYS[i], add)
     if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
   end
   if mode == 'r' and over == 0 and est > 0 then
-    redis.call('HSET', KEYS[i] .. ':r', rid, est)
-    redis.call('EXPIRE', KEYS[i] .. ':r', ttl)
+    redis.call('HSET', rkey, rid, est .. ':' .. (now + hold))
+    redis.call('EXPIRE', rkey, hold)
     held[i] = held[i] + est
   elseif mode == 'f' and rid ~= '' then
-    local had = tonumber(redis.call('HGET', KEYS[i] .. ':r', rid) or '0')
-    if had > 0 then redis.call('HDEL', KEYS[i] .. ':r', rid) end
-    held[i] = held[i] - had
+    redis.call('HDEL', rkey, rid)
   end
   out[2 * i - 1] = v
-  out[2 * i] = math.max(held[i], 0)
+  out[2 * i] = held[i]
 end
 out[2 * n + 1] = over
 return out
@@ -100,8 +123,10 @@ class Op:
     cost: int
     limit: int
     ttl_s: int
-    request_id: str = ""  # modes r and f: the request the reservation belongs to
+    request_id: str = ""  # modes r, f, d: the request the reservation belongs to
     estimate: int = 0  # mode r: the tokens reserved until the answer's usage replaces them
+    reservations: str = ""  # modes r, f, d: the hash of the budget's reservations
+    hold_s: int = 0  # mode r: how long a reservation may wait for its answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +151,12 @@ class RedisCounter:
         )
         self._script = self._redis.register_script(_SCRIPT)
 
-    async def decide(self, ops: list[Op]) -> Decision:
-        """The decision on one request's descriptors (see the module's docstring)."""
-        args: list[str | int] = []
+    async def decide(self, ops: list[Op], now: float) -> Decision:
+        """The decision on one request's descriptors (see the module's docstring); `now`: the
+        wall clock (reservation deadlines)."""
+        args: list[str | int] = [int(now)]
         for op in ops:
-            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate]
+            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s]
         try:
             async with asyncio.timeout(self.timeout_s):
                 raw = await self._script(keys=[op.key for op in ops], args=args)
