@@ -129,7 +129,7 @@ def _target_refusals(path: Path, target: targets.Target, topo: Topology) -> list
         return []
     from .topology import pin
 
-    return pin(path, found, Severity.ERROR)
+    return sorted(pin(path, found, Severity.ERROR))
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -117,3 +117,8 @@ def test_nginx_refuses_global_and_token_limits_with_the_fields_place(tmp_path: P
     assert f"{topo}:19:15: limits.per_key[2].scope:" in rendered.stderr
     # the Envoy render takes the same file
     assert _cli("render", topo, "-o", tmp_path / "envoy", "--placeholder-secrets").returncode == 0
+    # validate --nginx refuses it too, before running nginx, every place in file order
+    checked = _cli("validate", "--nginx", topo)
+    assert checked.returncode == 1
+    lines = [line for line in checked.stderr.splitlines() if "open-source nginx cannot call" in line]
+    assert [line.split(": ")[0] for line in lines] == [f"{topo}:13:19", f"{topo}:18:15", f"{topo}:19:15"]
