@@ -55,7 +55,14 @@ from sidecar.fleet import Snapshot
 from sidecar.logs import log_event
 from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
 
-__all__ = ["RateLimitService"]
+__all__ = ["METRIC_NAMES", "RateLimitService"]
+
+METRIC_NAMES = (
+    "confgen_sidecar_ratelimit_decisions_total",
+    "confgen_sidecar_ratelimit_store_up",
+    "confgen_sidecar_ratelimit_store_failures_total",
+    "confgen_sidecar_ratelimit_store_seconds",
+)
 
 _log = logging.getLogger("sidecar.ratelimit")
 _UNITS = {1: rls_pb2.RateLimitResponse.RateLimit.SECOND, 60: rls_pb2.RateLimitResponse.RateLimit.MINUTE,
