@@ -16,7 +16,7 @@ from typing import Literal
 from ._fields import Duration, field
 
 Engine = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
-Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev"]
+Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev", "prefix_affinity"]
 RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
 Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
@@ -102,7 +102,12 @@ class HashOn:
 
 @dataclass(frozen=True)
 class Balancing:
-    policy: Policy = field("least_request", doc="Load-balancing policy.")
+    policy: Policy = field(
+        "least_request",
+        doc="Load-balancing policy. prefix_affinity (Envoy only): confgen-sidecar's endpoint picker chooses per "
+        "request (the worker that probably holds the prompt's prefix in its KV cache, unless its load is past the "
+        "others'; long generations toward the fastest), with least_request when the picker says nothing.",
+    )
     choice_count: int = field(
         2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100
     )

@@ -43,26 +43,11 @@ from ..limits import (
     domain,
 )
 from ..model import Topology
+from ._clusters import SIDECAR_GRPC_CLUSTER
 from ._proto import Json, dur, extension, typed
 
-GRPC_CLUSTER = "confgen_sidecar_grpc"  # agreed name: the sidecar's gRPC server (rate limits, picker)
 FILTER_OPEN = "envoy.filters.http.ratelimit"
 FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
-
-
-def grpc_cluster(topo: Topology) -> Json:
-    """The sidecar's gRPC server, over HTTP/2 (loopback beside Envoy)."""
-    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.grpc_port}}
-    return typed("config.cluster.v3.Cluster", {
-        "name": GRPC_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": "0.25s",
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
-            "extensions.upstreams.http.v3.HttpProtocolOptions",
-            {"explicit_http_config": {"http2_protocol_options": {}}})},
-        "load_assignment": {"cluster_name": GRPC_CLUSTER,
-                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
-    })
 
 
 def uses_tokens(topo: Topology) -> bool:
@@ -79,7 +64,7 @@ def _filter(topo: Topology, name: str, deny: bool) -> Json:
         "failure_mode_deny": deny,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
         "rate_limited_status": {"code": 429},
-        "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": GRPC_CLUSTER}},
+        "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
                                "transport_api_version": "V3"},
     })
 

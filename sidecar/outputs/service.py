@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from confgen.balancing import uses_picker
 from confgen.limits import needs_store
 from confgen.model import Topology
 
@@ -74,6 +75,7 @@ class ServiceWiring:
 
 
 SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
+    "picker": "sidecar.outputs.picker:build",  # Envoy ext_proc endpoint picker (policy prefix_affinity)
     "ratelimit": "sidecar.outputs.ratelimit:build",  # Envoy's rate limit service (scope: global limits)
 }
 
@@ -81,6 +83,8 @@ SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring
 def wanted(topo: Topology) -> list[str]:
     """The services `topo` needs, in start order (`sidecar.main` starts these and no others)."""
     out = []
+    if any(uses_picker(pool.balancing.policy) for pool in topo.pools):
+        out.append("picker")
     if needs_store(topo):
         out.append("ratelimit")
     return out
