@@ -37,7 +37,7 @@ from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, GrpcSettings
 from sidecar.outputs.publisher import Wiring
 from sidecar.outputs.publisher import build as build_publisher
-from sidecar.outputs.service import ServiceWiring, wanted
+from sidecar.outputs.service import Service, ServiceWiring, wanted
 from sidecar.outputs.service import build as build_service
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
@@ -116,10 +116,14 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         # gRPC services the topology needs (the endpoint picker), on one server. A reload that
         # adds a prefix_affinity pool needs a restart to start the picker.
         service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
-        services = [build_service(name, service_wiring) for name in wanted(topo)]
+        services: list[Service] = []
         grpc_server: GrpcServer | None = None
-        if services:
+        if config.picker and "picker" not in wanted(topo):
+            log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
+                      "policy prefix_affinity: the endpoint picker does not run")
+        if wanted(topo):
             try:
+                services = [build_service(name, service_wiring) for name in wanted(topo)]
                 grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
                 for service in services:
                     grpc_server.add(service.add_to, service.name)

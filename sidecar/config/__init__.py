@@ -63,6 +63,7 @@ class SidecarConfig:
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
     grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
+    picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
 
     @property
     def publisher(self) -> str:
@@ -143,6 +144,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
                    "the number of connected Envoys")
+    p.add_argument("--picker", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an endpoint picker setting (repeatable): a scorer's weight (prefix, load, kv, cost; "
+                   "0 turns it off) or spill_min, spill_fraction, long_tokens, default_max_tokens, prompt_share, "
+                   "fallbacks, e.g. --picker prefix=2")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
@@ -219,6 +224,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
         grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
+        picker=tuple(args.picker),
     )
 
 

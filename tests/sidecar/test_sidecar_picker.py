@@ -310,3 +310,17 @@ def test_a_stream_that_never_sends_its_body_is_dropped() -> None:
 
     asyncio.run(main())
     assert metrics.unpicked.labels(reason="timeout")._value.get() == 1
+
+
+def test_picker_overrides_from_the_command_line() -> None:
+    import pytest
+
+    policy = PickerPolicy().with_overrides(["prefix=2", "cost=0", "spill_min=4", "fallbacks=0"])
+    assert dict(policy.weights) == {"prefix": 2.0, "load": 2.0, "kv": 1.0, "cost": 0.0}
+    assert policy.spill_min == 4.0 and policy.fallbacks == 0
+    for bad in ("nope=1", "prefix", "prefix=x", "long_tokens=0", "load=-1", "fallbacks=1.5"):
+        with pytest.raises(ValueError, match="--picker"):
+            PickerPolicy().with_overrides([bad])
+    store = _store(_facts("a:1"), _facts("b:1"))
+    pick = Picker(policy, rng=random.Random(1)).pick(PickRequest("chat", None, []), store.endpoints("chat"))
+    assert len(pick.endpoints) == 1  # fallbacks=0
