@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
-from .balancing import POLICIES, is_hashing
+from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
 from .model import Topology, is_ip, split_address
 from .plan import primary_pool_for
@@ -82,6 +82,16 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
             WARNING,
         )
+    picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
+    if picker and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
+        yield (
+            "sidecar.address",
+            ("Envoy calls the endpoint picker (prefix_affinity) at this address, but the sidecar serves gRPC in "
+             "plaintext on loopback only: every request would go without it (least_request)"),
+            WARNING,
+        )
+    if picker and topo.sidecar.grpc_port == topo.sidecar.port:
+        yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
         names = 0
         for wi, worker in enumerate(pool.workers):
