@@ -324,3 +324,14 @@ def test_picker_overrides_from_the_command_line() -> None:
     store = _store(_facts("a:1"), _facts("b:1"))
     pick = Picker(policy, rng=random.Random(1)).pick(PickRequest("chat", None, []), store.endpoints("chat"))
     assert len(pick.endpoints) == 1  # fallbacks=0
+
+
+def test_a_request_without_a_body_is_left_to_the_proxy() -> None:
+    svc = _servicer(_facts("10.0.0.1:8000"))
+    st = _Stream(None)
+    (out,) = svc._step(st, _headers(end=True, **{DESTINATION: "10.0.0.1:8000"}))
+    assert _destination(out, "request_headers") is None and st.endpoint is None
+    hinted = _Stream(None)
+    hinted.subset = frozenset({"10.0.0.1:8000"})
+    (out,) = svc._step(hinted, _headers(end=True))
+    assert _destination(out, "request_headers") == "10.0.0.1:8000"
