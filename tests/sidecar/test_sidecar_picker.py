@@ -42,6 +42,7 @@ def test_parse_body_prompt_forms_and_garbage() -> None:
     p = parse_body(b'{"prompt": "x", "max_completion_tokens": 9, "max_tokens": 1}')
     assert p is not None and p.max_tokens == 9 and p.model is None
     assert parse_body(b"not json") is None
+    assert parse_body(b"[" * 200_000 + b"]" * 200_000) is None  # nested past Python's recursion limit
     assert parse_body(b"[1, 2]") is None
     assert parse_body(b'{"model": "m"}') is None
     p = parse_body(_chat([{"role": "user", "content": [{"type": "text", "text": "part"}]}]))  # type: ignore[dict-item]
