@@ -31,21 +31,27 @@ demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(BIN)/confgen demo
 
 # The alert-rule tests run Debian's promtool and a real Prometheus (package `prometheus`);
-# as root on Debian/Ubuntu this installs it when missing (no recommends: no node exporter).
+# as root on Debian/Ubuntu this installs it when missing (no recommends: no node exporter),
+# leaving prometheus.service neither enabled nor started (scripts/apt-install-no-services.sh;
+# use it for any Debian package a test needs for its binary).
 prometheus-tools:
 	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "==> installing Debian's prometheus package (promtool + prometheus) for the alert-rule tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+		sh scripts/apt-install-no-services.sh prometheus; \
 	else \
 		echo "the alert-rule tests need promtool and prometheus: sudo apt-get install -y --no-install-recommends prometheus" >&2; \
 		exit 1; \
 	fi
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist): measured on the 2-core machine, see
+# CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) prometheus-tools
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 # Rewrite tests/golden (every example rendered for every target) after an intended output change;
 # review `git diff tests/golden` like any other change.
