@@ -234,10 +234,10 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         "image": topo.kubernetes.sidecar_image,
         # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there;
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
-        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}",
+        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
-        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
+        "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
         "env": [*_key_env(plan), *_token_env(plan)],
@@ -294,7 +294,7 @@ def _deployment(plan: _Plan) -> Obj:
                     "labels": plan.labels("proxy"),
                     "annotations": {
                         "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(SIDECAR_PORT),
+                        "prometheus.io/port": str(topo.sidecar.port),
                         "prometheus.io/path": "/metrics",
                     },
                 },
@@ -315,7 +315,7 @@ def _deployment(plan: _Plan) -> Obj:
 def _service(plan: _Plan) -> Obj:
     ports = [{"name": _port_name(lst.name), "port": lst.port, "targetPort": lst.port}
              for lst in plan.topo.listeners]
-    ports.append({"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"})
+    ports.append({"name": "metrics", "port": plan.topo.sidecar.port, "targetPort": "metrics"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
