@@ -44,7 +44,7 @@ class ModelShape:
     dims: int = 128
     heads: int = 4
     ff: int = 256
-    context: int = 4096
+    context: int = 16384  # trained context: a slot may hold up to this many tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,9 @@ from confgen.runtime import free_port
 from tests.support.envoy import wait_until
 
 MODEL_ALIAS = "tiny-llama"
+# A context this large makes the server allocate and clear a 2 GiB KV cache before it is ready:
+# ~1.5 s of 503 "Loading model" on this machine, a window tests can watch (the model alone loads in ms).
+LOADING_CONTEXT = 2_097_152
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:

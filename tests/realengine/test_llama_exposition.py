@@ -11,12 +11,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from confgen.simulate import BatchEngine, LatencyModel
 from confgen.simulate._metrics_text import MetricsInput, render
 from sidecar.engines import extract
-from tests.realengine.servers import MODEL_ALIAS, LlamaServer, http, wait
+from tests.realengine.servers import LOADING_CONTEXT, MODEL_ALIAS, LlamaServer, http, now, wait
 from tests.support.exposition import RECORDED_LLAMACPP, families
 
 Start = Callable[..., AbstractContextManager[list[LlamaServer]]]
@@ -51,7 +52,7 @@ def test_busy_slots_deferred_requests_and_prompt_cache_as_the_sidecar_reads_them
     llama.cpp does not export); /health stays 200 with every slot busy. The same prompt again
     is served from the prompt cache: `prompt_tokens_cached_total` moves and the adapter's
     prefix hits follow it."""
-    with start_llama(1, slots=1, context=8192) as (server,):
+    with start_llama(1, slots=1, context=8192) as (server,):  # one slot of 8192 tokens
         seen: list[tuple[float, float, float | None]] = []
         health_busy: list[int] = []
         stop = threading.Event()
@@ -66,7 +67,7 @@ def test_busy_slots_deferred_requests_and_prompt_cache_as_the_sidecar_reads_them
             return False
 
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_complete, server, 3000, f"request {i}") for i in range(3)]
+            futures = [pool.submit(_complete, server, 6000, f"request {i}") for i in range(3)]
             try:
                 assert wait(busy_view, timeout=60.0, interval=0.02), seen[-5:]
             finally:
@@ -74,7 +75,7 @@ def test_busy_slots_deferred_requests_and_prompt_cache_as_the_sidecar_reads_them
                 answers = [f.result(timeout=180) for f in futures]
         assert health_busy == [200]
         assert all(kv is None for _, _, kv in seen)
-        assert [a["usage"]["completion_tokens"] for a in answers] == [3000] * 3
+        assert [a["usage"]["completion_tokens"] for a in answers] == [6000] * 3
 
         before = extract("llamacpp", server.metrics_text().encode())
         _complete(server, 4, PROMPT)
@@ -97,3 +98,38 @@ def test_the_answer_names_the_servers_model_whatever_was_asked(start_llama: Star
             assert answer["model"] == MODEL_ALIAS
             assert answer["usage"]["completion_tokens"] == 4
             assert answer["choices"][0]["text"].isascii()
+
+
+def test_while_the_model_loads_every_path_answers_503_then_all_serve(
+    llama_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """llama-server answers HTTP before its model is loaded, and then every path, /metrics
+    included, is 503 with the "Loading model" error (the simulator's slow_start does the same);
+    once loaded, /health is 200 `{"status": "ok"}` and every path serves."""
+    server = LlamaServer(llama_binary, tiny_model, tmp_path / "loading.log", slots=1, context=LOADING_CONTEXT)
+    paths = ("/health", "/metrics", "/v1/models", "/v1/completions")
+    answers: dict[str, list[tuple[int, bytes]]] = {p: [] for p in paths}
+    try:
+        server.start()
+
+        def poll(path: str) -> None:
+            body = {"model": MODEL_ALIAS, "prompt": "hi", "max_tokens": 1} if path == "/v1/completions" else None
+            deadline = now() + 60.0
+            while now() < deadline:
+                status, _, raw = http("POST" if body else "GET", server.url + path, body, timeout=10.0)
+                answers[path].append((status, raw))
+                if status == 200:
+                    return
+
+        with ThreadPoolExecutor(len(paths)) as pool:
+            list(pool.map(poll, paths))
+    finally:
+        server.stop()
+    for path, seen in answers.items():
+        loading = [raw for status, raw in seen if status == 503]
+        assert loading, f"{path}: no answer while loading ({len(seen)} answers)"
+        assert {json.loads(raw)["error"]["message"] for raw in loading} == {"Loading model"}, path
+        assert json.loads(loading[0])["error"]["type"] == "unavailable_error"
+        assert seen[-1][0] == 200 and all(status in (200, 503) for status, _ in seen), (path, seen[-1])
+        assert [status for status, _ in seen] == sorted((status for status, _ in seen), reverse=True), path
+    assert json.loads(answers["/health"][-1][1]) == {"status": "ok"}

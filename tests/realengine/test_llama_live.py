@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.realengine.rig import RealRig, real_rig, sse_events
-from tests.realengine.servers import MODEL_ALIAS, LlamaServer, http, llama_servers, now, wait
+from tests.realengine.servers import LOADING_CONTEXT, MODEL_ALIAS, LlamaServer, http, llama_servers, now, wait
 
 Start = Callable[..., AbstractContextManager[list[LlamaServer]]]
 SERVING = {"HEALTHY", "DEGRADED"}  # DEGRADED still takes traffic (a slow probe on a loaded machine)
@@ -28,7 +29,7 @@ SERVING = {"HEALTHY", "DEGRADED"}  # DEGRADED still takes traffic (a slow probe 
 def rig(llama_binary: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRig]:
     tmp = tmp_path_factory.mktemp("real-rig")
     with ExitStack() as stack:
-        servers = stack.enter_context(llama_servers(llama_binary, tiny_model, tmp, 3, slots=4))
+        servers = stack.enter_context(llama_servers(llama_binary, tiny_model, tmp, 3, slots=4, context=16384))
         yield stack.enter_context(real_rig(tmp, servers, capacity=4))
 
 
@@ -110,7 +111,7 @@ def test_the_sidecar_reads_the_real_load_on_every_probe(rig: RealRig) -> None:
         return len(running_seen) == len(rig.servers)
 
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(rig.post, {"prompt": f"load {i}", "max_tokens": 1500}) for i in range(12)]
+        futures = [pool.submit(rig.post, {"prompt": f"load {i}", "max_tokens": 4000}) for i in range(12)]
         try:
             assert wait(busy, timeout=60.0, interval=0.1), running_seen
         finally:
@@ -122,12 +123,13 @@ def test_the_sidecar_reads_the_real_load_on_every_probe(rig: RealRig) -> None:
     assert all(h > 0 for h in hits)
 
 
-def test_a_killed_server_is_taken_out_and_readmitted_after_restart(
+def test_killed_and_stalled_servers_are_taken_out_and_readmitted(
     llama_binary: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
     """SIGKILL one of three real servers: the sidecar marks it unhealthy and every request
     through Envoy is still answered; the server restarted on its port is readmitted and
-    serves again. Times are measured (printed), bounds are generous for a loaded machine."""
+    serves again. SIGSTOP another (a stall): unhealthy by probe timeouts, readmitted after
+    SIGCONT. Times are measured (printed), bounds are generous for a loaded machine."""
     with llama_servers(llama_binary, tiny_model, tmp_path, 3, slots=2) as servers, \
             real_rig(tmp_path, servers, capacity=2) as rig:
         victim = servers[0]
@@ -151,3 +153,46 @@ def test_a_killed_server_is_taken_out_and_readmitted_after_restart(
 
         assert wait(victim_serves, timeout=30.0)
         print(f"killed server unhealthy after {out_s:.2f} s; restarted server readmitted after {back_s:.2f} s")
+
+        # A stalled engine (stopped, its socket still open) is taken out by probe timeouts
+        # and readmitted once it runs again.
+        stalled = servers[1]
+        assert stalled.proc is not None
+        stalled.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert wait(lambda: rig.endpoint(stalled)["status"] == "UNHEALTHY", timeout=20.0), rig.endpoint(stalled)
+        finally:
+            stalled.proc.send_signal(signal.SIGCONT)
+        assert wait(lambda: rig.endpoint(stalled)["status"] in SERVING, timeout=30.0), rig.endpoint(stalled)
+
+
+def test_a_server_loading_its_model_is_kept_out_until_ready(
+    llama_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A third server starts behind a running rig and spends ~1.5 s loading (a large KV cache),
+    answering 503 "Loading model" on /health and /metrics: the sidecar sees those 503s and keeps
+    it out, every request through Envoy is answered by the other two meanwhile, and once it has
+    loaded it is admitted and serves."""
+    with llama_servers(llama_binary, tiny_model, tmp_path, 2, slots=2) as servers:
+        late = LlamaServer(llama_binary, tiny_model, tmp_path / "late.log", slots=1, context=LOADING_CONTEXT)
+        try:
+            with real_rig(tmp_path, [*servers, late], capacity=2) as rig:
+                assert wait(lambda: rig.endpoint(late)["status"] == "UNHEALTHY", timeout=20.0)
+                late.start()
+                during: list[tuple[str, int]] = []
+                while late.get("/health", timeout=10.0)[0] == 503:
+                    during.append((rig.endpoint(late)["status"], rig.post({"prompt": "x", "max_tokens": 2})[0]))
+                assert during, "the server was ready before the first look"
+                assert {status for status, _ in during} == {"UNHEALTHY"}
+                assert {answer for _, answer in during} == {200}
+                assert rig.endpoint(late)["errors"].get("http_status", 0) >= 1, rig.endpoint(late)
+                assert wait(lambda: rig.endpoint(late)["status"] in SERVING, timeout=30.0), rig.endpoint(late)
+                served = late.metric("llamacpp:tokens_predicted_total")
+
+                def late_serves() -> bool:
+                    assert rig.post({"prompt": "again", "max_tokens": 4})[0] == 200
+                    return late.metric("llamacpp:tokens_predicted_total") > served
+
+                assert wait(late_serves, timeout=30.0)
+        finally:
+            late.stop()
