@@ -8,6 +8,7 @@ skipped real-binary test is not coverage. Deselect the tier on purpose with
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -32,8 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def llama_binary() -> Path:
     found = build_llama.find_binary()
     if found is None:
+        where = os.environ.get("CONFGEN_LLAMA_SERVER") or build_llama.binary_path()
         pytest.fail(
-            f"no llama-server at {build_llama.binary_path()}: build it with "
+            f"no llama-server at {where}: build it with "
             "`python -m tests.realengine.build_llama` (what `make test` runs first; ~25 min the first "
             "time on 2 cores, cached after) or deselect this tier with -m 'not realengine'",
             pytrace=False,
