@@ -16,7 +16,7 @@ from typing import Any
 
 from confgen.simulate import BatchEngine, LatencyModel
 from confgen.simulate._metrics_text import MetricsInput, render
-from sidecar.engines import extract
+from sidecar.observe.engines import extract
 from tests.realengine.servers import LOADING_CONTEXT, MODEL_ALIAS, LlamaServer, http, now, wait
 from tests.support.exposition import RECORDED_LLAMACPP, families
 

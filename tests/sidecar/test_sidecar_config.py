@@ -9,9 +9,9 @@ import pytest
 from confgen import parse_topology
 from sidecar import main as main_mod
 from sidecar.config import ConfigError, SidecarConfig, from_argv, listen_for, listen_mismatch
-from sidecar.hysteresis import HysteresisPolicy
-from sidecar.state import HealthPolicy
-from sidecar.weights import WeightPolicy
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.decide.weights import WeightPolicy
 
 TOPO = ["--topology", "topo.yaml"]
 

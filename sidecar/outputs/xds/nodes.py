@@ -12,14 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sidecar.fleet import Nack, NodeView
+
 __all__ = ["Nack", "NodeView", "Nodes"]
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    version: str
-    message: str
-    at: float
 
 
 @dataclass(slots=True)
@@ -30,17 +25,6 @@ class _Node:
     acked: dict[str, str] = field(default_factory=dict)  # type_url -> version
     nacked: dict[str, Nack] = field(default_factory=dict)
     nacks: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    node: str
-    cluster: str
-    protocol: str
-    streams: int
-    acked: dict[str, str]
-    nacked: dict[str, Nack]
-    nacks: dict[str, int]
 
 
 class Nodes:

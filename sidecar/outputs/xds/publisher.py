@@ -1,6 +1,6 @@
 """The daemon's publisher in ADS mode: endpoints, the tree and the limits go into the cache.
 
-Same duties as the file publisher (`sidecar.publish.EdsPublisher`) towards the daemon:
+Same duties as the file publisher (`sidecar.outputs.files.publisher.EdsPublisher`) towards the daemon:
 `offer` a pool's endpoints (never an empty list), `forget` a pool that left, publish the
 whole tree after a topology (re)load, `close`. The resources are confgen's: the tree is
 `confgen.envoy.ads.resources`, a pool's endpoints `confgen.envoy.build_cla`. Every
@@ -17,7 +17,6 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -26,28 +25,18 @@ from confgen.envoy import Endpoint, ads, build_cla
 from confgen.errors import SecretError
 from confgen.model import Topology
 from confgen.secrets import resolve as resolve_secrets
+from sidecar.fleet import XdsView
 from sidecar.logs import log_event
-from sidecar.publisher import Built, Wiring
-from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
-from sidecar.xds.nodes import Nodes, NodeView
-from sidecar.xds.server import AdsServicer, serve
+from sidecar.outputs.publisher import Built, Wiring
+from sidecar.outputs.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
+from sidecar.outputs.xds.limits import RtdsLimiter
+from sidecar.outputs.xds.metrics import register_xds
+from sidecar.outputs.xds.nodes import Nodes
+from sidecar.outputs.xds.server import AdsServicer, serve
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
-_log = logging.getLogger("sidecar.xds")
-
-
-@dataclass(frozen=True, slots=True)
-class XdsView:
-    """What /state and the metrics show of the control plane."""
-
-    listen: str
-    versions: Mapping[str, str]  # short type name -> version served
-    resources: Mapping[str, int]
-    updates: Mapping[str, int]
-    responses: Mapping[str, int]
-    nodes: tuple[NodeView, ...]
-    nacks_total: int
+_log = logging.getLogger("sidecar.outputs.xds")
 
 
 class AdsPublisher:
@@ -181,10 +170,7 @@ class AdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The ADS publisher (`sidecar.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
-    from sidecar.xds.limits import RtdsLimiter  # it imports this module
-    from sidecar.xds.metrics import register_xds
-
+    """The ADS publisher (`sidecar.outputs.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
     assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
     publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
     register_xds(wiring.registry, publisher.view)
