@@ -23,7 +23,8 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "from_argv", "grpc_listen_for", "listen_for", "listen_mismatch", "parser",
+           "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -65,6 +66,7 @@ class SidecarConfig:
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
+    grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
 
     @property
     def publisher(self) -> str:
@@ -90,6 +92,8 @@ class SidecarConfig:
             raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
         if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
             raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
+        if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
+            raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
 
 
 def _version() -> str:
@@ -145,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
                    "the number of connected Envoys")
+    p.add_argument("--grpc-listen", metavar="HOST:PORT",
+                   help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
+                   "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
+                   "Plaintext: a loopback address only")
     add_nginx_arguments(p)
     return p
 
@@ -217,7 +225,13 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
+        grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
     )
+
+
+def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
+    """Where the gRPC services listen: --grpc-listen, else loopback at the topology's grpc_port."""
+    return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
