@@ -48,21 +48,26 @@ class RealRig:
         raise KeyError(server.port)
 
 
-def topology(workers: Sequence[str], *, port: int, admin: int, sidecar_port: int, capacity: int) -> str:
+def topology(workers: Sequence[str], *, port: int, admin: int, sidecar_port: int, capacity: int,
+             policy: str = "least_request", grpc_port: int | None = None) -> str:
+    link = f"port: {sidecar_port}" + (f", grpc_port: {grpc_port}" if grpc_port is not None else "")
     return fleet_topology(
         name="real", admin=admin, port=port, workers=workers, models=[MODEL_ALIAS], capacity=capacity,
         engine="llamacpp",
-        pool=["balancing: {policy: least_request}", "health: {enabled: false}", "outlier_detection: {enabled: false}"],
-        tail=[f"sidecar: {{port: {sidecar_port}}}"],
+        pool=[f"balancing: {{policy: {policy}}}", "health: {enabled: false}", "outlier_detection: {enabled: false}"],
+        tail=[f"sidecar: {{{link}}}"],
     )  # fmt: skip
 
 
 @contextlib.contextmanager
-def real_rig(tmp: Path, servers: list[LlamaServer], *, capacity: int = 4,
+def real_rig(tmp: Path, servers: list[LlamaServer], *, capacity: int = 4, policy: str = "least_request",
              sidecar_args: Sequence[str] = FAST_ARGS) -> Iterator[RealRig]:
+    """`policy` prefix_affinity: the sidecar's endpoint picker (gRPC on the topology's
+    sidecar.grpc_port, a free port here) picks each request's server."""
     port, admin, sidecar_port = free_port(), free_port(), free_port()
+    grpc_port = free_port() if policy == "prefix_affinity" else None
     text = topology([s.address for s in servers], port=port, admin=admin, sidecar_port=sidecar_port,
-                    capacity=capacity)
+                    capacity=capacity, policy=policy, grpc_port=grpc_port)
     topo_path = tmp / "topology.yaml"
     topo_path.write_text(text)
     xds = tmp / "envoy"
