@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from confgen import runtime
@@ -30,26 +31,30 @@ ALIAS = "tiny-llama"
 MAX_TOKENS = 24
 
 
-def _topology(workers: list[str], port: int, admin: int, sidecar: int) -> str:
+def _topology(workers: list[str], port: int, admin: int, sidecar: int, policy: str) -> str:
     lines = "\n".join(f"      - {{address: '{w}', capacity: 4}}" for w in workers)
+    # The picker's gRPC port is the topology's too (a free one: the machine is shared).
+    link = f"port: {sidecar}" + (f", grpc_port: {runtime.free_port()}" if policy == "prefix_affinity" else "")
+    balancing = f"    balancing: {{policy: {policy}}}\n" if policy != "least_request" else ""
     return f"""\
 version: 1
 name: bench-real
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
-sidecar: {{port: {sidecar}}}
+sidecar: {{{link}}}
 pools:
   - name: chat
     engine: llamacpp
     models: [{ALIAS}]
-    workers:
+{balancing}    workers:
 {lines}
 """
 
 
 def _requests(ctx: Context, rate: float, count: int) -> list[dict[str, Any]]:
-    """Chat turns of 40 conversations: each a long shared system prompt, its own history."""
+    """Turns of 40 conversations: a long system prompt shared by all, then the conversation's own
+    growing history (each turn resends all of it, as a chat client does: ~30 turns, ~600 tokens at most)."""
     rng = random.Random(ctx.seed)
     system = "You are a helpful assistant of the model server proxy fleet. " * 8
     history: dict[int, str] = {}
@@ -58,9 +63,12 @@ def _requests(ctx: Context, rate: float, count: int) -> list[dict[str, Any]]:
         conv = rng.randrange(40)
         history[conv] = history.get(conv, f"conversation {conv}:") + f" turn {i} about the cache and the queue."
         out.append({"i": i, "t": round(t, 5), "headers": {},
-                    "body": {"model": ALIAS, "prompt": system + history[conv][-600:], "max_tokens": MAX_TOKENS,
+                    "body": {"model": ALIAS, "prompt": system + history[conv], "max_tokens": MAX_TOKENS,
                              "stream": True}})
     return out
+
+
+POLICIES = (("product defaults (least_request)", "least_request"), ("prefix_affinity (the picker)", "prefix_affinity"))
 
 
 def run(ctx: Context) -> Result:
@@ -68,8 +76,6 @@ def run(ctx: Context) -> Result:
     try:
         from tests.realengine import build_llama
         from tests.realengine.model import write_model
-        from tests.realengine.servers import llama_servers
-        from tests.support.envoy import wait_until
     except ImportError as exc:  # the bench runs from a checkout; the tier lives in tests/
         res.summary = f"not measured: {exc}"
         return res
@@ -83,11 +89,53 @@ def run(ctx: Context) -> Result:
     model = write_model(work / "tiny.gguf")
     rate, duration = ctx.scale(12.0, 10.0), ctx.scale(90.0, 15.0)  # full: >= 1,000 measured requests
     requests = _requests(ctx, rate, int(rate * duration))
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    def ms1(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    rows, summaries = [], []
+    for label, policy in POLICIES:
+        records, cached, processed = _measure(binary, model, work / policy, requests, duration, policy)
+        s = _stats.summarize(records, warmup_s=2.0)
+        tpot = [((r["end"] - r["sched"]) - r["ttft"]) * 1000 / (MAX_TOKENS - 1)
+                for r in records if _stats.ok(r) and r["ttft"] is not None and r["sched"] >= 2.0]
+        share = cached / (cached + processed) if cached + processed else 0.0
+        rows.append([label, str(s["requests"]), str(s["ok"]), str(s["shed"]), ms(s["p50_ms"]), ms(s["p99_ms"]),
+                     ms(s["ttft_p50_ms"]), ms(s["ttft_p99_ms"]), ms1(_stats.pct(tpot, 50)), ms1(_stats.pct(tpot, 99)),
+                     f"{cached:.0f}", f"{processed:.0f}", f"{share:.0%}"])
+        res.targets.append(Target(f"Real llama.cpp x3, {label}: no request failed (429 shed on saturation aside)",
+                                  "0 failed", f"{s['other_errors']} of {s['requests']} ({s['shed']} shed)",
+                                  s["other_errors"], s["other_errors"] == 0, 0))
+        res.raw[policy] = {"summary": s, "cached": cached, "processed": processed}
+        summaries.append(f"{label}: P99 {ms(s['p99_ms'])} ms, TTFT P99 {ms(s['ttft_p99_ms'])} ms, "
+                         f"prompt cache {share:.0%}")
+    res.tables.append((
+        f"3 llama-servers (4 slots, 1 thread each, tiny random model), {rate:.0f} req/s streamed for "
+        f"{duration:.0f} s, {MAX_TOKENS} tokens each, 40 conversations sharing a system prompt; "
+        "confgen render output unmodified, sidecar default flags; fresh servers for each row",
+        ["setup", "requests", "ok", "shed (429)", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms",
+         "TPOT P99 ms", "prompt tokens cached", "processed", "cache share"],
+        rows,
+    ))
+    res.summary = "; ".join(summaries)
+    return res
+
+
+def _measure(binary: Path, model: Path, work: Path, requests: list[dict[str, Any]], duration: float,
+             policy: str) -> tuple[list[dict[str, Any]], float, float]:
+    """Records of one run, and the engines' prompt tokens (cached, processed) during it."""
+    from tests.realengine.servers import llama_servers
+    from tests.support.envoy import wait_until
+
+    work.mkdir(parents=True, exist_ok=True)
     with llama_servers(binary, model, work, 3, slots=4, context=8192) as servers:
         port, admin, sidecar = runtime.free_port(), runtime.free_port(), runtime.free_port()
         topo = work / "topo" / "topology.yaml"
         topo.parent.mkdir(parents=True, exist_ok=True)
-        topo.write_text(_topology([s.address for s in servers], port, admin, sidecar))
+        topo.write_text(_topology([s.address for s in servers], port, admin, sidecar, policy))
         out = work / "envoy"
         subprocess.run([os.sys.executable, "-m", "confgen", "render", str(topo), "-o", str(out)], check=True,
                        capture_output=True, timeout=120)
@@ -100,44 +148,16 @@ def run(ctx: Context) -> Result:
             try:
                 if not wait_until(lambda: _ready(f"http://127.0.0.1:{sidecar}/readyz"), timeout=30.0):
                     raise RuntimeError(f"sidecar not ready in 30 s: {log.read_text()[-1500:]}")
-                before = {s.port: _cache(s) for s in servers}
+                before = [_cache(s) for s in servers]
                 job = {"targets": [f"http://127.0.0.1:{port}"], "path": "/v1/completions", "requests": requests,
                        "deadline_s": duration + 1, "timeout_s": 60.0}
                 records = loadgen.run(job, work)
-                after = {s.port: _cache(s) for s in servers}
+                after = [_cache(s) for s in servers]
             finally:
                 runtime.stop_process(side)
-    s = _stats.summarize(records, warmup_s=2.0)
-    tpot = [((r["end"] - r["sched"]) - r["ttft"]) * 1000 / (MAX_TOKENS - 1)
-            for r in records if _stats.ok(r) and r["ttft"] is not None and r["sched"] >= 2.0]
-    cached = sum(after[p][0] - before[p][0] for p in after)
-    processed = sum(after[p][1] - before[p][1] for p in after)
-    share = cached / (cached + processed) if cached + processed else 0.0
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f}"
-
-    def ms1(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f}"
-
-    res.tables.append((
-        f"3 llama-servers (4 slots, 1 thread each, tiny random model), {rate:.0f} req/s streamed for "
-        f"{duration:.0f} s, {MAX_TOKENS} tokens each, 40 conversations sharing a system prompt; "
-        "confgen render output unmodified, sidecar default flags",
-        ["requests", "ok", "shed (429)", "P50 ms", "P99 ms", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
-         "prompt tokens cached", "processed", "cache share"],
-        [[str(s["requests"]), str(s["ok"]), str(s["shed"]), ms(s["p50_ms"]), ms(s["p99_ms"]), ms(s["ttft_p50_ms"]),
-          ms(s["ttft_p99_ms"]), ms1(_stats.pct(tpot, 50)), ms1(_stats.pct(tpot, 99)), f"{cached:.0f}",
-          f"{processed:.0f}", f"{share:.0%}"]],
-    ))
-    res.targets.append(Target("Real llama.cpp x3: no request failed (429 shed on saturation aside)", "0 failed",
-                              f"{s['other_errors']} of {s['requests']} ({s['shed']} shed)", s["other_errors"],
-                              s["other_errors"] == 0, 0))
-    res.raw = {"summary": s, "cached": cached, "processed": processed, "per_server": {
-        str(p): {"cached": after[p][0] - before[p][0], "processed": after[p][1] - before[p][1]} for p in after}}
-    res.summary = (f"P99 {ms(s['p99_ms'])} ms, TTFT P99 {ms(s['ttft_p99_ms'])} ms, engines' prompt cache "
-                   f"{share:.0%} of prompt tokens")
-    return res
+    cached = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    processed = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return records, cached, processed
 
 
 def _ready(url: str) -> bool:
