@@ -7,7 +7,6 @@ name whatever the request asks."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -55,7 +54,6 @@ def test_busy_slots_deferred_requests_and_prompt_cache_as_the_sidecar_reads_them
     with start_llama(1, slots=1, context=8192) as (server,):  # one slot of 8192 tokens
         seen: list[tuple[float, float, float | None]] = []
         health_busy: list[int] = []
-        stop = threading.Event()
 
         def busy_view() -> bool:
             sample = extract("llamacpp", server.metrics_text().encode())
@@ -71,7 +69,6 @@ def test_busy_slots_deferred_requests_and_prompt_cache_as_the_sidecar_reads_them
             try:
                 assert wait(busy_view, timeout=60.0, interval=0.02), seen[-5:]
             finally:
-                stop.set()
                 answers = [f.result(timeout=180) for f in futures]
         assert health_busy == [200]
         assert all(kv is None for _, _, kv in seen)
