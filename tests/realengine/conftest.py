@@ -27,6 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.realengine)
+            # One xdist worker runs the tier, in order: one rig per module, and the 2-core
+            # machine is not asked for two tiers' servers at once.
+            item.add_marker(pytest.mark.xdist_group("realengine"))
 
 
 @pytest.fixture(scope="session")
