@@ -15,7 +15,7 @@ The binary is cached as `<cache>/confgen/llama-server-<version>-<flags hash>` (c
 `$XDG_CACHE_HOME` or `~/.cache`), keyed by the package version and the cmake flags, so a change
 of either builds again; it is written atomically, so a half-built binary is never found. The
 build runs under `nice -n 19` with two jobs: the machines this runs on are shared.
-The first (cold) build takes ~25 minutes on a loaded 2-core machine; see docs/targets.md.
+The first (cold) build took 19.9 minutes on a loaded 2-core machine (docs/targets.md).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def llama_binary() -> Path:
         where = os.environ.get("CONFGEN_LLAMA_SERVER") or build_llama.binary_path()
         pytest.fail(
             f"no llama-server at {where}: build it with "
-            "`python -m tests.realengine.build_llama` (what `make test` runs first; ~25 min the first "
+            "`python -m tests.realengine.build_llama` (what `make test` runs first; ~20 min the first "
             "time on 2 cores, cached after) or deselect this tier with -m 'not realengine'",
             pytrace=False,
         )
