@@ -27,7 +27,7 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, listen_for, listen_mismatch, xds_dir_for
 from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
@@ -82,6 +82,12 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
+    config = listen_for(config, topo)
+    mismatch = listen_mismatch(config, topo)
+    if mismatch is not None:
+        log_event(_log, logging.ERROR, "startup.listen_mismatch", problem=mismatch,
+                  listen=f"{config.listen_host}:{config.listen_port}",
+                  topology_sidecar=f"{topo.sidecar.address}:{topo.sidecar.port}")
     try:
         guard = MutationGuard(load_token(config.admin_token_file, config.admin_token_env),
                               remote=not is_loopback(config.listen_host))

@@ -31,7 +31,8 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
         "sidecar": {
             "image": k8s.sidecar_image,
             "entrypoint": ["confgen-sidecar"],
-            "command": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", "127.0.0.1:9109"],
+            "command": ["--topology", topology_file, "--xds-dir", XDS_DIR,
+                        "--listen", f"127.0.0.1:{topo.sidecar.port}"],
             "volumes": shared,
             "environment": key_env,
             # host networking: it reaches Envoy's admin on loopback and the workers as Envoy

@@ -32,7 +32,6 @@ from ._kubernetes_base import (
     HEADROOM,
     LIFECYCLE_DIR,
     RESOURCES,
-    SIDECAR_PORT,
     TOPOLOGY_DIR,
     WORK_DIR,
     XDS_DIR,
@@ -117,10 +116,10 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
         # The program is named, not left to the image's ENTRYPOINT (an image built otherwise works).
         "command": ["confgen-sidecar"],
-        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}",
+        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
-        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
+        "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
         "env": [*_key_env(plan), *_token_env(plan)],
@@ -177,7 +176,7 @@ def _deployment(plan: _Plan) -> Obj:
                     "labels": plan.labels("proxy"),
                     "annotations": {
                         "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(SIDECAR_PORT),
+                        "prometheus.io/port": str(topo.sidecar.port),
                         "prometheus.io/path": "/metrics",
                     },
                 },
@@ -216,7 +215,7 @@ def _metrics_service(plan: _Plan) -> Obj:
         "kind": "Service",
         "metadata": plan.meta(f"{plan.base}-metrics", "metrics"),
         "spec": {"clusterIP": "None", "selector": plan.selector,
-                 "ports": [{"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"}]},
+                 "ports": [{"name": "metrics", "port": plan.topo.sidecar.port, "targetPort": "metrics"}]},
     }
 
 

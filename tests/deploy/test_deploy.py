@@ -19,7 +19,7 @@ from confgen.deploy import render_compose, render_kubernetes, topology_yaml
 from confgen.deploy.kubernetes import dns_label
 from confgen.errors import DeployError
 from confgen.model import Topology
-from sidecar.config import from_argv
+from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,3 +316,22 @@ def test_the_sidecars_mutating_endpoints_get_a_token_from_a_secret_when_asked() 
     assert violations(pod) == []
     config = from_argv(sidecar["args"])  # the sidecar's own parser takes the rendered flags
     assert (config.admin_token_env, config.listen_host, config.listen_port) == (name, "0.0.0.0", 9109)
+
+
+def test_the_sidecar_listens_where_the_rendered_envoy_asks_it() -> None:
+    """A topology's sidecar.port is where the rendered Envoy asks the sidecar for /v1/models:
+    the Kubernetes and Compose renders start the sidecar on that port (it was a constant
+    9109, so `sidecar: {port: 9200}` gave an Envoy asking a port nobody listened on), and the
+    sidecar's own check finds no disagreement in either render."""
+    topo, _ = load_topology(EXAMPLES[1])
+    moved = dataclasses.replace(topo, sidecar=dataclasses.replace(topo.sidecar, port=9200))
+    docs = docs_of(render_kubernetes(moved))
+    sidecar = pod_of(docs)["containers"][1]
+    config = from_argv(sidecar["args"])
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", 9200)
+    assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9200}]
+    assert listen_mismatch(config, moved) is None
+    compose = yaml.safe_load(render_compose(moved)["compose.yaml"])
+    config = from_argv(compose["services"]["sidecar"]["command"])
+    assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9200)
+    assert listen_mismatch(config, moved) is None

@@ -39,7 +39,7 @@ def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
             models=["sim-model"], capacity=capacity,
             pool=["balancing: {policy: prefix_affinity}", "health: {enabled: false}",
                   "outlier_detection: {enabled: false}"],
-            tail=[f"sidecar: {{grpc_port: {grpc_port}}}"])
+            tail=[f"sidecar: {{port: {listen}, grpc_port: {grpc_port}}}"])
         topo_path = tmp / "topology.yaml"
         topo_path.write_text(text)
         xds = tmp / "envoy"
