@@ -95,6 +95,25 @@ def fmt_x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def fmt_x3(s: tuple[float, float, float] | None) -> str:
+    """A ratio's (min, median, max) over seeds: "0.82x [0.75-0.90]", or "0.82x" for one value."""
+    if s is None:
+        return "-"
+    return f"{s[1]:.2f}x" if s[0] == s[2] else f"{s[1]:.2f}x [{s[0]:.2f}-{s[2]:.2f}]"
+
+
+def fmt_ms3(s: tuple[float, float, float] | None) -> str:
+    if s is None:
+        return "-"
+    return fmt_ms(s[1]) if s[0] == s[2] else f"{fmt_ms(s[1])} [{fmt_ms(s[0])}-{fmt_ms(s[2])}]"
+
+
+def fmt_pct3(s: tuple[float, float, float] | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s[1]:.0%}" if s[0] == s[2] else f"{s[1]:.0%} [{s[0]:.0%}-{s[2]:.0%}]"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None

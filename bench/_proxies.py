@@ -53,14 +53,17 @@ def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port
     return _one_pool(workers, port, admin, pool)
 
 
-def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str) -> str:
-    """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers."""
+def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str,
+              grpc_port: int | None = None) -> str:
+    """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers;
+    `grpc_port` sets sidecar.grpc_port."""
     lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
+    link = f"sidecar: {{grpc_port: {grpc_port}}}\n" if grpc_port is not None else ""
     return f"""\
 version: 1
 name: bench
 admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
+{link}listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
 pools:
   - name: {POOL}
@@ -118,17 +121,30 @@ def render(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, out_dir: Pa
     return RenderedEnvoy(out_dir, port, admin, files, topo_path)
 
 
-def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "") -> str:
+def _has_grpc_port() -> bool:
+    """Does this confgen's topology have sidecar.grpc_port (the endpoint picker's gRPC services)?"""
+    from dataclasses import fields
+
+    from confgen.model import SidecarLink
+
+    return any(f.name == "grpc_port" for f in fields(SidecarLink))
+
+
+def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "",
+                  grpc_port: int | None = None) -> str:
     """The topology a user writes for a fleet: each worker's address and its max_num_seqs as
     `capacity`, the pool's engine and model; everything else (balancing, health, retries,
-    breakers, backpressure) left at its default unless `balancing` is given (sessions)."""
-    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "")
+    breakers, backpressure) left at its default unless `balancing` is given (sessions, the
+    picker's policy). `grpc_port`: where the sidecar's gRPC services (the endpoint picker)
+    listen, a free port like the others (a deployment fact: the default 9110 would collide
+    between runs on one machine and between the two sidecars of two ingresses)."""
+    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "", grpc_port)
 
 
 def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "") -> RenderedEnvoy:
     """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write."""
     port, admin = runtime.free_port(), runtime.free_port()
-    text = user_topology(workers, port, admin, balancing)
+    text = user_topology(workers, port, admin, balancing, runtime.free_port() if _has_grpc_port() else None)
     # A directory of its own: the sidecar watches the topology's directory.
     topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
     topo_path.parent.mkdir(parents=True, exist_ok=True)

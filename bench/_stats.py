@@ -29,13 +29,84 @@ def shed(rec: dict[str, Any]) -> bool:
     return rec["status"] == 429
 
 
+def ntpot_ms(rec: dict[str, Any]) -> float | None:
+    """Normalized time per output token (the inference gateway benchmarks' NTPOT): end-to-end
+    latency / output tokens, in ms; None without a positive token count."""
+    out = rec.get("out")
+    if not isinstance(out, int) or out < 1 or rec["end"] is None:
+        return None
+    return (rec["end"] - rec["sched"]) * 1000 / out
+
+
+def samples(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str, list[float]]:
+    """Per served request (200) scheduled at or after `warmup_s`: end-to-end ms, TTFT ms, NTPOT ms."""
+    good = [r for r in records if r["sched"] >= warmup_s and ok(r)]
+    nt = [ntpot_ms(r) for r in good]
+    return {"e2e": [(r["end"] - r["sched"]) * 1000 for r in good],
+            "ttft": [r["ttft"] * 1000 for r in good if r["ttft"] is not None],
+            "ntpot": [v for v in nt if v is not None]}
+
+
+def percentiles(s: dict[str, list[float]]) -> dict[str, float | None]:
+    e2e, ttft, nt = s["e2e"], s["ttft"], s["ntpot"]
+    return {"p50_ms": pct(e2e, 50), "p90_ms": pct(e2e, 90), "p99_ms": pct(e2e, 99),
+            "mean_ms": statistics.fmean(e2e) if e2e else None,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+            "ntpot_p50_ms": pct(nt, 50), "ntpot_p99_ms": pct(nt, 99)}
+
+
+def spread3(values: list[float | None]) -> tuple[float, float, float] | None:
+    """(min, median, max) of the values that exist (e.g. one figure per seed); None if none do."""
+    have = sorted(v for v in values if v is not None)
+    if not have:
+        return None
+    return have[0], statistics.median(have), have[-1]
+
+
+def seed_ratios(per_seed: dict[str, list[dict[str, Any]]], ours: str, ref: str | None, key: str = "p99_ms"
+                ) -> tuple[float, float, float] | None:
+    """(min, median, max) over the seeds both setups ran of ours[key] / ref[key], seed by seed
+    (rows matched on their "seed"); None when there is no pair with both figures."""
+    if ref is None or ours not in per_seed or ref not in per_seed:
+        return None
+    theirs = {r.get("seed"): r for r in per_seed[ref]}
+    values: list[float | None] = []
+    for a in per_seed[ours]:
+        b = theirs.get(a.get("seed"))
+        if b is not None and a.get(key) is not None and b.get(key):
+            values.append(a[key] / b[key])
+    return spread3(values)
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setup over several seeds: percentiles over every seed's measured requests together
+    (runs must carry "samples", see `summarize`), counts summed, and per figure the
+    (min, median, max) across the seeds in "spread"."""
+    have = [r for r in runs if r.get("samples")]
+    joined: dict[str, list[float]] = {"e2e": [], "ttft": [], "ntpot": []}
+    for r in have:
+        for k in joined:
+            joined[k] += r["samples"][k]
+    out: dict[str, Any] = percentiles(joined)
+    for key in ("requests", "ok", "shed", "errors", "other_errors"):
+        out[key] = sum(int(r.get(key) or 0) for r in runs)
+    out["seeds"] = len(runs)
+    out["seeds_ok"] = len(have)
+    hits = [r.get("prefix_hit_rate") for r in runs]
+    out["prefix_hit_rate"] = statistics.fmean([h for h in hits if h is not None]) if any(
+        h is not None for h in hits) else None
+    out["spread"] = {key: spread3([r.get(key) for r in runs])
+                     for key in ("p50_ms", "p90_ms", "p99_ms", "ttft_p99_ms", "ntpot_p99_ms", "prefix_hit_rate")}
+    return out
+
+
 def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str, Any]:
     """Figures over the requests scheduled at or after `warmup_s` (the ones before only warm
-    the routers up; every router gets the same ones)."""
+    the routers up; every router gets the same ones); "samples" keeps the measured requests'
+    end-to-end, TTFT and NTPOT values (ms) for pooling across seeds."""
     measured = [r for r in records if r["sched"] >= warmup_s]
     good = [r for r in measured if ok(r)]
-    e2e = [(r["end"] - r["sched"]) * 1000 for r in good]
-    ttft = [r["ttft"] * 1000 for r in good if r["ttft"] is not None]
+    measured_samples = samples(records, warmup_s)
     lag = [(r["start"] - r["sched"]) * 1000 for r in measured if r["start"] is not None]
     span = (max(r["end"] for r in good) - min(r["sched"] for r in measured)) if good else 0.0
     by_worker = Counter(r["worker"] or "-" for r in good)
@@ -50,12 +121,11 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
         "other_errors": len(measured) - len(good) - n_shed,  # failures that are not 429
         "shed_share": n_shed / len(measured) if measured else None,
         "error_kinds": dict(errors.most_common(5)),
-        "p50_ms": pct(e2e, 50), "p90_ms": pct(e2e, 90), "p99_ms": pct(e2e, 99),
-        "mean_ms": statistics.fmean(e2e) if e2e else None,
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        **percentiles(measured_samples),
         "send_lag_p99_ms": pct(lag, 99),
         "throughput_rps": len(good) / span if span > 0 else 0.0,
         "by_worker": dict(sorted(by_worker.items())),
+        "samples": measured_samples,
     }
 
 

@@ -1,4 +1,4 @@
-"""Deterministic open-loop workloads: arrivals, request mixes and multi-turn chat sessions.
+"""Deterministic open-loop workloads: arrivals, request mixes, multi-turn chat conversations and agents.
 
 Everything is drawn from one `random.Random(seed)`, so two runs (and two routers) get the
 very same requests at the very same offsets. Each request carries its scheduled send time
@@ -7,6 +7,7 @@ very same requests at the very same offsets. Each request carries its scheduled 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -115,32 +116,49 @@ def build(spec: WorkloadSpec) -> list[dict[str, Any]]:
     return out
 
 
-def describe(spec: WorkloadSpec | SessionSpec) -> dict[str, Any]:
+def describe(spec: WorkloadSpec | ChatSpec | AgentSpec) -> dict[str, Any]:
     return asdict(spec)
 
 
-@dataclass(frozen=True)
-class SessionSpec:
-    """Multi-turn chat: conversations that grow turn by turn, each turn's prompt the whole
-    conversation so far (system prompt, every earlier user turn and answer, the new turn).
+# -- chat workloads for prefix-cache routing (bench/scenarios/prefix.py) ---------------------------
+#
+# Bodies are OpenAI chat completions (`messages`), as the OpenAI SDK, LangChain or a chat
+# front-end sends them: every turn resends the whole conversation. A request dict adds to
+# the common fields (i, t, body, headers, session, after) `out` (max_tokens: the simulator
+# generates exactly that many, the NTPOT denominator) and `kind` ("turn", "one-shot", "agent").
 
-    Conversations start as a Poisson process; turn k+1 is scheduled a think time after turn
-    k's scheduled time (exponential, `think_s` mean), never earlier than `min_gap_s`. The load
-    generator sends a turn no earlier than the end of the conversation's previous turn (a
-    client waits for the answer), and measures it from its scheduled time all the same, so
-    a slow answer shows up in the next turn's latency rather than disappearing from it.
-    The assistant text in later prompts is drawn here, not taken from the answer, so the
-    prompts (and arrivals) are identical for every router.
+CHAT_PATH = "/v1/chat/completions"
+MESSAGE_OVERHEAD_TOKENS = 3  # what the simulator adds per chat message (confgen/simulate/_server.py)
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """Multi-turn conversations, optionally mixed with one-shot requests.
+
+    Conversations start as a Poisson process (the window opens on conversations already in
+    progress); turn k+1 is scheduled a think time after turn k (exponential, `think_s` mean,
+    at least `min_gap_s`) and sent no earlier than the end of turn k (`after`). Each turn's
+    messages are the system prompt, every earlier user turn and assistant answer (drawn here,
+    so the bodies are identical for every router), and the new user turn.
+
+    `session_header`: clients send `x-session-id` (the conversation's id); without it the
+    requests carry no header at all, like a plain OpenAI client. Same seed, same everything
+    else: the two variants differ by that header only.
+    `one_shot_share`: that share of the requests (in expectation) are single-message requests
+    with no shared prefix (their own Poisson stream), the rest are conversation turns.
     """
 
-    rate: float  # mean requests (turns) per second over the window
-    duration_s: float  # turns are scheduled within [0, duration_s)
-    turns: tuple[int, int] = (4, 10)
-    think_s: float = 3.0
+    rate: float  # mean requests per second (turns + one-shots) over the window
+    duration_s: float
+    turns: tuple[int, int] = (8, 16)
+    think_s: float = 2.0
     min_gap_s: float = 1.0
-    system_tokens: tuple[int, int] = (600, 1500)
+    system_tokens: tuple[int, int] = (1000, 3000)
     user_tokens: tuple[int, int] = (40, 240)
     output_range: tuple[int, int] = (16, 48)
+    session_header: bool = False
+    one_shot_share: float = 0.0
+    one_shot_tokens: tuple[int, int] = (200, 2000)  # log-uniform
     model: str = "sim-model"
     stream: bool = True
     seed: int = 0
@@ -148,45 +166,119 @@ class SessionSpec:
     def mean_turns(self) -> float:
         return sum(self.turns) / 2
 
-    def mean_prompt_tokens(self) -> float:
-        """Mean prompt of a turn (the conversation so far), for the nominal capacity."""
-        k = self.mean_turns()
-        per_turn = sum(self.user_tokens) / 2 + sum(self.output_range) / 2
-        return sum(self.system_tokens) / 2 + per_turn * (k + 1) / 2
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Agent-style traffic: many one-shot requests that share a long system + tool prefix
+    (one of `contexts`, Zipf popularity: context k is chosen with weight 1 / (k + 1) ** zipf)
+    and differ after it (the task, its own tail)."""
+
+    rate: float
+    duration_s: float
+    contexts: int = 48
+    context_tokens: tuple[int, int] = (1500, 4000)
+    tail_tokens: tuple[int, int] = (40, 400)
+    output_range: tuple[int, int] = (16, 64)
+    zipf: float = 0.8  # 0 = every context alike; 0.8: the hottest ~12 % of requests, the top 10 about half
+    model: str = "sim-model"
+    stream: bool = True
+    seed: int = 0
 
 
-def build_sessions(spec: SessionSpec) -> list[dict[str, Any]]:
-    """The turns, ordered by scheduled time; `after` = index of the previous turn of the same
-    conversation (or None), `session` = the x-session-id."""
-    rng = random.Random(spec.seed)
-    conv_span = spec.mean_turns() * max(spec.think_s, spec.min_gap_s)
-    # Conversations start over [-span, duration): the window opens on conversations in progress.
-    conv_rate = spec.rate / spec.mean_turns()
-    turns: list[dict[str, Any]] = []
-    start = -conv_span
+def chat_prompt_tokens(messages: list[dict[str, str]]) -> int:
+    """Prompt tokens as the simulator counts them: 'role: content' lines / 4 + 3 per message."""
+    chars = sum(len(m["role"]) + 2 + len(m["content"]) for m in messages) + max(0, len(messages) - 1)
+    return max(1, math.ceil(chars / CHARS_PER_TOKEN)) + MESSAGE_OVERHEAD_TOKENS * len(messages)
+
+
+def _chat_request(t: float, spec_model: str, stream: bool, messages: list[dict[str, str]], max_tokens: int,
+                  headers: dict[str, str], session: str | None, kind: str, turn: int = 0) -> dict[str, Any]:
+    body = {"model": spec_model, "messages": [dict(m) for m in messages], "max_tokens": max_tokens, "stream": stream}
+    return {"t": round(t, 6), "body": body, "headers": headers, "session": session, "turn": turn, "out": max_tokens,
+            "kind": kind}
+
+
+def _index(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Order by scheduled time, number them, link each turn to the previous one of its conversation."""
+    requests.sort(key=lambda r: (r["t"], r["session"] or "", r["turn"]))
+    last: dict[str, int] = {}
+    for i, r in enumerate(requests):
+        r["i"] = i
+        r["after"] = last.get(r["session"]) if r["kind"] == "turn" else None
+        if r["kind"] == "turn":
+            last[r["session"]] = i
+    return requests
+
+
+def build_chat(spec: ChatSpec) -> list[dict[str, Any]]:
+    """The requests of a ChatSpec (see its docstring), ordered by scheduled time."""
+    rng = random.Random(f"chat|{spec.seed}")
+    conv_rate = spec.rate * (1.0 - spec.one_shot_share) / spec.mean_turns()
+    span = spec.mean_turns() * max(spec.think_s, spec.min_gap_s)
+    out: list[dict[str, Any]] = []
+    start = -span
     conv = 0
-    while True:
+    while conv_rate > 0:
         start += rng.expovariate(conv_rate)
         if start >= spec.duration_s:
             break
         sid = f"conv-{spec.seed}-{conv:04d}"
-        history = f"[conversation {conv:04d}] system: " + text(rng, rng.randint(*spec.system_tokens))
+        headers = {"x-session-id": sid} if spec.session_header else {}
+        messages = [{"role": "system",
+                     "content": f"[conversation {conv:04d}] " + text(rng, rng.randint(*spec.system_tokens))}]
         t = start
         for k in range(rng.randint(*spec.turns)):
-            user = f"\nuser [{k}]: " + text(rng, rng.randint(*spec.user_tokens))
+            messages.append({"role": "user", "content": f"[{k}] " + text(rng, rng.randint(*spec.user_tokens))})
             max_tokens = rng.randint(*spec.output_range)
-            prompt = history + user + "\nassistant:"
             if 0 <= t < spec.duration_s:
-                body = {"model": spec.model, "prompt": prompt, "max_tokens": max_tokens, "stream": spec.stream}
-                turns.append({"t": round(t, 6), "body": body, "headers": {"x-session-id": sid}, "session": sid,
-                              "turn": k})
-            history = prompt + " " + text(rng, max_tokens)
+                out.append(_chat_request(t, spec.model, spec.stream, messages, max_tokens, dict(headers), sid,
+                                         "turn", k))
+            messages.append({"role": "assistant", "content": text(rng, max_tokens)})
             t += max(spec.min_gap_s, rng.expovariate(1.0 / spec.think_s))
         conv += 1
-    turns.sort(key=lambda r: r["t"])
-    last: dict[str, int] = {}
-    for i, r in enumerate(turns):
-        r["i"] = i
-        r["after"] = last.get(r["session"])
-        last[r["session"]] = i
-    return turns
+    if spec.one_shot_share > 0:
+        single = random.Random(f"one-shot|{spec.seed}")
+        lo, hi = spec.one_shot_tokens
+        for n, t in poisson(single, spec.rate * spec.one_shot_share, 1_000_000):
+            if t >= spec.duration_s:
+                break
+            tokens = int(math.exp(single.uniform(math.log(lo), math.log(hi))))
+            messages = [{"role": "user", "content": f"[one-shot {n:05d}] " + text(single, tokens)}]
+            out.append(_chat_request(t, spec.model, spec.stream, messages, single.randint(*spec.output_range), {},
+                                     None, "one-shot"))
+    return _index(out)
+
+
+def build_agents(spec: AgentSpec) -> list[dict[str, Any]]:
+    """The requests of an AgentSpec: system = one shared context (instructions and tool
+    definitions, identical for every request of that agent), user = the request's own task."""
+    rng = random.Random(f"agents|{spec.seed}")
+    contexts = [f"[agent {a:03d} instructions and tools] " + text(rng, rng.randint(*spec.context_tokens))
+                for a in range(spec.contexts)]
+    weights = list(itertools.accumulate(1.0 / (k + 1) ** spec.zipf for k in range(spec.contexts)))
+    out: list[dict[str, Any]] = []
+    for n, t in poisson(rng, spec.rate, 1_000_000):
+        if t >= spec.duration_s:
+            break
+        a = rng.choices(range(spec.contexts), cum_weights=weights)[0]
+        messages = [{"role": "system", "content": contexts[a]},
+                    {"role": "user", "content": f"[task {n:05d}] " + text(rng, rng.randint(*spec.tail_tokens))}]
+        out.append(_chat_request(t, spec.model, spec.stream, messages, rng.randint(*spec.output_range), {},
+                                 f"agent-{a:03d}", "agent"))
+    return _index(out)
+
+
+def shared_prefix_chars(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """Length of the common leading text of two chat requests, as the engine sees it."""
+    ta, tb = engine_text(a), engine_text(b)
+    n = 0
+    for x, y in zip(ta, tb, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def engine_text(request: dict[str, Any]) -> str:
+    """The prompt text the simulated engine builds from a chat body ('role: content' lines)."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in request["body"]["messages"])

@@ -17,7 +17,9 @@ later requests are recorded as "not sent") and in total time (every request has 
 the whole run `deadline_s + timeout_s + 5`).
 
 RESULT: one record per request: i, target, sched, start, ttft, end (s from the run start),
-status, worker (x-sim-worker), error. `ttft` is from `sched` too.
+status, worker (x-sim-worker), error, out (the request's output tokens: its `out`, else its
+max_tokens; the simulator generates exactly that many). `ttft` is from `sched` too: the
+first streamed `data:` line (the first byte of the answer for a non-streamed request).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ _TARGETS_WAIT_S = 300.0
 
 
 def _record(req: dict[str, Any], url: str) -> dict[str, Any]:
+    out = req.get("out", req["body"].get("max_tokens"))
     return {"i": req["i"], "target": url, "sched": float(req["t"]), "start": None, "ttft": None, "end": None,
-            "status": 0, "worker": None, "error": None}
+            "status": 0, "worker": None, "error": None, "out": out}
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: dict[str, Any], rec: dict[str, Any], t0: float,

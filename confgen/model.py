@@ -240,8 +240,13 @@ class Pool:
 
     @property
     def total_capacity(self) -> int:
-        """Concurrent sequences the pool's workers run in all."""
-        return sum(w.capacity or self.capacity for w in self.workers)
+        """Concurrent sequences the pool's workers run in all: the listed workers', or, for a
+        pool with `autoscale`, at least `max_replicas` workers' (a headless Service listed once
+        resolves to every pod the autoscaler starts; the safety cap must make room for them)."""
+        listed = sum(w.capacity or self.capacity for w in self.workers)
+        if self.autoscale is None:
+            return listed
+        return max(listed, self.autoscale.max_replicas * self.capacity)
 
 
 @dataclass(frozen=True)
@@ -536,6 +541,12 @@ class Kubernetes:
         False,
         doc="Also render a ServiceMonitor, a PrometheusRule with confgen's alert rules and the Grafana "
         "dashboard as a ConfigMap (Prometheus Operator and Grafana sidecar conventions).",
+    )
+    monitoring_labels: dict[str, str] = field(
+        factory=dict,
+        doc="Labels added to the ServiceMonitor, PrometheusRule and dashboard ConfigMap, for the Prometheus and "
+        "Grafana that select them (kube-prometheus-stack selects `release: <its release name>` by default).",
+        pattern="k8s_label_value",
     )
     redis: bool = field(
         False,

@@ -28,7 +28,8 @@ def parse(text: bytes, filename: str = "<topology>") -> tuple[Topology, list[Dia
     # Only leaves failed (unknown keys, bad scalars now holding defaults): the checks still
     # judge everything else, and say nothing about the fields already reported.
     found = list(decoder.diagnostics)
-    for path, message, severity in _checks.check(topo):
+    sections = frozenset(path for path in decoder.marks if path and "." not in path and "[" not in path)
+    for path, message, severity in _checks.check(topo, sections):
         if any(_near(path, leaf) for leaf in decoder.defaulted):
             continue  # it may be judging a default that stands in for a reported value
 

@@ -87,6 +87,7 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
+        self._published = False  # publish_all succeeded once: the proxy has a whole config from us
         self._probe_durations: dict[str, DurationHistogram] = {}
         self._tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
@@ -311,6 +312,7 @@ class Daemon:
             if not await self._publisher.publish_all(self._topo, per_pool):
                 return  # not publishable yet (e.g. ADS without the API keys): retried next cycle
             self._tree_due = False
+            self._published = True
         else:
             for pool_name, endpoints in per_pool.items():
                 self._publisher.offer(pool_name, endpoints)
@@ -334,10 +336,21 @@ class Daemon:
         return self._last_reload_error
 
     def not_ready(self) -> list[str]:
+        """Why this sidecar cannot serve its proxy yet: before its first cycle and first whole
+        publish. Nothing else: a refused update or a failing write (`problems`) is the same on
+        every replica reading the same topology, and the proxy keeps serving its last good
+        config; failing readiness for it would empty the Service of every proxy pod at once."""
         reasons = []
         if self._cycles == 0:
             reasons.append("first probe cycle not done")
-        return reasons + self._publisher.problems()
+        elif not self._published:
+            reasons.append("nothing published to the proxy yet")
+        return reasons
+
+    def problems(self) -> list[str]:
+        """What the proxy does not run of the sidecar's decisions, and why (/state, /readyz's
+        body, confgen_sidecar_problems): an update the proxy refused, a write failing."""
+        return self._publisher.problems()
 
     def view(self) -> Snapshot:
         """An immutable picture of the fleet now (built per call: cheap, never stale)."""
@@ -365,6 +378,7 @@ class Daemon:
             pools.append(PoolView(
                 name=pool.name,
                 engine=pool.engine,
+                model=pool.models[0],
                 saturation=pool_saturation(samples, {k: t.capacity for k, t in members}),
                 queue_depth=queue_depth(samples),
                 publishes=self._publisher.publishes[pool.name],
@@ -382,6 +396,7 @@ class Daemon:
             reloads=dict(self._reloads),
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
+            problems=tuple(self.problems()),
             last_reload_error=self._last_reload_error,
             xds=self._publisher.xds_view(),
             write_failures=dict(self._publisher.write_failures),

@@ -87,6 +87,7 @@ class PoolView:
     saturated: bool = False  # the detector's verdict (sidecar.decide.saturation)
     shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
+    model: str = ""  # the pool's model (its first `models` entry): the engine metrics' `model` label
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,7 @@ class Snapshot:
     reloads: Mapping[str, int]
     cycles: int
     not_ready: tuple[str, ...]  # reasons; empty when ready
+    problems: tuple[str, ...]  # refused updates, failing writes: visible, not a readiness failure
     last_reload_error: str | None
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
     write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)

@@ -6,8 +6,8 @@ import importlib
 from types import ModuleType
 
 # The registry: a new scenario is one module here plus its name in ORDER (the run order).
-ORDER = ("matrix", "sessions", "overload", "steady", "overhead", "failover", "reload", "sidecar_cost", "render_scale",
-         "ads")
+ORDER = ("matrix", "prefix", "overload", "steady", "overhead", "failover", "reload", "sidecar_cost", "render_scale",
+         "ads", "real_llama")
 
 
 def load(name: str) -> ModuleType:

@@ -50,6 +50,8 @@ class FleetPlan:
     prefill_ms_per_1k: float = 60.0
     decode_growth: float = 0.03
     prefix_cache_size: int = 16
+    prefix_cache_mode: str = "key"  # the simulator's prefix cache: "key" (sessions) or "blocks" (vLLM-like)
+    kv_cache_tokens: int = 65536  # per worker; in "blocks" mode also the prefix cache's size (/16 blocks)
 
     def __post_init__(self) -> None:
         if len(self.speeds) != len(self.max_num_seqs):
@@ -73,6 +75,7 @@ class FleetPlan:
             workers.append(WorkerSpec(name=self.worker_name(i), models=("sim-model",), speed=s, max_num_seqs=b,
                                       decode_ms=self.decode_ms, prefill_ms_per_1k=self.prefill_ms_per_1k,
                                       decode_growth=self.decode_growth, prefix_cache_size=self.prefix_cache_size,
+                                      prefix_cache_mode=self.prefix_cache_mode, kv_cache_tokens=self.kv_cache_tokens,
                                       fault_schedule=schedule))
         return FleetSpec(workers=tuple(workers), seed=seed)
 

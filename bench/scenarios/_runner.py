@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from confgen import runtime
+from confgen.balancing import POLICIES
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
+from confgen.topology import parse
 
 from .. import _bare_envoy, _proxies, _stats, loadgen
 from .._harness import Context, fleet_stats, stats_delta
@@ -50,6 +52,25 @@ def vllm(policy: str) -> Setup:
 
 
 PEER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+# Product rows with an explicit balancing policy (the topology's `balancing`, all else as shipped):
+# the endpoint picker's policy (issue 17), run wherever confgen knows it and does not ship it as the default.
+PRODUCT_POLICIES = ("prefix_affinity",)
+
+
+def default_policy() -> str:
+    """The balancing policy of the product as shipped: the one confgen gives the bench's user topology."""
+    text = _proxies.user_topology([("127.0.0.1", 8000, 8)], 8001, 8002)
+    topo, _ = parse(text.encode(), "<bench user topology>")
+    return str(topo.pools[0].balancing.policy)
+
+
+def policy_setups() -> tuple[list[Setup], list[str]]:
+    """The product rows for PRODUCT_POLICIES that confgen knows and does not already ship as the
+    default (then the product row is that policy), and the names it does not know."""
+    shipped = default_policy()
+    have = [Setup(f"pol_{p}", f"confgen render (balancing: {{policy: {p}}}) + confgen-sidecar", "product",
+                  f"{{policy: {p}}}") for p in PRODUCT_POLICIES if p in POLICIES and p != shipped]
+    return have, [p for p in PRODUCT_POLICIES if p not in POLICIES]
 
 
 @dataclass
@@ -115,7 +136,8 @@ def _envoy_counter(proc: runtime.EnvoyProcess, suffix: str) -> int:
 
 def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: list[dict[str, Any]], setup: Setup,
             tag: str, *, warmup_s: float, deadline_s: float, ingresses: int = 1, timeout_s: float = 60.0,
-            during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None) -> dict[str, Any]:
+            during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None,
+            path: str = "/v1/completions") -> dict[str, Any]:
     """One run: fleet, setup, load; the summary of the requests scheduled after `warmup_s`.
 
     `during(fleet, front, t0)` runs in a thread while the load runs (t0 = time.monotonic() at
@@ -124,7 +146,7 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
     extra: dict[str, Any] = {}
     # The load generator starts first (its imports are slow on a busy machine) and waits for the targets.
     job = {"targets": None, "requests": requests, "deadline_s": deadline_s, "timeout_s": timeout_s,
-           "max_in_flight": 4000}
+           "max_in_flight": 4000, "path": path}
     proc, out_path = loadgen.start(job, ctx.work, tag)
     try:
         with run_fleet_in_thread(spec) as fleet, front(ctx, fleet, max_num_seqs, setup, tag, ingresses) as fr:
@@ -195,7 +217,8 @@ def failed_row(setup: Setup, error: str) -> dict[str, Any]:
     return {"label": f"{setup.label} (FAILED: {error})", "setup": setup.key, "diagnostic": setup.diagnostic,
             "failed": error, "requests": 0, "ok": 0, "shed": 0, "errors": 0, "other_errors": 0, "shed_share": None,
             "p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "ttft_p50_ms": None,
-            "ttft_p99_ms": None, "send_lag_p99_ms": None, "throughput_rps": 0.0, "by_worker": {},
+            "ttft_p90_ms": None, "ttft_p99_ms": None, "ntpot_p50_ms": None, "ntpot_p99_ms": None,
+            "send_lag_p99_ms": None, "throughput_rps": 0.0, "by_worker": {}, "samples": None,
             "fleet_by_worker": {}, "prefix_hit_rate": None, "wall_s": 0.0}
 
 

@@ -55,6 +55,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     container = {
         "name": "control-plane",
         "image": topo.kubernetes.sidecar_image,
+        "command": ["confgen-sidecar"],
         "args": ["--topology", topology_file, "--serve-xds", f"0.0.0.0:{port}",
                  "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}"],
         "workingDir": k8s_mod.WORK_DIR,
@@ -94,6 +95,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                 "spec": {
                     "securityContext": k8s_mod._pod_security(),
                     "automountServiceAccountToken": False,
+                    "topologySpreadConstraints": k8s_mod.spread(_selector(plan, "control-plane")),
                     "containers": [container],
                     "volumes": volumes,
                     # Envoys keep their config while it is gone; nothing to drain
@@ -146,6 +148,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         "resources": k8s_mod.RESOURCES["envoy"],
         "securityContext": k8s_mod._restricted(bind_low_ports=any(lst.port < 1024 for lst in topo.listeners)),
         "readinessProbe": {"tcpSocket": {"port": topo.listeners[0].port}, "periodSeconds": 5},
+        "livenessProbe": k8s_mod.envoy_liveness(topo),
     }
     deployment = {
         "apiVersion": "apps/v1",
@@ -160,6 +163,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
                 "spec": {
                     "securityContext": k8s_mod._pod_security(),
                     "automountServiceAccountToken": False,
+                    "topologySpreadConstraints": k8s_mod.spread(_selector(plan, "envoy")),
                     "initContainers": [init],
                     "containers": [envoy],
                     "volumes": [{"name": "topology", "configMap": {"name": f"{plan.base}-topology"}},

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
+from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
 from ..model import Topology
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
@@ -38,19 +39,6 @@ RESOURCES: dict[str, dict[str, dict[str, str]]] = {
 }
 
 Obj = dict[str, Any]
-
-def dns_label(text: str, limit: int = 63) -> str:
-    """`text` as an RFC 1123 label starting with a letter (valid for every object kind,
-    Services included): lowercased, anything but [a-z0-9-] mapped to '-', and cut to `limit`
-    with a short hash of the original when too long (so two long names stay apart)."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "x"
-    if not slug[0].isalpha():
-        slug = "x-" + slug
-    if len(slug) > limit:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-        slug = slug[: limit - 9].rstrip("-") + "-" + digest
-    return slug
-
 
 def _port_name(name: str) -> str:
     """An IANA service name (Kubernetes port names): 1-15 of [a-z0-9-], a letter, no '--'."""
@@ -154,3 +142,30 @@ def _key_mounts(plan: _Plan) -> list[Obj]:
         {"name": "api-keys", "mountPath": path, "subPath": entry, "readOnly": True}
         for _, path, entry in _key_files(plan)
     ]
+
+
+def envoy_liveness(topo: Topology) -> Obj:
+    """Envoy answers its admin's GET /server_info within 4 s (its main thread lives; also while
+    draining, unlike /ready). Asked from inside the container: the admin stays on the pod's
+    loopback and the envoy image has bash (/dev/tcp) but no HTTP client; the sidecar's relay
+    would tie Envoy's restarts to the sidecar's. tests/deploy/test_probes_live.py runs it."""
+    host = _admin_host(topo)
+    request = "GET /server_info HTTP/1.1\\r\\nHost: envoy-admin\\r\\nConnection: close\\r\\n\\r\\n"
+    script = (f"exec 3<>/dev/tcp/{host}/{topo.admin.port} && printf '{request}' >&3 && "
+              "read -r -t 4 status <&3 && case \"$status\" in 'HTTP/1.1 200'*) exit 0;; esac; exit 1")
+    return {"exec": {"command": ["/bin/bash", "-c", script]},
+            "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
+
+
+def spread(selector: dict[str, str]) -> list[Obj]:
+    """Replicas spread over zones, then nodes, as evenly as the cluster allows (ScheduleAnyway:
+    a one-node or one-zone cluster still schedules them): one node or zone lost takes one
+    replica's share, not the whole Service."""
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector}}
+            for key in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")]
+
+
+def _admin_host(topo: Topology) -> str:
+    host = topo.admin.address
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host

@@ -41,12 +41,21 @@ def dashboard() -> Obj:
     return data
 
 
-def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dict[str, str]) -> list[Obj]:
-    """ServiceMonitor, PrometheusRule and the dashboard ConfigMap for one proxy Deployment."""
+def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dict[str, str],
+                       labels: dict[str, str] | None = None) -> list[Obj]:
+    """ServiceMonitor (of the Service `selector` picks), PrometheusRule and the dashboard
+    ConfigMap for one proxy Deployment; `labels` (kubernetes.monitoring_labels) go on all three,
+    after confgen's own, so the Prometheus and Grafana that select by label find them."""
+
+    def monitoring_meta(name: str) -> Obj:
+        data = meta(name, "monitoring")
+        data["labels"] = {**data["labels"], **(labels or {})}
+        return data
+
     monitor = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": meta(base, "monitoring"),
+        "metadata": monitoring_meta(base),
         "spec": {
             "selector": {"matchLabels": selector},
             "endpoints": [
@@ -58,10 +67,10 @@ def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dic
     rules = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": meta(f"{base}-alerts", "monitoring"),
+        "metadata": monitoring_meta(f"{base}-alerts"),
         "spec": alert_rules(),
     }
-    board = meta(f"{base}-dashboard", "monitoring")
+    board = monitoring_meta(f"{base}-dashboard")
     board["labels"]["grafana_dashboard"] = "1"
     dash = {
         "apiVersion": "v1",

@@ -1,4 +1,10 @@
-"""Docker Compose: Envoy and the sidecar sharing the rendered xDS directory on one host."""
+"""Docker Compose: Envoy and the sidecar sharing the rendered xDS directory on one host.
+
+Every service names its program (`entrypoint`, arguments in `command`), so what runs does not
+depend on the image's ENTRYPOINT/CMD: sidecar/Dockerfile's ENTRYPOINT is confgen-sidecar, and
+`command: [confgen, render, ...]` alone would run `confgen-sidecar confgen render ...`.
+tests/deploy/test_compose_run.py resolves each service as Docker does and runs the argv.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +23,17 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
     services = {
         "render": {
             "image": k8s.sidecar_image,
-            "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
+            "entrypoint": ["confgen"],
+            "command": ["render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
             "volumes": shared,
             "environment": key_env,
             "network_mode": "none",  # it renders files: no network at all
         },
         "sidecar": {
             "image": k8s.sidecar_image,
-            "command": ["confgen-sidecar", "--topology", topology_file, "--xds-dir", XDS_DIR,
-                        "--listen", "127.0.0.1:9109"],
+            "entrypoint": ["confgen-sidecar"],
+            "command": ["--topology", topology_file, "--xds-dir", XDS_DIR,
+                        "--listen", f"127.0.0.1:{topo.sidecar.port}"],
             "volumes": shared,
             "environment": key_env,
             # host networking: it reaches Envoy's admin on loopback and the workers as Envoy
@@ -36,7 +44,10 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
         },
         "envoy": {
             "image": k8s.envoy_image,
-            "command": ["envoy", "-c", f"{XDS_DIR}/bootstrap.json"],
+            # the envoy image's entrypoint runs `envoy ...` as given (as its user, uid 101).
+            # --disable-hot-restart: on the host's network, Envoys of two projects would share
+            # hot restart's domain socket (base id 0) and the second would not start.
+            "command": ["envoy", "-c", f"{XDS_DIR}/bootstrap.json", "--disable-hot-restart"],
             "volumes": [f"xds:{XDS_DIR}:ro"],
             # host networking: workers and the admin interface stay on the host's addresses
             "network_mode": "host",

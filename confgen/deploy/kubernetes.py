@@ -33,11 +33,11 @@ from ._kubernetes_base import (
     HEADROOM,
     LIFECYCLE_DIR,
     RESOURCES,
-    SIDECAR_PORT,
     TOPOLOGY_DIR,
     WORK_DIR,
     XDS_DIR,
     Obj,
+    _admin_host,
     _key_env,
     _key_files,
     _key_mounts,
@@ -47,6 +47,8 @@ from ._kubernetes_base import (
     _restricted,
     _token_env,
     dns_label,
+    envoy_liveness,
+    spread,
 )
 
 __all__ = ["dns_label", "render_kubernetes"]
@@ -94,13 +96,13 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
         # the admin interface stays on the pod's loopback.
         "readinessProbe": {"httpGet": {"path": "/envoy/ready", "port": "metrics"},
                            "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": envoy_liveness(topo),
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", wait]}}},
     }
 
 
 def _admin_url(topo: Topology) -> str:
-    host = topo.admin.address
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    host = _admin_host(topo)
     return f"http://[{host}]:{topo.admin.port}" if ":" in host else f"http://{host}:{topo.admin.port}"
 
 
@@ -113,10 +115,12 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         "image": topo.kubernetes.sidecar_image,
         # Bound on the pod's addresses: the kubelet's probes and Prometheus reach it there;
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
-        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{SIDECAR_PORT}",
+        # The program is named, not left to the image's ENTRYPOINT (an image built otherwise works).
+        "command": ["confgen-sidecar"],
+        "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
-        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT}],
+        "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
         "env": [*_key_env(plan), *_token_env(plan)],
@@ -181,13 +185,14 @@ def _deployment(plan: _Plan) -> Obj:
                     "labels": plan.labels("proxy"),
                     "annotations": {
                         "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(SIDECAR_PORT),
+                        "prometheus.io/port": str(topo.sidecar.port),
                         "prometheus.io/path": "/metrics",
                     },
                 },
                 "spec": {
                     "securityContext": _pod_security(),
                     "automountServiceAccountToken": False,
+                    "topologySpreadConstraints": spread(plan.selector),
                     "initContainers": [init],
                     "containers": [_envoy_container(plan, f"{XDS_DIR}/bootstrap.json"),
                                    _sidecar_container(plan, topology_file, mounts)],
@@ -200,14 +205,26 @@ def _deployment(plan: _Plan) -> Obj:
 
 
 def _service(plan: _Plan) -> Obj:
+    """The clients' Service: the listeners only (the sidecar's port is on its own Service)."""
     ports = [{"name": _port_name(lst.name), "port": lst.port, "targetPort": lst.port}
              for lst in plan.topo.listeners]
-    ports.append({"name": "metrics", "port": SIDECAR_PORT, "targetPort": "metrics"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": plan.meta(plan.base, "proxy"),
         "spec": {"selector": plan.selector, "ports": ports},
+    }
+
+
+def _metrics_service(plan: _Plan) -> Obj:
+    """The sidecar's port (metrics, /envoy/stats, /state) for Prometheus, apart from the clients'
+    Service: headless (Prometheus scrapes each pod), its own component label for the ServiceMonitor."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": plan.meta(f"{plan.base}-metrics", "metrics"),
+        "spec": {"clusterIP": "None", "selector": plan.selector,
+                 "ports": [{"name": "metrics", "port": plan.topo.sidecar.port, "targetPort": "metrics"}]},
     }
 
 
@@ -451,10 +468,14 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
 
         docs = [_configmap(plan), *ads_objects(plan), *hpas]
+        scraped = "control-plane"  # its Service carries the metrics port
     else:
-        docs = [_configmap(plan), _deployment(plan), _service(plan), _pdb(plan), *hpas]
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _metrics_service(plan), _pdb(plan), *hpas]
+        scraped = "metrics"
     if topo.kubernetes.monitoring:
-        docs += _observability.kubernetes_objects(plan.meta, plan.base, plan.selector)
+        docs += _observability.kubernetes_objects(
+            plan.meta, plan.base, {**plan.selector, "app.kubernetes.io/component": scraped},
+            dict(topo.kubernetes.monitoring_labels))
     redis_problems = _redis_problems(plan)
     if topo.kubernetes.redis and not redis_problems:
         docs += _redis_objects(plan)

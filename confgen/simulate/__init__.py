@@ -18,9 +18,9 @@ GET /_fleet/workers/{name}/stats, POST /_fleet/workers/{name}/{fault,crash,reviv
 """
 
 from ._cli import main
-from ._engine import BatchEngine, EngineRequest, LatencyModel, simulate
+from ._engine import BLOCK_TOKENS, BatchEngine, EngineRequest, LatencyModel, simulate
 from ._fleet import Fleet, FleetHandle, WorkerHandle, run_fleet_in_thread
-from ._server import SimWorker
+from ._server import SimWorker, block_hashes
 from ._spec import (
     ENGINE_KINDS,
     FAULT_MODES,
@@ -35,6 +35,7 @@ from ._spec import (
 from ._topology import fleet_topology
 
 __all__ = [
+    "BLOCK_TOKENS",
     "ENGINE_KINDS",
     "FAULT_MODES",
     "BatchEngine",
@@ -51,6 +52,7 @@ __all__ = [
     "SpecError",
     "WorkerHandle",
     "WorkerSpec",
+    "block_hashes",
     "fleet_topology",
     "main",
     "run_fleet_in_thread",

@@ -7,7 +7,9 @@ requests (FIFO) while fewer than `max_num_seqs` run and the KV cache has room; i
 
 and at its end every running request has one more token (the admitted ones their first).
 A request leaves when it has `max_tokens` tokens. Prompt tokens found in the prefix cache
-(keyed on the session or the prompt's prefix) are not prefilled again.
+are not prefilled again: either an LRU of keys (the session or the prompt's first characters,
+`PrefixCache`) or, like vLLM's automatic prefix caching, an LRU of prompt blocks keyed by
+chained hashes (`BlockPrefixCache`: a hit is the run of leading blocks the engine holds).
 
 Callers drive it with `submit(request, now)`, `next_event_time()` and `advance(now)`;
 `simulate()` runs a whole arrival list in virtual time, for tests and what-if questions.
@@ -21,7 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "BLOCK_TOKENS",
     "BatchEngine",
+    "BlockPrefixCache",
     "EngineRequest",
     "Histogram",
     "LatencyModel",
@@ -81,6 +85,10 @@ class Histogram:
         return out
 
 
+# A key-cache key (session id or prompt-prefix hash), or a block cache's chained block hashes.
+CacheKey = str | tuple[str, ...] | None
+
+
 class PrefixCache:
     """LRU map from a cache key (session id or prompt-prefix hash) to tokens held in KV."""
 
@@ -88,15 +96,15 @@ class PrefixCache:
         self.capacity = capacity
         self._entries: OrderedDict[str, int] = OrderedDict()
 
-    def lookup(self, key: str | None, prompt_tokens: int) -> int:
+    def lookup(self, key: CacheKey, prompt_tokens: int) -> int:
         """Tokens of this prompt already cached (never the whole prompt: one must be computed)."""
-        if key is None or self.capacity == 0 or key not in self._entries:
+        if not isinstance(key, str) or self.capacity == 0 or key not in self._entries:
             return 0
         self._entries.move_to_end(key)
         return max(0, min(self._entries[key], prompt_tokens - 1))
 
-    def store(self, key: str | None, tokens: int) -> None:
-        if key is None or self.capacity == 0:
+    def store(self, key: CacheKey, tokens: int) -> None:
+        if not isinstance(key, str) or self.capacity == 0:
             return
         self._entries[key] = max(tokens, self._entries.get(key, 0))
         self._entries.move_to_end(key)
@@ -107,6 +115,45 @@ class PrefixCache:
         return len(self._entries)
 
 
+BLOCK_TOKENS = 16  # vLLM's default --block-size (what cache_config_info reports)
+
+
+class BlockPrefixCache:
+    """vLLM's automatic prefix caching in miniature: an LRU of full prompt blocks of
+    BLOCK_TOKENS tokens, each keyed by a hash chained over every block before it, so a
+    lookup is the run of leading blocks held (two prompts that share a system prompt and
+    differ after it share exactly the blocks of the common part). Capacity in blocks.
+    Only prompt blocks are known (the request carries their hashes); generated tokens are
+    not cached for a later prompt here."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[str, None] = OrderedDict()
+
+    def lookup(self, key: CacheKey, prompt_tokens: int) -> int:
+        if not isinstance(key, tuple) or self.capacity == 0:
+            return 0
+        matched = 0
+        for block in key:
+            if block not in self._blocks:
+                break
+            self._blocks.move_to_end(block)
+            matched += 1
+        return max(0, min(matched * BLOCK_TOKENS, prompt_tokens - 1))
+
+    def store(self, key: CacheKey, tokens: int) -> None:
+        if not isinstance(key, tuple) or self.capacity == 0:
+            return
+        for block in key[: tokens // BLOCK_TOKENS]:
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
 @dataclass(eq=False)
 class EngineRequest:
     """One request as the engine sees it; the engine fills in the timing fields."""
@@ -115,7 +162,7 @@ class EngineRequest:
     prompt_tokens: int
     max_tokens: int
     arrival: float
-    cache_key: str | None = None
+    cache_key: CacheKey = None
     finish_reason: str = "length"
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -151,6 +198,7 @@ class EngineCounters:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    longest_sequence: int = 0  # prompt + generated tokens of the longest finished request
 
 
 class BatchEngine:
@@ -161,11 +209,16 @@ class BatchEngine:
         model: LatencyModel,
         *,
         prefix_cache_size: int = 256,
+        prefix_cache_blocks: bool = False,
         histogram_bounds: Mapping[str, Sequence[float]] | None = None,
         keep_token_times: bool = False,
     ) -> None:
+        """`prefix_cache_blocks`: a block cache of the KV size (kv_cache_tokens / BLOCK_TOKENS
+        blocks, the num_gpu_blocks the engine reports) instead of `prefix_cache_size` keys."""
         self.model = model
-        self.cache = PrefixCache(prefix_cache_size)
+        self.cache: PrefixCache | BlockPrefixCache = (
+            BlockPrefixCache(model.kv_cache_tokens // BLOCK_TOKENS) if prefix_cache_blocks
+            else PrefixCache(prefix_cache_size))
         self.running: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.counters = EngineCounters()
@@ -321,6 +374,7 @@ class BatchEngine:
         admitted = r.admitted_at if r.admitted_at is not None else r.arrival
         first = r.first_token_at if r.first_token_at is not None else end
         self.cache.store(r.cache_key, r.prompt_tokens + r.generated)
+        self.counters.longest_sequence = max(self.counters.longest_sequence, r.prompt_tokens + r.generated)
         self.counters.requests_finished[r.finish_reason] = self.counters.requests_finished.get(r.finish_reason, 0) + 1
         self._observe("e2e", end - r.arrival)
         self._observe("inference", end - admitted)

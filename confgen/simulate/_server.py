@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ._engine import BatchEngine, EngineRequest, Histogram, LatencyModel
+from ._engine import BLOCK_TOKENS, BatchEngine, CacheKey, EngineRequest, Histogram, LatencyModel
 from ._faults import FaultState, garbage_metrics, html_metrics, truncate_metrics, validate
 from ._metrics_text import HTTP_HIGHR_BUCKETS, MetricsInput, histogram_bounds, render
 from ._spec import FaultSpec, SpecError, WorkerSpec
@@ -238,7 +238,8 @@ class SimWorker:
         )
         bounds = histogram_bounds(spec.engine)
         self.engines = [
-            BatchEngine(model, prefix_cache_size=spec.prefix_cache_size, histogram_bounds=bounds)
+            BatchEngine(model, prefix_cache_size=spec.prefix_cache_size,
+                        prefix_cache_blocks=spec.prefix_cache_mode == "blocks", histogram_bounds=bounds)
             for _ in range(spec.data_parallel)
         ]
         self._http_durations = Histogram(HTTP_HIGHR_BUCKETS)
@@ -480,7 +481,9 @@ class SimWorker:
         try:
             body = await _json_body(request)
             model = body.get("model") or self.spec.models[0]
-            if model not in self.spec.models:
+            if self.spec.engine == "llamacpp":
+                model = self.spec.models[0]  # llama-server ignores `model` and answers its own name
+            elif model not in self.spec.models:
                 raise _BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             text, tokens = _chat_prompt(body) if chat else _completion_prompt(body)
             max_tokens = _max_tokens(body, chat)
@@ -496,7 +499,11 @@ class SimWorker:
             status = int(self._fault.param("status", self.spec.effective_overload_status()))
             return self._error(status, "Model is overloaded", "overloaded")
         session = request.headers.get("x-session-id")
-        key = f"s:{session}" if session else _prefix_key(text, self.spec.prefix_key_chars)
+        key: CacheKey
+        if self.spec.prefix_cache_mode == "blocks":
+            key = block_hashes(text, model)
+        else:
+            key = f"s:{session}" if session else _prefix_key(text, self.spec.prefix_key_chars)
         finish_reason = "length"
         rng = random.Random(f"{self.seed}|{model}|{text}")
         if max_tokens is None:
@@ -532,7 +539,7 @@ class SimWorker:
         prompt_text: str,
         prompt_tokens: int,
         max_tokens: int,
-        key: str | None,
+        key: CacheKey,
         model: str,
         finish_reason: str,
         rng: random.Random | None = None,
@@ -739,6 +746,20 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
 
 def _prefix_key(text: str, chars: int) -> str:
     return "p:" + hashlib.sha256(text[:chars].encode()).hexdigest()[:32]
+
+
+def block_hashes(text: str, model: str) -> tuple[str, ...]:
+    """Chained hashes of the prompt's full blocks (BLOCK_TOKENS tokens of _CHARS_PER_TOKEN
+    characters each), seeded with the model: block i's hash covers every block before it, so
+    two prompts share block i only if they share the whole text up to its end. The trailing
+    partial block is not cached (vLLM caches full blocks only)."""
+    size = BLOCK_TOKENS * _CHARS_PER_TOKEN
+    out: list[str] = []
+    previous = hashlib.sha256(model.encode()).digest()
+    for start in range(0, len(text) - size + 1, size):
+        previous = hashlib.sha256(previous + text[start:start + size].encode()).digest()
+        out.append(previous[:12].hex())
+    return tuple(out)
 
 
 def _usage(r: EngineRequest) -> dict[str, Any]:

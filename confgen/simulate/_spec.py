@@ -88,6 +88,11 @@ class WorkerSpec:
     decode_growth: float = 0.03
     prefix_cache_size: int = 256
     prefix_key_chars: int = 256
+    # "key": an LRU of `prefix_cache_size` keys (x-session-id, else the prompt's first
+    # `prefix_key_chars` characters), each holding its longest prompt + answer. "blocks": like
+    # vLLM's automatic prefix caching, an LRU of kv_cache_tokens / 16 prompt blocks keyed by
+    # chained hashes of the prompt text (headers ignored: a hit is the shared leading blocks).
+    prefix_cache_mode: str = "key"
     kv_cache_tokens: int = 65536
     data_parallel: int = 1
     default_max_tokens: int = 64
@@ -116,6 +121,8 @@ class WorkerSpec:
             raise SpecError("decode_ms and prefill_ms_per_1k cannot both be 0")
         if not 0 <= self.port <= 65535:
             raise SpecError(f"port {self.port} out of range")
+        if self.prefix_cache_mode not in ("key", "blocks"):
+            raise SpecError(f"prefix_cache_mode must be 'key' or 'blocks', not {self.prefix_cache_mode!r}")
         if self.prefix_cache_size < 0 or self.kv_cache_tokens < 1:
             raise SpecError("prefix_cache_size must be >= 0 and kv_cache_tokens >= 1")
         if self.max_queue is not None and self.max_queue < 0:

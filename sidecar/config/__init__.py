@@ -23,7 +23,8 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "grpc_listen_for", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "from_argv", "grpc_listen_for", "listen_for", "listen_mismatch", "parser",
+           "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -47,6 +48,9 @@ class SidecarConfig:
     body_cap_bytes: int = 1024 * 1024
     listen_host: str = "127.0.0.1"
     listen_port: int = 9109
+    # No --listen: listen where the topology's `sidecar` says, which is where the rendered
+    # proxy asks for /v1/models (one source); listen_host/listen_port are then replaced.
+    listen_from_topology: bool = False
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
     hysteresis: HysteresisPolicy = field(default_factory=HysteresisPolicy)  # which weight changes are published
@@ -63,6 +67,7 @@ class SidecarConfig:
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
     grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
+    picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
 
     @property
     def publisher(self) -> str:
@@ -114,7 +119,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")
     p.add_argument("--probe-deadline", type=float, help="seconds for one whole probe (default: 0.75 * interval)")
     p.add_argument("--body-cap", type=int, default=1024 * 1024, help="largest metrics body read, bytes (1 MiB)")
-    p.add_argument("--listen", default="127.0.0.1:9109", help="host:port of the sidecar's own HTTP server")
+    p.add_argument("--listen", help="host:port of the sidecar's own HTTP server (default: the topology's "
+                   "sidecar.address:sidecar.port, where the rendered proxy asks it for /v1/models; another port "
+                   "is reported as the startup.listen_mismatch error)")
     p.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
                    help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
@@ -143,6 +150,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
                    "the number of connected Envoys")
+    p.add_argument("--picker", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an endpoint picker setting (repeatable): a scorer's weight (prefix, load, kv, cost; "
+                   "0 turns it off) or spill_min, spill_fraction, long_tokens, default_max_tokens, prompt_share, "
+                   "fallbacks, e.g. --picker prefix=2")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
@@ -186,7 +197,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         nginx = nginx_from_args(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    host, port = _split_listen(args.listen)
+    host, port = _split_listen(args.listen) if args.listen else ("127.0.0.1", 9109)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
     hysteresis = _override(HysteresisPolicy(), args.hysteresis, "--hysteresis")
@@ -204,6 +215,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         body_cap_bytes=args.body_cap,
         listen_host=host,
         listen_port=port,
+        listen_from_topology=not args.listen,
         health=health,
         weights=weights,
         hysteresis=hysteresis,
@@ -219,6 +231,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
         grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
+        picker=tuple(args.picker),
     )
 
 
@@ -234,3 +247,33 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir).absolute()
     raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+def listen_for(config: SidecarConfig, topo: Topology) -> SidecarConfig:
+    """`config` with the address the sidecar listens on: --listen, else the topology's sidecar link."""
+    if not config.listen_from_topology:
+        return config
+    return dataclasses.replace(config, listen_host=topo.sidecar.address, listen_port=topo.sidecar.port,
+                               listen_from_topology=False)
+
+
+def listen_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
+    """Why the proxy cannot reach this sidecar where the topology says it is; None when it can.
+
+    The rendered proxy asks `sidecar.address:sidecar.port` for /v1/models (when the topology
+    enables that); a sidecar listening elsewhere is never asked, and the proxy silently answers
+    the full model list instead of the healthy ones.
+    """
+    if not (topo.models_endpoint and topo.sidecar.models):
+        return None
+    wanted = f"{topo.sidecar.address}:{topo.sidecar.port}"
+    if config.listen_port != topo.sidecar.port:
+        return (f"--listen port {config.listen_port} is not the topology's sidecar.port {topo.sidecar.port}: "
+                f"the proxy asks {wanted} for /v1/models and never reaches this sidecar")
+    if config.listen_host not in _WILDCARDS and config.listen_host != topo.sidecar.address:
+        return (f"--listen host {config.listen_host} is not the topology's sidecar.address "
+                f"{topo.sidecar.address}: the proxy asks {wanted} for /v1/models")
+    return None

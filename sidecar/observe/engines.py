@@ -35,6 +35,10 @@ Aggregation rules:
   0.9.2-0.10 (which emit old and new names) are not double counted.
 - Token latency is a (seconds, tokens) pair of cumulative counters (a histogram's `_sum`
   and `_count`): both come from the first family that has both, never one from each.
+- The latency histograms kept whole (time to first token, time per output token) are
+  summed bucket by bucket over data-parallel engines (the same rules per `le`), from the
+  first family that has buckets, a `+Inf` bucket, a sum and a count; else None. They are
+  re-exported by the sidecar per pool, model and worker (the dashboard's TTFT and TPOT).
 """
 
 from __future__ import annotations
@@ -47,11 +51,21 @@ from typing import Final, Literal
 
 from confgen.errors import ConfgenError
 
-__all__ = ["ENGINE_KINDS", "LoadSample", "MetricsFormatError", "extract", "has_metrics"]
+__all__ = ["ENGINE_KINDS", "HistogramSample", "LoadSample", "MetricsFormatError", "extract", "has_metrics"]
 
 
 class MetricsFormatError(ConfgenError, ValueError):
     """The metrics body holds no usable load numbers (empty, truncated, HTML, JSON...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSample:
+    """A cumulative histogram as the engine reports it: (upper bound, count) per bucket in
+    ascending order, +Inf last, with its sum and count (counters: they grow until a restart)."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float
+    count: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +93,9 @@ class LoadSample:
     engines: int = 1
     token_latency_s: float | None = None
     token_latency_n: float | None = None
+    ttft: HistogramSample | None = None  # time to first token (vLLM, SGLang)
+    tpot: HistogramSample | None = None  # time per output token (inter-token latency; TGI's per-request mean)
+    output_tokens: float | None = None  # generated tokens counter, for tokens/s (moves on completion for some)
     kv_blocks: float | None = None  # KV cache size in blocks (vLLM's cache_config_info num_gpu_blocks), summed
 
 
@@ -99,11 +116,18 @@ class _Engine:
     kv_usage: _Field | None = None
     prefix_queries: _Field | None = None
     prefix_hits: _Field | None = None
+    # Prompt tokens NOT served from the cache; with no `prefix_queries` field the queries are
+    # hits + misses (llama.cpp counts the two apart).
+    prefix_misses: _Field | None = None
     generated_tokens: _Field | None = None
     # (sum, count) names of an inter-token latency histogram, preferred first.
     token_latency: tuple[tuple[str, str], ...] = ()
     # TGI has no KV gauge; reserved batch tokens / token budget is the closest proxy.
     kv_ratio: tuple[str, str] | None = None
+    # histogram families (base names, preferred first) kept whole, and the output token counter
+    ttft: tuple[str, ...] = ()
+    tpot: tuple[str, ...] = ()
+    output_tokens: _Field | None = None
     # (info metric, label) giving the KV cache's size in blocks (the endpoint picker sizes its index).
     kv_blocks: tuple[str, str] | None = None
 
@@ -123,6 +147,9 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
             ("inter_token_latency_seconds_sum", "inter_token_latency_seconds_count"),
             ("time_per_output_token_seconds_sum", "time_per_output_token_seconds_count"),
         ),
+        ttft=("time_to_first_token_seconds",),
+        tpot=("inter_token_latency_seconds", "time_per_output_token_seconds"),
+        output_tokens=_Field(("generation_tokens_total",)),
         kv_blocks=("cache_config_info", "num_gpu_blocks"),
     ),
     "sglang": _Engine(
@@ -131,19 +158,30 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         waiting=_Field(("num_queue_reqs",)),
         kv_usage=_Field(("token_usage",), "mean"),
         token_latency=(("inter_token_latency_seconds_sum", "inter_token_latency_seconds_count"),),
+        ttft=("time_to_first_token_seconds",),
+        tpot=("inter_token_latency_seconds",),
+        output_tokens=_Field(("generation_tokens_total",)),
     ),
     "tgi": _Engine(
         prefixes=("tgi_",),
         running=_Field(("batch_current_size",)),
         waiting=_Field(("queue_size",)),
         kv_ratio=("batch_current_max_tokens", "batch_max_total_tokens"),
+        tpot=("request_mean_time_per_token_duration",),
+        output_tokens=_Field(("request_generated_tokens_sum",)),
     ),
+    # llama-server --metrics (checked against the real server, tests/realengine): busy slots
+    # and deferred requests; no KV gauge at all (KV use is None); the prompt cache as tokens
+    # reused (`prompt_tokens_cached_total`) beside tokens processed without the cache
+    # (`prompt_tokens_total` excludes the cached ones), so queries = processed + cached.
     "llamacpp": _Engine(
         prefixes=("llamacpp:", "llamacpp_"),
         running=_Field(("requests_processing",)),
         waiting=_Field(("requests_deferred",)),
-        kv_usage=_Field(("kv_cache_usage_ratio",), "mean"),
+        prefix_hits=_Field(("prompt_tokens_cached_total",)),
+        prefix_misses=_Field(("prompt_tokens_total",)),
         generated_tokens=_Field(("n_decode_total",)),
+        output_tokens=_Field(("tokens_predicted_total",)),
     ),
     "openai": None,  # generic OpenAI-compatible server: health only
 }
@@ -214,6 +252,10 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         total = field(_Field((spec.kv_ratio[1],)))
         kv = used / total if used is not None and total else None
     latency_s, latency_n = _token_latency(text, prefix, spec.token_latency)
+    hits, queries = field(spec.prefix_hits), field(spec.prefix_queries)
+    if queries is None and spec.prefix_misses is not None:
+        misses = field(spec.prefix_misses)
+        queries = None if misses is None or hits is None else misses + hits
     kv_blocks = None
     if spec.kv_blocks is not None:
         blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
@@ -223,14 +265,42 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         running=running[0],
         waiting=waiting[0],
         kv_usage=None if kv is None else min(kv, 1.0),
-        prefix_queries=field(spec.prefix_queries),
-        prefix_hits=field(spec.prefix_hits),
+        prefix_queries=queries,
+        prefix_hits=hits,
         generated_tokens=field(spec.generated_tokens),
         engines=max(running[1], 1),
         token_latency_s=latency_s,
         token_latency_n=latency_n,
+        ttft=_histogram(text, prefix, spec.ttft),
+        tpot=_histogram(text, prefix, spec.tpot),
+        output_tokens=field(spec.output_tokens),
         kv_blocks=kv_blocks,
     )
+
+
+def _histogram(text: str, prefix: str, bases: tuple[str, ...]) -> HistogramSample | None:
+    """The first family of `bases` with buckets (+Inf among them), a sum and a count, summed
+    over data-parallel engines bucket by bucket; None when none is whole."""
+    for base in bases:
+        by_bound: dict[float, list[_Series]] = {}
+        for labels, value in _find_series(text, prefix + base + "_bucket"):
+            try:
+                bound = float(labels.get("le", ""))
+            except ValueError:
+                continue
+            by_bound.setdefault(bound, []).append(({k: v for k, v in labels.items() if k != "le"}, value))
+        if not by_bound or math.inf not in by_bound:
+            continue
+        buckets = []
+        for bound in sorted(by_bound):
+            count = _aggregate((by_bound[bound], "sum"))[0]
+            if count is not None:
+                buckets.append((bound, count))
+        total = _aggregate((_find_series(text, prefix + base + "_sum"), "sum"))[0]
+        count = _aggregate((_find_series(text, prefix + base + "_count"), "sum"))[0]
+        if total is not None and count is not None and buckets and buckets[-1][0] == math.inf:
+            return HistogramSample(tuple(buckets), total, count)
+    return None
 
 
 def _token_latency(
@@ -272,6 +342,8 @@ def _wanted_lines(spec: _Engine | None) -> re.Pattern[str]:
             value = getattr(spec, f.name)
             if isinstance(value, _Field):
                 names.update(value.names)
+            elif f.name in ("ttft", "tpot"):
+                names.update(base + suffix for base in value for suffix in ("_bucket", "_sum", "_count"))
             elif f.name != "prefixes" and isinstance(value, tuple):
                 names.update(_flatten(value))
     prefixes = "|".join(re.escape(p) for p in (spec.prefixes if spec is not None else ())) or "(?!)"

@@ -37,6 +37,10 @@ METRIC_NAMES = (
     "llm_queue_depth",
     _PREFIX + "build_info",
     _PREFIX + "ready",
+    _PREFIX + "engine_time_to_first_token_seconds",
+    _PREFIX + "engine_time_per_output_token_seconds",
+    _PREFIX + "engine_output_tokens_total",
+    _PREFIX + "problems",
     _PREFIX + "probe_cycles_total",
     _PREFIX + "pool_saturation_ratio",
     _PREFIX + "inflight_limit",
@@ -90,6 +94,9 @@ class SidecarCollector(Collector):
         reloads = CounterMetricFamily(_PREFIX + "topology_reloads", "Topology reloads by result.", labels=["result"])
         cycles = CounterMetricFamily(_PREFIX + "probe_cycles", "Probe cycles completed (stalls when the loop does).")
         ready = GaugeMetricFamily(_PREFIX + "ready", "1 when /readyz answers 200.")
+        problems = GaugeMetricFamily(_PREFIX + "problems", "What the proxy does not run of the sidecar's decisions "
+                                     "now (updates refused, writes failing; listed in /state): not a readiness "
+                                     "failure, alerted on.")
         write_failures = CounterMetricFamily(_PREFIX + "write_failures", "xDS file writes that failed (read-only "
                                              "or full disk...), by pool or tree.", labels=["target"])
         external = CounterMetricFamily(_PREFIX + "external_changes", "Files the sidecar wrote that someone else "
@@ -102,6 +109,26 @@ class SidecarCollector(Collector):
         saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
                                       "(sidecar.decide.saturation: waiting queue per slot, its trend, KV use; fresh "
                                       "metrics only).", labels=["pool"])
+        engine_labels = ["pool", "model", "worker", "address"]
+        ttft = HistogramMetricFamily(_PREFIX + "engine_time_to_first_token_seconds", "The engine's own time to "
+                                     "first token histogram, as last scraped (DP engines summed): per pool, its "
+                                     "model and endpoint; every proxy replica reports it, dedupe with max by.",
+                                     labels=engine_labels)
+        tpot = HistogramMetricFamily(_PREFIX + "engine_time_per_output_token_seconds", "The engine's time per "
+                                     "output token (inter-token latency; TGI: per-request mean) histogram, as "
+                                     "last scraped.", labels=engine_labels)
+        output_tokens = CounterMetricFamily(_PREFIX + "engine_output_tokens", "Tokens the engine generated, as "
+                                            "last scraped (tokens/s: rate).", labels=engine_labels)
+        for pool in snap.pools:
+            for ep in pool.endpoints:
+                if ep.sample is None:
+                    continue
+                labels = [pool.name, pool.model, ep.key.worker, f"{ep.key.address}:{ep.key.port}"]
+                for family, kept in ((ttft, ep.sample.ttft), (tpot, ep.sample.tpot)):
+                    if kept is not None:
+                        family.add_metric(labels, [(_le(b), n) for b, n in kept.buckets], kept.total)
+                if ep.sample.output_tokens is not None:
+                    output_tokens.add_metric(labels, ep.sample.output_tokens)
         for pool in snap.pools:
             saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)
             saturation.add_metric([pool.name], pool.saturation)
@@ -138,8 +165,10 @@ class SidecarCollector(Collector):
             external.add_metric([name], count)
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
+        problems.add_metric([], float(len(snap.problems)))
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, stale, write_failures, external, limit, saturated)
+                    rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
+                    ttft, tpot, output_tokens)
 
 
 def _le(bound: float) -> str:

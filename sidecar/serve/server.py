@@ -2,8 +2,10 @@
 
     GET  /metrics    Prometheus text from the registry passed in
     GET  /healthz    200 while the process serves (liveness)
-    GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
-                     its body also says when the running config is stale (a reload refused)
+    GET  /readyz     200 once the first probe cycle is done and the proxy got a whole config;
+                     its body also lists `problems` (an update the proxy refused, a write
+                     failing) and says when the running config is stale (a reload refused),
+                     neither of which makes it 503 (see _readyz)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
     GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.serve.models)
     POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
@@ -62,6 +64,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
         "cycles": snap.cycles,
         "ready": not snap.not_ready,
         "not_ready": list(snap.not_ready),
+        "problems": list(snap.problems),
         "reloads": dict(snap.reloads),
         "last_reload_error": snap.last_reload_error,
         "pools": {
@@ -109,12 +112,14 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     """Ready or not, and why; `stale` says why the running config is older than the topology.
 
-    A stale config does not make the sidecar unready: every replica reads the same
-    topology, so failing readiness would take them all out of service at once.
+    Neither a stale config nor a refused update or failing write (`problems`) makes the
+    sidecar unready: every replica reads the same topology and writes the same content, so
+    failing readiness would take them all out of service at once, while each proxy goes on
+    serving its last good config. They show in the body, /state and the metrics (alerts).
     """
     daemon = request.app[_DAEMON]
     reasons = daemon.not_ready()
-    body = {"ready": not reasons, "not_ready": reasons, "stale": daemon.stale()}
+    body = {"ready": not reasons, "not_ready": reasons, "problems": daemon.problems(), "stale": daemon.stale()}
     return web.json_response(body, status=503 if reasons else 200)
 
 

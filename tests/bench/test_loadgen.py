@@ -59,23 +59,6 @@ def test_a_held_back_turn_is_measured_from_its_scheduled_time() -> None:
     assert _stats.summarize([first, second, late])["errors"] == 1
 
 
-def test_sessions_grow_turn_by_turn_and_are_reproducible() -> None:
-    """Each turn's prompt extends the previous turn's prompt of the same conversation, points
-    back at it with `after`, carries its x-session-id, and one seed gives the same turns."""
-    spec = _workload.SessionSpec(rate=6.0, duration_s=10.0, seed=5)
-    turns = _workload.build_sessions(spec)
-    assert turns == _workload.build_sessions(spec)
-    assert [t["t"] for t in turns] == sorted(t["t"] for t in turns)
-    by_index = {t["i"]: t for t in turns}
-    chained = [t for t in turns if t["after"] is not None]
-    assert chained
-    for t in chained:
-        prev = by_index[t["after"]]
-        assert prev["session"] == t["session"] == t["headers"]["x-session-id"]
-        assert prev["t"] < t["t"]
-        assert t["body"]["prompt"].startswith(prev["body"]["prompt"])
-
-
 def test_bursty_arrivals_keep_the_mean_rate_and_bunch_up() -> None:
     """Bursty arrivals offer the same mean rate as Poisson but most of them in the on-phases."""
     spec = _workload.WorkloadSpec(rate=20.0, count=2000, seed=3, session_share=0.0, arrivals="bursty")

@@ -260,3 +260,49 @@ def test_inlined_validation_catches_a_bad_endpoint() -> None:
     lb = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     lb["endpoint"]["address"]["socket_address"]["port_value"] = 70000
     assert runtime.validate_envoy_static(boot) != []
+
+
+def test_the_small_words_say_what_happened(tmp_path: Path) -> None:
+    """`wrote 1 file` (not "files"); `render --check` says the directory is up to date on
+    success (stdout, exit 0); `validate --envoy` says what the real Envoy accepted before
+    `ok`; a render missing its keys points at --placeholder-secrets."""
+    topo = _write(tmp_path, "version: 1\nname: one\nlisteners: [{name: l, port: 8080}]\n"
+                  "pools: [{name: p, engine: vllm, models: [m], workers: ['10.0.0.1:8000']}]\n"
+                  "envoy: {xds: {mode: ads, servers: ['127.0.0.1:18000']}}\n")
+    wrote = _run("render", topo, "-o", tmp_path / "one")
+    assert wrote.returncode == 0 and f"wrote 1 file to {tmp_path / 'one'}" in wrote.stderr, wrote.stderr
+    out = tmp_path / "out"
+    assert _run("render", EXAMPLES[0], "-o", out).returncode == 0
+    check = _run("render", EXAMPLES[0], "--check", out)
+    assert (check.returncode, check.stderr) == (0, "")
+    assert check.stdout == f"{out}: up to date with {EXAMPLES[0]} (4 files)\n"
+    checked = _run("validate", "--envoy", EXAMPLES[0])
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines() == [
+        f"{EXAMPLES[0]}: envoy: accepted by the real Envoy on the rendered output (every listener, route and "
+        "cluster, and the first 8 endpoints of each pool)", f"{EXAMPLES[0]}: ok"]
+    env = {k: v for k, v in _env().items() if not k.startswith("CONFGEN_KEY_")}
+    keys = _run("render", ROOT / "examples" / "04-multi-model-fallback.yaml", "-o", tmp_path / "k", env=env)
+    assert keys.returncode == 1 and "--placeholder-secrets" in keys.stderr.splitlines()[-1], keys.stderr
+
+
+def test_a_mistyped_control_plane_address_is_warned_about(tmp_path: Path) -> None:
+    """In mode ads with a kubernetes section, a server that is not a name of the control plane
+    `render --target kubernetes` creates (a typo in the namespace, another port) is a warning
+    naming the right ones; the right names pass --strict."""
+    text = ("version: 1\nname: fleet\nlisteners: [{name: l, port: 8080}]\nkubernetes: {namespace: inference}\n"
+            "pools: [{name: p, engine: vllm, models: [m], workers: ['10.0.0.1:8000']}]\n"
+            "envoy: {xds: {mode: ads, servers: [%s]}}\n")
+    right = ["confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000",
+             "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc.cluster.local:18000"]
+    good = _run("validate", "--strict", _write(tmp_path, text % ", ".join(right)))
+    assert good.returncode == 0, good.stderr
+    wrong = ["confgen-fleet-xds-0.confgen-fleet-xds.inferenc.svc:18000",
+             "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc:18001"]
+    bad = _run("validate", _write(tmp_path, text % ", ".join(wrong)))
+    assert bad.returncode == 0
+    lines = [line for line in bad.stdout.splitlines() if "warning" in line]
+    assert len(lines) == 2, bad.stdout
+    assert "servers[0]: warning: 'confgen-fleet-xds-0.confgen-fleet-xds.inferenc.svc' is not a name" in lines[0]
+    assert "confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000" in lines[0]
+    assert "envoy.xds.servers[1]: warning: port 18001 differs" in lines[1]

@@ -18,6 +18,7 @@ from confgen import __version__
 from confgen.cli import _parser as confgen_parser
 from confgen.simulate._cli import build_parser as simulate_parser
 from sidecar.config import parser as sidecar_parser
+from tests.support.wheel import DIST_NAME, build_wheel, clean_env, fresh_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -116,20 +117,66 @@ def test_drift_hook_catches_a_stale_render(tmp_path: Path) -> None:
     assert "differs" in stale.stderr
 
 
-def _workflow_commands() -> list[list[str]]:
+def _workflow_runs() -> list[list[str]]:
     workflow = yaml.safe_load((ROOT / "examples" / "ci" / "github-actions.yml").read_text())
     steps = workflow["jobs"]["validate"]["steps"]
-    return [shlex.split(step["run"]) for step in steps if str(step.get("run", "")).startswith("confgen ")]
+    return [shlex.split(step["run"]) for step in steps if "run" in step]
+
+
+def _workflow_commands() -> list[list[str]]:
+    return [argv for argv in _workflow_runs() if argv[0] == "confgen"]
+
+
+@pytest.fixture(scope="module")
+def ci_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workflow's install step, run as written in a fresh virtual environment, pip told to
+    find the distribution in a wheel built from this checkout (--no-index --find-links: the
+    suite stays offline; the other requirements are already there, see tests.support.wheel).
+    Returns that environment's bin directory, holding the `confgen` the step installed."""
+    installs = [argv for argv in _workflow_runs() if argv[:2] == ["pip", "install"]]
+    assert len(installs) == 1, installs
+    assert DIST_NAME in installs[0][2:], f"the CI recipe must install {DIST_NAME}: {installs[0]}"
+    base = tmp_path_factory.mktemp("ci")
+    wheel = build_wheel(base / "dist")
+    python = fresh_venv(base / "venv")
+    env = clean_env(python.parent)
+    done = subprocess.run([str(python), "-m", *installs[0], "--no-index", "--find-links", str(wheel.parent),
+                           "--disable-pip-version-check"], capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = subprocess.run(
+        [str(python), "-c", "import confgen, sidecar, importlib.metadata as m;"
+         f"print(confgen.__file__, sidecar.__file__, m.version({DIST_NAME!r}))"],
+        capture_output=True, text=True, timeout=60, env=env, check=True, cwd=base)
+    venv_dir = str(base / "venv")
+    confgen_file, sidecar_file, version = probe.stdout.split()
+    assert confgen_file.startswith(venv_dir) and sidecar_file.startswith(venv_dir), probe.stdout
+    assert version == __version__
+    for command in ("confgen", "confgen-sidecar"):
+        assert (python.parent / command).is_file(), f"the install step gave no {command} command"
+    return python.parent
+
+
+def test_ci_install_step_installs_this_project(ci_bin: Path, tmp_path: Path) -> None:
+    """`pip install confgen-llm ...` (the recipe's line) gives this project's commands, which run
+    from the installed copy, not the checkout."""
+    for command in ("confgen", "confgen-sidecar"):
+        done = subprocess.run([str(ci_bin / command), "--version"], capture_output=True, text=True, timeout=60,
+                              env=clean_env(ci_bin), cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"{command} {__version__}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_ci_example_passes_on_every_example(example: Path, tmp_path: Path) -> None:
-    """Each confgen step of the GitHub Actions example succeeds on a repository holding an example,
-    with the real Envoy and nginx."""
+def test_ci_example_passes_on_every_example(example: Path, tmp_path: Path, ci_bin: Path) -> None:
+    """Each step of the GitHub Actions example succeeds on a repository holding an example, with
+    the real Envoy and nginx: the install step (ci_bin), then each confgen step run with the
+    commands it installed."""
     commands = _workflow_commands()
     assert len(commands) == 3
     repo = _repo_with(example, tmp_path)
     for argv in commands:
-        done = _run(argv, repo)
+        done = subprocess.run([str(ci_bin / argv[0]), *argv[1:]], cwd=repo, capture_output=True, text=True,
+                              timeout=120, env=clean_env(ci_bin), check=False)
         assert done.returncode == 0, f"{shlex.join(argv)}:\n{done.stdout}{done.stderr}"

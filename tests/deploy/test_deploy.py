@@ -19,7 +19,7 @@ from confgen.deploy import render_compose, render_kubernetes, topology_yaml
 from confgen.deploy.kubernetes import dns_label
 from confgen.errors import DeployError
 from confgen.model import Topology
-from sidecar.config import from_argv
+from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_kubernetes_manifests_pass_schemas_and_pod_security_restricted(example: 
         if doc["kind"] in CORE_KINDS:
             kubernetes_validate.validate(doc, "1.30.0", strict=True)
     assert DNS_1123_LABEL.fullmatch(by_kind(docs, "Service")[0]["metadata"]["name"])
-    assert [d["kind"] for d in docs][:4] == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+    assert [d["kind"] for d in docs][:5] == ["ConfigMap", "Deployment", "Service", "Service", "PodDisruptionBudget"]
     assert {"ServiceMonitor", "PrometheusRule"} <= {d["kind"] for d in docs}
     pod = pod_of(docs)
     assert violations(pod) == []
@@ -127,8 +127,15 @@ def test_every_container_has_resources_probes_and_a_drain_on_stop() -> None:
     pdb = by_kind(docs, "PodDisruptionBudget")[0]["spec"]
     assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": by_kind(docs, "Deployment")[0]["spec"]["selector"]
                                                      ["matchLabels"]}}
-    service = by_kind(docs, "Service")[0]["spec"]["ports"]
-    assert {"name": "metrics", "port": 9109, "targetPort": "metrics"} in service
+    public, metrics = by_kind(docs, "Service")
+    assert "metrics" not in [p["name"] for p in public["spec"]["ports"]]  # clients never reach the sidecar
+    assert metrics["spec"] == {"clusterIP": "None", "selector": public["spec"]["selector"],
+                               "ports": [{"name": "metrics", "port": 9109, "targetPort": "metrics"}]}
+    assert "livenessProbe" in envoy and envoy["livenessProbe"]["exec"]["command"][0] == "/bin/bash"
+    assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} == {"topology.kubernetes.io/zone",
+                                                                            "kubernetes.io/hostname"}
+    assert all(c["labelSelector"]["matchLabels"] == public["spec"]["selector"] and
+               c["whenUnsatisfiable"] == "ScheduleAnyway" for c in pod["topologySpreadConstraints"])
     labels = by_kind(docs, "Deployment")[0]["metadata"]["labels"]
     assert {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
             "app.kubernetes.io/part-of", "app.kubernetes.io/version", "app.kubernetes.io/managed-by"} <= set(labels)
@@ -235,8 +242,9 @@ pools:
 
 def test_monitoring_objects_carry_the_shipped_rules_and_dashboard() -> None:
     """With kubernetes.monitoring the render adds a ServiceMonitor scraping the sidecar's
-    /metrics and Envoy's relayed /envoy/stats on the Service's metrics port, a PrometheusRule
-    with the shipped rule groups and the dashboard ConfigMap for Grafana's sidecar."""
+    /metrics and Envoy's relayed /envoy/stats on the metrics Service (selected by its labels,
+    not the clients' Service), a PrometheusRule with the shipped rule groups and the dashboard
+    ConfigMap for Grafana's sidecar; kubernetes.monitoring_labels go on all three."""
     from confgen.deploy._observability import alert_rules, dashboard_text
 
     topo, _ = load_topology(EXAMPLES[1])
@@ -245,8 +253,15 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboard() -> None:
     monitor = by_kind(docs, "ServiceMonitor")[0]["spec"]
     assert [(e["port"], e["path"]) for e in monitor["endpoints"]] == [("metrics", "/metrics"),
                                                                        ("metrics", "/envoy/stats")]
-    assert monitor["selector"]["matchLabels"] == by_kind(docs, "Service")[0]["spec"]["selector"]
+    public, metrics = by_kind(docs, "Service")
+    assert monitor["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    assert not monitor["selector"]["matchLabels"].items() <= public["metadata"]["labels"].items()
     assert by_kind(docs, "PrometheusRule")[0]["spec"] == alert_rules()
+    labelled = dataclasses.replace(topo, kubernetes=dataclasses.replace(
+        topo.kubernetes, monitoring=True, monitoring_labels={"release": "kube-prometheus-stack"}))
+    objects = [d for d in docs_of(render_kubernetes(labelled)) if d["metadata"]["labels"].get(
+        "release") == "kube-prometheus-stack"]
+    assert sorted(d["kind"] for d in objects) == ["ConfigMap", "PrometheusRule", "ServiceMonitor"]
     board = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["labels"].get("grafana_dashboard") == "1"]
     assert board[0]["data"]["confgen-fleet.json"] == dashboard_text()
 
@@ -301,6 +316,25 @@ def test_the_sidecars_mutating_endpoints_get_a_token_from_a_secret_when_asked() 
     assert violations(pod) == []
     config = from_argv(sidecar["args"])  # the sidecar's own parser takes the rendered flags
     assert (config.admin_token_env, config.listen_host, config.listen_port) == (name, "0.0.0.0", 9109)
+
+
+def test_the_sidecar_listens_where_the_rendered_envoy_asks_it() -> None:
+    """A topology's sidecar.port is where the rendered Envoy asks the sidecar for /v1/models:
+    the Kubernetes and Compose renders start the sidecar on that port (it was a constant
+    9109, so `sidecar: {port: 9200}` gave an Envoy asking a port nobody listened on), and the
+    sidecar's own check finds no disagreement in either render."""
+    topo, _ = load_topology(EXAMPLES[1])
+    moved = dataclasses.replace(topo, sidecar=dataclasses.replace(topo.sidecar, port=9200))
+    docs = docs_of(render_kubernetes(moved))
+    sidecar = pod_of(docs)["containers"][1]
+    config = from_argv(sidecar["args"])
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", 9200)
+    assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9200}]
+    assert listen_mismatch(config, moved) is None
+    compose = yaml.safe_load(render_compose(moved)["compose.yaml"])
+    config = from_argv(compose["services"]["sidecar"]["command"])
+    assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9200)
+    assert listen_mismatch(config, moved) is None
 
 
 GLOBAL_LIMITS = ROOT / "tests/golden/inputs/global-limits.yaml"

@@ -221,7 +221,8 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
     """The xDS directory on a 1 MiB tmpfs, made read-only, then full, while a worker
     crashes and the topology is reloaded (EDS and CDS must be written): the sidecar stays
     up, the old files stay intact (Envoy keeps serving from them), the failure is counted
-    and /readyz says why; when the disk is back both are published."""
+    and /readyz's body says why while it stays 200 (every replica would fail alike); when the
+    disk is back both are published."""
     xds = tmp_path / "envoy"
     try:
         with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=4), prepare_xds=_mount_small_fs) as rig:
@@ -247,7 +248,7 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                 assert poll(lambda f=failures: _metric(rig.sidecar.metrics(),
                                                        "confgen_sidecar_write_failures_total") > f, timeout=15)
                 status, body = rig.sidecar.get("/readyz")
-                assert status == 503 and b"write failing" in body, body
+                assert status == 200 and b"write failing" in body, body
                 assert rig.sidecar.proc is not None and rig.sidecar.proc.poll() is None
                 assert {p: p.read_bytes() for p in xds.rglob("*.json")} == before
                 if mode == "read-only":
@@ -255,7 +256,7 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                 else:
                     (xds / "filler").unlink()
                 assert poll(lambda: "UNHEALTHY" in statuses(rig).values(), timeout=15), rig.sidecar.log_tail()
-                assert poll(lambda: rig.sidecar.get("/readyz")[0] == 200, timeout=10)
+                assert poll(lambda: b"write failing" not in rig.sidecar.get("/readyz")[1], timeout=10)
                 old_cds = before[xds / "cds.json"]
                 assert poll(lambda c=old_cds: (xds / "cds.json").read_bytes() != c, timeout=15), "reload not written"
                 rig.topology_path.write_text(rig.topology_path.read_text().replace("capacity: 5", "capacity: 4"))
@@ -267,8 +268,8 @@ def test_xds_dir_read_only_then_full(tmp_path: Path, campaign: Campaign) -> None
                 "xDS directory read-only, then full",
                 "xDS dir on a 1 MiB tmpfs: remounted read-only, then filled to ENOSPC, while a worker crashes "
                 "and the topology is reloaded (a CDS change)",
-                "; ".join(figures) + "; write failures counted, /readyz 503 until the disk is back, then the "
-                "crash published",
+                "; ".join(figures) + "; write failures counted and listed in /readyz's body (still 200) until the "
+                "disk is back, then the crash published",
                 lost(failed_requests=failed)))
             assert failed == 0
     finally:

@@ -90,8 +90,10 @@ def firing(url: str, name: str) -> list[dict[str, str]]:
 def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_worker_down(tmp_path: Path) -> None:
     """Two sidecars (two proxy replicas) probe the same workers: the autoscaler's query gives
     the same pool queue as one sidecar's series alone, where a plain sum doubles it; every
-    dashboard query has data (Envoy's stats come through the sidecar's /envoy/stats); killing
-    a worker fires ConfgenWorkerDown for exactly that worker."""
+    dashboard query has data (Envoy's stats come through the sidecar's /envoy/stats), the
+    TTFT, time-per-output-token and tokens/s panels per pool and model with values above 0
+    (engine histograms re-exported by the sidecars) and the error ratios; killing a worker
+    fires ConfgenWorkerDown for exactly that worker."""
     specs = worker_specs(["a", "b"], max_num_seqs=1, decode_ms=10.0)
     with live_rig(tmp_path, specs, sidecar_args=FAST_ARGS, capacity=1) as rig:
         listen2 = free_port()
@@ -130,11 +132,29 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                 assert [(a["pool"], a["worker"], a["severity"]) for a in down] == [("chat", f"127.0.0.1:{pb}",
                                                                                     "warning")]
                 assert firing(prom, "ConfgenPoolWithoutHealthyCapacity") == []
-                # probe errors exist now too: every dashboard query has data
+                # probe errors exist now too: every dashboard query has data, but for what the rig's
+                # topology has none of: token buckets, outlier detection (off), a fallback chain
+                # confgen_sidecar_ratelimit: no global limit in this rig (test_global_limits_live reads them)
+                absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed",
+                          "confgen_sidecar_ratelimit")
                 empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
-                         and "local_rate_limit" not in e  # the rig's topology has no token bucket
-                         and "confgen_sidecar_ratelimit" not in e]  # nor a global limit (test_global_limits_live)
+                         and not any(word in e for word in absent)]
                 assert empty == [], empty
                 assert len(dashboard()["panels"]) > 10
+                # the LLM panels: TTFT and TPOT quantiles, tokens/s and error ratios per pool and
+                # model, from the simulated engines' histograms re-exported by the sidecars
+                llm = {title: [grafana_free(t["expr"]) for t in panel["targets"]]
+                       for panel in dashboard()["panels"] for title in [panel["title"]]
+                       if title.startswith(("Time to first token", "Time per output token", "Output tokens",
+                                            "Error ratio"))}
+                assert len(llm) == 4, sorted(llm)
+                for title, exprs in llm.items():
+                    for expr in exprs:
+                        result = query(prom, expr)
+                        assert result, (title, expr)
+                        if not title.startswith("Error ratio"):
+                            assert {(r["metric"]["pool"], r["metric"]["model"]) for r in result} == {
+                                ("chat", "sim-model")}, (title, result)
+                            assert all(float(r["value"][1]) > 0 for r in result), (title, result)
         finally:
             assert second.stop() == 0, second.log_tail()

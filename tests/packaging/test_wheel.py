@@ -9,30 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _build_wheel(dest: Path) -> Path:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--quiet",
-            "-w",
-            str(dest),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    wheels = list(dest.glob("confgen-*.whl"))
-    assert len(wheels) == 1, wheels
-    return wheels[0]
+from tests.support.wheel import ROOT, build_wheel
 
 
 def test_wheel_ships_templates_and_runs_from_another_directory(tmp_path: Path) -> None:
@@ -40,7 +17,7 @@ def test_wheel_ships_templates_and_runs_from_another_directory(tmp_path: Path) -
     or imports tests or bench; installed into a fresh
     directory and run from an unrelated working directory, `confgen render` (Envoy and
     Nginx targets) and `confgen schema` work from the installed copy, not the checkout."""
-    wheel = _build_wheel(tmp_path / "dist")
+    wheel = build_wheel(tmp_path / "dist")
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("confgen/templates/") for n in names), names
     assert "sidecar/main.py" in names or any(n.startswith("sidecar/") for n in names)

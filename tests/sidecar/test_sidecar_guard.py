@@ -210,6 +210,7 @@ def test_rendered_manifests_expose_no_mutating_endpoint_without_a_token() -> Non
                     for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"]
         assert sidecars, example
         for container in sidecars:
+            assert container["command"] == ["confgen-sidecar"]
             config = from_argv(container["args"])
             token_flag = config.admin_token_file is not None or config.admin_token_env is not None
             mode = "token" if token_flag else "loopback" if is_loopback(config.listen_host) else "off"
@@ -217,6 +218,7 @@ def test_rendered_manifests_expose_no_mutating_endpoint_without_a_token() -> Non
             if mode == "off":  # what the manifests ship today: reachable for scraping, mutations off
                 assert MutationGuard(token=None, remote=not is_loopback(config.listen_host)).remote
         services = yaml.safe_load(render_compose(topo)["compose.yaml"])["services"]
-        compose = from_argv(services["sidecar"]["command"][1:])
+        assert services["sidecar"]["entrypoint"] == ["confgen-sidecar"]
+        compose = from_argv(services["sidecar"]["command"])
         assert is_loopback(compose.listen_host), example
         assert services["render"]["network_mode"] == "none"

@@ -59,10 +59,34 @@ def test_writes_are_debounced_and_the_newest_content_wins(tmp_path: Path) -> Non
         second = await wait_for(lambda: publisher.publishes[POOL] == 2)
         assert second - offered >= debounce - 0.02  # without the debounce it comes at once
         assert on_disk(tmp_path) == render_eds(POOL, eps(8))
-        await asyncio.sleep(debounce + 0.1)
+        await publisher.close(grace_s=10.0)  # the flusher has returned: no write is still to come
         assert publisher.publishes[POOL] == 2  # 6 and 7 were never written
 
     asyncio.run(with_publisher(tmp_path, debounce, body))
+
+
+def test_an_offer_made_as_the_flusher_returns_is_written(tmp_path: Path) -> None:
+    """The window that made the test above fail 1 run in ~5: the pool's flusher has returned
+    but its done callback (which unlists it) has not run yet. An offer made then used to find
+    the flusher listed, start none, and wait for the next offer; it is written now. The
+    window is reached deterministically: one loop iteration at a time until the task is done."""
+
+    async def body(publisher: EdsPublisher) -> None:
+        publisher.offer(POOL, eps(5))
+        flusher = publisher._flushers[POOL]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        for _ in range(10_000_000):  # one iteration at a time: the done callback is still queued when done()
+            if flusher.done() or loop.time() > deadline:
+                break
+            await asyncio.sleep(0)
+        assert flusher.done() and publisher._flushers.get(POOL) is flusher  # inside the window
+        assert publisher.publishes[POOL] == 1
+        publisher.offer(POOL, eps(6))
+        await wait_for(lambda: publisher.publishes[POOL] == 2)
+        assert on_disk(tmp_path) == render_eds(POOL, eps(6))
+
+    asyncio.run(with_publisher(tmp_path, 0.0, body))
 
 
 def test_unchanged_endpoints_are_not_rewritten(tmp_path: Path) -> None:

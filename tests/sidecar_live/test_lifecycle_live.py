@@ -134,8 +134,10 @@ raise SystemExit(main())
 
 def test_rejected_eds_update_is_detected_and_reported(tmp_path: Path) -> None:
     """When Envoy refuses an EDS write (seen only in its stats), the sidecar logs an error
-    event, counts it in confgen_sidecar_eds_rejected_total and /readyz turns 503; the next
-    good write clears it."""
+    event, counts it in confgen_sidecar_eds_rejected_total and lists it as a problem (/readyz's
+    body, /state, confgen_sidecar_problems) while /readyz stays 200: the refusal is the same on
+    every replica and Envoy serves its last good config, so readiness must not empty the
+    Service. The next good write clears it."""
     flag = tmp_path / "inject-reject"
     wrapper = tmp_path / "rejecting_sidecar.py"
     wrapper.write_text(_REJECTING_WRAPPER)
@@ -145,7 +147,11 @@ def test_rejected_eds_update_is_detected_and_reported(tmp_path: Path) -> None:
         pb = rig.worker_port("b")
         flag.touch()
         rig.fleet.worker("b").crash()  # a real change, so the sidecar writes
-        assert poll(lambda: rig.sidecar.get("/readyz")[0] == 503, timeout=5)
+        assert poll(lambda: bool(json.loads(rig.sidecar.get("/readyz")[1])["problems"]), timeout=5)
+        status, body = rig.sidecar.get("/readyz")
+        assert status == 200 and json.loads(body)["problems"] == ["last chat update rejected by Envoy"], body
+        assert json.loads(rig.sidecar.get("/state")[1])["problems"] == ["last chat update rejected by Envoy"]
+        assert "confgen_sidecar_problems 1.0" in rig.sidecar.metrics()
         assert 'confgen_sidecar_eds_rejected_total{pool="chat"} 1.0' in rig.sidecar.metrics()
         rejected = [e for e in rig.sidecar.events() if e["event"] == "eds.rejected"]
         assert rejected and rejected[0]["level"] == "error" and rejected[0]["pool"] == "chat"
@@ -156,5 +162,6 @@ def test_rejected_eds_update_is_detected_and_reported(tmp_path: Path) -> None:
         flag.unlink()
         rig.fleet.worker("b").revive()
         rig.fleet.worker("a").crash()  # another real change: a good write
-        assert poll(lambda: rig.sidecar.get("/readyz")[0] == 200, timeout=5)
+        assert poll(lambda: json.loads(rig.sidecar.get("/readyz")[1])["problems"] == [], timeout=5)
+        assert "confgen_sidecar_problems 0.0" in rig.sidecar.metrics()
         assert poll(lambda: "failed_eds_health" in rig.envoy_host(rig.worker_port("a"))["health_flags"], timeout=3)

@@ -112,3 +112,47 @@ def test_same_arrivals_give_the_same_timings() -> None:
     second = simulate(model, again)
     assert [r.token_times for r in first] == [r.token_times for r in second]
     assert all(r.finished_at is not None for r in first)
+
+
+def test_block_prefix_cache_hits_only_the_shared_leading_blocks() -> None:
+    """Chained block hashes: two prompts that share a long system prompt and differ after it
+    hit exactly the shared blocks, a prompt that differs in its first block hits nothing, and
+    the least recently used blocks go first when the cache is full."""
+    from confgen.simulate._engine import BLOCK_TOKENS, BlockPrefixCache
+    from confgen.simulate._server import block_hashes
+
+    shared = "s" * 64 * 10  # 10 full blocks of 64 characters (16 tokens of 4 characters)
+    a = block_hashes(shared + "a" * 64 * 3 + "tail", "m")
+    b = block_hashes(shared + "b" * 64 * 2, "m")
+    assert len(a) == 13 and len(b) == 12  # the partial trailing block is not hashed
+    assert a[:10] == b[:10] and a[10] != b[10]
+    assert block_hashes(shared, "other-model")[0] != a[0]  # seeded with the model
+    cache = BlockPrefixCache(capacity_blocks=20)
+    cache.store(a, 13 * BLOCK_TOKENS)
+    assert cache.lookup(b, 12 * BLOCK_TOKENS) == 10 * BLOCK_TOKENS
+    assert cache.lookup(block_hashes("x" + shared, "m"), 200) == 0
+    assert cache.lookup(a, 13 * BLOCK_TOKENS) == 13 * BLOCK_TOKENS - 1  # never the whole prompt
+    cache.store(b, 12 * BLOCK_TOKENS)  # 2 new blocks: 15 held
+    cache.store(block_hashes("z" * 64 * 8, "m"), 8 * BLOCK_TOKENS)  # 23 > 20: the 3 oldest go
+    assert len(cache) == 20
+    assert cache.lookup(a, 1000) == 10 * BLOCK_TOKENS  # a's own 3 tail blocks were the oldest
+
+
+def test_engine_with_block_cache_skips_the_prefill_of_cached_blocks() -> None:
+    """A BatchEngine with prefix_cache_blocks sizes its cache from the KV size and prefills
+    only the uncached tokens of a prompt that shares a prefix with an earlier one."""
+    from confgen.simulate._server import block_hashes
+
+    model = LatencyModel(decode_ms=10, prefill_ms_per_1k=100, kv_cache_tokens=16 * 64)
+    engine = BatchEngine(model, prefix_cache_blocks=True)
+    assert engine.cache.capacity == 64
+    shared = "q" * 64 * 40
+    first = EngineRequest("a", 41 * 16, 2, 0.0, cache_key=block_hashes(shared + "1" * 64, "m"))
+    second = EngineRequest("b", 41 * 16, 2, 5.0, cache_key=block_hashes(shared + "2" * 64, "m"))
+    for request in (first, second):
+        engine.submit(request, request.arrival)
+        while (end := engine.next_event_time()) is not None:
+            engine.advance(end)
+    assert first.cached_tokens == 0 and second.cached_tokens == 40 * 16
+    assert second.first_token_at is not None and first.first_token_at is not None
+    assert second.first_token_at - second.arrival < (first.first_token_at - first.arrival) / 5

@@ -149,6 +149,38 @@ def test_prefix_cache_hits_counted() -> None:
         assert stats["prefix_cache"]["lookups"] == 4
 
 
+def test_block_prefix_cache_hits_the_shared_blocks_and_ignores_the_session_header() -> None:
+    """prefix_cache_mode blocks: a chat request that shares the system prompt of an earlier one hits
+    the shared 16-token blocks only (not its own different tail), whatever x-session-id says; a
+    request with the same session id but another text hits nothing; cache_config_info reports
+    the block cache's size."""
+    spec = FleetSpec((WorkerSpec(**FAST, prefix_cache_mode="blocks", kv_cache_tokens=16 * 512),))
+    with run_fleet_in_thread(spec) as fleet:
+        url = fleet.urls[0]
+
+        async def run() -> list[int]:
+            system = {"role": "system", "content": "tools and instructions " * 60}  # 1,380 characters
+            cached = []
+            async with session() as s:
+                for headers, messages in (
+                    ({"x-session-id": "a"}, [system, {"role": "user", "content": "first task " * 30}]),
+                    ({"x-session-id": "b"}, [system, {"role": "user", "content": "another one " * 30}]),
+                    ({"x-session-id": "b"}, [{"role": "user", "content": "unrelated " * 60}]),
+                ):
+                    async with s.post(url + "/v1/chat/completions", headers=headers,
+                                      json={"messages": messages, "max_tokens": 2}) as r:
+                        body: dict[str, Any] = await r.json()
+                    cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                m = await scrape(s, url)
+                assert m["vllm:cache_config_info"][0][0]["num_gpu_blocks"] == "512"
+            return cached
+
+        first, second, third = asyncio.run(run())
+        shared = len("system: " + "tools and instructions " * 60 + "\nuser: ")  # common leading text
+        assert first == 0 and third == 0
+        assert second == (shared // 64) * 16  # the full 64-character blocks of the shared text
+
+
 def test_stats_expose_last_headers_and_status_counts() -> None:
     """/_sim/stats: counts per status, completed, and the last request's headers."""
     spec = FleetSpec((WorkerSpec(**FAST),))
@@ -240,3 +272,21 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     assert first == again
     assert first[0] == first[2]  # same prompt, other worker: same answer
     assert first != other
+
+
+def test_llamacpp_answers_with_its_own_model_whatever_is_asked() -> None:
+    """Like the real llama-server (tests/realengine): one model per server, the request's
+    `model` ignored (no 404), the answer naming the server's own model; other kinds still
+    refuse a model they do not serve."""
+    spec = FleetSpec((WorkerSpec(engine="llamacpp", models=("tiny",), **FAST),  # type: ignore[arg-type]
+                      WorkerSpec(engine="vllm", models=("tiny",), **FAST)))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        async with Fleet(spec) as fleet, session() as s:
+            llama, vllm = fleet.urls
+            for asked in ("tiny", "another"):
+                status, body, _ = await complete(s, llama, model=asked, max_tokens=2)
+                assert (status, body["model"]) == (200, "tiny")
+            assert (await complete(s, vllm, model="another", max_tokens=2))[0] == 404
+
+    asyncio.run(run())

@@ -37,6 +37,7 @@ FULL: dict[str, Any] = {
         "monitoring": True,
         "admin_token_secret": "confgen-sidecar-token",
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
+        "monitoring_labels": {"release": "kube-prometheus-stack"},
         "redis_image": "redis:7.2-alpine",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],

@@ -203,13 +203,17 @@ class EdsPublisher:
                       note="no endpoint to publish; keeping the current file")
             return
         self._offers[pool] = list(endpoints)  # rendered by the pool's flusher, in a thread
-        if pool not in self._flushers:
+        # A flusher that has returned but whose done callback has not run yet is still listed:
+        # it will not see this offer, so a new one starts (else the offer waits for the next).
+        running = self._flushers.get(pool)
+        if running is None or running.done():
             task = asyncio.create_task(self._flush(pool), name=f"eds-flush-{pool}")
             self._flushers[pool] = task
             task.add_done_callback(functools.partial(self._flushed, pool))
 
     def _flushed(self, pool: str, task: asyncio.Task[None]) -> None:
-        self._flushers.pop(pool, None)
+        if self._flushers.get(pool) is task:
+            del self._flushers[pool]
         if not task.cancelled() and (exc := task.exception()) is not None:
             log_event(_log, logging.ERROR, "eds.write_failed", pool=pool, error=f"{type(exc).__name__}: {exc}")
 
