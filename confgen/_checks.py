@@ -15,6 +15,7 @@ from ._fields import COMPILED
 from ._names import dns_label
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
+from .limits import needs_store
 from .model import LimitSet, Pool, RateLimit, Topology, is_ip, limit_list, split_address
 from .plan import primary_pool_for
 
@@ -94,7 +95,15 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
              "plaintext on loopback only: every request would go without it (least_request)"),
             WARNING,
         )
-    if picker and topo.sidecar.grpc_port == topo.sidecar.port:
+    limited = needs_store(topo)
+    if limited and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
+        yield (
+            "sidecar.address",
+            ("Envoy asks the rate limit service (scope: global limits) at this address, but the sidecar serves "
+             "gRPC in plaintext on loopback only: every check would fail open (uncounted)"),
+            WARNING,
+        )
+    if (picker or limited) and topo.sidecar.grpc_port == topo.sidecar.port:
         yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
         for wi, worker in enumerate(pool.workers):

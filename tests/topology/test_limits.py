@@ -99,6 +99,14 @@ def test_impossible_combinations_are_errors_at_the_field(snippet: str, where: tu
     assert hits[0] == where, shown
 
 
+def test_the_rate_limit_service_off_loopback_is_a_warning_and_its_port_must_differ() -> None:
+    text = BASE + STORE + "sidecar: {address: 10.0.0.9}\n"
+    _, warnings = parse(text.encode(), "t.yaml")
+    assert any(w.path == "sidecar.address" and "fail open" in w.message for w in warnings)
+    found = _errors(BASE + STORE + "sidecar: {port: 9300, grpc_port: 9300}\n")
+    assert [f[2] for f in found] == ["sidecar.grpc_port"]
+
+
 def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONFGEN_")}
     return subprocess.run([sys.executable, "-m", "confgen", *map(str, args)], capture_output=True, text=True,
