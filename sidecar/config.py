@@ -19,6 +19,7 @@ from sidecar.hysteresis import HysteresisPolicy
 from sidecar.nginx_config import NginxSettings
 from sidecar.nginx_config import add_arguments as add_nginx_arguments
 from sidecar.nginx_config import from_args as nginx_from_args
+from sidecar.outputs.tls import TlsFiles, is_loopback
 from sidecar.saturation import SaturationPolicy
 from sidecar.state import HealthPolicy
 from sidecar.weights import WeightPolicy
@@ -60,6 +61,8 @@ class SidecarConfig:
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    xds_tls: TlsFiles | None = None  # --xds-tls-cert/-key/--xds-client-ca: mTLS (None: plaintext, loopback only)
+    xds_max_nodes: int = 1000  # --xds-max-nodes: distinct Envoys served at once (and the limits' count cap)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
 
@@ -87,6 +90,13 @@ class SidecarConfig:
             raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
         if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
             raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
+        if self.serve_xds is not None and self.xds_tls is None and not is_loopback(self.serve_xds[0]):
+            raise ConfigError(f"--serve-xds {self.serve_xds[0]}: plaintext ADS serves the API keys to anyone who "
+                              "connects; beyond loopback give --xds-tls-cert, --xds-tls-key and --xds-client-ca")
+        if self.xds_tls is not None and self.serve_xds is None:
+            raise ConfigError("--xds-tls-cert/--xds-tls-key/--xds-client-ca need --serve-xds")
+        if self.xds_max_nodes < 1:
+            raise ConfigError(f"--xds-max-nodes must be >= 1, got {self.xds_max_nodes}")
 
 
 def _version() -> str:
@@ -139,7 +149,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-xds", metavar="HOST:PORT",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
-                   "the number of connected Envoys")
+                   "the number of connected Envoys. Beyond loopback it needs mTLS (the three flags below)")
+    p.add_argument("--xds-tls-cert", type=Path, metavar="PATH", help="--serve-xds: the control plane's certificate "
+                   "chain (PEM; cert-manager's tls.crt); with --xds-tls-key and --xds-client-ca, ADS is served over "
+                   "mTLS and each Envoy's node id must be a name of its client certificate. Re-read when it changes")
+    p.add_argument("--xds-tls-key", type=Path, metavar="PATH", help="--serve-xds: its private key (PEM; tls.key)")
+    p.add_argument("--xds-client-ca", type=Path, metavar="PATH",
+                   help="--serve-xds: the CA that signs the Envoys' client certificates (PEM; ca.crt)")
+    p.add_argument("--xds-max-nodes", type=int, default=1000, help="--serve-xds: most distinct Envoys served at "
+                   "once; also the most the in-flight limits are divided by (default 1000)")
     add_nginx_arguments(p)
     return p
 
@@ -211,7 +229,18 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
+        xds_tls=_tls_files(args),
+        xds_max_nodes=args.xds_max_nodes,
     )
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    given = [args.xds_tls_cert, args.xds_tls_key, args.xds_client_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ConfigError("mTLS needs all three of --xds-tls-cert, --xds-tls-key and --xds-client-ca")
+    return TlsFiles(args.xds_tls_cert.absolute(), args.xds_tls_key.absolute(), args.xds_client_ca.absolute())
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from confgen.errors import TopologyError
+from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import ConfigError, SidecarConfig
@@ -103,7 +103,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         publisher = built.publisher
         try:
             await publisher.start()
-        except OSError as exc:
+        except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
             log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
                       serve_xds=config.serve_xds, error=str(exc))
             return EXIT_USAGE

@@ -40,6 +40,10 @@ def _xds_json(view: XdsView) -> dict[str, Any]:
         "versions": dict(view.versions),
         "resources": dict(view.resources),
         "nacks_total": view.nacks_total,
+        "transport": view.transport,
+        "counted_envoys": view.counted,
+        "refused": dict(view.refused),
+        "logs_suppressed": view.logs_suppressed,
         "nodes": {
             node.node: {
                 "cluster": node.cluster,

@@ -88,7 +88,35 @@ def _server_cluster(topo: Topology) -> Json:
     }
     if resolve:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if topo.envoy.xds.tls is not None:
+        cluster["transport_socket"] = _upstream_tls(topo)
     return cluster
+
+
+def _upstream_tls(topo: Topology) -> Json:
+    """mTLS to the control plane: Envoy's client certificate, and the server's checked against the CA and
+    one of the expected names (envoy.xds.tls.server_names, else the servers' hosts)."""
+    tls = topo.envoy.xds.tls
+    assert tls is not None
+    names = list(tls.server_names)
+    if not names:
+        for server in topo.envoy.xds.servers:
+            parts = split_address(server)
+            if parts is not None and parts[0] not in names:
+                names.append(parts[0])
+    return {"name": "envoy.transport_sockets.tls", "typed_config": typed(
+        "extensions.transport_sockets.tls.v3.UpstreamTlsContext", {"common_tls_context": {
+            "alpn_protocols": ["h2"],  # gRPC
+            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+            "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
+                                  "private_key": {"filename": tls.key}}],
+            "validation_context": {
+                "trusted_ca": {"filename": tls.ca},
+                "match_typed_subject_alt_names": [
+                    {"san_type": "IP_ADDRESS" if is_ip(name) else "DNS", "matcher": {"exact": name}}
+                    for name in names],
+            },
+        }})}
 
 
 def bootstrap(topo: Topology) -> Json:

@@ -3,10 +3,12 @@
 The same rule as `sidecar.backpressure.InflightLimiter` (`sidecar.saturation`): below
 saturation every Envoy holds the render's safety cap; while a pool is saturated the
 shedding controller sets the limit. The control plane knows how many Envoys share the
-fleet (the nodes connected to it, at least 1) but not their own in-flight counts (no admin
-access to them), so an Envoy's in-flight is taken as its share of what the engines report
-running and waiting (exact when all the load comes through these Envoys), and "the limit
-refused requests" as that share being at the limit.
+fleet (the nodes connected to it that ACKed the runtime layer, at least 1, at most
+`--xds-max-nodes`: a client that never applies the limits does not shrink anyone's share)
+but not their own in-flight counts (no admin access to them), so an Envoy's in-flight is
+taken as its share of what the engines report running and waiting (exact when all the
+load comes through these Envoys), and "the limit refused requests" as that share being at
+the limit.
 
 Every Envoy gets the same values; when Envoys connect or leave, the next cycle resizes the
 shares. Until the first value arrives Envoy applies the cluster's own circuit breakers
@@ -46,7 +48,7 @@ class RtdsLimiter:
         return state is not None and state.shedding
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
-        ingresses = max(1, len(self._publisher.nodes))
+        ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
         for pool, load in loads.items():
             previous = self._state.get(pool)

@@ -14,6 +14,7 @@ It is logged at error level, counted per node and type, and shown in /state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -27,10 +28,11 @@ from confgen.errors import SecretError
 from confgen.model import Topology
 from confgen.secrets import resolve as resolve_secrets
 from sidecar.logs import log_event
+from sidecar.outputs.tls import TlsFiles
 from sidecar.publisher import Built, Wiring
 from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.xds.nodes import Nodes, NodeView
-from sidecar.xds.server import AdsServicer, serve
+from sidecar.xds.server import AdsBounds, AdsServicer, serve
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
@@ -48,17 +50,23 @@ class XdsView:
     responses: Mapping[str, int]
     nodes: tuple[NodeView, ...]
     nacks_total: int
+    transport: str = "plaintext"  # "mtls" | "plaintext" (loopback only)
+    counted: int = 0  # Envoys the in-flight limits are shared by (ACKed RTDS, capped)
+    refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # streams refused, by gRPC code
+    logs_suppressed: int = 0  # log lines clients caused beyond their budget
 
 
 class AdsPublisher:
     """Serves the fleet's resources to every connected Envoy over ADS."""
 
     def __init__(self, host: str, port: int, *, clock: Callable[[], float],
-                 on_nodes_changed: Callable[[], None] | None = None) -> None:
+                 on_nodes_changed: Callable[[], None] | None = None, tls: TlsFiles | None = None,
+                 max_nodes: int = 1000, bounds: AdsBounds | None = None) -> None:
         self._host, self._port = host, port
+        self._tls = tls
         self.cache = XdsCache()
-        self.nodes = Nodes(clock, on_nodes_changed)
-        self.servicer = AdsServicer(self.cache, self.nodes)
+        self.nodes = Nodes(clock, on_nodes_changed, max_nodes=max_nodes)
+        self.servicer = AdsServicer(self.cache, self.nodes, bounds, clock)
         self._server: grpc.aio.Server | None = None
         self.bound_port: int | None = None
         self.publishes: Counter[str] = Counter()
@@ -70,9 +78,10 @@ class AdsPublisher:
         self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
     async def start(self) -> None:
-        """Serve ADS on the configured address; OSError when it cannot be bound."""
+        """Serve ADS on the configured address; OSError when it cannot be bound, TlsError /
+        InsecureBindError (ConfgenError) for unusable certificates or plaintext beyond loopback."""
         try:
-            self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+            self._server, self.bound_port = await serve(self.servicer, self._host, self._port, self._tls)
         except RuntimeError as exc:  # grpc reports a port it could not bind this way
             raise OSError(str(exc)) from exc
         log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
@@ -177,6 +186,10 @@ class AdsPublisher:
             responses={SHORT[t]: n for t, n in self.servicer.sent.items()},
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
+            transport="mtls" if self._tls is not None else "plaintext",
+            counted=self.nodes.counted(),
+            refused=dict(self.servicer.refused),
+            logs_suppressed=self.servicer.logs_suppressed,
         )
 
 
@@ -186,6 +199,7 @@ def build(wiring: Wiring) -> Built:
     from sidecar.xds.metrics import register_xds
 
     assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
-    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
+    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock, tls=wiring.config.xds_tls,
+                             max_nodes=wiring.config.xds_max_nodes)
     register_xds(wiring.registry, publisher.view)
     return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation))
