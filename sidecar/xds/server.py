@@ -66,6 +66,26 @@ class AdsBounds:
     idle_timeout_s: float = 300.0  # a connection with no stream open is closed after this
     log_burst: int = 20  # lines one client (node id or peer address) can cause per window
     log_window_s: float = 60.0
+    # What one stream may make the server parse: a token bucket in bytes (each request costs
+    # at least min_request_cost). Beyond it the stream is not read (HTTP/2 flow control holds
+    # the sender back). Envoy sends a few small requests per response: far below.
+    read_rate_bytes_s: float = 1024 * 1024
+    read_burst_bytes: float = 8 * 1024 * 1024
+    min_request_cost: int = 4096
+
+
+class _Pace:
+    """A token bucket: how long to wait before reading on after a request of `cost` bytes."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self._rate, self._burst, self._clock = rate, burst, clock
+        self._tokens, self._last = burst, clock()
+
+    def delay(self, cost: float) -> float:
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate) - cost
+        self._last = now
+        return max(0.0, -self._tokens / self._rate)
 
 
 class _Refused(Exception):
@@ -108,11 +128,17 @@ class _Stream:
         return str(self._nonce)
 
     async def read(self, requests: AsyncIterator[Any], handle: Callable[[Any], None]) -> None:
-        """Apply each request to the stream's state as it arrives; stop at the first refused one."""
+        """Apply each request to the stream's state as it arrives (paced); stop at the first refused one."""
+        bounds = self.servicer.bounds
+        pace = _Pace(bounds.read_rate_bytes_s, bounds.read_burst_bytes, _monotonic)
         try:
             async for request in requests:
                 handle(request)
                 self.wake.set()
+                wait = pace.delay(max(request.ByteSize(), bounds.min_request_cost))
+                if wait > 0:  # rate limiting, not synchronisation: the client sends faster than allowed
+                    self.servicer.paced += 1
+                    await asyncio.sleep(wait)
         except _Refused as exc:
             self.refused = exc
         finally:
@@ -172,6 +198,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
         self._budget = LogBudget(clock or _monotonic, self.bounds.log_burst, self.bounds.log_window_s)
         self.sent: dict[str, int] = dict.fromkeys(TYPE_ORDER, 0)  # responses, by type
         self.refused: dict[str, int] = {}  # streams refused, by status code name
+        self.paced = 0  # times a stream was not read for a while (it sent beyond its budget)
         self.on_sent: Callable[[str, str, str], None] | None = None  # (node, type_url, version), for benches
 
     def say(self, key: str, level: int, event: str, **fields: Any) -> None:
@@ -372,6 +399,10 @@ async def serve(servicer: AdsServicer, host: str, port: int,
         ("grpc.max_allowed_incoming_connections", bounds.max_connections),
         ("grpc.server_handshake_timeout_ms", int(bounds.handshake_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", int(bounds.idle_timeout_s * 1000)),
+        # What a client may send ahead of what the server reads: a fixed window per stream
+        # (no BDP growth), so a stream that is not read (paced) holds at most that much.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 64 * 1024),
         # Envoy pings over idle streams (the bootstrap's keepalive); let it.
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
