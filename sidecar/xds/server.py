@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,10 +58,15 @@ class AdsBounds:
     max_node_id: int = 256  # characters; a longer node id is refused (never shown)
     max_text: int = 512  # characters of a NACK's error text kept, logged and shown
     max_names: int = 10_000  # resource names one stream may subscribe to, per type
+    max_unknown_names: int = 1024  # of which not served now (a pool just removed, a typo, an attack)
+    max_name: int = 256  # characters of a resource name (pool names are at most 63)
     max_streams: int = 2_000  # concurrent streams on the server (RESOURCE_EXHAUSTED beyond)
     max_streams_per_connection: int = 8  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (an Envoy uses 1)
     max_connections: int = 2_000
-    max_receive_bytes: int = 4 * 1024 * 1024  # one request (Envoy's own are a few KiB + NACK text)
+    # One request. Envoy's are a few KiB plus a NACK's text; a delta reconnect lists every resource it
+    # has (initial_resource_versions: ~85 bytes a pool, 10,000 pools ~0.85 MiB). grpc refuses a longer
+    # message from its length prefix, before buffering it.
+    max_receive_bytes: int = 1024 * 1024
     handshake_timeout_s: float = 10.0  # TCP + TLS handshake, then the HTTP/2 preface
     idle_timeout_s: float = 300.0  # a connection with no stream open is closed after this
     log_burst: int = 20  # lines one client (node id or peer address) can cause per window
@@ -133,9 +138,11 @@ class _Stream:
         pace = _Pace(bounds.read_rate_bytes_s, bounds.read_burst_bytes, _monotonic)
         try:
             async for request in requests:
+                cost = max(request.ByteSize(), bounds.min_request_cost)
                 handle(request)
+                del request  # not held while paced
                 self.wake.set()
-                wait = pace.delay(max(request.ByteSize(), bounds.min_request_cost))
+                wait = pace.delay(cost)
                 if wait > 0:  # rate limiting, not synchronisation: the client sends faster than allowed
                     self.servicer.paced += 1
                     await asyncio.sleep(wait)
@@ -261,6 +268,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
                            f"more than {self.bounds.max_names} resource names for {SHORT[type_url]}")
         state = types.setdefault(type_url, _SotwType())
         names = frozenset(str(n) for n in request.resource_names)
+        self._check_names(type_url, names)
         if type_url in _WILDCARD_TYPES and (not names or "*" in names):
             state.names = None
         else:
@@ -329,11 +337,28 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
         if len(state.names) > limit:
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"more than {limit} resource names for {SHORT[type_url]}")
+        self._check_names(type_url, state.names)
+        if any(len(n) > self.bounds.max_name for n in state.known):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a resource name longer than {self.bounds.max_name}")
         nonce = str(request.response_nonce)
         version = state.nonces.pop(nonce, None) if nonce else None
         if version is None:
             return  # no nonce, an unknown one, or one already answered
         self._answer(stream, type_url, version, request)
+
+    def _check_names(self, type_url: str, names: Iterable[str]) -> None:
+        """What a stream keeps per type is bounded by what is served: few unknown names, none too long."""
+        have = self._cache.resources(type_url)
+        unknown = 0
+        for name in names:
+            if len(name) > self.bounds.max_name:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"a resource name longer than {self.bounds.max_name} characters")
+            unknown += name not in have and name != "*"
+        if unknown > self.bounds.max_unknown_names:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{unknown} {SHORT[type_url]} names that are not served "
+                           f"(at most {self.bounds.max_unknown_names})")
 
     def _answer(self, stream: _Stream, type_url: str, version: str, request: Any) -> None:
         """An ACK or NACK of the response that carried `version` (each nonce answered once)."""

@@ -95,8 +95,10 @@ class RssPeak:
 
 
 async def _never_reading(port: int, node: str, requests: int, seconds: float) -> int:
-    """A stream that sends `requests` big EDS subscriptions (about 0.5 MiB each) and never reads; sent count."""
-    names = [f"pool-{i:05d}-" + "x" * 90 for i in range(5000)]
+    """A stream that sends `requests` padded EDS requests (~0.5 MiB each: 0.5 MiB of error text on a stale
+    nonce), switching its subscription each time so that each asks for a new response, and never reads
+    one; the count the server took."""
+    padding = {"code": 3, "message": "P" * (MIB // 2)}
     sent = 0
 
     async def gen() -> AsyncIterator[Any]:
@@ -105,8 +107,8 @@ async def _never_reading(port: int, node: str, requests: int, seconds: float) ->
         for i in range(requests):
             if time.monotonic() > deadline:
                 return
-            yield discovery_pb2.DiscoveryRequest(node={"id": node}, type_url=EDS,
-                                                 resource_names=names[i % 2:])
+            yield discovery_pb2.DiscoveryRequest(node={"id": node}, type_url=EDS, response_nonce="stale",
+                                                 resource_names=["chat"] if i % 2 else [], error_detail=padding)
             sent += 1
 
     async with _channel(port) as channel:
@@ -114,6 +116,23 @@ async def _never_reading(port: int, node: str, requests: int, seconds: float) ->
         await asyncio.sleep(seconds)  # never read a response
         call.cancel()
     return sent
+
+
+async def _unknown_names(port: int, count: int) -> str:
+    """One request subscribing to `count` EDS names that are not served; the status code."""
+    async def gen() -> AsyncIterator[Any]:
+        yield discovery_pb2.DiscoveryRequest(node={"id": "namer"}, type_url=EDS,
+                                             resource_names=[f"pool-{i:05d}-" + "x" * 40 for i in range(count)])
+        await asyncio.sleep(30)
+
+    async with _channel(port) as channel:
+        try:
+            async for _ in ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(
+                    gen(), timeout=20):
+                return "OK"
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+    return "CLOSED"
 
 
 async def _nack_storm(port: int, node: str, nacks: int) -> int:
@@ -127,7 +146,7 @@ async def _nack_storm(port: int, node: str, nacks: int) -> int:
         nonce = await queue.get()
         for _ in range(nacks):
             yield discovery_pb2.DiscoveryRequest(type_url=LDS, response_nonce=nonce,
-                                                 error_detail={"code": 3, "message": "N" * MIB})
+                                                 error_detail={"code": 3, "message": "N" * (MIB - 1024)})
             sent += 1
 
     async with _channel(port) as channel:
@@ -140,11 +159,11 @@ async def _nack_storm(port: int, node: str, nacks: int) -> int:
     return sent
 
 
-async def _huge_ids(port: int, streams: int) -> list[str]:
-    """`streams` calls with a 1 MiB node id; their status codes."""
+async def _huge_ids(port: int, streams: int, length: int) -> list[str]:
+    """`streams` calls with a node id of `length` characters; their status codes."""
     async def one(i: int) -> str:
         async def gen() -> AsyncIterator[Any]:
-            yield discovery_pb2.DiscoveryRequest(node={"id": f"{i}-" + "h" * MIB}, type_url=LDS)
+            yield discovery_pb2.DiscoveryRequest(node={"id": f"{i}-" + "h" * length}, type_url=LDS)
             await asyncio.sleep(30)
 
         async with _channel(port) as channel:
@@ -258,9 +277,11 @@ def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: Env
         sent = asyncio.run(never())
     assert peak.peak < 2 * idle, (peak.peak, idle)
     assert _send(port) == 200
+    assert asyncio.run(_unknown_names(xds, 5000)) == "RESOURCE_EXHAUSTED"
     campaign.add(Row("ADS: never-reading streams",
-                     f"{streams} streams each sending up to {requests} EDS subscriptions of 5,000 names "
-                     f"(~0.5 MiB) for {seconds:g} s, never reading a response; a real Envoy served beside them",
+                     f"{streams} streams each sending up to {requests} EDS requests padded to ~0.5 MiB, each "
+                     f"asking for a new response, for {seconds:g} s, never reading one; a real Envoy served "
+                     "beside them; then one subscription to 5,000 names that are not served (refused)",
                      f"{sum(sent)} requests ({sum(sent) // 2} MiB) taken; RSS idle {idle // 1024} MiB, "
                      f"peak {peak.peak // 1024} MiB ({peak.peak / idle:.2f}x); "
                      f"log +{(log.stat().st_size - before) // 1024} KiB",
@@ -280,7 +301,8 @@ def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: Env
     assert peak.peak < 2 * idle, (peak.peak, idle)
     assert _send(port) == 200
     campaign.add(Row("ADS: NACK storm",
-                     f"one stream NACKs the same nonce {nacks} times with 1 MiB of error text each",
+                     f"one stream NACKs the same nonce {nacks} times with 1 MiB of error text each "
+                     "(the most a request may carry)",
                      f"{nacks} MiB sent; {counted} NACK recorded; log +{grown // 1024} KiB; "
                      f"RSS peak {peak.peak / idle:.2f}x idle",
                      "nothing"))
@@ -289,8 +311,10 @@ def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: Env
     huge = size(20, 100)
     before_log = log.stat().st_size
     with RssPeak(pid) as peak:
-        codes = asyncio.run(_huge_ids(xds, huge))
+        big = asyncio.run(_huge_ids(xds, huge, MIB))  # over the 1 MiB message limit: refused by grpc
+        codes = asyncio.run(_huge_ids(xds, huge, 64 * 1024))  # within it: refused by the node id check
     grown = log.stat().st_size - before_log
+    assert set(big) == {"RESOURCE_EXHAUSTED"}, big
     # refused on the first request; a few may be refused earlier, as streams (REFUSED_STREAM under memory pressure)
     assert "INVALID_ARGUMENT" in codes and set(codes) <= {"INVALID_ARGUMENT", "UNAVAILABLE"}, codes
     state = sidecar.get("/state")[1]
@@ -307,10 +331,12 @@ def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: Env
         assert _send(port) == 200
     assert max(peak.peak, peak_fakes.peak) < 2 * idle
     campaign.add(Row("ADS: huge and fake node ids",
-                     f"{huge} streams with a 1 MiB node id; then {fakes} fake nodes asking for the limits and "
+                     f"{huge} streams with a 1 MiB node id, {huge} with a 64 KiB one; then {fakes} fake nodes "
+                     "asking for the limits and "
                      "never ACKing them",
-                     f"every huge id refused ({codes.count('INVALID_ARGUMENT')} INVALID_ARGUMENT, "
-                     f"{codes.count('UNAVAILABLE')} streams refused), none in /state or /metrics, log "
+                     f"every huge id refused (1 MiB: message too large; 64 KiB: "
+                     f"{codes.count('INVALID_ARGUMENT')} INVALID_ARGUMENT, {codes.count('UNAVAILABLE')} streams "
+                     "refused), none in /state or /metrics, log "
                      f"+{grown // 1024} KiB; with the fakes connected the limits' count of Envoys stayed 1; "
                      f"RSS peak {max(peak.peak, peak_fakes.peak) / idle:.2f}x idle",
                      "nothing"))
