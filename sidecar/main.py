@@ -38,6 +38,7 @@ from sidecar.publish import EnvoyAdmin
 from sidecar.publisher import Wiring
 from sidecar.publisher import build as build_publisher
 from sidecar.resolve import Resolver
+from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.server import build_app
 from sidecar.watch import TopologyWatcher
 
@@ -114,11 +115,11 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
             add_envoy_relay(app, admin_url)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        bounds = HttpBounds()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options(bounds))
         await runner.setup()
-        site = web.TCPSite(runner, config.listen_host, config.listen_port)
         try:
-            await site.start()
+            await start_site(runner, config.listen_host, config.listen_port, bounds)
         except OSError as exc:
             await runner.cleanup()
             await publisher.close()

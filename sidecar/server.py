@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -24,7 +26,9 @@ from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon, Snapshot
 from sidecar.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.logs import LogBudget
 from sidecar.models import models_answer
+from sidecar.serve.bounds import errors_as_json
 from sidecar.xds.cache import SHORT
 from sidecar.xds.publisher import XdsView
 
@@ -155,9 +159,11 @@ async def _models(request: web.Request) -> web.Response:
     return web.Response(text=models_answer(daemon.topology, daemon.view()), content_type="application/json")
 
 
-def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
-    """The sidecar's routes; `guard` decides who may POST (sidecar.guard)."""
-    app = web.Application(client_max_size=MAX_BODY)
+def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard,
+              clock: Callable[[], float] = time.monotonic) -> web.Application:
+    """The sidecar's routes; `guard` decides who may POST (sidecar.guard); every error answered as JSON
+    (sidecar.serve.bounds)."""
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_as_json(LogBudget(clock))])
     app[_DAEMON] = daemon
     app[_REGISTRY] = registry
     app[GUARD] = guard
