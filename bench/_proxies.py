@@ -47,6 +47,14 @@ def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port
     balancing = f"{{policy: {cfg.policy}, choice_count: {cfg.choice_count}}}"
     if cfg.policy == "ring_hash":
         balancing = "{policy: ring_hash, hash_on: {header: x-session-id}, hash_balance_factor: 150}"
+    pool = (f"    capacity: {cfg.capacity}\n    balancing: {balancing}\n"
+            f"    health: {{interval: {cfg.health_interval}, timeout: 500ms, unhealthy_threshold: 2, "
+            f"no_traffic_interval: 1s}}\n    outlier_detection: {cfg.outlier}\n    retries: {cfg.retries}\n")
+    return _one_pool(workers, port, admin, pool)
+
+
+def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str) -> str:
+    """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers."""
     lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
     return f"""\
 version: 1
@@ -58,12 +66,7 @@ pools:
   - name: {POOL}
     engine: vllm
     models: [{MODEL}]
-    capacity: {cfg.capacity}
-    balancing: {balancing}
-    health: {{interval: {cfg.health_interval}, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}}
-    outlier_detection: {cfg.outlier}
-    retries: {cfg.retries}
-    workers:
+{pool_fields}    workers:
 {lines}
 """
 
@@ -119,21 +122,7 @@ def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int
     """The topology a user writes for a fleet: each worker's address and its max_num_seqs as
     `capacity`, the pool's engine and model; everything else (balancing, health, retries,
     breakers, backpressure) left at its default unless `balancing` is given (sessions)."""
-    lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
-    extra = f"    balancing: {balancing}\n" if balancing else ""
-    return f"""\
-version: 1
-name: bench
-admin: {{address: 127.0.0.1, port: {admin}}}
-listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
-pools:
-  - name: {POOL}
-    engine: vllm
-    models: [{MODEL}]
-{extra}    workers:
-{lines}
-"""
+    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "")
 
 
 def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "") -> RenderedEnvoy:

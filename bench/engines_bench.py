@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.engines import extract
+from sidecar.observe.engines import extract
 
 _FIXTURE = Path(__file__).resolve().parents[1] / "tests/sidecar/fixtures/vllm_v1_dp2.prom"
 

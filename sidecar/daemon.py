@@ -4,7 +4,7 @@ One `Daemon` owns the mutable picture of the fleet and is driven by `main` (the 
 signals), the topology watcher (reloads) and `server` (admin drain calls). It runs on one
 event loop, but a cycle awaits (probes, publishing), so one lock keeps a cycle, a reload
 and a republish from interleaving. It talks to its publisher only through the
-`sidecar.publisher.Publisher` interface. Readers (the metrics collector, /state) get an
+`sidecar.outputs.publisher.Publisher` interface. Readers (the metrics collector, /state) get an
 immutable `Snapshot` rebuilt after every change, so a scrape never sees a half-updated
 cycle and an endpoint that left the topology leaves every view with it.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,33 +24,22 @@ from confgen.envoy.eds import static_weight
 from confgen.errors import Diagnostic, SecretError, TopologyError
 from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
 from confgen.topology import load as load_topology
-from sidecar.backpressure import PoolLoad
-from sidecar.config import ConfigError, SidecarConfig, config_dir_for, xds_dir_for
-from sidecar.engines import LoadSample
-from sidecar.histogram import DurationHistogram, HistogramView
-from sidecar.hysteresis import gate
+from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.decide.hysteresis import gate
+from sidecar.decide.saturation import Headroom, PoolLoad, assess
+from sidecar.decide.state import Decision, EndpointState, Status, decide_pool
+from sidecar.decide.weights import Trend, pool_saturation, queue_depth, relative_speeds, smooth, target
+from sidecar.fleet import EndpointKey, EndpointView, PoolView, Snapshot
 from sidecar.logs import log_event
-from sidecar.probe import Prober, ProbeReport, Target
-from sidecar.publisher import Limiter, Publisher
-from sidecar.resolve import Resolver
-from sidecar.saturation import Headroom, assess
-from sidecar.state import Decision, EndpointState, Status, decide_pool
-from sidecar.weights import Trend, pool_saturation, queue_depth, relative_speeds, smooth, target
-from sidecar.xds.publisher import XdsView
+from sidecar.observe.engines import LoadSample
+from sidecar.observe.histogram import DurationHistogram
+from sidecar.observe.probe import Prober, ProbeReport, Target
+from sidecar.observe.resolve import Resolver
+from sidecar.outputs.publisher import Limiter, Publisher
 
-__all__ = ["Daemon", "EndpointKey", "EndpointView", "PoolView", "Snapshot", "config_dir_for", "xds_dir_for"]
+__all__ = ["Daemon"]
 
 _log = logging.getLogger("sidecar.daemon")
-
-
-@dataclass(frozen=True, order=True, slots=True)
-class EndpointKey:
-    """One published endpoint: a worker of a pool at one of its IP addresses."""
-
-    pool: str
-    worker: str  # as written in the topology (host:port)
-    address: str  # IP literal
-    port: int
 
 
 @dataclass(slots=True)
@@ -62,56 +51,13 @@ class _Tracked:
     share: int = 1  # the worker's static weight: multiplies the computed one
     labels: tuple[tuple[str, str], ...] = ()
     weight: int | None = None  # last weight published
-    streak: int = 0  # cycles a weight change has been pending (sidecar.hysteresis)
+    streak: int = 0  # cycles a weight change has been pending (sidecar.decide.hysteresis)
     sample: LoadSample | None = None
     trend: Trend = field(default_factory=Trend)  # smoothed speed and queue, for the weights
     headroom: Headroom = field(default_factory=Headroom)  # the saturation detector's view
     report: ProbeReport | None = None
     decision: Decision | None = None
     errors: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointView:
-    key: EndpointKey
-    status: str  # published EDS status
-    reason: str
-    weight: int | None
-    sample: LoadSample | None
-    probe_latency_s: float | None
-    last_outcome: str | None
-    last_error: str | None
-    errors: Mapping[str, int]
-    serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolView:
-    name: str
-    engine: str
-    saturation: float
-    queue_depth: float
-    publishes: int
-    rejections: int
-    rejected: bool
-    endpoints: tuple[EndpointView, ...]
-    inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
-    saturated: bool = False  # the detector's verdict (sidecar.saturation)
-    shedding: bool = False  # the limit follows the shedding controller, not the safety cap
-    probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    topology: str
-    pools: tuple[PoolView, ...]
-    reloads: Mapping[str, int]
-    cycles: int
-    not_ready: tuple[str, ...]  # reasons; empty when ready
-    last_reload_error: str | None
-    xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
-    write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)
-    external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
 
 
 class Daemon:
@@ -300,7 +246,7 @@ class Daemon:
         tracked.state = tracked.state.observe(report.result, self.config.health)
         tracked.report = report
         self._probe_durations.setdefault(key.pool, DurationHistogram()).observe(report.duration_s)
-        if report.result.metrics_checked:  # else a quiet engine's last sample stands (sidecar.state)
+        if report.result.metrics_checked:  # else a quiet engine's last sample stands (sidecar.decide.state)
             tracked.sample = report.result.sample
             tracked.trend = tracked.trend.observe(report.result.sample, report.result.at, self.config.weights)
             tracked.headroom = tracked.headroom.observe(report.result.sample, report.result.at, tracked.capacity,

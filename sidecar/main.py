@@ -27,20 +27,20 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig
-from sidecar.daemon import Daemon, xds_dir_for
-from sidecar.envoy_relay import add_envoy_relay
-from sidecar.guard import MutationGuard, is_loopback, load_token
+from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
-from sidecar.metrics import register
-from sidecar.probe import Prober
-from sidecar.publish import EnvoyAdmin
-from sidecar.publisher import Wiring
-from sidecar.publisher import build as build_publisher
-from sidecar.resolve import Resolver
+from sidecar.observe.probe import Prober
+from sidecar.observe.resolve import Resolver
+from sidecar.observe.watch import TopologyWatcher
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.publisher import Wiring
+from sidecar.outputs.publisher import build as build_publisher
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
-from sidecar.server import build_app
-from sidecar.watch import TopologyWatcher
+from sidecar.serve.envoy_relay import add_envoy_relay
+from sidecar.serve.guard import MutationGuard, is_loopback, load_token
+from sidecar.serve.metrics import register
+from sidecar.serve.server import build_app
 
 __all__ = ["main", "run"]
 

@@ -18,7 +18,7 @@ from confgen.output import write_tree
 from confgen.runtime import stop_process
 from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
 from confgen.topology import parse
-from sidecar.engines import extract
+from sidecar.observe.engines import extract
 
 from .. import _proxies
 from .._harness import Context, Result, Target, wait_until

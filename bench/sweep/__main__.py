@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sidecar.hysteresis import HysteresisPolicy
-from sidecar.weights import WeightPolicy
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.weights import WeightPolicy
 
 from ._fleets import MATRIX, Shape
 from ._model import PEERS, Knobs, RunResult, run
@@ -196,7 +196,7 @@ def main(argv: Sequence[str]) -> int:
         best = Knobs()
         best_score = sweep.score(best)
         h = best.hysteresis
-        lines += [f"Shipped gate (sidecar.hysteresis.HysteresisPolicy): threshold {h.threshold:g} / min_step "
+        lines += [f"Shipped gate (sidecar.decide.hysteresis.HysteresisPolicy): threshold {h.threshold:g} / min_step "
                   f"{h.min_step:g} / sustain {h.sustain}; its row above, and the per-fleet table, score it.", ""]
     report = _report(sweep, best, best_score, previous_score, lines, seeds, args, time.process_time() - started)
     if args.out is not None:

@@ -12,8 +12,8 @@
   worker's true speed.
 - The sidecar (`Knobs`): every `interval_s` each worker's load sample (running, waiting,
   KV use, its inter-token latency histogram's sum and count) goes through the shipped
-  pure code: `sidecar.weights.Trend.observe`, `relative_speeds`, `target`, and the publish
-  gate `sidecar.hysteresis.gate`; the published weights are what the Envoy model sees.
+  pure code: `sidecar.decide.weights.Trend.observe`, `relative_speeds`, `target`, and the publish
+  gate `sidecar.decide.hysteresis.gate`; the published weights are what the Envoy model sees.
 
 Everything random comes from one seeded `random.Random` per run, so a run is a function
 of (shape, router, knobs, seed).
@@ -32,9 +32,9 @@ from confgen.envoy.eds import static_weight
 from confgen.model import Balancing
 from confgen.simulate import BatchEngine, LatencyModel
 from sidecar.config import SidecarConfig
-from sidecar.engines import LoadSample
-from sidecar.hysteresis import HysteresisPolicy, gate
-from sidecar.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.decide.hysteresis import HysteresisPolicy, gate
+from sidecar.decide.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.observe.engines import LoadSample
 
 from ._fleets import DECODE_GROWTH, KV_CACHE_TOKENS, PREFILL_MS_PER_1K, Shape
 

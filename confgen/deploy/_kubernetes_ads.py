@@ -17,8 +17,8 @@ the listeners' Service never picks a control-plane pod.
 from __future__ import annotations
 
 from ..model import split_address
-from . import kubernetes as k8s_mod
-from .kubernetes import Obj
+from . import _kubernetes_base as k8s_mod
+from ._kubernetes_base import Obj
 
 __all__ = ["ads_objects", "xds_port"]
 

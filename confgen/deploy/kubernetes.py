@@ -17,160 +17,38 @@ plane, Envoy without sidecars) is an addition: it reuses `_restricted`, `_envoy_
 
 from __future__ import annotations
 
-import hashlib
-import posixpath
 import re
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-from .. import __version__
 from ..errors import DeployError
 from ..model import Pool, Topology
 from . import _observability
 from ._canonical import dump, topology_yaml
-
-TOPOLOGY_DIR = "/etc/confgen/topology"
-XDS_DIR = "/var/run/confgen/envoy"
-LIFECYCLE_DIR = "/var/run/confgen/lifecycle"  # the drain hand-off between the two preStop hooks
-WORK_DIR = "/var/run/confgen/work"  # render/sidecar working directory (relative key files live under it)
-DRAINED_MARKER = f"{LIFECYCLE_DIR}/envoy-drained"
-SIDECAR_PORT = 9109
-ADMIN_TOKEN_ENV = "CONFGEN_SIDECAR_ADMIN_TOKEN"  # noqa: S105 - a variable name, not a token
-RUN_AS = 101  # the envoy image's user; the sidecar image runs as any uid
-# Autoscaling target: the HPA aims at 80 % of the queue a worker may hold, 20 % headroom for the
-# time a new worker takes to start while the queue keeps growing (see docs/kubernetes.md).
-HEADROOM = 0.2
-
-# Sizing (docs/kubernetes.md): Envoy ~0.5 core per 1,000 req/s of streamed completions; the
-# sidecar ~0.35 core and 70 MB per 1,000 endpoints at the default 2 s interval (bench: 0.68
-# core at 1 s); the render step is one short Python process.
-RESOURCES: dict[str, dict[str, dict[str, str]]] = {
-    "envoy": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}},
-    "sidecar": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
-    "render": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
-}
-
-Obj = dict[str, Any]
+from ._kubernetes_ads import ads_objects
+from ._kubernetes_base import (
+    ADMIN_TOKEN_ENV,
+    DRAINED_MARKER,
+    HEADROOM,
+    LIFECYCLE_DIR,
+    RESOURCES,
+    SIDECAR_PORT,
+    TOPOLOGY_DIR,
+    WORK_DIR,
+    XDS_DIR,
+    Obj,
+    _key_env,
+    _key_files,
+    _key_mounts,
+    _Plan,
+    _pod_security,
+    _port_name,
+    _restricted,
+    _token_env,
+    dns_label,
+)
 
 __all__ = ["dns_label", "render_kubernetes"]
-
-
-def dns_label(text: str, limit: int = 63) -> str:
-    """`text` as an RFC 1123 label starting with a letter (valid for every object kind,
-    Services included): lowercased, anything but [a-z0-9-] mapped to '-', and cut to `limit`
-    with a short hash of the original when too long (so two long names stay apart)."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "x"
-    if not slug[0].isalpha():
-        slug = "x-" + slug
-    if len(slug) > limit:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-        slug = slug[: limit - 9].rstrip("-") + "-" + digest
-    return slug
-
-
-def _port_name(name: str) -> str:
-    """An IANA service name (Kubernetes port names): 1-15 of [a-z0-9-], a letter, no '--'."""
-    slug = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", name.lower())).strip("-")
-    if slug == name and len(slug) <= 15 and re.search("[a-z]", slug) and slug != "metrics":
-        return slug
-    digest = hashlib.sha256(name.encode()).hexdigest()[:4]
-    return f"{slug[:8].strip('-')}-{digest}".lstrip("-") if re.search("[a-z]", slug[:8]) else f"l-{digest}"
-
-
-@dataclass(frozen=True)
-class _Plan:
-    topo: Topology
-    base: str  # confgen-<topology name>, a DNS label
-
-    @property
-    def namespace(self) -> str:
-        return self.topo.kubernetes.namespace
-
-    @property
-    def selector(self) -> dict[str, str]:
-        return {"app.kubernetes.io/name": "confgen", "app.kubernetes.io/instance": self.base}
-
-    def labels(self, component: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {
-            **self.selector,
-            "app.kubernetes.io/component": component,
-            "app.kubernetes.io/part-of": self.base,
-            "app.kubernetes.io/version": __version__,
-            "app.kubernetes.io/managed-by": "confgen",
-            **(extra or {}),
-        }
-
-    def meta(self, name: str, component: str, extra: dict[str, str] | None = None) -> Obj:
-        return {"name": name, "namespace": self.namespace, "labels": self.labels(component, extra)}
-
-    @property
-    def keys_secret(self) -> str:
-        return self.topo.kubernetes.keys_secret or f"{self.base}-api-keys"
-
-
-def _restricted(*, read_only_root: bool = True, bind_low_ports: bool = False) -> Obj:
-    """A container securityContext that meets Pod Security "restricted"."""
-    caps: Obj = {"drop": ["ALL"]}
-    if bind_low_ports:
-        caps["add"] = ["NET_BIND_SERVICE"]  # the only capability "restricted" allows
-    return {
-        "allowPrivilegeEscalation": False,
-        "capabilities": caps,
-        "readOnlyRootFilesystem": read_only_root,
-        "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _pod_security() -> Obj:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS,
-        "runAsGroup": RUN_AS,
-        "fsGroup": RUN_AS,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-# -- keys -----------------------------------------------------------------------------------
-
-
-def _key_env(plan: _Plan) -> list[Obj]:
-    """Environment keys: one secretKeyRef per auth.api_keys[].env (the entry named like the variable)."""
-    auth = plan.topo.auth
-    return [
-        {"name": k.env, "valueFrom": {"secretKeyRef": {"name": plan.keys_secret, "key": k.env}}}
-        for k in (auth.api_keys if auth else [])
-        if k.env is not None
-    ]
-
-
-def _token_env(plan: _Plan) -> list[Obj]:
-    secret = plan.topo.kubernetes.admin_token_secret
-    if secret is None:
-        return []
-    return [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}}]
-
-
-def _key_files(plan: _Plan) -> list[tuple[int, str, str]]:
-    """(index, mount path, Secret entry) per file key: the entry is the file's name, as
-    `kubectl create secret generic --from-file=<path>` names it."""
-    auth = plan.topo.auth
-    out = []
-    for index, key in enumerate(auth.api_keys if auth else []):
-        if key.file is None:
-            continue
-        path = posixpath.normpath(posixpath.join(WORK_DIR, key.file))
-        out.append((index, path, posixpath.basename(path)))
-    return out
-
-
-def _key_mounts(plan: _Plan) -> list[Obj]:
-    return [
-        {"name": "api-keys", "mountPath": path, "subPath": entry, "readOnly": True}
-        for _, path, entry in _key_files(plan)
-    ]
 
 
 def _key_problems(plan: _Plan) -> list[tuple[str, str]]:
@@ -373,38 +251,45 @@ def _scale_ref(pool: Pool) -> tuple[Obj, str]:
     return ref, name
 
 
-def _hpas(plan: _Plan) -> list[Obj]:
+def _autoscalers(plan: _Plan, api_version: str, kind: str, spec: Callable[[Pool, Obj, str], Obj]) -> list[Obj]:
+    """One autoscaler object per autoscaled pool, named after its scale target; `spec(pool, ref, name)`."""
     out = []
     for _, pool in _scaled(plan.topo):
-        assert pool.autoscale is not None
         ref, name = _scale_ref(pool)
         out.append({
-            "apiVersion": "autoscaling/v2",
-            "kind": "HorizontalPodAutoscaler",
+            "apiVersion": api_version,
+            "kind": kind,
             "metadata": plan.meta(dns_label(f"{name}-queue", 253), "autoscaler", {"confgen.dev/pool": pool.name}),
-            "spec": {
-                "scaleTargetRef": ref,
-                "minReplicas": pool.autoscale.min_replicas,
-                "maxReplicas": pool.autoscale.max_replicas,
-                # llm_queue_depth{pool} is served by prometheus-adapter's external rule
-                # (autoscaling/prometheus-adapter-rules.yaml): the pool's queue, each worker
-                # once. AverageValue divides it by the current workers.
-                "metrics": [{
-                    "type": "External",
-                    "external": {
-                        "metric": {"name": "llm_queue_depth", "selector": {"matchLabels": {"pool": pool.name}}},
-                        "target": {"type": "AverageValue", "averageValue": _quantity(target_value(pool))},
-                    },
-                }],
-                "behavior": {
-                    "scaleUp": {"stabilizationWindowSeconds": 0,
-                                "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
-                    "scaleDown": {"stabilizationWindowSeconds": 300,
-                                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
-                },
-            },
+            "spec": spec(pool, ref, name),
         })
     return out
+
+
+def _hpas(plan: _Plan) -> list[Obj]:
+    def spec(pool: Pool, ref: Obj, name: str) -> Obj:
+        assert pool.autoscale is not None
+        return {
+            "scaleTargetRef": ref,
+            "minReplicas": pool.autoscale.min_replicas,
+            "maxReplicas": pool.autoscale.max_replicas,
+            # llm_queue_depth{pool} is served by prometheus-adapter's external rule
+            # (autoscaling/prometheus-adapter-rules.yaml): the pool's queue, each worker
+            # once. AverageValue divides it by the current workers.
+            "metrics": [{
+                "type": "External",
+                "external": {
+                    "metric": {"name": "llm_queue_depth", "selector": {"matchLabels": {"pool": pool.name}}},
+                    "target": {"type": "AverageValue", "averageValue": _quantity(target_value(pool))},
+                },
+            }],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+                "scaleDown": {"stabilizationWindowSeconds": 300,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+            },
+        }
+    return _autoscalers(plan, "autoscaling/v2", "HorizontalPodAutoscaler", spec)
 
 
 def _adapter_rules(plan: _Plan) -> Obj:
@@ -424,31 +309,24 @@ def _adapter_rules(plan: _Plan) -> Obj:
 
 
 def _scaled_objects(plan: _Plan) -> list[Obj]:
-    out = []
-    for _, pool in _scaled(plan.topo):
+    def spec(pool: Pool, ref: Obj, name: str) -> Obj:
         assert pool.autoscale is not None
-        ref, name = _scale_ref(pool)
-        out.append({
-            "apiVersion": "keda.sh/v1alpha1",
-            "kind": "ScaledObject",
-            "metadata": plan.meta(dns_label(f"{name}-queue", 253), "autoscaler", {"confgen.dev/pool": pool.name}),
-            "spec": {
-                "scaleTargetRef": {"apiVersion": ref["apiVersion"], "kind": ref["kind"], "name": name},
-                "minReplicaCount": pool.autoscale.min_replicas,
-                "maxReplicaCount": pool.autoscale.max_replicas,
-                "cooldownPeriod": 300,
-                "triggers": [{
-                    "type": "prometheus",
-                    "metricType": "AverageValue",
-                    "metadata": {
-                        "serverAddress": plan.topo.kubernetes.prometheus_url,
-                        "query": queue_query(pool.name),
-                        "threshold": repr(target_value(pool)),
-                    },
-                }],
-            },
-        })
-    return out
+        return {
+            "scaleTargetRef": {"apiVersion": ref["apiVersion"], "kind": ref["kind"], "name": name},
+            "minReplicaCount": pool.autoscale.min_replicas,
+            "maxReplicaCount": pool.autoscale.max_replicas,
+            "cooldownPeriod": 300,
+            "triggers": [{
+                "type": "prometheus",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": plan.topo.kubernetes.prometheus_url,
+                    "query": queue_query(pool.name),
+                    "threshold": repr(target_value(pool)),
+                },
+            }],
+        }
+    return _autoscalers(plan, "keda.sh/v1alpha1", "ScaledObject", spec)
 
 
 def _keda_overlay(plan: _Plan, hpas: list[Obj]) -> Obj:
@@ -485,7 +363,6 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
     hpas = _hpas(plan)
     if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
-        from ._kubernetes_ads import ads_objects
 
         docs = [_configmap(plan), *ads_objects(plan), *hpas]
     else:

@@ -112,6 +112,13 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
     return typed("config.cluster.v3.Cluster", cluster)
 
 
+def breaker_runtime_keys(pool: str) -> tuple[str, str]:
+    """Envoy's runtime keys that override the DEFAULT-priority circuit breakers rendered for
+    `pool` (max_requests, max_pending_requests): how the sidecar lowers them while shedding."""
+    return (f"circuit_breakers.{pool}.default.max_requests",
+            f"circuit_breakers.{pool}.default.max_pending_requests")
+
+
 def _thresholds(topo: Topology, pool: Pool) -> Json:
     """The pool's circuit breakers: a safety cap, never the shedding rule.
 

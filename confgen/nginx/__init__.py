@@ -27,11 +27,12 @@ from ..secrets import BEARER_TOKEN
 from ._context import build_context, upstream_options
 from ._features import unsupported
 from ._guard import UnsafeValueError
-from ._templates import environment
+from ._templates import Templates
 from .upstream import UpstreamServer, render_upstream, upstream_name, upstream_path
 
 __all__ = [
     "STATUS",
+    "Templates",
     "UnsafeValueError",
     "UpstreamServer",
     "render",
@@ -79,15 +80,16 @@ def _render(
     config_dir = str(PurePosixPath(config_dir))
     keys = _checked_secrets(topo, secrets)
     ctx = build_context(topo, config_dir=config_dir, secrets=keys, test_prefix=test_prefix, ports=ports)
-    env = environment()
+    templates = Templates()
     files: dict[str, bytes] = {
-        CONF: env.get_template("nginx/nginx.conf.j2").render(ctx.main).encode(),
-        NJS: env.get_template("nginx/confgen.js.j2").render(ctx.main).encode(),
+        CONF: templates.render("nginx/nginx.conf.j2", ctx.main).encode(),
+        NJS: templates.render("nginx/confgen.js.j2", ctx.main).encode(),
     }
     for pool, servers, options in ctx.upstreams:
-        files[upstream_path(pool)] = render_upstream(pool, servers, **options)
+        files[upstream_path(pool)] = render_upstream(pool, servers, templates=templates, **options)
+    ngx = templates.filters["ngx"]
     for rel, entries in ctx.maps.items():
-        lines = [f'"Bearer {env.filters["ngx"](key)}" {env.filters["ngx"](value)};' for key, value in entries]
+        lines = [f'"Bearer {ngx(key)}" {ngx(value)};' for key, value in entries]
         files[rel] = ("\n".join(lines) + "\n").encode()
     return files
 

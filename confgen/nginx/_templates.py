@@ -7,7 +7,9 @@ install they are read from the repository's `templates/` directory.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -22,8 +24,29 @@ def templates_dir() -> Path:
     raise FileNotFoundError(f"confgen templates not found next to {package}")
 
 
+class Templates:
+    """The nginx templates, compiled once: one per renderer call or per long-lived user (the
+    nginx sidecar keeps one for every upstream write). Building the environment and compiling
+    a template is most of a render's time, so it is not redone per file; there is no
+    module-level cache either (no shared state between users)."""
+
+    def __init__(self) -> None:
+        self._env = environment()
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @property
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return self._env.filters
+
+    def render(self, name: str, context: Mapping[str, Any]) -> str:
+        template = self._compiled.get(name)
+        if template is None:
+            template = self._compiled[name] = self._env.get_template(name)
+        return template.render(context)
+
+
 def environment() -> jinja2.Environment:
-    """A fresh environment (cheap; no shared state between renders)."""
+    """A fresh environment (no shared state between its users)."""
     # autoescape is for HTML; nginx needs the guard filters instead (FILTERS).
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from ._guard import bare
-from ._templates import environment
+from ._templates import Templates
 
 UPSTREAM_DIR = "upstreams"
 MAX_WEIGHT = 128
@@ -63,20 +63,23 @@ def render_upstream(
     max_fails: int = 3,
     fail_timeout: str = "30s",
     hashing: bool = False,
+    templates: Templates | None = None,
 ) -> bytes:
     """The content of `upstreams/<pool>.conf`: one `server` line per worker.
 
     `max_fails`/`fail_timeout` are nginx's passive health check (0 max_fails turns it
     off). `hashing` says the upstream uses hash or random balancing, where nginx refuses
     `backup` servers. With no server at all a placeholder marked `down` keeps the config
-    valid (every request then fails over like an empty pool does in Envoy).
+    valid (every request then fails over like an empty pool does in Envoy). `templates`:
+    the caller's compiled templates when it renders more than one file (else compiled here).
     """
     if hashing and any(s.backup for s in servers):
         raise ValueError("nginx refuses backup servers in a hash or random upstream")
     if max_fails < 0:
         raise ValueError("max_fails must be >= 0")
     ordered = sorted(servers, key=lambda s: (s.backup, s.address, s.port))
-    text = environment().get_template("nginx/upstream.conf.j2").render(
-        pool=pool, servers=ordered, max_fails=max_fails, fail_timeout=fail_timeout, placeholder=PLACEHOLDER,
-    )
+    text = (templates or Templates()).render("nginx/upstream.conf.j2", {
+        "pool": pool, "servers": ordered, "max_fails": max_fails, "fail_timeout": fail_timeout,
+        "placeholder": PLACEHOLDER,
+    })
     return text.encode()

@@ -1,1 +1,2 @@
-"""What the sidecar publishes and serves: publishers, gRPC services, and the transport they share."""
+"""Where the daemon's decisions go: publishers (files, nginx, ADS) and services (per-request
+answers), each behind an interface."""

@@ -19,17 +19,16 @@ thing. Rules:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from confgen.errors import ConfgenError
+from sidecar.config.tls import TlsFiles, is_loopback
 from sidecar.logs import log_event
 
 __all__ = [
@@ -53,28 +52,6 @@ class TlsError(ConfgenError, ValueError):
 
 class InsecureBindError(ConfgenError, ValueError):
     """Plaintext asked for on an address other machines can reach."""
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    """PEM files: the server's certificate chain and key, and the CA that signs client certificates."""
-
-    cert: Path
-    key: Path
-    client_ca: Path
-
-    def paths(self) -> tuple[Path, Path, Path]:
-        return self.cert, self.key, self.client_ca
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine ("", 0.0.0.0 and names do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _read(path: Path, what: str) -> bytes:

@@ -1,1 +1,1 @@
-"""The sidecar's HTTP side: its server, metrics, the /v1/models answer, the Envoy relay, the guard."""
+"""The sidecar's own HTTP surface: health, readiness, state, metrics, drain, /v1/models and the Envoy relay."""

@@ -142,7 +142,7 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
             assert int(proxy.stats().get("http.public.downstream_rq_total", 0)) > 0, name
 
         # Below saturation every Envoy's in-flight limit is the render's safety cap, 4 x 12 slots
-        # (served over RTDS); only a saturated pool gets a lower one (sidecar.saturation).
+        # (served over RTDS); only a saturated pool gets a lower one (sidecar.decide.saturation).
         layer = rig.envoys["envoy-0"].admin_get("/runtime")[1]
         assert json.loads(layer)["entries"]["circuit_breakers.chat.default.max_requests"]["final_value"] == "48"
 

@@ -1,6 +1,6 @@
 """The fleet model that chooses the weight defaults (bench/sweep): deterministic, its Envoy
-least_request behaves as Envoy documents it, and with the shipped defaults (sidecar.weights
-+ sidecar.hysteresis, driven in virtual time) a steady fleet stops writing EDS after the
+least_request behaves as Envoy documents it, and with the shipped defaults (sidecar.decide.weights
++ sidecar.decide.hysteresis, driven in virtual time) a steady fleet stops writing EDS after the
 first minute while a worker that slows 2x is republished within 3 probe cycles."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from confgen.deploy._observability import alert_rules, dashboard
-from sidecar.metrics import METRIC_NAMES
+from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool
 
 HERE = Path(__file__).resolve().parent

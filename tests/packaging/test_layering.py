@@ -39,7 +39,8 @@ def test_entry_points_import_no_rig_and_no_simulator() -> None:
     modules = _modules_after("""
         import confgen, confgen.cli, confgen.envoy, confgen.nginx, confgen.deploy, confgen.verify
         import confgen.topology, confgen.output, confgen.schema, confgen.binaries
-        import sidecar.main, sidecar.daemon, sidecar.publish, sidecar.nginx_publish, sidecar.server
+        import sidecar.main, sidecar.daemon, sidecar.serve.server
+        import sidecar.outputs.files.publisher, sidecar.outputs.nginx.publisher
     """)
     assert "confgen.cli" in modules and "sidecar.main" in modules
     assert _forbidden(modules) == []

@@ -1,4 +1,4 @@
-"""The saturation detector and the shedding controller (sidecar.saturation), with a fake
+"""The saturation detector and the shedding controller (sidecar.decide.saturation), with a fake
 clock: stale or missing metrics never shed; the queue's trend and KV use; hysteresis;
 the pool rule; the controller caps near the current in-flight, tracks the excess, and
 releases to the safety cap."""
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.backpressure import InflightLimiter, runtime_keys
-from sidecar.engines import LoadSample
-from sidecar.publish import EnvoyAdmin
-from sidecar.saturation import Admission, Headroom, PoolSaturation, SaturationPolicy, admit, assess
+from confgen.envoy import breaker_runtime_keys
+from sidecar.decide.saturation import Admission, Headroom, PoolSaturation, SaturationPolicy, admit, assess
+from sidecar.observe.engines import LoadSample
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.files.limiter import InflightLimiter
 
 POLICY = SaturationPolicy()  # queue_enter 1.5, queue_exit 0.25, half-life 2 s, lookahead 2 s, stale 5 s
 
@@ -233,7 +234,7 @@ def test_policy_refuses_inconsistent_thresholds() -> None:
 
 def test_runtime_keys_name_the_default_priority_thresholds() -> None:
     """The keys Envoy 1.40 reads for a cluster's DEFAULT-priority circuit breakers."""
-    assert runtime_keys("chat") == ("circuit_breakers.chat.default.max_requests",
+    assert breaker_runtime_keys("chat") == ("circuit_breakers.chat.default.max_requests",
                                     "circuit_breakers.chat.default.max_pending_requests")
 
 

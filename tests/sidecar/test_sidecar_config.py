@@ -8,9 +8,9 @@ import pytest
 
 from sidecar import main as main_mod
 from sidecar.config import ConfigError, SidecarConfig, from_argv
-from sidecar.hysteresis import HysteresisPolicy
-from sidecar.state import HealthPolicy
-from sidecar.weights import WeightPolicy
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.decide.weights import WeightPolicy
 
 TOPO = ["--topology", "topo.yaml"]
 

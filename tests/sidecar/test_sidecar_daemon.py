@@ -21,10 +21,10 @@ from confgen.model import Topology
 from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
 from sidecar.config import SidecarConfig
 from sidecar.daemon import Daemon
-from sidecar.probe import Prober
-from sidecar.publisher import Publisher
-from sidecar.resolve import Resolver
-from sidecar.state import HealthPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.observe.probe import Prober
+from sidecar.observe.resolve import Resolver
+from sidecar.outputs.publisher import Publisher
 
 SPARE_POOL = ["  - name: spare", "    engine: vllm", "    models: [spare-model]", "    capacity: 4",
               "    workers: [{worker}]"]

@@ -12,7 +12,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.engines import ENGINE_KINDS, LoadSample, MetricsFormatError, extract
+from sidecar.observe.engines import ENGINE_KINDS, LoadSample, MetricsFormatError, extract
 from tests.sidecar.sidecar_fixtures import BAD, EXPECTED, FIXTURES, GENERATORS
 
 

@@ -1,4 +1,4 @@
-"""POST /drain and /undrain are safe by default (sidecar.guard), checked with real HTTP
+"""POST /drain and /undrain are safe by default (sidecar.serve.guard), checked with real HTTP
 requests against the sidecar's real aiohttp app on loopback:
 
 - any request with an Origin header is refused (403), and any body that is not JSON
@@ -26,11 +26,12 @@ from confgen.runtime import free_port
 from confgen.topology import load as load_topology
 from sidecar.config import ConfigError, SidecarConfig
 from sidecar.daemon import Daemon
-from sidecar.guard import MutationGuard, is_loopback, load_token
-from sidecar.probe import Prober
-from sidecar.publish import EdsPublisher, EnvoyAdmin
-from sidecar.resolve import Resolver
-from sidecar.server import build_app
+from sidecar.observe.probe import Prober
+from sidecar.observe.resolve import Resolver
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.files.publisher import EdsPublisher
+from sidecar.serve.guard import MutationGuard, is_loopback, load_token
+from sidecar.serve.server import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "t0ken-for-the-drain-endpoints"

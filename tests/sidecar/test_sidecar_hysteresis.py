@@ -1,4 +1,4 @@
-"""The publish gate (sidecar.hysteresis): a weight is republished only when its target moved
+"""The publish gate (sidecar.decide.hysteresis): a weight is republished only when its target moved
 far enough for long enough; rounding noise never reaches Envoy; slow start is immediate.
 The fleet-level behaviour (a steady fleet stops writing, a 2x slowdown is seen within 3
 cycles) is pinned in tests/bench/test_sweep.py on the fleet model, which drives this code."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sidecar.hysteresis import Gated, HysteresisPolicy, gate
+from sidecar.decide.hysteresis import Gated, HysteresisPolicy, gate
 
 POLICY = HysteresisPolicy()
 

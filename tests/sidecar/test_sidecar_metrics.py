@@ -1,4 +1,4 @@
-"""The sidecar's Prometheus collector (sidecar.metrics) over real daemon cycles: the
+"""The sidecar's Prometheus collector (sidecar.serve.metrics) over real daemon cycles: the
 simulated fleet is probed for real; Envoy's admin is a closed port (not needed here)."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_th
 from confgen.topology import load as load_topology
 from sidecar.config import SidecarConfig
 from sidecar.daemon import Daemon
-from sidecar.metrics import METRIC_NAMES, register
-from sidecar.probe import Prober
-from sidecar.publish import EdsPublisher, EnvoyAdmin
-from sidecar.resolve import Resolver
-from sidecar.state import HealthPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.observe.probe import Prober
+from sidecar.observe.resolve import Resolver
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.files.publisher import EdsPublisher
+from sidecar.serve.metrics import METRIC_NAMES, register
 
 TOPOLOGY = """\
 version: 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from confgen.simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
-from sidecar.probe import Prober, ProbeReport, Target
-from sidecar.state import Outcome
+from sidecar.observe.probe import Prober, ProbeReport, Target
+from sidecar.observe.result import Outcome
 
 
 def _probe(port: int, *, health: bool) -> ProbeReport:

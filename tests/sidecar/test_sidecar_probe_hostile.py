@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from confgen.runtime import free_port
-from sidecar.probe import Prober, ProbeReport, Target
-from sidecar.state import Outcome
+from sidecar.observe.probe import Prober, ProbeReport, Target
+from sidecar.observe.result import Outcome
 
 DEADLINE_S = 0.5
 SLACK_S = 2.0

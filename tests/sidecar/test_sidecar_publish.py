@@ -1,4 +1,4 @@
-"""EdsPublisher's write discipline (sidecar.publish): debounce, no-op skips, and never an
+"""EdsPublisher's write discipline (sidecar.outputs.files.publisher): debounce, no-op skips, and never an
 empty endpoint list. Envoy's admin is a closed loopback port here (stats unanswered, as
 when Envoy is down), so only the file side is under test; the live tests confirm writes."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.runtime import free_port
-from sidecar.publish import EdsPublisher, EnvoyAdmin, read_published
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.files.publisher import EdsPublisher, read_published
 
 POOL = "chat"
 

@@ -1,4 +1,4 @@
-"""DNS resolution of worker names (sidecar.resolve). A fake getaddrinfo injects the
+"""DNS resolution of worker names (sidecar.observe.resolve). A fake getaddrinfo injects the
 answers and failures a real resolver cannot be made to give on a test machine."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.resolve import Resolver, prefer_ipv4
+from sidecar.observe.resolve import Resolver, prefer_ipv4
 
 
 class FakeDns:

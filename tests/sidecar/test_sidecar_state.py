@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.engines import LoadSample
-from sidecar.state import (
+from sidecar.decide.state import (
     Decision,
     EndpointState,
     HealthPolicy,
@@ -17,6 +16,7 @@ from sidecar.state import (
     Status,
     decide_pool,
 )
+from sidecar.observe.engines import LoadSample
 
 POLICY = HealthPolicy()  # probe every 1 s, rise 2, fall 3
 

@@ -1,4 +1,4 @@
-"""sidecar.tree: which tree write needs the API keys, and that a kept LDS is the disk's bytes
+"""sidecar.outputs.files.tree: which tree write needs the API keys, and that a kept LDS is the disk's bytes
 (never a placeholder render); paths inside the files are never relative."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from confgen import envoy, parse_topology
 from confgen.errors import SecretError
 from confgen.model import Topology
 from confgen.output import write_tree
-from sidecar.tree import config_dir_for_tree, keys_for_reload, lds_changes, render_tree
+from sidecar.outputs.files.tree import config_dir_for_tree, keys_for_reload, lds_changes, render_tree
 
 BASE = """\
 version: 1

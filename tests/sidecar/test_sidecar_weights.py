@@ -11,8 +11,8 @@ import pytest
 
 from confgen.simulate import BatchEngine, EngineRequest, LatencyModel
 from confgen.simulate._metrics_text import MetricsInput, histogram_bounds, render
-from sidecar.engines import LoadSample, extract
-from sidecar.weights import Trend, WeightPolicy, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.decide.weights import Trend, WeightPolicy, pool_saturation, queue_depth, relative_speeds, weight
+from sidecar.observe.engines import LoadSample, extract
 
 POLICY = WeightPolicy()
 # One weight unit per slot, no EWMA, a queue of half the capacity takes all the room, KV

@@ -206,7 +206,7 @@ def test_errors_are_json_answers(sidecar: SidecarProcess) -> None:
 
 
 def test_json_depth() -> None:
-    from sidecar.guard import json_depth
+    from sidecar.serve.guard import json_depth
 
     assert json_depth(b'{"a": "[[[[{{{{"}') == 1
     assert json_depth(b'{"a": "\\"[[[["}') == 1

@@ -113,7 +113,7 @@ import re
 import sys
 from pathlib import Path
 
-import sidecar.publish as publish
+import sidecar.outputs.files.publisher as publish
 from sidecar.main import main
 
 FLAG = Path(sys.argv.pop())  # the last argument

@@ -306,7 +306,7 @@ nginx -t refuses: a fault the real renderer cannot produce."""
 import sys
 from pathlib import Path
 
-import sidecar.nginx_publish as nginx_publish
+import sidecar.outputs.nginx.publisher as nginx_publish
 from sidecar.main import main
 
 FLAG = Path(sys.argv.pop())  # the last argument

@@ -49,7 +49,7 @@ def test_every_policy_and_engine_kind_has_one_implementation() -> None:
     """The model's balancing policies are exactly the balancing registry's; its engine kinds
     exactly the sidecar's metric adapters (an engine added to one side only fails here, not
     at probe time); its targets are the registry's, each module naming itself."""
-    from sidecar.engines import ENGINE_KINDS
+    from sidecar.observe.engines import ENGINE_KINDS
 
     assert set(get_args(model.Policy)) == set(balancing.POLICIES)
     assert set(get_args(model.Engine)) == set(ENGINE_KINDS)

@@ -4,7 +4,7 @@ confgen renders each pool's circuit breakers (`max_requests`, `max_pending_reque
 the safety cap, `backpressure.safety_cap` x the pool's declared capacity
 (`confgen.model.in_flight_cap`): room for every slot and the engines' own queues, so
 neither Envoy nor nginx queues or sheds at normal load. The sidecar decides saturation
-from what the engines report (`sidecar.saturation`: waiting queue per slot and its trend,
+from what the engines report (`sidecar.decide.saturation`: waiting queue per slot and its trend,
 KV-cache use, fresh metrics only) and, while a pool is saturated, lowers this Envoy's
 limit to what the shedding controller admits: new requests past it get 429 `overloaded`
 with retry-after at once (Envoy overflows instead of queueing), the ones in flight are
@@ -22,53 +22,38 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from confgen.envoy import breaker_runtime_keys
+from sidecar.decide.admission import Admissions
+from sidecar.decide.saturation import PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
-from sidecar.publish import EnvoyAdmin
-from sidecar.saturation import Admission, PoolSaturation, SaturationPolicy, admit
+from sidecar.outputs.envoy_admin import EnvoyAdmin
 
-__all__ = ["InflightLimiter", "PoolLoad", "runtime_keys"]
+__all__ = ["InflightLimiter"]
 
-_log = logging.getLogger("sidecar.backpressure")
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLoad:
-    """What the limit of one pool is computed from."""
-
-    cap: int  # the render's safety cap (confgen.model.in_flight_cap)
-    saturation: PoolSaturation
-
-
-def runtime_keys(pool: str) -> tuple[str, str]:
-    """Envoy's runtime keys that override the pool's DEFAULT-priority circuit breakers."""
-    return (f"circuit_breakers.{pool}.default.max_requests",
-            f"circuit_breakers.{pool}.default.max_pending_requests")
+_log = logging.getLogger("sidecar.outputs.files.limiter")
 
 
 class InflightLimiter:
-    """Applies the shedding controller (`sidecar.saturation.admit`) to Envoy's runtime layer."""
+    """Applies the shedding controller (`sidecar.decide.saturation.admit`) to Envoy's runtime layer."""
 
     def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None) -> None:
         if ingresses < 1:
             raise ValueError(f"ingresses must be >= 1, got {ingresses}")
         self._admin = admin
         self._ingresses = ingresses
-        self._policy = policy or SaturationPolicy()
-        self._state: dict[str, Admission] = {}
+        self._admissions = Admissions(policy, _log)
         self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
-        self._state.pop(pool, None)
+        self._admissions.forget(pool)
         self._overflows.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         """True while the pool's limit follows the controller rather than the safety cap."""
-        state = self._state.get(pool)
-        return state is not None and state.shedding
+        return self._admissions.shedding(pool)
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         """Compute every pool's limit and set those Envoy does not hold yet."""
@@ -81,24 +66,19 @@ class InflightLimiter:
             return
         wanted: dict[str, int] = {}
         for pool, load in loads.items():
-            previous = self._state.get(pool)
-            needs_active = load.saturation.saturated or (previous is not None and previous.shedding)
+            needs_active = load.saturation.saturated or self._admissions.shedding(pool)
             active, refused = await self._stats(pool) if needs_active else (None, False)
-            state = admit(previous, load.saturation, active, refused, load.cap, self._ingresses, now, self._policy)
-            if state.shedding != (previous is not None and previous.shedding):
-                log_event(_log, logging.WARNING if state.shedding else logging.INFO,
-                          "shed.start" if state.shedding else "shed.stop", pool=pool, limit=state.limit,
-                          cap=load.cap, active=active, full_share=round(load.saturation.full_share, 3),
-                          waiting=round(load.saturation.waiting, 1), capacity=load.saturation.capacity)
-            self._state[pool] = state
-            wanted[pool] = state.limit
-        changes = {key: str(limit) for pool, limit in wanted.items() for key in runtime_keys(pool)
+            wanted[pool] = self._admissions.step(
+                pool, load, active, refused, self._ingresses, now, active=active,
+                full_share=round(load.saturation.full_share, 3), waiting=round(load.saturation.waiting, 1),
+                capacity=load.saturation.capacity)
+        changes = {key: str(limit) for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)
                    if runtime.get(key) != str(limit)}
         if changes and not await self._admin.set_runtime(changes):
             log_event(_log, logging.ERROR, "limit.refused", admin=self._admin.base_url, keys=sorted(changes))
         after = await self._admin.runtime() if changes else runtime
         for pool, limit in wanted.items():
-            held = tuple(after.get(key) for key in runtime_keys(pool)) if after is not None else ()
+            held = tuple(after.get(key) for key in breaker_runtime_keys(pool)) if after is not None else ()
             if held == (str(limit), str(limit)):
                 if self.in_force.get(pool) != limit:
                     log_event(_log, logging.DEBUG, "limit.set", pool=pool, limit=limit,

@@ -17,16 +17,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.xds.cache import RTDS
+from sidecar.fleet import Nack, NodeView
+from sidecar.outputs.xds.cache import RTDS
 
 __all__ = ["Nack", "NodeView", "Nodes"]
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    version: str
-    message: str
-    at: float
 
 
 @dataclass(slots=True)
@@ -37,17 +31,6 @@ class _Node:
     acked: dict[str, str] = field(default_factory=dict)  # type_url -> version
     nacked: dict[str, Nack] = field(default_factory=dict)
     nacks: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    node: str
-    cluster: str
-    protocol: str
-    streams: int
-    acked: dict[str, str]
-    nacked: dict[str, Nack]
-    nacks: dict[str, int]
 
 
 class Nodes:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from sidecar.xds.cache import SHORT
-from sidecar.xds.publisher import XdsView
+from sidecar.fleet import XdsView
+from sidecar.outputs.xds.cache import SHORT
 
 __all__ = ["XdsCollector", "register_xds"]
 

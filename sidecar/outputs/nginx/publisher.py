@@ -52,15 +52,15 @@ from confgen.binaries import NGINX_PROBLEM, child_pids, find_nginx, read_pid_fil
 from confgen.envoy import Endpoint
 from confgen.errors import BinaryNotFoundError
 from confgen.model import Topology
-from confgen.nginx import UpstreamServer, render_upstream, upstream_options, upstream_path
+from confgen.nginx import Templates, UpstreamServer, render_upstream, upstream_options, upstream_path
 from confgen.output import atomic_write
 from sidecar.config import ConfigError
+from sidecar.config.nginx import NginxSettings
 from sidecar.logs import log_event
-from sidecar.nginx_config import NginxSettings
-from sidecar.publisher import Built, Wiring
+from sidecar.outputs.publisher import Built, Wiring
 
 if TYPE_CHECKING:
-    from sidecar.xds.publisher import XdsView
+    from sidecar.fleet import XdsView
 
 __all__ = ["NginxCollector", "NginxPublisher", "build", "register_nginx"]
 
@@ -89,6 +89,7 @@ class NginxPublisher:
     def __init__(self, settings: NginxSettings, topology: Callable[[], Topology]) -> None:
         self.settings = settings
         self._topology = topology
+        self._templates = Templates()  # compiled once, for every upstream write
         self._binary: Path | None = settings.binary
         self._written: dict[str, bytes | None] = {}  # what the live file holds (None: absent)
         self._offers: dict[str, list[Endpoint]] = {}  # newest endpoints per pool, not rendered yet
@@ -125,7 +126,8 @@ class NginxPublisher:
         servers = self.servers(pool, endpoints)
         if servers is None:
             return None
-        return render_upstream(pool, servers, **upstream_options(self._topology().pool(pool)))
+        return render_upstream(pool, servers, templates=self._templates,
+                               **upstream_options(self._topology().pool(pool)))
 
     async def start(self) -> None:
         """Nothing to open: nginx is signalled on demand."""
@@ -433,7 +435,7 @@ def register_nginx(registry: CollectorRegistry, publisher: NginxPublisher) -> Ng
 
 
 def build(wiring: Wiring) -> Built:
-    """The nginx publisher (`sidecar.publisher.PUBLISHERS["nginx"]`), its metrics registered; nginx
+    """The nginx publisher (`sidecar.outputs.publisher.PUBLISHERS["nginx"]`), its metrics registered; nginx
     keeps its own safety caps (limit_conn), so there is no limiter."""
     if wiring.config.nginx is None:
         raise ConfigError("the nginx publisher needs --target nginx settings")

@@ -41,12 +41,12 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from sidecar.logs import LogBudget, clip
 from sidecar.outputs.tls import TlsFiles, bind, node_bound, peer_identities
-from sidecar.xds.cache import CDS, LDS, SHORT, TYPE_ORDER, XdsCache
-from sidecar.xds.nodes import Nodes
+from sidecar.outputs.xds.cache import CDS, LDS, SHORT, TYPE_ORDER, XdsCache
+from sidecar.outputs.xds.nodes import Nodes
 
 __all__ = ["AdsBounds", "AdsServicer", "serve"]
 
-_log = logging.getLogger("sidecar.xds")
+_log = logging.getLogger("sidecar.outputs.xds")
 _WILDCARD_TYPES = (CDS, LDS)
 _MAX_NONCES = 32
 

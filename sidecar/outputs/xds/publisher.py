@@ -1,6 +1,6 @@
 """The daemon's publisher in ADS mode: endpoints, the tree and the limits go into the cache.
 
-Same duties as the file publisher (`sidecar.publish.EdsPublisher`) towards the daemon:
+Same duties as the file publisher (`sidecar.outputs.files.publisher.EdsPublisher`) towards the daemon:
 `offer` a pool's endpoints (never an empty list), `forget` a pool that left, publish the
 whole tree after a topology (re)load, `close`. The resources are confgen's: the tree is
 `confgen.envoy.ads.resources`, a pool's endpoints `confgen.envoy.build_cla`. Every
@@ -14,11 +14,9 @@ It is logged at error level, counted per node and type, and shown in /state.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,33 +25,19 @@ from confgen.envoy import Endpoint, ads, build_cla
 from confgen.errors import SecretError
 from confgen.model import Topology
 from confgen.secrets import resolve as resolve_secrets
+from sidecar.fleet import XdsView
 from sidecar.logs import log_event
+from sidecar.outputs.publisher import Built, Wiring
 from sidecar.outputs.tls import TlsFiles
-from sidecar.publisher import Built, Wiring
-from sidecar.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
-from sidecar.xds.nodes import Nodes, NodeView
-from sidecar.xds.server import AdsBounds, AdsServicer, serve
+from sidecar.outputs.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
+from sidecar.outputs.xds.limits import RtdsLimiter
+from sidecar.outputs.xds.metrics import register_xds
+from sidecar.outputs.xds.nodes import Nodes
+from sidecar.outputs.xds.server import AdsBounds, AdsServicer, serve
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
-_log = logging.getLogger("sidecar.xds")
-
-
-@dataclass(frozen=True, slots=True)
-class XdsView:
-    """What /state and the metrics show of the control plane."""
-
-    listen: str
-    versions: Mapping[str, str]  # short type name -> version served
-    resources: Mapping[str, int]
-    updates: Mapping[str, int]
-    responses: Mapping[str, int]
-    nodes: tuple[NodeView, ...]
-    nacks_total: int
-    transport: str = "plaintext"  # "mtls" | "plaintext" (loopback only)
-    counted: int = 0  # Envoys the in-flight limits are shared by (ACKed RTDS, capped)
-    refused: Mapping[str, int] = dataclasses.field(default_factory=dict)  # streams refused, by gRPC code
-    logs_suppressed: int = 0  # log lines clients caused beyond their budget
+_log = logging.getLogger("sidecar.outputs.xds")
 
 
 class AdsPublisher:
@@ -194,10 +178,7 @@ class AdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The ADS publisher (`sidecar.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
-    from sidecar.xds.limits import RtdsLimiter  # it imports this module
-    from sidecar.xds.metrics import register_xds
-
+    """The ADS publisher (`sidecar.outputs.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
     assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
     publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock, tls=wiring.config.xds_tls,
                              max_nodes=wiring.config.xds_max_nodes)

@@ -11,8 +11,9 @@ Resources are confgen's Envoy renderer's JSON (`confgen.envoy.ads.resources`,
 google.protobuf.json_format; nothing here builds Envoy config by hand.
 """
 
-from sidecar.xds.cache import CDS, EDS, LDS, RTDS, TYPE_ORDER, XdsCache
-from sidecar.xds.nodes import Nodes, NodeView
-from sidecar.xds.publisher import AdsPublisher
+from sidecar.fleet import NodeView
+from sidecar.outputs.xds.cache import CDS, EDS, LDS, RTDS, TYPE_ORDER, XdsCache
+from sidecar.outputs.xds.nodes import Nodes
+from sidecar.outputs.xds.publisher import AdsPublisher
 
 __all__ = ["CDS", "EDS", "LDS", "RTDS", "TYPE_ORDER", "AdsPublisher", "NodeView", "Nodes", "XdsCache"]

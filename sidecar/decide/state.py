@@ -63,7 +63,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TypeVar
 
-from sidecar.engines import LoadSample
+from sidecar.observe.engines import LoadSample
+from sidecar.observe.result import Outcome, ProbeResult
 
 __all__ = [
     "Decision",
@@ -83,34 +84,6 @@ class Status(StrEnum):
     DEGRADED = "DEGRADED"
     UNHEALTHY = "UNHEALTHY"
     DRAINING = "DRAINING"
-
-
-class Outcome(StrEnum):
-    """How a health probe ended."""
-
-    OK = "ok"  # 2xx health answer, metrics parsed (or none expected)
-    HTTP_STATUS = "http_status"  # non-2xx health answer; see ProbeResult.http_status
-    TIMEOUT = "timeout"
-    REFUSED = "refused"
-    RESET = "reset"
-    BAD_METRICS = "bad_metrics"  # health 2xx, metrics body unusable: alive, no load info
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    """One probe of one endpoint: `at` in seconds on the caller's monotonic clock."""
-
-    at: float
-    outcome: Outcome
-    health_latency_s: float | None = None
-    sample: LoadSample | None = None
-    http_status: int | None = None
-    health_checked: bool = True  # False: /health skipped, progress in the metrics stood in
-    metrics_checked: bool = True  # False: /metrics skipped (quiet engine), `sample` is None by design
-
-    def __post_init__(self) -> None:
-        if (self.outcome is Outcome.HTTP_STATUS) != (self.http_status is not None):
-            raise ValueError("http_status is set exactly when outcome is HTTP_STATUS")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from sidecar.logs import log_event
 
 __all__ = ["GetAddrInfo", "Resolver", "prefer_ipv4"]
 
-_log = logging.getLogger("sidecar.resolve")
+_log = logging.getLogger("sidecar.observe.resolve")
 
 # loop.getaddrinfo's shape: (host, port, *, type=, proto=) -> [(family, type, proto, canonname, sockaddr)]
 GetAddrInfo = Callable[..., Awaitable[Sequence[tuple[Any, ...]]]]

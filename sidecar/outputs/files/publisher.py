@@ -30,10 +30,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.errors import OutputError
@@ -41,83 +38,18 @@ from confgen.model import Topology
 from confgen.output import atomic_write, diff_tree, write_tree
 from sidecar.config import xds_dir_for
 from sidecar.logs import log_event
-from sidecar.publisher import Built, Wiring
-from sidecar.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
+from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.files.limiter import InflightLimiter
+from sidecar.outputs.files.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
+from sidecar.outputs.publisher import Built, Wiring
 
 if TYPE_CHECKING:
-    from sidecar.xds.publisher import XdsView
+    from sidecar.fleet import XdsView
 
-__all__ = ["EdsPublisher", "EnvoyAdmin", "build", "read_published"]
+__all__ = ["EdsPublisher", "build", "read_published"]
 
-_log = logging.getLogger("sidecar.publish")
+_log = logging.getLogger("sidecar.outputs.files.publisher")
 _POLL_S = 0.02
-
-
-class EnvoyAdmin:
-    """Reads Envoy's admin stats; None answers mean Envoy could not be asked."""
-
-    def __init__(self, base_url: str, timeout_s: float = 1.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Self:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def stats(self, pattern: str) -> dict[str, int | str] | None:
-        """Stats whose name matches the regex `pattern` (anchored by the caller)."""
-        if self._session is None:
-            raise RuntimeError("EnvoyAdmin used outside its async context")
-        url = f"{self.base_url}/stats"
-        try:
-            async with self._session.get(url, params={"filter": pattern, "format": "json"}) as resp:
-                if resp.status != 200:
-                    return None
-                body: Any = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-        out: dict[str, int | str] = {}
-        for item in body.get("stats", []) if isinstance(body, dict) else []:
-            if isinstance(item, dict) and "name" in item and "value" in item:
-                value = item["value"]
-                out[str(item["name"])] = value if isinstance(value, int) else str(value)
-        return out
-
-    async def runtime(self) -> dict[str, str] | None:
-        """Every runtime key Envoy knows and its final value (GET /runtime)."""
-        if self._session is None:
-            raise RuntimeError("EnvoyAdmin used outside its async context")
-        try:
-            async with self._session.get(f"{self.base_url}/runtime") as resp:
-                if resp.status != 200:
-                    return None
-                body: Any = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-        entries = body.get("entries", {}) if isinstance(body, dict) else {}
-        if not isinstance(entries, dict):
-            return None
-        return {str(key): str(entry.get("final_value", "")) for key, entry in entries.items()
-                if isinstance(entry, dict)}
-
-    async def set_runtime(self, values: Mapping[str, str]) -> bool:
-        """Set keys in Envoy's admin runtime layer (POST /runtime_modify); False when refused."""
-        if self._session is None:
-            raise RuntimeError("EnvoyAdmin used outside its async context")
-        try:
-            async with self._session.post(f"{self.base_url}/runtime_modify", params=dict(values)) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
 
 
 def _int(stats: Mapping[str, int | str], name: str) -> int:
@@ -163,7 +95,7 @@ class EdsPublisher:
         self.rejections: Counter[str] = Counter()
         self.rejected: set[str] = set()  # pools (or "cds"/"lds") whose last write Envoy refused
         self.versions: dict[str, str] = {}
-        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.tree)
+        self._lds: LdsSource = "try"  # where the next tree write takes LDS from (sidecar.outputs.files.tree)
         # Writes that failed (read-only or full disk...), by pool or "tree"; `failing` holds
         # the ones whose last attempt failed, with why (cleared by the next good write).
         self.write_failures: Counter[str] = Counter()
@@ -356,7 +288,7 @@ class EdsPublisher:
                   admin=self._admin.base_url, reachable=seen is not None, timeout_s=self._confirm_timeout_s)
 
     def check_reload(self, old: Topology, new: Topology) -> Callable[[], None]:
-        """Where the next tree write takes LDS from (sidecar.tree.keys_for_reload: the keys are
+        """Where the next tree write takes LDS from (sidecar.outputs.files.tree.keys_for_reload: the keys are
         read only when listeners or auth change); SecretError when they are needed and unreadable."""
         lds = keys_for_reload(old, new)
 
@@ -367,7 +299,7 @@ class EdsPublisher:
         return adopt
 
     async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
-        """Render the whole tree for `topo` (in a thread: sidecar.tree.render_tree), each pool's EDS
+        """Render the whole tree for `topo` (in a thread: sidecar.outputs.files.tree.render_tree), each pool's EDS
         file holding `endpoints` (or what is written, never none), and write what changed."""
         config_dir = await asyncio.to_thread(config_dir_for_tree, self.xds_dir, topo)
         files, lds, why = await asyncio.to_thread(render_tree, topo, xds_dir=self.xds_dir, config_dir=config_dir,
@@ -467,9 +399,7 @@ class EdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The file-xDS publisher (`sidecar.publisher.PUBLISHERS["envoy"]`), limits through Envoy's admin runtime."""
-    from sidecar.backpressure import InflightLimiter  # it imports this module (EnvoyAdmin)
-
+    """The file-xDS publisher (`PUBLISHERS["envoy"]`), limits through Envoy's admin runtime."""
     config = wiring.config
     publisher = EdsPublisher(xds_dir_for(config, wiring.topo), wiring.admin, debounce_s=config.publish_debounce_s,
                              confirm_timeout_s=config.confirm_timeout_s)

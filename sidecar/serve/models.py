@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from confgen._openai import models_body
 from confgen.model import Topology
-from sidecar.daemon import Snapshot
+from sidecar.fleet import Snapshot
 
 __all__ = ["in_rotation", "models_answer"]
 
@@ -24,7 +24,7 @@ def in_rotation(topo: Topology, snap: Snapshot) -> set[str] | None:
     """Pools with a worker serving now; None when the sidecar has no view it can trust: before
     its first cycle, or when every worker it probes fails at once (more likely its own view is
     wrong, a partition or a bad health path, than the whole fleet dead: the rule the
-    ejection cap follows, sidecar.state)."""
+    ejection cap follows, sidecar.decide.state)."""
     if snap.cycles == 0:
         return None
     endpoints = [ep for pool in snap.pools for ep in pool.endpoints]

@@ -36,7 +36,7 @@ The target is scaled by the slow-start ramp, optionally smoothed with an EWMA ov
 previously published weight (`smoothing` < 1; its inputs are smoothed already, so the
 default publishes the target), then clamped to [1, max_weight]: Envoy rejects a 0 weight,
 and a full worker keeps a trickle. The daemon publishes it through the gate of
-`sidecar.hysteresis` (a change must matter for routing and last); `weight` is the
+`sidecar.decide.hysteresis` (a change must matter for routing and last); `weight` is the
 ungated form (rounded toward the target, so small steps still converge).
 
 Speed measurement (`Trend.observe`): the deltas of the engine's inter-token latency
@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from confgen.envoy.eds import MAX_WEIGHT, clamp_weight, static_weight
-from sidecar.engines import LoadSample
+from sidecar.observe.engines import LoadSample
 
 __all__ = ["Trend", "WeightPolicy", "pool_saturation", "queue_depth", "relative_speeds", "smooth", "target", "weight"]
 
@@ -222,7 +222,7 @@ def target(
 ) -> float:
     """The unrounded, unsmoothed weight `weight` aims at (the slow-start ramp applied).
 
-    The publish gate (`sidecar.hysteresis`) compares this with the published weight, so
+    The publish gate (`sidecar.decide.hysteresis`) compares this with the published weight, so
     that rounding noise around a fractional target never reaches Envoy.
     """
     if capacity < 1 or share < 1:

@@ -24,8 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from confgen import __version__
-from sidecar.daemon import Snapshot
-from sidecar.state import Status
+from sidecar.decide.state import Status
+from sidecar.fleet import Snapshot
 
 __all__ = ["METRIC_NAMES", "SidecarCollector", "register"]
 
@@ -100,7 +100,7 @@ class SidecarCollector(Collector):
                                   "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
                                   "unless the pool is saturated.", labels=["pool"])
         saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
-                                      "(sidecar.saturation: waiting queue per slot, its trend, KV use; fresh "
+                                      "(sidecar.decide.saturation: waiting queue per slot, its trend, KV use; fresh "
                                       "metrics only).", labels=["pool"])
         for pool in snap.pools:
             saturated.add_metric([pool.name], 1.0 if pool.saturated else 0.0)

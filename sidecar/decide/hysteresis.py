@@ -3,7 +3,7 @@
 Every EDS write makes Envoy rebuild the pool's load-balancer state (and restarts its
 weighted scheduler), so a weight is republished only when the change matters for routing:
 
-- The gate compares the unrounded target (`sidecar.weights.target`) with the weight
+- The gate compares the unrounded target (`sidecar.decide.weights.target`) with the weight
   published last, not two rounded values, so a target that sits near x.5 never makes the
   published weight flip between two integers.
 - A change counts when the target is at least `threshold` (relative) AND `min_step`

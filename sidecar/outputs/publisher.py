@@ -1,8 +1,8 @@
 """What the daemon needs of a publisher: the one interface every output of the sidecar implements.
 
-    EdsPublisher    (sidecar.publish)        EDS files + the whole Envoy tree, confirmed via admin stats
-    NginxPublisher  (sidecar.nginx_publish)  upstream include files, nginx -t, graceful reload
-    AdsPublisher    (sidecar.xds.publisher)  ADS over gRPC to every connected Envoy (--serve-xds)
+    EdsPublisher    (sidecar.outputs.files.publisher)        EDS files + the whole Envoy tree, confirmed via admin stats
+    NginxPublisher  (sidecar.outputs.nginx.publisher)  upstream include files, nginx -t, graceful reload
+    AdsPublisher    (sidecar.outputs.xds.publisher)  ADS over gRPC to every connected Envoy (--serve-xds)
 
 `sidecar.main` builds one by its name (`SidecarConfig.publisher`) from `PUBLISHERS`, together
 with the `Limiter` that keeps the proxy's in-flight limits (if the proxy has them);
@@ -26,10 +26,10 @@ from confgen.model import Topology
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from sidecar.backpressure import PoolLoad
     from sidecar.config import SidecarConfig
-    from sidecar.publish import EnvoyAdmin
-    from sidecar.xds.publisher import XdsView
+    from sidecar.decide.saturation import PoolLoad
+    from sidecar.fleet import XdsView
+    from sidecar.outputs.envoy_admin import EnvoyAdmin
 
 __all__ = ["PUBLISHERS", "Built", "Limiter", "Publisher", "Wiring", "build"]
 
@@ -94,7 +94,7 @@ class Publisher(Protocol):
 
 
 class Limiter(Protocol):
-    """Keeps each pool's in-flight limit in the proxy (sidecar.backpressure's rule)."""
+    """Keeps each pool's in-flight limit in the proxy (sidecar.outputs.files.limiter's rule)."""
 
     in_force: dict[str, int]  # pool -> limit the proxy runs with
 
@@ -124,9 +124,9 @@ class Built:
 
 
 PUBLISHERS: dict[str, str] = {  # name -> "module:function" taking a Wiring, returning Built (imported on use)
-    "envoy": "sidecar.publish:build",
-    "nginx": "sidecar.nginx_publish:build",
-    "ads": "sidecar.xds.publisher:build",
+    "envoy": "sidecar.outputs.files.publisher:build",
+    "nginx": "sidecar.outputs.nginx.publisher:build",
+    "ads": "sidecar.outputs.xds.publisher:build",
 }
 
 

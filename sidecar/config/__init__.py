@@ -15,16 +15,16 @@ from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
 from confgen.model import Topology
-from sidecar.hysteresis import HysteresisPolicy
-from sidecar.nginx_config import NginxSettings
-from sidecar.nginx_config import add_arguments as add_nginx_arguments
-from sidecar.nginx_config import from_args as nginx_from_args
-from sidecar.outputs.tls import TlsFiles, is_loopback
-from sidecar.saturation import SaturationPolicy
-from sidecar.state import HealthPolicy
-from sidecar.weights import WeightPolicy
+from sidecar.config.nginx import NginxSettings
+from sidecar.config.nginx import add_arguments as add_nginx_arguments
+from sidecar.config.nginx import from_args as nginx_from_args
+from sidecar.config.tls import TlsFiles, is_loopback
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.saturation import SaturationPolicy
+from sidecar.decide.state import HealthPolicy
+from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "config_dir_for", "from_argv", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -63,12 +63,12 @@ class SidecarConfig:
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
     xds_tls: TlsFiles | None = None  # --xds-tls-cert/-key/--xds-client-ca: mTLS (None: plaintext, loopback only)
     xds_max_nodes: int = 1000  # --xds-max-nodes: distinct Envoys served at once (and the limits' count cap)
-    admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.guard)
+    admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
 
     @property
     def publisher(self) -> str:
-        """The publisher the flags select (a key of sidecar.publisher.PUBLISHERS)."""
+        """The publisher the flags select (a key of sidecar.outputs.publisher.PUBLISHERS)."""
         if self.nginx is not None:
             return "nginx"
         return "ads" if self.serve_xds is not None else "envoy"
@@ -250,14 +250,3 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir).absolute()
     raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
-
-
-def config_dir_for(config: SidecarConfig, topo: Topology) -> str:
-    """The directory Envoy reads (paths inside the files); may differ from where we write.
-
-    As the bootstrap on disk names it, else envoy.config_dir, else the xDS directory made
-    absolute (sidecar.tree.config_dir_for_tree).
-    """
-    from sidecar.tree import config_dir_for_tree
-
-    return config_dir_for_tree(xds_dir_for(config, topo), topo)

@@ -5,12 +5,12 @@
     GET  /readyz     200 once the first probe cycle is done and Envoy took the last writes;
                      its body also says when the running config is stale (a reload refused)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
-    GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.models)
+    GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.serve.models)
     POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
     POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
                    (Content-Type: application/json; pool/worker may also be query
                    parameters; no Origin header; a bearer token beyond loopback:
-                   sidecar.guard)
+                   sidecar.serve.guard)
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from sidecar.daemon import Daemon, Snapshot
-from sidecar.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.daemon import Daemon
+from sidecar.fleet import Snapshot, XdsView
 from sidecar.logs import LogBudget
-from sidecar.models import models_answer
+from sidecar.outputs.xds.cache import SHORT
 from sidecar.serve.bounds import errors_as_json
-from sidecar.xds.cache import SHORT
-from sidecar.xds.publisher import XdsView
+from sidecar.serve.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.serve.models import models_answer
 
 __all__ = ["build_app", "state_json"]
 
@@ -161,7 +161,7 @@ async def _models(request: web.Request) -> web.Response:
 
 def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard,
               clock: Callable[[], float] = time.monotonic) -> web.Application:
-    """The sidecar's routes; `guard` decides who may POST (sidecar.guard); every error answered as JSON
+    """The sidecar's routes; `guard` decides who may POST (sidecar.serve.guard); every error answered as JSON
     (sidecar.serve.bounds)."""
     app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_as_json(LogBudget(clock))])
     app[_DAEMON] = daemon

@@ -60,9 +60,9 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sidecar.engines import LoadSample
+from sidecar.observe.engines import LoadSample
 
-__all__ = ["Admission", "Headroom", "PoolSaturation", "SaturationPolicy", "admit", "assess"]
+__all__ = ["Admission", "Headroom", "PoolLoad", "PoolSaturation", "SaturationPolicy", "admit", "assess"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -208,3 +208,11 @@ def _controlled(pool: PoolSaturation, active: int, cap: int, ingresses: int, pol
     error = policy.target_queue * pool.fresh_capacity - pool.waiting
     wanted = active + policy.gain * error / ingresses
     return min(max(math.floor(wanted + 0.5), 1), cap)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """What the limit of one pool is computed from."""
+
+    cap: int  # the render's safety cap (confgen.model.in_flight_cap)
+    saturation: PoolSaturation

@@ -25,7 +25,7 @@ from sidecar.logs import log_event
 
 __all__ = ["TopologyWatcher"]
 
-_log = logging.getLogger("sidecar.watch")
+_log = logging.getLogger("sidecar.observe.watch")
 
 
 def _digest(path: Path) -> str | None:

@@ -1,6 +1,6 @@
 """The in-flight limits in ADS mode: one RTDS layer every Envoy gets (no `--ingresses`).
 
-The same rule as `sidecar.backpressure.InflightLimiter` (`sidecar.saturation`): below
+The same rule as `sidecar.outputs.files.limiter.InflightLimiter` (`sidecar.decide.saturation`): below
 saturation every Envoy holds the render's safety cap; while a pool is saturated the
 shedding controller sets the limit. The control plane knows how many Envoys share the
 fleet (the nodes connected to it that ACKed the runtime layer, at least 1, at most
@@ -19,50 +19,56 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Protocol
 
-from sidecar.backpressure import PoolLoad, runtime_keys
+from confgen.envoy import breaker_runtime_keys
+from sidecar.decide.admission import Admissions
+from sidecar.decide.saturation import PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
-from sidecar.saturation import Admission, SaturationPolicy, admit
-from sidecar.xds.publisher import AdsPublisher
 
-__all__ = ["RtdsLimiter"]
+__all__ = ["RtdsLimiter", "RuntimeLayer"]
 
-_log = logging.getLogger("sidecar.xds")
+_log = logging.getLogger("sidecar.outputs.xds")
+
+
+class CountedNodes(Protocol):
+    def counted(self) -> int: ...
+
+
+class RuntimeLayer(Protocol):
+    """What the limiter needs of the ADS publisher: the Envoys that apply the limits, and the RTDS layer."""
+
+    @property
+    def nodes(self) -> CountedNodes: ...
+
+    def set_runtime(self, values: Mapping[str, int]) -> bool: ...
 
 
 class RtdsLimiter:
-    """Same role as `sidecar.backpressure.InflightLimiter`, through RTDS instead of the admin API."""
+    """Same role as `sidecar.outputs.files.limiter.InflightLimiter`, through RTDS instead of the admin API."""
 
-    def __init__(self, publisher: AdsPublisher, policy: SaturationPolicy | None = None) -> None:
+    def __init__(self, publisher: RuntimeLayer, policy: SaturationPolicy | None = None) -> None:
         self._publisher = publisher
-        self._policy = policy or SaturationPolicy()
-        self._state: dict[str, Admission] = {}
+        self._admissions = Admissions(policy, _log)
         self.in_force: dict[str, int] = {}  # pool -> limit served (every Envoy gets it)
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
-        self._state.pop(pool, None)
+        self._admissions.forget(pool)
 
     def shedding(self, pool: str) -> bool:
-        state = self._state.get(pool)
-        return state is not None and state.shedding
+        return self._admissions.shedding(pool)
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
         for pool, load in loads.items():
-            previous = self._state.get(pool)
+            previous = self._admissions.previous(pool)
             share = round(load.saturation.in_flight / ingresses) if load.saturation.fresh_capacity else None
             refused = (previous is not None and share is not None
                        and share >= previous.limit - max(1, previous.limit // 20))
-            state = admit(previous, load.saturation, share, refused, load.cap, ingresses, now, self._policy)
-            if state.shedding != (previous is not None and previous.shedding):
-                log_event(_log, logging.WARNING if state.shedding else logging.INFO,
-                          "shed.start" if state.shedding else "shed.stop", pool=pool, limit=state.limit,
-                          cap=load.cap, ingresses=ingresses)
-            self._state[pool] = state
-            wanted[pool] = state.limit
-        values = {key: limit for pool, limit in wanted.items() for key in runtime_keys(pool)}
+            wanted[pool] = self._admissions.step(pool, load, share, refused, ingresses, now)
+        values = {key: limit for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)}
         if self._publisher.set_runtime(values):
             log_event(_log, logging.INFO, "limit.served", limits=wanted, ingresses=ingresses)
         self.in_force = wanted

@@ -9,7 +9,7 @@ endpoint (run concurrently they needed two connections and two extra tasks: abou
 of CPU per probe instead of 0.6 ms on the bench's 40 KB body), and a failed /health
 spares the metrics request.
 
-Outcome mapping (what the state machine counts, see sidecar.state):
+Outcome mapping (what the state machine counts, see sidecar.decide.state):
 - health: connection refused -> REFUSED; reset / server disconnected / cut body -> RESET;
   deadline (or an unreachable host, which is what a dead machine looks like) -> TIMEOUT;
   non-2xx -> HTTP_STATUS.
@@ -46,8 +46,8 @@ from typing import Self
 import aiohttp
 from yarl import URL
 
-from sidecar.engines import LoadSample, MetricsFormatError, extract, has_metrics
-from sidecar.state import Outcome, ProbeResult
+from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics
+from sidecar.observe.result import Outcome, ProbeResult
 
 __all__ = ["ProbeReport", "Prober", "Target"]
 

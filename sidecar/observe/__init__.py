@@ -1,0 +1,1 @@
+"""What the workers say: probes, engine metrics adapters, DNS, the topology watcher."""

@@ -1,0 +1,82 @@
+"""Envoy's admin API as the sidecar uses it: stats (to confirm writes), runtime (in-flight limits).
+
+An aiohttp client with one session and a timeout on every call; None or False answers mean
+Envoy could not be asked. Used by the file publisher and its limiter, and built by `main`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+
+__all__ = ["EnvoyAdmin"]
+
+
+class EnvoyAdmin:
+    """Reads Envoy's admin stats; None answers mean Envoy could not be asked."""
+
+    def __init__(self, base_url: str, timeout_s: float = 1.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def stats(self, pattern: str) -> dict[str, int | str] | None:
+        """Stats whose name matches the regex `pattern` (anchored by the caller)."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        url = f"{self.base_url}/stats"
+        try:
+            async with self._session.get(url, params={"filter": pattern, "format": "json"}) as resp:
+                if resp.status != 200:
+                    return None
+                body: Any = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        out: dict[str, int | str] = {}
+        for item in body.get("stats", []) if isinstance(body, dict) else []:
+            if isinstance(item, dict) and "name" in item and "value" in item:
+                value = item["value"]
+                out[str(item["name"])] = value if isinstance(value, int) else str(value)
+        return out
+
+    async def runtime(self) -> dict[str, str] | None:
+        """Every runtime key Envoy knows and its final value (GET /runtime)."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        try:
+            async with self._session.get(f"{self.base_url}/runtime") as resp:
+                if resp.status != 200:
+                    return None
+                body: Any = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        entries = body.get("entries", {}) if isinstance(body, dict) else {}
+        if not isinstance(entries, dict):
+            return None
+        return {str(key): str(entry.get("final_value", "")) for key, entry in entries.items()
+                if isinstance(entry, dict)}
+
+    async def set_runtime(self, values: Mapping[str, str]) -> bool:
+        """Set keys in Envoy's admin runtime layer (POST /runtime_modify); False when refused."""
+        if self._session is None:
+            raise RuntimeError("EnvoyAdmin used outside its async context")
+        try:
+            async with self._session.post(f"{self.base_url}/runtime_modify", params=dict(values)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False

@@ -1,0 +1,1 @@
+"""nginx: upstream include files, nginx -t and graceful reloads."""

@@ -1,0 +1,191 @@
+"""The product's module map: no import cycles, and every import runs down the documented layers.
+
+Every `import` / `from ... import` in confgen/ and sidecar/ counts, wherever it stands
+(module level, inside a function, under TYPE_CHECKING): a lazy import that closes a loop
+is still a loop a reader has to untangle. The sidecar's layers are the ones drawn in
+docs/architecture.md; a module may import its own layer or the ones below it, never above.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("confgen", "sidecar")
+
+# The sidecar's layers, bottom first (docs/architecture.md "The sidecar by stages").
+SIDECAR_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("sidecar.logs",),
+    ("sidecar.observe",),
+    ("sidecar.decide",),
+    ("sidecar.fleet",),
+    ("sidecar.config",),
+    ("sidecar.outputs",),
+    ("sidecar.daemon",),
+    ("sidecar.serve",),
+    ("sidecar.main", "sidecar.drain"),
+)
+# Inside outputs: the interfaces and shared clients every output may use; each output's own package.
+OUTPUT_SHARED = ("sidecar.outputs.publisher", "sidecar.outputs.service", "sidecar.outputs.envoy_admin",
+                 "sidecar.outputs.grpc", "sidecar.outputs.tls")
+INTERFACES = ("sidecar.outputs.publisher", "sidecar.outputs.service")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: Mapping[str, Path]) -> set[str]:
+    """The product modules `name` imports (resolved: `from a.b import c` is a.b.c when c is a module)."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                targets.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join([*base, node.module] if node.module else base)
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                targets.add(sub if sub in known else source)
+    return {t for t in targets if t in known and t != name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _layer(module: str) -> int | None:
+    for rank, prefixes in enumerate(SIDECAR_LAYERS):
+        if any(_within(module, p) for p in prefixes):
+            return rank
+    return None
+
+
+def _output_package(module: str) -> str | None:
+    """sidecar.outputs.<name> for a module of one output (None for the shared modules)."""
+    if not _within(module, "sidecar.outputs") or any(_within(module, s) for s in OUTPUT_SHARED):
+        return None
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 2 else None
+
+
+def violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    """Imports that run up the documented layering, with the reason."""
+    bad: list[str] = []
+    for src, targets in sorted(edges.items()):
+        for dst in sorted(targets):
+            if _within(src, "confgen") and _within(dst, "sidecar"):
+                bad.append(f"{src} -> {dst}: confgen never imports sidecar")
+                continue
+            if not (_within(src, "sidecar") and _within(dst, "sidecar")) or src == "sidecar":
+                continue
+            src_rank, dst_rank = _layer(src), _layer(dst)
+            if src_rank is None or dst_rank is None:
+                bad.append(f"{src} -> {dst}: a sidecar module outside the documented layers")
+            elif dst_rank > src_rank:
+                bad.append(f"{src} -> {dst}: imports a layer above its own")
+            elif src in INTERFACES and _output_package(dst) is not None:
+                bad.append(f"{src} -> {dst}: an interface module imports an implementation")
+            elif (pkg := _output_package(dst)) is not None and _output_package(src) not in (None, pkg):
+                bad.append(f"{src} -> {dst}: one output imports another (share through the interfaces)")
+            elif _output_package(src) is None and src_rank == dst_rank and _output_package(dst) is not None \
+                    and src not in INTERFACES:
+                bad.append(f"{src} -> {dst}: a shared output module imports an implementation")
+    return bad
+
+
+def test_the_product_has_no_import_cycle() -> None:
+    edges = graph()
+    assert "sidecar.daemon" in edges and "confgen.cli" in edges  # the map covers the product
+    assert cycles(edges) == []
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    assert violations(graph()) == []
+
+
+def test_every_sidecar_module_is_in_a_layer() -> None:
+    stray = [m for m in modules() if _within(m, "sidecar") and m != "sidecar" and _layer(m) is None]
+    assert stray == []
+
+
+def test_the_checks_can_fail() -> None:
+    """A cycle and each kind of upward import are seen (the checks above are not vacuous)."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    found = violations({
+        "sidecar.observe.probe": {"sidecar.daemon"},
+        "sidecar.outputs.publisher": {"sidecar.outputs.xds.publisher"},
+        "sidecar.outputs.nginx.publisher": {"sidecar.outputs.files.tree"},
+        "confgen.cli": {"sidecar.main"},
+        "sidecar.daemon": {"sidecar.outputs.publisher", "sidecar.fleet"},
+    })
+    assert [v.split(":")[1].strip() for v in found] == [
+        "confgen never imports sidecar",
+        "imports a layer above its own",
+        "one output imports another (share through the interfaces)",
+        "an interface module imports an implementation",
+    ]
