@@ -391,7 +391,8 @@ class Xds:
     )
     tls: XdsTls | None = field(
         None,
-        doc="ads: mutual TLS to the control plane (its `--xds-tls-cert/--xds-tls-key/--xds-client-ca`). "
+        doc="ads: mutual TLS to the control plane (its `--xds-tls-cert/--xds-tls-key/--xds-client-ca`; required by "
+        "--target kubernetes). "
         "Without it the stream is plaintext, which the control plane serves on loopback only.",
     )
 
