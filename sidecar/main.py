@@ -111,6 +111,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+        await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
         register(registry, daemon.view)
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)

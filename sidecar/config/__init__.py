@@ -24,7 +24,7 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -65,6 +65,7 @@ class SidecarConfig:
     xds_max_nodes: int = 1000  # --xds-max-nodes: distinct Envoys served at once (and the limits' count cap)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
+    drains_file: Path | None = None  # --drains-file; default: next to the files the sidecar writes (none for ADS)
 
     @property
     def publisher(self) -> str:
@@ -158,6 +159,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--serve-xds: the CA that signs the Envoys' client certificates (PEM; ca.crt)")
     p.add_argument("--xds-max-nodes", type=int, default=1000, help="--serve-xds: most distinct Envoys served at "
                    "once; also the most the in-flight limits are divided by (default 1000)")
+    p.add_argument("--drains-file", type=Path, metavar="PATH", help="where drains set by POST /drain are kept "
+                   "across restarts (default: .confgen-drains.json next to the xDS or nginx files; with --serve-xds "
+                   "none unless given: give a path on a persistent volume)")
     add_nginx_arguments(p)
     return p
 
@@ -230,6 +234,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
         xds_tls=_tls_files(args),
+        drains_file=args.drains_file.absolute() if args.drains_file else None,
         xds_max_nodes=args.xds_max_nodes,
     )
 
@@ -241,6 +246,20 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
     if not all(given):
         raise ConfigError("mTLS needs all three of --xds-tls-cert, --xds-tls-key and --xds-client-ca")
     return TlsFiles(args.xds_tls_cert.absolute(), args.xds_tls_key.absolute(), args.xds_client_ca.absolute())
+
+
+DRAINS_FILE = ".confgen-drains.json"  # a dot file: `confgen render --diff` and the manifest ignore it
+
+
+def drains_file_for(config: SidecarConfig, topo: Topology) -> Path | None:
+    """Where admin drains persist: --drains-file, else beside the files written (None for ADS without it)."""
+    if config.drains_file is not None:
+        return config.drains_file
+    if config.nginx is not None:
+        return config.nginx.directory / DRAINS_FILE
+    if config.serve_xds is not None:
+        return None
+    return xds_dir_for(config, topo) / DRAINS_FILE
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
