@@ -39,6 +39,7 @@ pytestmark = pytest.mark.skipif(not openssl_available(), reason="needs the opens
 
 API_KEY = "sk-mtls-test-key-0123456789abcdef"
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ECDS = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"  # the API keys (apart from LDS)
 
 TOPOLOGY = """\
 version: 1
@@ -98,8 +99,9 @@ def _tls_context(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return context
 
 
-async def _ask_lds(port: int, node: str, creds: grpc.ChannelCredentials | None) -> tuple[str, bytes]:
-    """One SotW LDS request as `node`; (status code name, bytes received)."""
+async def _ask(port: int, node: str, creds: grpc.ChannelCredentials | None,
+               type_url: str = ECDS) -> tuple[str, bytes]:
+    """One SotW request for the API keys (or `type_url`) as `node`; (status code name, bytes received)."""
     received = b""
     target = f"127.0.0.1:{port}"
     channel = grpc.aio.secure_channel(target, creds) if creds is not None else grpc.aio.insecure_channel(target)
@@ -107,7 +109,8 @@ async def _ask_lds(port: int, node: str, creds: grpc.ChannelCredentials | None) 
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
 
         async def requests() -> AsyncIterator[Any]:
-            yield discovery_pb2.DiscoveryRequest(node={"id": node}, type_url=LDS)
+            names = ["envoy.filters.http.api_key_auth"] if type_url == ECDS else []
+            yield discovery_pb2.DiscoveryRequest(node={"id": node}, type_url=type_url, resource_names=names)
             await asyncio.sleep(30)  # keep the stream open; the call's timeout ends it
 
         try:
@@ -224,17 +227,20 @@ def _check_envoys(sidecar: SidecarProcess, pki: Pki, tmp: Path, text: Any, port:
 def _check_grpc_clients(sidecar: SidecarProcess, pki: Pki, xds: int) -> None:
     async def run() -> dict[str, tuple[str, bytes]]:
         return {
-            "valid": await _ask_lds(xds, "envoy-1", _creds(pki, pki.envoys["envoy-1"])),
-            "group": await _ask_lds(xds, "envoy-1/pod-a", _creds(pki, pki.envoys["envoy-1"])),
-            "another node": await _ask_lds(xds, "envoy-0", _creds(pki, pki.envoys["envoy-1"])),
-            "another group": await _ask_lds(xds, "envoy-0/pod-a", _creds(pki, pki.envoys["envoy-1"])),
-            "no certificate": await _ask_lds(xds, "envoy-0", _creds(pki, None)),
-            "other CA": await _ask_lds(xds, "envoy-0", _creds(pki, pki.stranger)),
-            "plaintext": await _ask_lds(xds, "envoy-0", None),
+            "valid": await _ask(xds, "envoy-1", _creds(pki, pki.envoys["envoy-1"])),
+            "listeners": await _ask(xds, "envoy-1", _creds(pki, pki.envoys["envoy-1"]), LDS),
+            "group": await _ask(xds, "envoy-1/pod-a", _creds(pki, pki.envoys["envoy-1"])),
+            "another node": await _ask(xds, "envoy-0", _creds(pki, pki.envoys["envoy-1"])),
+            "another group": await _ask(xds, "envoy-0/pod-a", _creds(pki, pki.envoys["envoy-1"])),
+            "no certificate": await _ask(xds, "envoy-0", _creds(pki, None)),
+            "other CA": await _ask(xds, "envoy-0", _creds(pki, pki.stranger)),
+            "plaintext": await _ask(xds, "envoy-0", None),
         }
 
     results = asyncio.run(run())
     assert results["valid"][0] == "OK" and API_KEY.encode() in results["valid"][1]
+    # the keys travel apart from the listeners (ECDS): a listener update carries none
+    assert results["listeners"][0] == "OK" and API_KEY.encode() not in results["listeners"][1]
     assert results["group"][0] == "OK"
     for case in ("another node", "another group"):
         assert results[case] == ("PERMISSION_DENIED", b""), case

@@ -29,7 +29,7 @@ from sidecar.fleet import XdsView
 from sidecar.logs import log_event
 from sidecar.outputs.publisher import Built, Wiring
 from sidecar.outputs.tls import TlsFiles
-from sidecar.outputs.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
+from sidecar.outputs.xds.cache import CDS, ECDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.outputs.xds.limits import RtdsLimiter
 from sidecar.outputs.xds.metrics import register_xds
 from sidecar.outputs.xds.nodes import Nodes
@@ -139,7 +139,7 @@ class AdsPublisher:
         """
         prepared = await asyncio.to_thread(lambda: [
             (t, self.cache.prepare(t, {str(r["name"]): r for r in items}))
-            for t, items in ((CDS, served.clusters), (LDS, served.listeners))])
+            for t, items in ((CDS, served.clusters), (ECDS, served.extension_configs), (LDS, served.listeners))])
         eds = self.cache.resources(EDS)
         for pool, cla in served.assignments.items():
             endpoints = per_pool.get(pool)
