@@ -11,13 +11,17 @@ printed. Rows go into the campaign table (docs/reliability.md).
   never read a response;
 - NACK storm: one nonce NACKed again and again with 1 MiB of error text;
 - huge and fake node ids: 1 MiB node ids; hundreds of fake nodes that connect and never
-  apply the limits (they must not change the count the in-flight limits are divided by).
+  apply the limits (they must not change the count the in-flight limits are divided by);
+- the HTTP server: slow request heads, thousands of idle connections, a 50 MiB chunked body,
+  a 2,000-deep JSON body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import select
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -341,3 +345,132 @@ def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: Env
                      f"RSS peak {max(peak.peak, peak_fakes.peak) / idle:.2f}x idle",
                      "nothing"))
     assert proxy.admin_get("/ready")[0] == 200
+
+
+def _closed_within(socks: list[socket.socket], timeout: float) -> tuple[int, float]:
+    """How many of `socks` the server closed within `timeout`, and when the last one went (s)."""
+    started = time.monotonic()
+    poller = select.poll()  # (select() stops at descriptor 1024)
+    by_fd = {}
+    for s in socks:
+        s.setblocking(False)
+        by_fd[s.fileno()] = s
+        poller.register(s, select.POLLIN | select.POLLHUP | select.POLLERR)
+    last = 0.0
+    closed = 0
+    while by_fd and time.monotonic() - started < timeout:
+        for fd, _ in poller.poll(200):
+            s = by_fd[fd]
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(fd)
+                del by_fd[fd]
+                closed += 1
+                last = time.monotonic() - started
+    return closed, last
+
+
+def test_hostile_http_clients(tmp_path: Path, campaign: Campaign) -> None:
+    """The sidecar's HTTP server (as shipped) against the issue's HTTP abuse: slow headers, thousands
+    of idle connections, a 50 MiB chunked body, a 2,000-deep JSON body. RSS < 2x idle, no traceback."""
+    xds, listen = free_port(), free_port()
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds,
+                                        workers=f"      - 127.0.0.1:{free_port()}"))
+    sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
+                              "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"], tmp_path / "sidecar.log",
+                             listen)
+    sidecar.start()
+    try:
+        assert poll(lambda: _healthz(sidecar), timeout=30), sidecar.log_tail()
+        assert sidecar.proc is not None
+        pid = sidecar.proc.pid
+        poll(lambda: False, timeout=1.0)
+        idle = rss_kib(pid)
+        slow_n, idle_n = size(300, 300), size(600, 3000)
+        with RssPeak(pid) as peak:
+            # slow headers: a request head that never ends
+            slow = [socket.create_connection(("127.0.0.1", listen), timeout=5) for _ in range(slow_n)]
+            for s in slow:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            closed_slow, last_slow = _closed_within(slow, 30.0)
+            for s in slow:
+                s.close()
+            # idle connections beyond the cap: closed at accept; the ones within it by the idle timeout
+            held = [socket.create_connection(("127.0.0.1", listen), timeout=5) for _ in range(idle_n)]
+            closed_idle, last_idle = _closed_within(held, 30.0)
+            for s in held:
+                s.close()
+            # a 50 MiB chunked body and a 2,000-deep JSON body to /drain
+            sent, answer = _chunked_body(listen, 50 * MIB)
+            deep = b"[" * 2000 + b"]" * 2000
+            status, body = _post(listen, deep)
+        assert closed_slow == slow_n and last_slow < 10 + 10, (closed_slow, last_slow)
+        assert closed_idle == idle_n and last_idle < 10 + 10, (closed_idle, last_idle)
+        assert answer.startswith(b"HTTP/1.1 413") and sent < 4 * MIB, (answer[:60], sent)
+        assert status == 400 and json.loads(body)["error"], (status, body)
+        assert peak.peak < 2 * idle, (peak.peak, idle)
+        assert _healthz(sidecar)
+        assert "Traceback" not in sidecar.log_path.read_text(errors="replace")
+        campaign.add(Row("HTTP: slow headers, idle connections, big and deep bodies",
+                         f"{slow_n} connections sending a request head that never ends; {idle_n} idle "
+                         "connections (cap 256); a 50 MiB chunked body and a 2,000-deep JSON body to /drain",
+                         f"slow heads all closed, the last after {last_slow:.1f} s (timeout 10 s); idle connections "
+                         f"all closed, the last after {last_idle:.1f} s ({idle_n - 256} at accept); chunked: 413 "
+                         f"after {sent // 1024} KiB sent; deep JSON: 400; RSS peak {peak.peak / idle:.2f}x idle",
+                         "nothing"))
+    finally:
+        assert sidecar.stop() == 0, sidecar.log_tail()
+
+
+def _healthz(sidecar: SidecarProcess) -> bool:
+    try:
+        return sidecar.get("/healthz")[0] == 200
+    except OSError:
+        return False
+
+
+def _chunked_body(port: int, total: int) -> tuple[int, bytes]:
+    """POST /drain with a chunked body of up to `total` bytes, reading as it sends; (bytes sent, answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n" % 65536 + b"[" * 65536 + b"\r\n"
+        sent, answer = 0, b""
+        sock.setblocking(False)
+        deadline = time.monotonic() + 30
+        while sent < total and b"\r\n\r\n" not in answer and time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock], [], 0.5)  # one low descriptor
+            if readable:
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                answer += data
+            elif writable:
+                try:
+                    sent += sock.send(chunk)
+                except (BlockingIOError, OSError):
+                    continue
+        return sent, answer
+
+
+def _post(port: int, body: bytes) -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        data = b""
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload
