@@ -5,6 +5,7 @@
 `is_hashing` is THE test for "this policy keeps a session on one worker" (it needs
 `hash_on`; the validator, the plan and both renderers ask it here). A new policy is one
 line here plus its name in `model.Policy` (which the schema and the decoder read).
+`uses_picker` is THE test for "Envoy asks confgen-sidecar's endpoint picker" (ext_proc).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from .model import Balancing
 
-__all__ = ["POLICIES", "BalancingPolicy", "is_hashing", "nginx_method"]
+__all__ = ["POLICIES", "BalancingPolicy", "is_hashing", "nginx_method", "uses_picker"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,10 @@ class BalancingPolicy:
     envoy: str  # Envoy's Cluster.lb_policy
     # nginx's balancing method: "round_robin" (its default), "random", "random_two", "least_conn", "hash"
     nginx: Callable[[Balancing], str]
+    # Envoy asks confgen-sidecar's endpoint picker (ext_proc) per request and obeys it
+    # (override_host over the pool's endpoints, `envoy` as the fallback). nginx has no
+    # picker: it runs `nginx` (validate --nginx warns).
+    picker: bool = False
 
 
 def _least_request_nginx(bal: Balancing) -> str:
@@ -36,12 +41,18 @@ POLICIES: dict[str, BalancingPolicy] = {
     "least_request": BalancingPolicy(hashing=False, envoy="LEAST_REQUEST", nginx=_least_request_nginx),
     "ring_hash": BalancingPolicy(hashing=True, envoy="RING_HASH", nginx=lambda _: "hash"),
     "maglev": BalancingPolicy(hashing=True, envoy="MAGLEV", nginx=lambda _: "hash"),
+    "prefix_affinity": BalancingPolicy(hashing=False, envoy="LEAST_REQUEST", nginx=_least_request_nginx, picker=True),
 }
 
 
 def is_hashing(policy: str) -> bool:
     """Whether `policy` keeps a session on one worker (consistent hashing on `hash_on`)."""
     return POLICIES[policy].hashing
+
+
+def uses_picker(policy: str) -> bool:
+    """Whether Envoy asks the sidecar's endpoint picker for every request of this policy's pools."""
+    return POLICIES[policy].picker
 
 
 def nginx_method(bal: Balancing) -> str:

@@ -16,7 +16,7 @@ from typing import Literal
 from ._fields import Duration, field
 
 Engine = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
-Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev"]
+Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev", "prefix_affinity"]
 RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
 Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
@@ -98,7 +98,12 @@ class HashOn:
 
 @dataclass(frozen=True)
 class Balancing:
-    policy: Policy = field("least_request", doc="Load-balancing policy.")
+    policy: Policy = field(
+        "least_request",
+        doc="Load-balancing policy. prefix_affinity (Envoy only): confgen-sidecar's endpoint picker chooses per "
+        "request (the worker that probably holds the prompt's prefix in its KV cache, unless its load is past the "
+        "others'; long generations toward the fastest), with least_request when the picker says nothing.",
+    )
     choice_count: int = field(
         2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100
     )
@@ -470,6 +475,13 @@ class SidecarLink:
         "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
     )
     port: int = field(9109, doc="Port of confgen-sidecar's HTTP server.", minimum=1, maximum=65535)
+    grpc_port: int = field(
+        9110,
+        doc="Port of confgen-sidecar's gRPC services on the same address (the endpoint picker Envoy calls for "
+        "pools with policy prefix_affinity; the sidecar's --grpc-listen).",
+        minimum=1,
+        maximum=65535,
+    )
     models: bool = field(
         True,
         doc="Answer GET /v1/models from the sidecar's health view: only the models with healthy capacity "

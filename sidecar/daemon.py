@@ -408,6 +408,7 @@ class Daemon:
                     errors=dict(t.errors),
                     serving=(t.decision.status in (Status.HEALTHY, Status.DEGRADED) and not t.decision.min_weight)
                     if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
+                    token_latency_s=t.trend.token_latency_s,
                 )
                 for k, t in members
             )

@@ -74,6 +74,7 @@ class EndpointView:
     last_error: str | None
     errors: Mapping[str, int]
     serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
+    token_latency_s: float | None = None  # smoothed time per output token (the weights' speed), when measured
 
 
 @dataclass(frozen=True, slots=True)

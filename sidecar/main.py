@@ -27,15 +27,18 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, xds_dir_for
 from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings
 from sidecar.outputs.publisher import Wiring
 from sidecar.outputs.publisher import build as build_publisher
+from sidecar.outputs.service import ServiceWiring, wanted
+from sidecar.outputs.service import build as build_service
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
@@ -112,6 +115,22 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
         await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
+        # gRPC services the topology needs (the endpoint picker), on one server. A reload that
+        # adds a prefix_affinity pool needs a restart to start the picker.
+        service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
+        services = [build_service(name, service_wiring) for name in wanted(topo)]
+        grpc_server: GrpcServer | None = None
+        if services:
+            try:
+                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
+                for service in services:
+                    grpc_server.add(service.add_to, service.name)
+                    await service.start()
+                await grpc_server.start()
+            except (ConfigError, OSError) as exc:
+                await publisher.close()
+                log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+                return EXIT_USAGE
         register(registry, daemon.view)
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
@@ -123,6 +142,8 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             await start_site(runner, config.listen_host, config.listen_port, bounds)
         except OSError as exc:
             await runner.cleanup()
+            if grpc_server is not None:
+                await grpc_server.stop(0)
             await publisher.close()
             log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
                       port=config.listen_port, error=str(exc))
@@ -140,11 +161,19 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             while not stop.is_set():
                 started = loop.time()
                 await daemon.cycle()
+                if services:
+                    fleet = daemon.view()
+                    for service in services:
+                        service.update(fleet)
                 pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
                 await _sleep_or_stop(stop, started + pause - loop.time())
         finally:
             log_event(_log, logging.INFO, "shutdown.begin")
             await watcher.stop()
+            if grpc_server is not None:
+                await grpc_server.stop()
+            for service in services:
+                await service.close()
             await publisher.close()
             await runner.cleanup()
     log_event(_log, logging.INFO, "shutdown.done")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..balancing import POLICIES
+from ..balancing import POLICIES, uses_picker
 from ..model import ENVOY_CAP_MAX, Pool, Topology, is_ip, split_address
 from ..plan import Plan
 from . import layout
-from ._proto import Json, dur, typed
+from ._proto import Json, dur, extension, typed
 from .eds import Endpoint, build_cla, static_weight
 
 
@@ -49,7 +49,6 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
     cluster: Json = {
         "name": pool.name,
         "connect_timeout": dur(pool.timeouts.connect),
-        "lb_policy": POLICIES[pool.balancing.policy].envoy,
         "ignore_health_on_host_removal": True,
         "circuit_breakers": {"thresholds": [_thresholds(topo, pool)]},
         "common_lb_config": _common_lb(topo, plan, pool),
@@ -75,14 +74,12 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
         cluster["dns_lookup_family"] = "V4_PREFERRED"
         cluster["load_assignment"] = _dns_assignment(pool)
     bal = pool.balancing
+    if uses_picker(bal.policy):
+        cluster["load_balancing_policy"] = _override_host(pool)
+    else:
+        cluster["lb_policy"] = POLICIES[bal.policy].envoy
     if bal.policy == "least_request":
-        cluster["least_request_lb_config"] = {
-            "choice_count": bal.choice_count,
-            "active_request_bias": {
-                "default_value": bal.active_request_bias,
-                "runtime_key": f"confgen.{pool.name}.active_request_bias",
-            },
-        }
+        cluster["least_request_lb_config"] = _least_request(pool)
     elif bal.policy == "ring_hash":
         cluster["ring_hash_lb_config"] = {"hash_function": "XX_HASH", "minimum_ring_size": 1024}
     if pool.health.enabled:
@@ -110,6 +107,46 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
             "enforcing_success_rate": 0,
         }
     return typed("config.cluster.v3.Cluster", cluster)
+
+
+def _least_request(pool: Pool) -> Json:
+    bal = pool.balancing
+    return {
+        "choice_count": bal.choice_count,
+        "active_request_bias": {
+            "default_value": bal.active_request_bias,
+            "runtime_key": f"confgen.{pool.name}.active_request_bias",
+        },
+    }
+
+
+# The Endpoint Picker Protocol's destination header (and its dynamic metadata namespace).
+PICKER_HEADER = "x-gateway-destination-endpoint"
+PICKER_METADATA_NS = "envoy.lb"
+
+
+def _override_host(pool: Pool) -> Json:
+    """The picker's choice, among the pool's own (EDS) endpoints only: a host the header names
+    that is not one of them, or is unhealthy, is ignored and least_request picks instead. So a
+    bad or forged pick cannot send traffic anywhere else (ORIGINAL_DST would connect to any
+    ip:port the header names)."""
+    least = {"typed_extension_config": extension(
+        "envoy.load_balancing_policies.least_request",
+        "extensions.load_balancing_policies.least_request.v3.LeastRequest",
+        _least_request(pool),
+    )}
+    return {"policies": [{"typed_extension_config": extension(
+        "envoy.load_balancing_policies.override_host",
+        "extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        {
+            # The metadata first: it lists the picker's fallbacks after its choice (retries).
+            "override_host_sources": [
+                {"metadata": {"key": PICKER_METADATA_NS, "path": [{"key": PICKER_HEADER}]}},
+                {"header": PICKER_HEADER},
+            ],
+            "fallback_policy": {"policies": [least]},
+        },
+    )}]}
 
 
 def breaker_runtime_keys(pool: str) -> tuple[str, str]:
@@ -177,7 +214,37 @@ def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
     out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
     if topo.models_endpoint and topo.sidecar.models:
         out.append(sidecar_cluster(topo))
+    if picker_wanted(topo):
+        out.append(picker_cluster(topo))
     return out
+
+
+# confgen-sidecar's gRPC services (the endpoint picker): HTTP/2, a name no pool can have.
+SIDECAR_GRPC_CLUSTER = "confgen_sidecar_grpc"
+
+
+def picker_wanted(topo: Topology) -> bool:
+    return any(uses_picker(p.balancing.policy) for p in topo.pools)
+
+
+def picker_cluster(topo: Topology) -> Json:
+    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.grpc_port}}
+    return typed("config.cluster.v3.Cluster", {
+        "name": SIDECAR_GRPC_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "load_assignment": {"cluster_name": SIDECAR_GRPC_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
+            "extensions.upstreams.http.v3.HttpProtocolOptions",
+            {"explicit_http_config": {"http2_protocol_options": {
+                "connection_keepalive": {"interval": "30s", "timeout": "5s"}}}})},
+        # One stream per request in flight (it stays open until the response ends): as many as
+        # Envoy's own caps allow, never the 1,024 default that would make busy pools fall back.
+        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_requests": ENVOY_CAP_MAX,
+                                             "max_pending_requests": ENVOY_CAP_MAX,
+                                             "max_connections": 64}]},
+    })
 
 
 # The confgen-sidecar next to Envoy, asked for GET /v1/models only. A name no pool can have

@@ -9,7 +9,11 @@ Filter order, and why:
   4. json_to_metadata - read the body's `model` into dynamic metadata; routes match on it
                         (no header a client could forge decides the pool).
   5. rbac             - per-route client allow lists, evaluated on the final route.
-  6. router
+  6. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
+                        picker reads the buffered body and names the worker
+                        (x-gateway-destination-endpoint, which header_mutation strips from
+                        clients); fails open within `PICKER_TIMEOUT`.
+  7. router
 """
 
 from __future__ import annotations
@@ -19,7 +23,15 @@ from collections.abc import Mapping
 from .._openai import MODEL_CONTENT_TYPES, models_body
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
-from ._clusters import SIDECAR_CLUSTER, SIDECAR_TIMEOUT, target_cluster
+from ._clusters import (
+    PICKER_HEADER,
+    PICKER_METADATA_NS,
+    SIDECAR_CLUSTER,
+    SIDECAR_GRPC_CLUSTER,
+    SIDECAR_TIMEOUT,
+    picker_wanted,
+    target_cluster,
+)
 from ._proto import Json, dur, extension, typed
 from ._replies import META_NS, local_reply_config
 
@@ -54,6 +66,8 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
     internal = [*ENVOY_CONTROL_HEADERS]
     if topo.auth is not None:
         internal.insert(0, topo.auth.client_header)
+    if picker_wanted(topo):
+        internal.append(PICKER_HEADER)  # a client must not choose the worker
     filters = [extension(
         "envoy.filters.http.header_mutation",
         "extensions.filters.http.header_mutation.v3.HeaderMutation",
@@ -120,11 +134,49 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
     if restricted:
         # No rules here: allow everything unless a route narrows it (typed_per_filter_config).
         filters.append(extension("envoy.filters.http.rbac", "extensions.filters.http.rbac.v3.RBAC", {}))
+    if picker_wanted(topo):
+        filters.append(_picker_filter())
     filters.append(extension(
         "envoy.filters.http.router", "extensions.filters.http.router.v3.Router",
         {"suppress_envoy_headers": True},
     ))
     return filters
+
+
+PICKER_FILTER = "envoy.filters.http.ext_proc"
+PICKER_TIMEOUT = "0.2s"  # per message; then Envoy's own balancer picks (failure_mode_allow)
+
+
+def _picker_filter() -> Json:
+    """ext_proc to the sidecar's endpoint picker, for every request of the listener.
+
+    Not per route: the route depends on the body's model (json_to_metadata), and Envoy
+    decides which filters run, and reads their per-route settings, from the route known at
+    the headers, before the body is read. So the picker sees every request and finds the
+    pool from the model itself (pools' models, default_pool); for a pool that is not
+    prefix_affinity it answers at once with nothing (Envoy's own balancer). Its header names
+    an endpoint only the pool's override_host cluster obeys; any other cluster ignores it.
+    The body is already buffered (json_to_metadata); the picker answers on it. The response
+    is not sent to it, but the trailers mode keeps the gRPC stream open until the response
+    ends, which is how it counts requests in flight."""
+    return extension(PICKER_FILTER, "extensions.filters.http.ext_proc.v3.ExternalProcessor", {
+        "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
+        "failure_mode_allow": True,
+        "message_timeout": PICKER_TIMEOUT,
+        "processing_mode": {
+            # SEND, though the picker needs only the body: that is what holds the headers in
+            # this filter until the body's answer. With SKIP the router already has them and
+            # picks the host before the picker answers (measured: the pick was ignored).
+            "request_header_mode": "SEND",
+            "request_body_mode": "BUFFERED",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SKIP",
+            "response_body_mode": "NONE",
+            "response_trailer_mode": "SEND",
+        },
+        "metadata_options": {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
+        "route_cache_action": "RETAIN",  # the destination header matches no route: no re-match
+    })
 
 
 def _per_client_limits(topo: Topology) -> list[tuple[str, RateLimit]]:

@@ -24,7 +24,7 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -66,6 +66,7 @@ class SidecarConfig:
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
     drains_file: Path | None = None  # --drains-file; default: next to the files the sidecar writes (none for ADS)
+    grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
 
     @property
     def publisher(self) -> str:
@@ -98,6 +99,8 @@ class SidecarConfig:
             raise ConfigError("--xds-tls-cert/--xds-tls-key/--xds-client-ca need --serve-xds")
         if self.xds_max_nodes < 1:
             raise ConfigError(f"--xds-max-nodes must be >= 1, got {self.xds_max_nodes}")
+        if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
+            raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
 
 
 def _version() -> str:
@@ -162,6 +165,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drains-file", type=Path, metavar="PATH", help="where drains set by POST /drain are kept "
                    "across restarts (default: .confgen-drains.json next to the xDS or nginx files; with --serve-xds "
                    "none unless given: give a path on a persistent volume)")
+    p.add_argument("--grpc-listen", metavar="HOST:PORT",
+                   help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
+                   "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
+                   "Plaintext: a loopback address only")
     add_nginx_arguments(p)
     return p
 
@@ -236,6 +243,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         xds_tls=_tls_files(args),
         drains_file=args.drains_file.absolute() if args.drains_file else None,
         xds_max_nodes=args.xds_max_nodes,
+        grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
     )
 
 
@@ -260,6 +268,11 @@ def drains_file_for(config: SidecarConfig, topo: Topology) -> Path | None:
     if config.serve_xds is not None:
         return None
     return xds_dir_for(config, topo) / DRAINS_FILE
+
+
+def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
+    """Where the gRPC services listen: --grpc-listen, else loopback at the topology's grpc_port."""
+    return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:

@@ -79,6 +79,7 @@ class LoadSample:
     engines: int = 1
     token_latency_s: float | None = None
     token_latency_n: float | None = None
+    kv_blocks: float | None = None  # KV cache size in blocks (vLLM's cache_config_info num_gpu_blocks), summed
 
 
 _Combine = Literal["sum", "mean"]
@@ -103,6 +104,8 @@ class _Engine:
     token_latency: tuple[tuple[str, str], ...] = ()
     # TGI has no KV gauge; reserved batch tokens / token budget is the closest proxy.
     kv_ratio: tuple[str, str] | None = None
+    # (info metric, label) giving the KV cache's size in blocks (the endpoint picker sizes its index).
+    kv_blocks: tuple[str, str] | None = None
 
 
 _ENGINES: Final[dict[str, _Engine | None]] = {
@@ -120,6 +123,7 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
             ("inter_token_latency_seconds_sum", "inter_token_latency_seconds_count"),
             ("time_per_output_token_seconds_sum", "time_per_output_token_seconds_count"),
         ),
+        kv_blocks=("cache_config_info", "num_gpu_blocks"),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
@@ -210,6 +214,11 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         total = field(_Field((spec.kv_ratio[1],)))
         kv = used / total if used is not None and total else None
     latency_s, latency_n = _token_latency(text, prefix, spec.token_latency)
+    kv_blocks = None
+    if spec.kv_blocks is not None:
+        blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
+        numbers = [float(b) for b in blocks if b.isascii() and b.isdigit()]
+        kv_blocks = sum(numbers) if numbers else None
     return LoadSample(
         running=running[0],
         waiting=waiting[0],
@@ -220,6 +229,7 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         engines=max(running[1], 1),
         token_latency_s=latency_s,
         token_latency_n=latency_n,
+        kv_blocks=kv_blocks,
     )
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from confgen.balancing import uses_picker
 from confgen.model import Topology
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
     from sidecar.fleet import Snapshot
 
-__all__ = ["SERVICES", "Service", "ServiceWiring", "build"]
+__all__ = ["SERVICES", "Service", "ServiceWiring", "build", "wanted"]
 
 
 class Service(Protocol):
@@ -73,7 +74,16 @@ class ServiceWiring:
 
 
 SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
+    "picker": "sidecar.outputs.picker:build",  # Envoy ext_proc endpoint picker (policy prefix_affinity)
 }
+
+
+def wanted(topo: Topology) -> list[str]:
+    """The services `topo` needs, in start order (`sidecar.main` starts these and no others)."""
+    out = []
+    if any(uses_picker(pool.balancing.policy) for pool in topo.pools):
+        out.append("picker")
+    return out
 
 
 def build(name: str, wiring: ServiceWiring) -> Service:

@@ -16,7 +16,7 @@ from tests.observability.promtools import tool
 
 HERE = Path(__file__).resolve().parent
 RULES = HERE.parents[1] / "confgen" / "deploy" / "assets" / "alerts.yaml"
-ALERTS = {"ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
+ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent"}
 

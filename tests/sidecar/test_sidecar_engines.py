@@ -277,3 +277,16 @@ def test_token_latency_sum_and_count_come_from_one_family() -> None:
     assert latency(old) == (9.0, 10.0)
     assert latency(new.splitlines(keepends=True)[0] + old) == (9.0, 10.0)
     assert latency(new.splitlines(keepends=True)[0]) == (None, None)
+
+
+def test_vllm_kv_cache_size_in_blocks_from_cache_config_info() -> None:
+    body = (
+        b"vllm:num_requests_running{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"0\"} 0\n"
+        b"vllm:num_requests_running{engine=\"1\"} 1\nvllm:num_requests_waiting{engine=\"1\"} 0\n"
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4096",num_cpu_blocks="None"} 1.0\n'
+        b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4096",num_cpu_blocks="None"} 1.0\n'
+    )
+    sample = extract("vllm", body)
+    assert sample is not None and sample.kv_blocks == 8192  # both data-parallel engines
+    plain = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n")
+    assert plain is not None and plain.kv_blocks is None

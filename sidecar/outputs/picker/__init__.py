@@ -1,0 +1,112 @@
+"""The endpoint picker: per-request routing for pools with `policy: prefix_affinity`.
+
+Envoy's ext_proc filter hands it each request (headers and body); it answers with the
+endpoint to use in the Endpoint Picker Protocol's header and metadata, which Envoy's
+override_host load-balancing policy obeys (falling back to least_request when the picker
+says nothing or cannot be reached). Pieces:
+
+    prompt      body -> prompt text, size, chained block hashes
+    datastore   endpoints per pool: the fleet view's facts + in-flight counts + prefix indexes
+    scheduling  filters, scorers (prefix, load, kv, cost) and the picker
+    extproc     the gRPC ext_proc servicer (protocol, bounds)
+    metrics     Prometheus
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from confgen.balancing import uses_picker
+from confgen.model import Topology
+from confgen.plan import plan
+
+from .datastore import Datastore, EndpointFacts, PoolFacts
+from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
+from .metrics import PickerMetrics
+from .scheduling import Picker, PickerPolicy
+
+if TYPE_CHECKING:
+    import grpc
+
+    from sidecar.fleet import Snapshot
+    from sidecar.outputs.service import ServiceWiring
+
+__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "build", "facts", "routes"]
+
+
+def routes(topo: Topology) -> dict[str | None, str]:
+    """The pool each model's requests go to (None: requests naming no model), in the routing
+    plan's order: explicit routes that match on models alone, per-model routes (aliases
+    included), default_pool. A route that also matches on headers or a path is not knowable
+    from the body; its models keep the pool their per-model route gives."""
+    out: dict[str | None, str] = {}
+    for planned in plan(topo).routes:
+        if planned.kind == "default":
+            out.setdefault(None, planned.pool.name)
+        elif planned.models and not planned.headers and (planned.path_prefix or "/") == "/":
+            for model in planned.models:
+                out.setdefault(model, planned.pool.name)
+    return out
+
+
+def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
+    """The picker's pools (policy prefix_affinity), from the daemon's fleet view."""
+    pools = {p.name: p for p in topo.pools if uses_picker(p.balancing.policy)}
+    out = []
+    for pv in view.pools:
+        pool = pools.get(pv.name)
+        if pool is None:
+            continue
+        capacity = {w.address: w.capacity or pool.capacity for w in pool.workers}
+        endpoints = []
+        for ev in pv.endpoints:
+            s = ev.sample
+            endpoints.append(EndpointFacts(
+                address=f"[{ev.key.address}]:{ev.key.port}" if ":" in ev.key.address else
+                f"{ev.key.address}:{ev.key.port}",
+                serving=ev.serving and ev.status in ("HEALTHY", "DEGRADED"),
+                capacity=max(1, capacity.get(ev.key.worker, pool.capacity) or 1),
+                running=s.running if s else 0.0,
+                waiting=s.waiting if s else 0.0,
+                kv_usage=s.kv_usage if s else None,
+                token_latency_s=ev.token_latency_s,
+                kv_blocks=int(s.kv_blocks) if s and s.kv_blocks else None,
+            ))
+        out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints)))
+    return out
+
+
+class PickerService:
+    """The picker as a `sidecar.outputs.service.Service`."""
+
+    name = "picker"
+
+    def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None) -> None:
+        self._topology = wiring.topology
+        self.store = Datastore()
+        self.metrics = PickerMetrics(wiring.registry, self.store.pools)
+        # Until the daemon's first view arrives the store is empty: every request is left to
+        # the proxy's own balancer (least_request).
+        self.servicer = PickerServicer(self.store, Picker(policy), self.metrics, limits=ExtProcLimits())
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        return None
+
+    def update(self, fleet: Snapshot) -> None:
+        topo = self._topology()
+        self.store.update(facts(fleet, topo), routes(topo))
+
+    def problems(self) -> list[str]:
+        return []  # before the first fleet view every request is left to Envoy's own balancer
+
+    async def close(self) -> None:
+        return None
+
+
+def build(wiring: ServiceWiring) -> PickerService:
+    return PickerService(wiring)

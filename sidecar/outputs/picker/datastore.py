@@ -1,0 +1,149 @@
+"""The picker's one datastore: the endpoints of the pools it picks for, what the fleet view
+says of each (refreshed every probe cycle) and what only the picker knows (refreshed at
+every request): requests in flight through it, and the prompt blocks it sent there.
+
+Keyed by pool, then by "ip:port" (the form Envoy's override_host and the Endpoint Picker
+Protocol name a host by). An endpoint that stays across updates keeps its in-flight count
+and its prefix index; one that leaves takes both with it.
+
+Index memory is capped: each endpoint's LRU holds at most the engine's reported KV blocks
+(else `default_blocks`, 31,250: the inference extension's default, ~500k tokens), and all
+of them together at most `total_blocks` (1,000,000 hashes, ~100 MB at worst), shared
+evenly when the fleet is large.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BlockLRU", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
+
+
+class BlockLRU:
+    """The block hashes last sent to one endpoint, least recently used evicted first."""
+
+    __slots__ = ("_blocks", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain are held (chained: the first miss ends it)."""
+        n = 0
+        blocks = self._blocks
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Iterable[int]) -> None:
+        blocks = self._blocks
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        self._trim()
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._trim()
+
+    def _trim(self) -> None:
+        blocks = self._blocks
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointFacts:
+    """What the fleet view says of one endpoint (the daemon's last cycle)."""
+
+    address: str  # ip:port
+    serving: bool  # in rotation and not known to be failing
+    capacity: int = 1  # sequences it runs at once (the topology's capacity)
+    running: float = 0.0  # engine-reported, may be a cycle old
+    waiting: float = 0.0
+    kv_usage: float | None = None  # 0..1
+    token_latency_s: float | None = None  # measured time per output token (smoothed)
+    kv_blocks: int | None = None  # the engine's KV cache in blocks, when reported
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFacts:
+    name: str
+    models: tuple[str, ...]
+    endpoints: tuple[EndpointFacts, ...]
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    facts: EndpointFacts
+    index: BlockLRU
+    in_flight: int = 0  # requests this picker sent here that have not ended
+
+    @property
+    def address(self) -> str:
+        return self.facts.address
+
+
+@dataclass(slots=True)
+class _Pool:
+    models: tuple[str, ...]
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+
+
+class Datastore:
+    def __init__(self, *, default_blocks: int = 31_250, total_blocks: int = 1_000_000) -> None:
+        self.default_blocks = default_blocks
+        self.total_blocks = total_blocks
+        self._pools: dict[str, _Pool] = {}
+        self._routes: dict[str | None, str] = {}
+
+    def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None) -> None:
+        """Replace the fleet facts; keep the in-flight counts and indexes of endpoints that stay.
+
+        `routes`: the pool each model goes to (None: requests naming no model), every pool of
+        the topology, the picker's or not; default: each picker pool's own models."""
+        count = sum(len(p.endpoints) for p in pools) or 1
+        share = max(1, self.total_blocks // count)
+        fresh: dict[str, _Pool] = {}
+        for pool in pools:
+            old = self._pools.get(pool.name)
+            entry = _Pool(pool.models)
+            for facts in pool.endpoints:
+                cap = min(facts.kv_blocks or self.default_blocks, share)
+                kept = old.endpoints.get(facts.address) if old is not None else None
+                if kept is None:
+                    kept = Endpoint(facts, BlockLRU(cap))
+                else:
+                    kept.facts = facts
+                    if kept.index.capacity != cap:
+                        kept.index.resize(cap)
+                entry.endpoints[facts.address] = kept
+            fresh[pool.name] = entry
+        self._pools = fresh
+        self._routes = dict(routes) if routes is not None else {m: p.name for p in pools for m in p.models}
+
+    def pools(self) -> Mapping[str, Sequence[Endpoint]]:
+        return {name: list(p.endpoints.values()) for name, p in self._pools.items()}
+
+    def endpoints(self, pool: str) -> list[Endpoint]:
+        entry = self._pools.get(pool)
+        return list(entry.endpoints.values()) if entry is not None else []
+
+    def pool_for(self, model: str | None) -> str | None:
+        """The picker's pool a request goes to when the proxy did not say: the one its model
+        routes to (None when that pool is not the picker's); without routes, the only pool."""
+        if self._routes:
+            pool = self._routes.get(model)
+            return pool if pool in self._pools else None
+        return next(iter(self._pools)) if len(self._pools) == 1 else None
+
+    def index_size(self) -> int:
+        return sum(len(e.index) for p in self._pools.values() for e in p.endpoints.values())

@@ -1,0 +1,74 @@
+"""The picker's metrics (Prometheus), registered in the sidecar's registry.
+
+    confgen_picker_picks_total{pool,reason}     reason: prefix (the best prefix holder), spill (a prefix
+                                                holder was passed over for load), load (no prefix known),
+                                                only (one candidate), unavailable (503 for a subset hint)
+    confgen_picker_unpicked_total{reason}       left to the proxy's own balancer: not_ours (another
+                                                pool), none_ready, timeout
+    confgen_picker_streams_total                ext_proc streams opened (one per request)
+    confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
+                                                matched/requested estimates the prefix-cache hit ratio
+    confgen_picker_pick_seconds                 time to choose (parse, hash, score), histogram
+    confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
+    confgen_picker_index_blocks                 prompt block hashes held in all the indexes
+
+Envoy counts what the picker cannot see (its calls that failed or timed out and fell back
+to Envoy's own balancer): ext_proc's `failure_mode_allowed` statistic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .datastore import Endpoint
+from .scheduling import Pick
+
+__all__ = ["PickerMetrics"]
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+
+
+class _Live(Collector):
+    def __init__(self, pools: Callable[[], Mapping[str, Sequence[Endpoint]]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily("confgen_picker_in_flight", "Requests in flight through the picker",
+                                      labels=["pool", "endpoint"])
+        blocks = GaugeMetricFamily("confgen_picker_index_blocks", "Prompt block hashes held in the prefix indexes")
+        total = 0
+        for pool, endpoints in self._pools().items():
+            for e in endpoints:
+                in_flight.add_metric([pool, e.address], e.in_flight)
+                total += len(e.index)
+        blocks.add_metric([], total)
+        yield in_flight
+        yield blocks
+
+
+class PickerMetrics:
+    def __init__(self, registry: CollectorRegistry | None,
+                 pools: Callable[[], Mapping[str, Sequence[Endpoint]]] | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.picks = Counter("confgen_picker_picks", "Picks by reason", ["pool", "reason"], registry=reg)
+        self.unpicked = Counter("confgen_picker_unpicked", "Requests left to the proxy's own balancer",
+                                ["reason"], registry=reg)
+        self.streams = Counter("confgen_picker_streams", "ext_proc streams opened", registry=reg)
+        self.blocks = Counter("confgen_picker_prefix_blocks", "Prompt blocks requested / matched at the chosen "
+                              "endpoint", ["kind"], registry=reg)
+        self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
+                                 registry=reg)
+        self._requested = self.blocks.labels(kind="requested")
+        self._matched = self.blocks.labels(kind="matched")
+        if pools is not None:
+            reg.register(_Live(pools))
+
+    def observe_pick(self, pool: str, pick: Pick, seconds: float) -> None:
+        self.picks.labels(pool=pool, reason=pick.reason).inc()
+        self._requested.inc(pick.prompt_blocks)
+        self._matched.inc(pick.matched_blocks)
+        self.latency.observe(seconds)

@@ -1,0 +1,87 @@
+"""sidecar.outputs.grpc: the one gRPC server builder (bind rules, caps, adding a service)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sidecar.config import ConfigError, from_argv, grpc_listen_for
+from sidecar.outputs.grpc import GrpcLimits, GrpcServer, GrpcSettings, TlsSettings, is_loopback
+
+_METHOD = "/confgen.test.Echo/Echo"
+
+
+def _echo() -> grpc.GenericRpcHandler:
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    handler = grpc.unary_unary_rpc_method_handler(echo)
+    return grpc.method_handlers_generic_handler("confgen.test.Echo", {"Echo": handler})
+
+
+def _register(handler: grpc.GenericRpcHandler):  # type: ignore[no-untyped-def]
+    return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+def test_plaintext_is_refused_beyond_loopback() -> None:
+    for host in ("0.0.0.0", "10.1.2.3", "example.com", ""):
+        with pytest.raises(ConfigError, match="loopback"):
+            GrpcServer(GrpcSettings(host, 0))
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+
+
+def test_tls_files_unreadable_is_a_config_error(tmp_path: Path) -> None:
+    server = GrpcServer(GrpcSettings("0.0.0.0", 0, tls=TlsSettings(tmp_path / "no.crt", tmp_path / "no.key")))
+    with pytest.raises(ConfigError, match="cannot read"):
+        asyncio.run(server.start())
+
+
+def test_serves_an_added_service_and_caps_message_size() -> None:
+    async def main() -> None:
+        server = GrpcServer(GrpcSettings("127.0.0.1", 0, GrpcLimits(max_message_bytes=64 * 1024)))
+        server.add(_register(_echo()), "echo")
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary(_METHOD)
+                assert await call(b"hello", timeout=10) == b"hello"
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(b"x" * (128 * 1024), timeout=10)
+                assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(RuntimeError):
+                server.add(_register(_echo()), "echo")
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_taken_port_is_a_config_error() -> None:
+    async def main() -> None:
+        first = GrpcServer(GrpcSettings("127.0.0.1", 0))
+        port = await first.start()
+        try:
+            with pytest.raises(ConfigError, match="gRPC listen"):
+                await GrpcServer(GrpcSettings("127.0.0.1", port)).start()
+        finally:
+            await first.stop(0)
+
+    asyncio.run(main())
+
+
+def test_grpc_listen_flag_and_topology_default(tmp_path: Path) -> None:
+    from confgen.topology import load
+
+    topo_file = tmp_path / "t.yaml"
+    topo_file.write_text(
+        "version: 1\nname: t\nlisteners: [{name: l, port: 8080}]\n"
+        "pools: [{name: p, engine: vllm, models: [m], workers: ['127.0.0.1:8000']}]\n")
+    topo, _ = load(topo_file)
+    assert grpc_listen_for(from_argv(["--topology", str(topo_file)]), topo) == ("127.0.0.1", 9110)
+    config = from_argv(["--topology", str(topo_file), "--grpc-listen", "127.0.0.1:9999"])
+    assert grpc_listen_for(config, topo) == ("127.0.0.1", 9999)
+    with pytest.raises(ConfigError):
+        from_argv(["--topology", str(topo_file), "--grpc-listen", "nope"])

@@ -1,0 +1,288 @@
+"""The endpoint picker live: simulated fleet + rendered Envoy (prefix_affinity) + the sidecar.
+
+Plain chat clients (no session header) resend growing conversations; the picker must send
+each turn back to the worker holding its prefix (the simulator reports its prefix-cache
+hits), spill when that worker's queue grows, and never cost a request when it dies or
+comes back (Envoy's failure_mode_allow: least_request picks meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from confgen import envoy, parse_topology
+from confgen.output import write_tree
+from confgen.runtime import EnvoyProcess, free_port
+from confgen.simulate import FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
+from tests.sidecar_live.rig import FAST_ARGS, Rig, SidecarProcess, poll, worker_specs
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@contextlib.contextmanager
+def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
+               extra_args: Sequence[str] = ()) -> Iterator[Rig]:
+    with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=5)) as fleet:
+        port, admin, listen, grpc_port = free_port(), free_port(), free_port(), free_port()
+        text = fleet_topology(
+            name="live", admin=admin, port=port, workers=[f"127.0.0.1:{w.port}" for w in fleet.workers],
+            models=["sim-model"], capacity=capacity,
+            pool=["balancing: {policy: prefix_affinity}", "health: {enabled: false}",
+                  "outlier_detection: {enabled: false}"],
+            tail=[f"sidecar: {{grpc_port: {grpc_port}}}"])
+        topo_path = tmp / "topology.yaml"
+        topo_path.write_text(text)
+        xds = tmp / "envoy"
+        topo, _ = parse_topology(text.encode())
+        write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
+        args = ["--topology", str(topo_path), "--xds-dir", str(xds), "--listen", f"127.0.0.1:{listen}",
+                *FAST_ARGS, *extra_args]
+        sidecar = SidecarProcess(args, tmp / "sidecar.log", listen)
+        with EnvoyProcess(xds / "bootstrap.json") as proxy:
+            sidecar.start()
+            try:
+                sidecar.wait_ready()
+                rig = Rig(fleet, proxy, sidecar, topo_path, xds, port, admin, extra={"grpc_port": grpc_port})
+                assert poll(lambda: _picker_ready(rig), timeout=30), sidecar.log_tail()
+                yield rig
+            finally:
+                code = sidecar.stop()
+            assert code == 0, f"sidecar exited {code} on SIGTERM:\n{sidecar.log_tail()}"
+
+
+def _picker_ready(rig: Rig) -> bool:
+    """The picker has the fleet view: a request gets picked (counted by reason)."""
+    status, _ = chat(rig, [{"role": "user", "content": "warm up"}])
+    return status == 200 and picks(rig.sidecar) > 0
+
+
+def picks(sidecar: SidecarProcess, reason: str | None = None) -> float:
+    total = 0.0
+    for line in sidecar.metrics().splitlines():
+        if line.startswith("confgen_picker_picks_total{") and (reason is None or f'reason="{reason}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def chat(rig: Rig, messages: list[dict[str, str]], *, max_tokens: int = 4, headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "sim-model", "messages": messages, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{rig.port}/v1/chat/completions", data=body, method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers.get("x-sim-worker", "-")
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("x-sim-worker", "-")
+    except OSError:
+        return 0, "-"
+
+
+def picker_fallbacks(rig: Rig) -> int:
+    """Requests Envoy sent without the picker's answer (it timed out or failed: failure_mode_allow).
+    On a loaded machine a pick can miss its 200 ms; those requests go by least_request."""
+    stats = rig.envoy.stats()
+    return sum(int(v) for k, v in stats.items()
+               if k.endswith(("ext_proc.failure_mode_allowed", "ext_proc.message_timeouts")) and str(v).isdigit())
+
+
+def conversation_system(i: int) -> str:
+    return f"You are assistant number {i}. " + f"Conversation {i} has a long shared context. " * 8
+
+
+def prefix_hits(rig: Rig) -> tuple[int, int]:
+    lookups = hits = 0
+    for w in rig.fleet.workers:
+        pc = w.stats()["prefix_cache"]
+        lookups += pc["lookups"]
+        hits += pc["hits"]
+    return hits, lookups
+
+
+def test_growing_conversations_go_back_to_the_worker_holding_their_prefix(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b", "c", "d"])) as rig:
+        before_hits, before_lookups = prefix_hits(rig)
+        conversations = 12
+        turns = 5
+        homes: dict[int, Counter[str]] = {i: Counter() for i in range(conversations)}
+        failures = 0
+
+        def talk(i: int) -> None:
+            nonlocal failures
+            messages = [{"role": "system", "content": conversation_system(i)}]
+            for turn in range(turns):
+                messages.append({"role": "user", "content": f"turn {turn} of conversation {i}: tell me more"})
+                status, worker = chat(rig, messages)
+                if status != 200:
+                    failures += 1
+                homes[i][worker] += 1
+                messages.append({"role": "assistant", "content": f"answer {turn}"})
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(talk, range(conversations)))
+        hits, lookups = prefix_hits(rig)
+        hits, lookups = hits - before_hits, lookups - before_lookups
+        assert failures == 0
+        # Each conversation's first turn misses; every later turn should hit.
+        ratio = hits / lookups
+        assert ratio >= 0.7, (ratio, homes)
+        spread = Counter(w for c in homes.values() for w in c)
+        assert len(spread) == 4, spread  # conversations spread over every worker, not piled on one
+        sticky = sum(c.most_common(1)[0][1] for c in homes.values()) / (conversations * turns)
+        assert sticky >= 0.8, homes
+
+
+def test_client_sent_destination_header_is_ignored(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        messages = [{"role": "system", "content": conversation_system(100)}, {"role": "user", "content": "same"}]
+        status, home = chat(rig, messages)
+        assert status == 200
+        other = "b" if home == "a" else "a"
+        forged = f"127.0.0.1:{rig.fleet.worker(other).port}"
+        fallbacks = picker_fallbacks(rig)
+        seen: Counter[str] = Counter()
+        for _ in range(10):
+            status, worker = chat(rig, messages, headers={"x-gateway-destination-endpoint": forged})
+            assert status == 200
+            seen[worker] += 1
+        # The client named the other worker every time; the picker kept the prompt at home
+        # (but for requests Envoy routed itself because the picker's answer came too late).
+        assert seen[home] >= 10 - (picker_fallbacks(rig) - fallbacks), seen
+        headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_headers"].items()}
+        assert headers["x-gateway-destination-endpoint"].split(",")[0] == f"127.0.0.1:{rig.fleet.worker(home).port}"
+
+
+def test_a_hot_prefix_spills_when_its_worker_queues(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b", "c"], max_num_seqs=4), capacity=4) as rig:
+        messages = [{"role": "system", "content": conversation_system(7)}, {"role": "user", "content": "hot"}]
+        status, home = chat(rig, messages)
+        assert status == 200
+        got: Counter[str] = Counter()
+        lock = threading.Lock()
+
+        def one(_: int) -> None:
+            status, worker = chat(rig, messages, max_tokens=48, timeout=60)
+            with lock:
+                got[worker if status == 200 else f"status {status}"] += 1
+
+        with ThreadPoolExecutor(16) as pool:  # 16 at once, same prompt: far past the spill margin (2)
+            list(pool.map(one, range(16)))
+        assert sum(got.values()) == 16 and all(k in ("a", "b", "c") for k in got), got
+        assert got[home] < 16 and len(got) >= 2, got  # spilled instead of piling on the holder
+        assert picks(rig.sidecar, "spill") > 0
+
+
+def _load_loop(rig: Rig, stop: threading.Event, results: list[int], limit: int = 4000) -> None:
+    i = 0
+    while not stop.is_set() and i < limit:  # bounded in count; the caller bounds it in time
+        messages = [{"role": "system", "content": conversation_system(i % 6)}, {"role": "user", "content": "q"}]
+        status, _ = chat(rig, messages, max_tokens=2, timeout=20)
+        results.append(status)
+        i += 1
+
+
+def test_picker_down_costs_no_request_and_routing_resumes_when_it_returns(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        stop = threading.Event()
+        results: list[int] = []
+        workers = [threading.Thread(target=_load_loop, args=(rig, stop, results)) for _ in range(3)]
+        for t in workers:
+            t.start()
+        try:
+            assert poll(lambda: len(results) >= 30, timeout=30)
+            rig.sidecar.stop()  # the picker goes with it (SIGTERM, as a restart does)
+            down_at = len(results)
+            assert poll(lambda: len(results) >= down_at + 60, timeout=60)  # served while it is down
+            rig.sidecar.start()
+            rig.sidecar.wait_ready()
+            assert poll(lambda: picks(rig.sidecar) >= 20, timeout=30), rig.sidecar.log_tail()
+        finally:
+            stop.set()
+            for t in workers:
+                t.join(timeout=60)
+        assert len(results) > 100 and set(results) == {200}, Counter(results)
+
+
+def _plain_envoy_bootstrap(listen: int, admin: int, picker: int) -> dict[str, Any]:
+    """Envoy as the inference extension's standalone chart configures it for an EPP:
+    ext_proc in FULL_DUPLEX_STREAMED mode, an ORIGINAL_DST cluster routed by the header."""
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "ext_proc", "authority": "localhost"}, "timeout": "10s"},
+            "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
+                                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+            "message_timeout": "1000s",
+        },
+    }
+    router = {"name": "envoy.filters.http.router",
+              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                 "HttpConnectionManager",
+        "stat_prefix": "plain",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/"}, "route": {"cluster": "original_destination_cluster", "timeout": "60s"}}]}]},
+        "http_filters": [ext_proc, router],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{"name": "plain", "address": {"socket_address": {"address": "127.0.0.1",
+                                                                            "port_value": listen}},
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [
+                {"name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                 "connect_timeout": "1s",
+                 "original_dst_lb_config": {"use_http_header": True,
+                                            "http_header_name": "x-gateway-destination-endpoint"}},
+                {"name": "ext_proc", "type": "STATIC", "connect_timeout": "1s",
+                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                     "explicit_http_config": {"http2_protocol_options": {}}}},
+                 "load_assignment": {"cluster_name": "ext_proc", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                     "address": {"socket_address": {"address": "127.0.0.1", "port_value": picker}}}}]}]}},
+            ],
+        },
+    }
+
+
+def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_picker(tmp_path: Path) -> None:
+    with picker_rig(tmp_path, worker_specs(["a", "b", "c"])) as rig:
+        listen = free_port()
+        boot = _plain_envoy_bootstrap(listen, free_port(), rig.extra["grpc_port"])
+        with EnvoyProcess(boot):
+            plain = Rig(rig.fleet, rig.envoy, rig.sidecar, rig.topology_path, rig.xds_dir, listen, rig.admin)
+            before = picks(rig.sidecar)
+            homes: dict[int, Counter[str]] = {}
+            for i in range(6):
+                messages = [{"role": "system", "content": conversation_system(200 + i)}]
+                homes[i] = Counter()
+                for turn in range(3):
+                    messages.append({"role": "user", "content": f"turn {turn}"})
+                    status, worker = chat(plain, messages)
+                    assert status == 200, (status, rig.sidecar.log_tail())
+                    homes[i][worker] += 1
+                    messages.append({"role": "assistant", "content": "ok"})
+            assert picks(rig.sidecar) - before == 18
+            assert all(len(c) == 1 for c in homes.values()), homes  # each conversation stayed home
+            # Without a pick ORIGINAL_DST has nowhere to go: a forged header is removed, not obeyed.
+            status, worker = chat(plain, [{"role": "user", "content": "x"}],
+                                  headers={"x-gateway-destination-endpoint": "127.0.0.1:1"})
+            assert status == 200 and worker in ("a", "b", "c")
