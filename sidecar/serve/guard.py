@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -33,6 +32,7 @@ from aiohttp import web
 
 from confgen.secrets import BEARER_TOKEN, read_key_file
 from sidecar.config import ConfigError
+from sidecar.config.tls import is_loopback
 
 __all__ = ["GUARD", "MutationGuard", "guarded", "is_loopback", "json_depth", "json_object", "load_token"]
 
@@ -40,16 +40,6 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = 4096  # a drain call is a pool and a worker name
 MAX_JSON_DEPTH = 8  # a drain call is one flat object
 BODY_TIMEOUT_S = 5.0
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine ("" and 0.0.0.0 do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
 
 
 def load_token(file: Path | None, env: str | None) -> str | None:
