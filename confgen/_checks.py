@@ -195,6 +195,11 @@ def _xds(topo: Topology) -> Iterator[Finding]:
     if xds.mode == "ads":
         yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", ERROR)
                     for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
+    if xds.mode == "files" and xds.tls is not None:
+        yield "envoy.xds.tls", "tls is used only with mode: ads", WARNING
+    if xds.tls is not None:
+        yield from ((f"envoy.xds.tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
+                    for i, n in enumerate(xds.tls.server_names) if n in xds.tls.server_names[:i])
     if xds.mode == "ads" and len(xds.servers) == 1:
         yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
                "change until it is back; list two for high availability", WARNING)

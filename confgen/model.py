@@ -462,6 +462,22 @@ class Canned:
 
 
 @dataclass(frozen=True)
+class XdsTls:
+    cert: str = field(doc="Envoy's client certificate chain (PEM), as Envoy sees the path (cert-manager: tls.crt). "
+                      "The control plane accepts the Envoy's node id only when it is one of this certificate's "
+                      "names (SAN or CN), or <name>/<anything> for a certificate a group of Envoys shares.",
+                      pattern="file_path")
+    key: str = field(doc="Its private key (PEM; tls.key).", pattern="file_path")
+    ca: str = field(doc="CA that signs the control plane's certificate (PEM; ca.crt).", pattern="file_path")
+    server_names: list[str] = field(
+        factory=list,
+        doc="Names the control plane's certificate must carry (a DNS or IP subjectAltName, any one of them); "
+        "default: the hosts of envoy.xds.servers.",
+        pattern="host",
+    )
+
+
+@dataclass(frozen=True)
 class Xds:
     mode: XdsMode = field(
         "files",
@@ -479,6 +495,12 @@ class Xds:
         "delta",
         doc="ads: delta (DELTA_GRPC: only changed endpoints travel) or sotw (GRPC, state of the world). "
         "The sidecar serves both.",
+    )
+    tls: XdsTls | None = field(
+        None,
+        doc="ads: mutual TLS to the control plane (its `--xds-tls-cert/--xds-tls-key/--xds-client-ca`; required by "
+        "--target kubernetes). "
+        "Without it the stream is plaintext, which the control plane serves on loopback only.",
     )
 
 

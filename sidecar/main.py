@@ -24,7 +24,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from confgen.errors import TopologyError
+from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, listen_for, listen_mismatch, xds_dir_for
@@ -39,6 +39,7 @@ from sidecar.outputs.publisher import Wiring
 from sidecar.outputs.publisher import build as build_publisher
 from sidecar.outputs.service import Service, ServiceWiring, wanted
 from sidecar.outputs.service import build as build_service
+from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
 from sidecar.serve.metrics import register
@@ -112,13 +113,14 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         publisher = built.publisher
         try:
             await publisher.start()
-        except OSError as exc:
+        except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
             log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
                       serve_xds=config.serve_xds, error=str(exc))
             return EXIT_USAGE
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+        await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
         # gRPC services the topology needs (the endpoint picker), on one server. A reload that
         # adds a prefix_affinity pool needs a restart to start the picker.
         service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
@@ -143,11 +145,11 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
             add_envoy_relay(app, admin_url)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        bounds = HttpBounds()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options(bounds))
         await runner.setup()
-        site = web.TCPSite(runner, config.listen_host, config.listen_port)
         try:
-            await site.start()
+            await start_site(runner, config.listen_host, config.listen_port, bounds)
         except OSError as exc:
             await runner.cleanup()
             if grpc_server is not None:

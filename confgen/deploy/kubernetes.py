@@ -26,7 +26,7 @@ from ..limits import needs_store
 from ..model import Pool, Topology
 from . import _observability
 from ._canonical import dump, topology_yaml
-from ._kubernetes_ads import ads_objects
+from ._kubernetes_ads import ads_objects, ads_problems
 from ._kubernetes_base import (
     ADMIN_TOKEN_ENV,
     DRAINED_MARKER,
@@ -465,6 +465,8 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
     hpas = _hpas(plan)
+    if topo.envoy.xds.mode == "ads" and (unfit := ads_problems(plan)):
+        raise DeployError(unfit)
     if topo.envoy.xds.mode == "ads":  # a control plane + Envoys without sidecars (an addition, its own module)
 
         docs = [_configmap(plan), *ads_objects(plan), *hpas]

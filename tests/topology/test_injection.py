@@ -27,7 +27,9 @@ FULL: dict[str, Any] = {
     "admin": {"address": "127.0.0.1", "port": 9901},
     "sidecar": {"address": "127.0.0.1", "port": 9109, "models": True},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1",
-              "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta"}},
+              "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta",
+                      "tls": {"cert": "/etc/envoy/tls/tls.crt", "key": "/etc/envoy/tls/tls.key",
+                              "ca": "/etc/envoy/tls/ca.crt", "server_names": ["cp-0.example"]}}},
     "nginx": {"config_dir": "/etc/confgen/nginx"},
     "kubernetes": {
         "namespace": "inference",
