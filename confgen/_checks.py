@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 from ._fields import COMPILED
 from ._names import dns_label
-from .balancing import POLICIES, is_hashing
+from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
-from .model import Pool, Topology, is_ip, split_address
+from .limits import needs_store
+from .model import LimitSet, Pool, RateLimit, Topology, is_ip, limit_list, split_address
 from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
@@ -86,6 +87,24 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
             WARNING,
         )
+    picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
+    if picker and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
+        yield (
+            "sidecar.address",
+            ("Envoy calls the endpoint picker (prefix_affinity) at this address, but the sidecar serves gRPC in "
+             "plaintext on loopback only: every request would go without it (least_request)"),
+            WARNING,
+        )
+    limited = needs_store(topo)
+    if limited and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
+        yield (
+            "sidecar.address",
+            ("Envoy asks the rate limit service (scope: global limits) at this address, but the sidecar serves "
+             "gRPC in plaintext on loopback only: every check would fail open (uncounted)"),
+            WARNING,
+        )
+    if (picker or limited) and topo.sidecar.grpc_port == topo.sidecar.port:
+        yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
         for wi, worker in enumerate(pool.workers):
             path = f"pools[{pi}].workers[{wi}].address"
@@ -176,6 +195,11 @@ def _xds(topo: Topology) -> Iterator[Finding]:
     if xds.mode == "ads":
         yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", ERROR)
                     for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
+    if xds.mode == "files" and xds.tls is not None:
+        yield "envoy.xds.tls", "tls is used only with mode: ads", WARNING
+    if xds.tls is not None:
+        yield from ((f"envoy.xds.tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
+                    for i, n in enumerate(xds.tls.server_names) if n in xds.tls.server_names[:i])
     if xds.mode == "ads" and len(xds.servers) == 1:
         yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
                "change until it is back; list two for high availability", WARNING)
@@ -432,6 +456,65 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
                 yield f"auth.api_keys[{ki}]", "give exactly one of env or file", ERROR
     if topo.limits.per_key is not None and topo.auth is None:
         yield "limits.per_key", "per-key limits need auth.api_keys", ERROR
+    sets: list[tuple[str, LimitSet | None]] = [
+        ("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)]
+    sets += [(f"auth.api_keys[{ki}].rate_limit", k.rate_limit) for ki, k in enumerate(topo.auth.api_keys)] \
+        if topo.auth is not None else []
+    any_global = False
+    for base, value in sets:
+        items = limit_list(value)
+        locals_ = 0
+        for index, lim in enumerate(items):
+            path = f"{base}[{index}]" if isinstance(value, list) else base
+            any_global = any_global or lim.scope == "global"
+            locals_ += lim.scope == "local"
+            if lim.scope == "local" and locals_ == 2:
+                yield f"{path}.scope", "one local limit per place (a proxy keeps one bucket here); " \
+                    "make the others scope: global", ERROR
+            yield from _one_limit(path, lim, topo)
+    if any_global and topo.limits.store is None:
+        yield "limits", "scope: global limits are counted in a shared store: add limits.store " \
+            "({redis: host:port})", ERROR
+    store = topo.limits.store
+    if store is not None and not any_global:
+        yield "limits.store", "no limit has scope: global; the store is unused", WARNING
+    if store is not None and store.check_timeout <= store.timeout:
+        yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
+            f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
+    tokens = lim.unit != "requests"
+    if lim.scope == "local":
+        if tokens:
+            yield f"{path}.unit", f"{lim.unit} limits need scope: global (a proxy's own bucket counts requests; " \
+                "tokens are known only when the answer ends, and counted by the rate limit service)", ERROR
+        if lim.per is None:
+            yield f"{path}.per", "a local limit needs per (its bucket's refill period)", ERROR
+        for name in ("window", "per_model", "fail_closed"):
+            if getattr(lim, name) not in (None, False):
+                yield f"{path}.{name}", f"{name} is for scope: global limits", ERROR
+    else:
+        if lim.window is None:
+            yield f"{path}.window", "a global limit needs window (second, minute, hour or day)", ERROR
+        if lim.per is not None:
+            yield f"{path}.per", "a global limit counts fixed windows: use window instead of per", ERROR
+        if lim.burst is not None:
+            yield f"{path}.burst", "burst is for local token buckets; a global window admits its whole amount", ERROR
+    if tokens:
+        if lim.tokens is None:
+            yield f"{path}.tokens", f"unit {lim.unit} needs tokens (the budget per window)", ERROR
+        if lim.requests is not None:
+            yield f"{path}.requests", f"unit {lim.unit} counts tokens: give tokens, not requests", ERROR
+    else:
+        if lim.requests is None:
+            yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
+        if lim.tokens is not None:
+            yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
+    if lim.scope == "global" and topo.envoy.xds.mode == "ads":
+        yield f"{path}.scope", "global limits are counted by the sidecar beside each Envoy (envoy.xds.mode files); " \
+            "with ads the Envoys have no sidecar of their own, and the control plane does not serve the rate " \
+            "limit service yet", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

@@ -38,7 +38,7 @@ from .simulate import fleet_topology
 from .topology import parse
 
 
-def demo_topology(admin: int, port: int, workers: list[str]) -> str:
+def demo_topology(admin: int, port: int, workers: list[str], sidecar_port: int | None = None) -> str:
     """The demo's topology: pool `chat` of the simulated workers, Envoy's own checks fast."""
     return fleet_topology(
         name="demo", admin=admin, port=port, workers=workers, models=["demo-8b"], capacity=8,
@@ -47,6 +47,7 @@ def demo_topology(admin: int, port: int, workers: list[str]) -> str:
               "health: {interval: 1s, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}",
               "outlier_detection: {consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}"],
         tail=["last_resort: {kind: error, status: 503, message: Every demo worker is down.}"],
+        sidecar_port=sidecar_port,
     )
 
 
@@ -221,7 +222,7 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
             prefix="confgen-demo-")))
         base.mkdir(parents=True, exist_ok=True)
         port, admin, sidecar_port = runtime.free_port(), runtime.free_port(), runtime.free_port()
-        text = demo_topology(admin, port, [f"127.0.0.1:{w.port}" for w in fleet.workers])
+        text = demo_topology(admin, port, [f"127.0.0.1:{w.port}" for w in fleet.workers], sidecar_port)
         topology = base / "topology.yaml"
         topology.write_text(text)
         topo, _ = parse(text.encode(), str(topology))

@@ -12,6 +12,7 @@ cycle and an endpoint that left the topology leaves every view with it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -23,8 +24,9 @@ from confgen.envoy import Endpoint
 from confgen.envoy.eds import static_weight
 from confgen.errors import Diagnostic, SecretError, TopologyError
 from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
+from confgen.output import atomic_write
 from confgen.topology import load as load_topology
-from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, drains_file_for, xds_dir_for
 from sidecar.decide.hysteresis import gate
 from sidecar.decide.saturation import Headroom, PoolLoad, PoolSaturation, QueueWatch, assess
 from sidecar.decide.state import Decision, EndpointState, Status, decide_pool
@@ -60,6 +62,9 @@ class _Tracked:
     errors: Counter[str] = field(default_factory=Counter)
 
 
+_MAX_DRAINS_FILE = 4 * 1024 * 1024
+
+
 class Daemon:
     """The fleet as the sidecar sees it, and the cycle that updates and publishes it."""
 
@@ -86,6 +91,7 @@ class Daemon:
         self._tracked: dict[EndpointKey, _Tracked] = {}
         self._adopted: dict[EndpointKey, Endpoint] = {}
         self._admin_drains: set[tuple[str, str]] = set()
+        self._drains_saved: frozenset[tuple[str, str]] = frozenset()  # what the drains file holds
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
@@ -110,6 +116,49 @@ class Daemon:
         log_event(_log, logging.INFO, "startup.adopted", endpoints=count)
         return count
 
+    def load_drains(self) -> int:
+        """Blocking: the drains set through POST /drain before a restart (`drains_file_for`); the count kept.
+
+        Entries for workers no longer in the topology are dropped; an unreadable file is logged and
+        ignored (it is rewritten at the next drain call)."""
+        path = drains_file_for(self.config, self._topo)
+        if path is None:
+            return 0
+        try:
+            with path.open("rb") as f:
+                raw = f.read(_MAX_DRAINS_FILE + 1)
+            if len(raw) > _MAX_DRAINS_FILE:
+                raise ValueError(f"larger than {_MAX_DRAINS_FILE} bytes")
+            entries = json.loads(raw)["drains"]
+            pairs = {(str(e["pool"]), str(e["worker"])) for e in entries}
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            log_event(_log, logging.ERROR, "drains.unreadable", file=str(path), error=str(exc),
+                      note="starting without the drains set before the restart")
+            return 0
+        known = {(p.name, w.address) for p in self._topo.pools for w in p.workers}
+        self._admin_drains = pairs & known
+        self._drains_saved = frozenset(pairs)
+        log_event(_log, logging.INFO, "drains.restored", file=str(path), drains=len(self._admin_drains),
+                  dropped=sorted(f"{p}/{w}" for p, w in pairs - known)[:20])
+        return len(self._admin_drains)
+
+    def _save_drains(self) -> None:
+        """Blocking: write the admin drains when they changed (atomically, beside the published files)."""
+        path = drains_file_for(self.config, self._topo)
+        current = frozenset(self._admin_drains)
+        if path is None or current == self._drains_saved:
+            return
+        body = {"version": 1, "drains": [{"pool": p, "worker": w} for p, w in sorted(current)]}
+        try:
+            atomic_write(path, json.dumps(body, indent=1).encode() + b"\n", mode=0o600)
+        except OSError as exc:
+            log_event(_log, logging.ERROR, "drains.write_failed", file=str(path), error=str(exc),
+                      note="the drain is in force but will not survive a restart")
+            return
+        self._drains_saved = current
+
     # -- the cycle ------------------------------------------------------------------------
 
     async def cycle(self) -> None:
@@ -128,8 +177,10 @@ class Daemon:
             self._cycles += 1
 
     async def republish(self) -> None:
-        """Decide and publish from the current states, without probing (after a drain call)."""
+        """Decide and publish from the current states, without probing (after a drain call); the
+        admin drains are saved first, so a restart keeps them."""
         async with self._lock:
+            await asyncio.to_thread(self._save_drains)
             await self._publish()
 
     async def reload(self) -> bool:

@@ -56,6 +56,10 @@ class XdsView:
     responses: Mapping[str, int]
     nodes: tuple[NodeView, ...]
     nacks_total: int
+    transport: str = "plaintext"  # "mtls" | "plaintext" (loopback only)
+    counted: int = 0  # Envoys the in-flight limits are shared by (ACKed RTDS, capped)
+    refused: Mapping[str, int] = field(default_factory=dict)  # streams refused, by gRPC code
+    logs_suppressed: int = 0  # log lines clients caused beyond their budget
 
 
 @dataclass(frozen=True, slots=True)

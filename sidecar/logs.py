@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["configure", "log_event"]
+__all__ = ["LogBudget", "clip", "configure", "log_event"]
 
 _FIELDS = "confgen_fields"
 
@@ -58,3 +59,47 @@ def configure(fmt: str, level: str, stream: TextIO) -> None:
     root.setLevel(level)
     # aiohttp's access log would print a line per scrape of /metrics.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, saying how much was cut (for what a client sent)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...(+{len(text) - limit} chars)"
+
+
+class LogBudget:
+    """Per-client log volume: at most `burst` events per `window_s` per key, then one note.
+
+    A client that makes the daemon log (a NACK storm, reconnect loops, refused handshakes)
+    gets `burst` lines per window; the rest are counted and reported with its next allowed
+    line (`suppressed=N`). At most `max_keys` clients are tracked (the oldest forgotten
+    first), so the table itself is bounded."""
+
+    def __init__(self, clock: Callable[[], float], burst: int = 20, window_s: float = 60.0,
+                 max_keys: int = 1024) -> None:
+        self._clock = clock
+        self._burst, self._window, self._max_keys = burst, window_s, max_keys
+        self._keys: dict[str, list[float]] = {}  # key -> [window start, used, suppressed]
+        self.suppressed_total = 0
+
+    def log(self, logger: logging.Logger, level: int, key: str, event: str, **fields: Any) -> bool:
+        """Log unless `key` spent its budget; True when logged."""
+        now = self._clock()
+        entry = self._keys.get(key)
+        if entry is None or now - entry[0] >= self._window:
+            if entry is None and len(self._keys) >= self._max_keys:
+                del self._keys[next(iter(self._keys))]
+            suppressed = int(entry[2]) if entry is not None else 0
+            entry = self._keys[key] = [now, 0.0, 0.0]
+            if suppressed:
+                fields["suppressed"] = suppressed
+        if entry[1] >= self._burst:
+            entry[2] += 1
+            self.suppressed_total += 1
+            return False
+        entry[1] += 1
+        if entry[1] == self._burst:
+            fields["note_budget"] = f"last line for this client for {self._window:g}s; the rest are counted"
+        log_event(logger, level, event, **fields)
+        return True

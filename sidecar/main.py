@@ -24,10 +24,10 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from confgen.errors import TopologyError
+from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, listen_for, listen_mismatch, xds_dir_for
 from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
@@ -37,8 +37,9 @@ from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, GrpcSettings
 from sidecar.outputs.publisher import Wiring
 from sidecar.outputs.publisher import build as build_publisher
-from sidecar.outputs.service import ServiceWiring, wanted
+from sidecar.outputs.service import Service, ServiceWiring, wanted
 from sidecar.outputs.service import build as build_service
+from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
 from sidecar.serve.metrics import register
@@ -82,6 +83,12 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
+    config = listen_for(config, topo)
+    mismatch = listen_mismatch(config, topo)
+    if mismatch is not None:
+        log_event(_log, logging.ERROR, "startup.listen_mismatch", problem=mismatch,
+                  listen=f"{config.listen_host}:{config.listen_port}",
+                  topology_sidecar=f"{topo.sidecar.address}:{topo.sidecar.port}")
     try:
         guard = MutationGuard(load_token(config.admin_token_file, config.admin_token_env),
                               remote=not is_loopback(config.listen_host))
@@ -106,20 +113,25 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         publisher = built.publisher
         try:
             await publisher.start()
-        except OSError as exc:
+        except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
             log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
                       serve_xds=config.serve_xds, error=str(exc))
             return EXIT_USAGE
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+        await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
         # gRPC services the topology needs (the endpoint picker), on one server. A reload that
         # adds a prefix_affinity pool needs a restart to start the picker.
         service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
-        services = [build_service(name, service_wiring) for name in wanted(topo)]
+        services: list[Service] = []
         grpc_server: GrpcServer | None = None
-        if services:
+        if config.picker and "picker" not in wanted(topo):
+            log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
+                      "policy prefix_affinity: the endpoint picker does not run")
+        if wanted(topo):
             try:
+                services = [build_service(name, service_wiring) for name in wanted(topo)]
                 grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
                 for service in services:
                     grpc_server.add(service.add_to, service.name)
@@ -133,11 +145,11 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         app = build_app(daemon, registry, guard=guard)
         if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
             add_envoy_relay(app, admin_url)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        bounds = HttpBounds()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options(bounds))
         await runner.setup()
-        site = web.TCPSite(runner, config.listen_host, config.listen_port)
         try:
-            await site.start()
+            await start_site(runner, config.listen_host, config.listen_port, bounds)
         except OSError as exc:
             await runner.cleanup()
             if grpc_server is not None:

@@ -7,7 +7,7 @@ from types import ModuleType
 
 # The registry: a new scenario is one module here plus its name in ORDER (the run order).
 ORDER = ("matrix", "prefix", "overload", "steady", "overhead", "failover", "reload", "sidecar_cost", "render_scale",
-         "ads")
+         "ads", "real_llama")
 
 
 def load(name: str) -> ModuleType:

@@ -7,7 +7,16 @@
         replica 0 while it is healthy and replica 1 is a hot standby (docs/ads.md: why one
         replica should count the whole fleet).
     Deployment <base> (kubernetes.replicas Envoys, no sidecar) + Service on the listeners +
-        PDB; each Envoy's node id is its pod name; an HPA scales it on CPU.
+        PDB; an HPA scales it on CPU.
+    mTLS (envoy.xds.tls, required here: the control plane listens beyond loopback). The
+        certificates come from Secrets with cert-manager's entries (tls.crt, tls.key, ca.crt):
+        <base>-xds-tls for the control plane (mounted at XDS_TLS_DIR, its --xds-tls-* flags),
+        <base>-envoy-tls for the Envoys (mounted where envoy.xds.tls says). The Envoys share one
+        certificate whose name (SAN or CN) is <base>-envoy: each Envoy's node id is
+        <base>-envoy/<pod name>, which the control plane accepts only from that certificate.
+    NetworkPolicy <base>-xds: the control plane's pods accept the gRPC port only from this
+        topology's Envoy pods and /metrics only from pods labelled
+        app.kubernetes.io/name=prometheus (any namespace); nothing else.
 
 Built from `kubernetes.py`'s pieces (the plan's names and labels, the restricted security
 contexts, the key environment, the resource sizes); the selectors add the component, so
@@ -16,13 +25,34 @@ the listeners' Service never picks a control-plane pod.
 
 from __future__ import annotations
 
+import posixpath
+
 from ..model import split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
 
-__all__ = ["ads_objects", "xds_port"]
+__all__ = ["SCRAPER_LABELS", "XDS_TLS_DIR", "ads_objects", "ads_problems", "envoy_identity", "xds_port"]
 
 DEFAULT_XDS_PORT = 18000
+XDS_TLS_DIR = "/etc/confgen/xds-tls"
+SCRAPER_LABELS = {"app.kubernetes.io/name": "prometheus"}  # Prometheus Operator's and the Helm chart's label
+
+
+def envoy_identity(plan: k8s_mod._Plan) -> str:
+    """The name the Envoys' shared client certificate carries (SAN or CN); node ids are <it>/<pod name>."""
+    return f"{plan.base}-envoy"
+
+
+def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
+    """What the ADS manifests cannot express (field path, reason)."""
+    tls = plan.topo.envoy.xds.tls
+    if tls is None:
+        return [("envoy.xds.tls", "the control plane listens beyond loopback in Kubernetes: ADS serves the API "
+                 "keys, so it needs mutual TLS (cert, key, ca; docs/ads.md)")]
+    names = [posixpath.basename(p) for p in (tls.cert, tls.key, tls.ca)]
+    if len(set(names)) < 3:
+        return [("envoy.xds.tls", f"cert, key and ca need distinct file names to come from one Secret, got {names}")]
+    return []
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:
@@ -57,6 +87,10 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
         "image": topo.kubernetes.sidecar_image,
         "command": ["confgen-sidecar"],
         "args": ["--topology", topology_file, "--serve-xds", f"0.0.0.0:{port}",
+                 "--xds-tls-cert", f"{XDS_TLS_DIR}/tls.crt", "--xds-tls-key", f"{XDS_TLS_DIR}/tls.key",
+                 "--xds-client-ca", f"{XDS_TLS_DIR}/ca.crt",
+                 # a replica counts (and the limits are divided by) at most this many Envoys
+                 "--xds-max-nodes", str(max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas) + 2),
                  "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}"],
         "workingDir": k8s_mod.WORK_DIR,
         "ports": [{"name": "xds", "containerPort": port},
@@ -64,6 +98,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
         "volumeMounts": [{"name": "topology", "mountPath": k8s_mod.TOPOLOGY_DIR, "readOnly": True},
                          {"name": "work", "mountPath": k8s_mod.WORK_DIR},
                          {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 - an emptyDir of the pod
+                         {"name": "xds-tls", "mountPath": XDS_TLS_DIR, "readOnly": True},
                          *k8s_mod._key_mounts(plan)],
         "env": k8s_mod._key_env(plan),
         "resources": k8s_mod.RESOURCES["sidecar"],
@@ -76,6 +111,8 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
         {"name": "topology", "configMap": {"name": f"{plan.base}-topology"}},
         {"name": "work", "emptyDir": {"sizeLimit": "16Mi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+        # cert-manager's Certificate output; renewed in place, re-read on the next handshake
+        {"name": "xds-tls", "secret": {"secretName": f"{plan.base}-xds-tls", "defaultMode": 0o400}},
     ]
     if k8s_mod._key_files(plan):
         volumes.append({"name": "api-keys", "secret": {"secretName": plan.keys_secret, "defaultMode": 0o400}})
@@ -115,7 +152,39 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                       {"name": "metrics", "port": k8s_mod.SIDECAR_PORT, "targetPort": "metrics"}],
         },
     }
-    return [statefulset, service, _pdb(plan, name, "control-plane")]
+    return [statefulset, service, _pdb(plan, name, "control-plane"), _network_policy(plan, name, port)]
+
+
+def _network_policy(plan: k8s_mod._Plan, name: str, port: int) -> Obj:
+    """The control plane's pods: gRPC from this topology's Envoys, /metrics from scrapers, nothing else."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": plan.meta(name, "control-plane"),
+        "spec": {
+            "podSelector": {"matchLabels": _selector(plan, "control-plane")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": _selector(plan, "envoy")}}],
+                 "ports": [{"protocol": "TCP", "port": port}]},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(SCRAPER_LABELS)}}],
+                 "ports": [{"protocol": "TCP", "port": k8s_mod.SIDECAR_PORT}]},
+            ],
+        },
+    }
+
+
+def _envoy_tls_mounts(plan: k8s_mod._Plan) -> tuple[list[Obj], list[Obj]]:
+    """The Envoys' certificate Secret: one volume whose entries take the file names envoy.xds.tls gives,
+    mounted at each directory it names; (volumes, mounts)."""
+    tls = plan.topo.envoy.xds.tls
+    assert tls is not None  # ads_problems
+    items = [{"key": key, "path": posixpath.basename(path)}
+             for key, path in (("tls.crt", tls.cert), ("tls.key", tls.key), ("ca.crt", tls.ca))]
+    volume = {"name": "envoy-tls", "secret": {"secretName": f"{plan.base}-envoy-tls", "defaultMode": 0o440,
+                                              "items": items}}
+    dirs = sorted({posixpath.dirname(p) for p in (tls.cert, tls.key, tls.ca)})
+    return [volume], [{"name": "envoy-tls", "mountPath": d, "readOnly": True} for d in dirs]
 
 
 def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
@@ -136,14 +205,17 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         "securityContext": k8s_mod._restricted(),
     }
     grace = k8s.termination_grace_seconds
+    tls_volumes, tls_mounts = _envoy_tls_mounts(plan)
     envoy = {
         "name": "envoy",
         "image": k8s.envoy_image,
-        "args": ["-c", f"{xds_dir}/bootstrap.json", "--service-node", "$(POD_NAME)", "--log-level", "info",
+        # the node id the control plane accepts from the shared certificate: <its name>/<this pod>
+        "args": ["-c", f"{xds_dir}/bootstrap.json", "--service-node", f"{envoy_identity(plan)}/$(POD_NAME)",
+                 "--log-level", "info",
                  "--drain-time-s", str(max(1, grace // 4)), "--drain-strategy", "immediate"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "ports": [{"name": k8s_mod._port_name(lst.name), "containerPort": lst.port} for lst in topo.listeners],
-        "volumeMounts": [{"name": "xds", "mountPath": xds_dir, "readOnly": True}],
+        "volumeMounts": [{"name": "xds", "mountPath": xds_dir, "readOnly": True}, *tls_mounts],
         # the HPA scales on CPU utilisation, relative to this request
         "resources": k8s_mod.RESOURCES["envoy"],
         "securityContext": k8s_mod._restricted(bind_low_ports=any(lst.port < 1024 for lst in topo.listeners)),
@@ -168,7 +240,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
                     "containers": [envoy],
                     "volumes": [{"name": "topology", "configMap": {"name": f"{plan.base}-topology"}},
                                 {"name": "xds", "emptyDir": {}},
-                                {"name": "work", "emptyDir": {"sizeLimit": "16Mi"}}],
+                                {"name": "work", "emptyDir": {"sizeLimit": "16Mi"}}, *tls_volumes],
                     "terminationGracePeriodSeconds": grace,
                 },
             },

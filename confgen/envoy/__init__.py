@@ -120,7 +120,7 @@ def ads_static_bootstrap(topo: Topology, *, max_endpoints: int | None = None) ->
     boot.pop("static_resources", None)
     boot["layered_runtime"] = {"layers": [layer for layer in boot["layered_runtime"]["layers"]
                                           if "rtds_layer" not in layer]}
-    return _inline(boot, served.listeners, served.clusters, served.assignments, max_endpoints)
+    return _inline(boot, ads.keys_inline(served), served.clusters, served.assignments, max_endpoints)
 
 
 def _inline(boot: Json, lds_in: list[Json], cds_in: list[Json], eds: Mapping[str, Json],

@@ -3,9 +3,17 @@
     bootstrap(topo)            node, admin, one static HTTP/2 cluster to `envoy.xds.servers`,
                                ADS (delta or state of the world) for CDS, LDS, EDS and an RTDS
                                runtime layer; nothing from files
-    resources(topo, secrets)   the listeners, clusters, endpoint assignments and runtime layer
-                               the control plane (`confgen-sidecar --serve-xds`) sends: the same
-                               JSON as the file target, except that EDS comes over ADS
+    resources(topo, secrets)   the listeners, clusters, endpoint assignments, runtime layer and
+                               extension configs the control plane (`confgen-sidecar --serve-xds`)
+                               sends: the same JSON as the file target, except that EDS comes over
+                               ADS and the API keys come apart from the listeners (ECDS)
+
+The API keys: the listeners' `api_key_auth` filter takes its configuration by extension
+config discovery (ECDS) over the same ADS stream, as one TypedExtensionConfig named
+`API_KEYS`; rotating a key changes that resource alone, so no listener is rewritten (no
+listener drain, no connection closed). No default configuration is rendered for the filter,
+so there is no keyless fallback (what Envoy does while it waits for the resource is its own
+warming, not measured here).
 
 The control plane fills the runtime layer with the in-flight limits
 (`circuit_breakers.<pool>.default.max_requests` / `max_pending_requests`); until it has
@@ -15,7 +23,7 @@ sent one, the clusters' own circuit breakers apply.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model import Topology, is_ip, split_address
 from ..plan import plan
@@ -23,10 +31,13 @@ from ._clusters import assignments, clusters
 from ._listener import listeners
 from ._proto import Json, typed
 
-__all__ = ["ADS_CLUSTER", "RUNTIME_LAYER", "Resources", "bootstrap", "resources"]
+__all__ = ["ADS_CLUSTER", "API_KEYS", "RUNTIME_LAYER", "Resources", "bootstrap", "keys_inline", "resources"]
 
 ADS_CLUSTER = "confgen_xds"  # '_' is not in any pool's failover name, and pools may use it: see _checks
 RUNTIME_LAYER = "confgen_limits"
+API_KEYS = "envoy.filters.http.api_key_auth"  # the filter's name is the ECDS resource's
+_TYPED_EXTENSION_CONFIG = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"
+_API_KEY_AUTH_TYPE = "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth"
 _INITIAL_FETCH_TIMEOUT = "15s"  # Envoy's default, written down: starting without a control plane waits this long
 
 
@@ -38,12 +49,63 @@ class Resources:
     clusters: list[Json]
     assignments: dict[str, Json]  # pool -> ClusterLoadAssignment (the topology's first view)
     runtime: Json  # the RTDS layer's key/values
+    extension_configs: list[Json] = field(default_factory=list)  # ECDS: TypedExtensionConfig, by name
 
 
 def resources(topo: Topology, secrets: Mapping[str, str]) -> Resources:
     routing = plan(topo)
-    return Resources(listeners=listeners(topo, routing, secrets), clusters=clusters(topo, routing, None),
-                     assignments=assignments(topo), runtime={})
+    served = listeners(topo, routing, secrets)
+    keys = _keys_apart(served)
+    return Resources(listeners=served, clusters=clusters(topo, routing, None), assignments=assignments(topo),
+                     runtime={}, extension_configs=[{"@type": _TYPED_EXTENSION_CONFIG, "name": API_KEYS,
+                                                     "typed_config": keys}] if keys else [])
+
+
+def keys_inline(served: Resources) -> list[Json]:
+    """The listeners with the API keys put back in their filters (what a static bootstrap needs to be
+    validated the way Envoy checks what it receives)."""
+    by_name = {str(e["name"]): e["typed_config"] for e in served.extension_configs}
+
+    def put(node: object) -> object:
+        if isinstance(node, dict):
+            out = {k: put(v) for k, v in node.items()}
+            if "config_discovery" in out and out.get("name") in by_name:
+                del out["config_discovery"]
+                out["typed_config"] = by_name[str(out["name"])]
+            return out
+        if isinstance(node, list):
+            return [put(v) for v in node]
+        return node
+
+    return [dict(put(listener)) for listener in served.listeners]  # type: ignore[call-overload]
+
+
+def _keys_apart(node: object) -> Json | None:
+    """Replace every api_key_auth filter's inline configuration (the keys) by an ECDS reference;
+    the configuration taken out (the same for every listener: auth is the topology's)."""
+    found: Json | None = None
+    if isinstance(node, dict):
+        for item in node.get("http_filters", ()):
+            if item.get("name") == API_KEYS and "typed_config" in item:
+                config = item.pop("typed_config")
+                assert found is None or found == config
+                found = config
+                item["config_discovery"] = {
+                    "config_source": {"ads": {}, "resource_api_version": "V3",
+                                      "initial_fetch_timeout": _INITIAL_FETCH_TIMEOUT},
+                    "type_urls": [_API_KEY_AUTH_TYPE],
+                }
+        children: list[object] = list(node.values())
+    elif isinstance(node, list):
+        children = list(node)
+    else:
+        return None
+    for child in children:
+        inner = _keys_apart(child)
+        if inner is not None:
+            assert found is None or found == inner
+            found = inner
+    return found
 
 
 def _ads_source() -> Json:
@@ -88,7 +150,35 @@ def _server_cluster(topo: Topology) -> Json:
     }
     if resolve:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if topo.envoy.xds.tls is not None:
+        cluster["transport_socket"] = _upstream_tls(topo)
     return cluster
+
+
+def _upstream_tls(topo: Topology) -> Json:
+    """mTLS to the control plane: Envoy's client certificate, and the server's checked against the CA and
+    one of the expected names (envoy.xds.tls.server_names, else the servers' hosts)."""
+    tls = topo.envoy.xds.tls
+    assert tls is not None
+    names = list(tls.server_names)
+    if not names:
+        for server in topo.envoy.xds.servers:
+            parts = split_address(server)
+            if parts is not None and parts[0] not in names:
+                names.append(parts[0])
+    return {"name": "envoy.transport_sockets.tls", "typed_config": typed(
+        "extensions.transport_sockets.tls.v3.UpstreamTlsContext", {"common_tls_context": {
+            "alpn_protocols": ["h2"],  # gRPC
+            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+            "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
+                                  "private_key": {"filename": tls.key}}],
+            "validation_context": {
+                "trusted_ca": {"filename": tls.ca},
+                "match_typed_subject_alt_names": [
+                    {"san_type": "IP_ADDRESS" if is_ip(name) else "DNS", "matcher": {"exact": name}}
+                    for name in names],
+            },
+        }})}
 
 
 def bootstrap(topo: Topology) -> Json:

@@ -198,6 +198,7 @@ class EngineCounters:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    longest_sequence: int = 0  # prompt + generated tokens of the longest finished request
 
 
 class BatchEngine:
@@ -373,6 +374,7 @@ class BatchEngine:
         admitted = r.admitted_at if r.admitted_at is not None else r.arrival
         first = r.first_token_at if r.first_token_at is not None else end
         self.cache.store(r.cache_key, r.prompt_tokens + r.generated)
+        self.counters.longest_sequence = max(self.counters.longest_sequence, r.prompt_tokens + r.generated)
         self.counters.requests_finished[r.finish_reason] = self.counters.requests_finished.get(r.finish_reason, 0) + 1
         self._observe("e2e", end - r.arrival)
         self._observe("inference", end - admitted)

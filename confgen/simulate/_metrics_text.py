@@ -574,57 +574,52 @@ def render_tgi(data: MetricsInput) -> str:
 
 
 def render_llamacpp(data: MetricsInput) -> str:
-    """llama.cpp server --metrics: unlabelled, `%g` numbers (large counters in exponent form)."""
+    """llama-server --metrics, as the real server prints it (tools/server/server-task.cpp,
+    checked by tests/realengine against the built binary): ten counters then five gauges,
+    unlabelled, `%g` numbers (large counters in exponent form). No KV-cache gauge exists;
+    `prompt_tokens_total` excludes the tokens reused from the prompt cache, which
+    `prompt_tokens_cached_total` counts; `n_busy_slots_per_decode` is a gauge. The
+    speculative-decoding counters stay 0 (no draft model), and their per-position family is
+    printed only when drafts were accepted, so never here."""
     out = _Text(cpp_number)
     engines = data.engines
     c = [e.counters for e in engines]
     prompt_s = sum(x.prefill_seconds for x in c)
     decode_s = sum(x.decode_seconds for x in c)
-    prompt = sum(x.prompt_tokens - x.prefix_hits_tokens for x in c)
+    cached = sum(x.prefix_hits_tokens for x in c)
+    prompt = sum(x.prompt_tokens for x in c) - cached
     predicted = sum(x.generation_tokens for x in c)
     steps = sum(x.steps for x in c)
-    used = sum(e.kv_tokens() for e in engines)
-    for name, kind, help_text, value in (
-        ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", prompt),
-        ("llamacpp:prompt_seconds_total", "counter", "Prompt process time", prompt_s),
-        ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.", predicted),
-        ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time", decode_s),
-        ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls", steps),
+    counters = (
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", prompt),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", cached),
+        ("prompt_seconds_total", "Total time spent processing prompts", prompt_s),
+        ("tokens_predicted_total", "Number of generation tokens processed", predicted),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens", decode_s),
         (
-            "llamacpp:n_busy_slots_per_decode",
-            "counter",
-            "Average number of busy slots per llama_decode() call",
-            sum(x.busy_slot_steps for x in c) / steps if steps else 0.0,
+            "n_decode_total",
+            "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+            steps,
         ),
-        (
-            "llamacpp:prompt_tokens_seconds",
-            "gauge",
-            "Average prompt throughput in tokens/s.",
-            prompt / prompt_s if prompt_s else 0.0,
-        ),
-        (
-            "llamacpp:predicted_tokens_seconds",
-            "gauge",
-            "Average generation throughput in tokens/s.",
-            predicted / decode_s if decode_s else 0.0,
-        ),
-        (
-            "llamacpp:kv_cache_usage_ratio",
-            "gauge",
-            "KV-cache usage. 1 means 100 percent usage.",
-            used / (engines[0].model.kv_cache_tokens * len(engines)),
-        ),
-        ("llamacpp:kv_cache_tokens", "gauge", "KV-cache tokens.", used),
-        (
-            "llamacpp:requests_processing",
-            "gauge",
-            "Number of requests processing.",
-            sum(len(e.running) for e in engines),
-        ),
-        ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", sum(len(e.waiting) for e in engines)),
-    ):
-        out.family(name, kind, help_text)
-        out.sample(name, {}, float(value))
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
+         max((x.longest_sequence for x in c), default=0)),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
+    )  # fmt: skip
+    gauges = (
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt / prompt_s if prompt_s else 0.0),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         predicted / decode_s if decode_s else 0.0),
+        ("requests_processing", "Number of requests processing", sum(len(e.running) for e in engines)),
+        ("requests_deferred", "Number of requests deferred", sum(len(e.waiting) for e in engines)),
+        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         sum(x.busy_slot_steps for x in c) / max(steps, 1)),
+    )  # fmt: skip
+    for kind, rows in (("counter", counters), ("gauge", gauges)):
+        for name, help_text, value in rows:
+            out.family(f"llamacpp:{name}", kind, help_text)
+            out.sample(f"llamacpp:{name}", {}, float(value))
     return out.text()
 
 

@@ -481,7 +481,9 @@ class SimWorker:
         try:
             body = await _json_body(request)
             model = body.get("model") or self.spec.models[0]
-            if model not in self.spec.models:
+            if self.spec.engine == "llamacpp":
+                model = self.spec.models[0]  # llama-server ignores `model` and answers its own name
+            elif model not in self.spec.models:
                 raise _BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             text, tokens = _chat_prompt(body) if chat else _completion_prompt(body)
             max_tokens = _max_tokens(body, chat)

@@ -19,12 +19,16 @@ def fleet_topology(
     workers: Sequence[str],
     models: Sequence[str],
     capacity: int,
+    engine: str = "vllm",
     pool: Sequence[str] = (),
     tail: Sequence[str] = (),
+    sidecar_port: int | None = None,
 ) -> str:
     """YAML for pool `chat` of `workers` (host:port items) behind listener `public` on
     127.0.0.1:`port`, admin on 127.0.0.1:`admin`. `pool` adds lines to the pool (e.g.
-    "balancing: {policy: round_robin}"), `tail` adds top-level lines (e.g. a last_resort)."""
+    "balancing: {policy: round_robin}"), `engine` is the pool's engine kind, `tail` adds
+    top-level lines (e.g. a last_resort). `sidecar_port`: where the sidecar listens (the rendered
+    Envoy asks it there for /v1/models; a sidecar started without --listen listens there)."""
     lines = [
         "version: 1",
         f"name: {name}",
@@ -33,12 +37,13 @@ def fleet_topology(
         f"  - {{name: public, address: 127.0.0.1, port: {port}}}",
         "pools:",
         "  - name: chat",
-        "    engine: vllm",
+        f"    engine: {engine}",
         f"    models: [{', '.join(models)}]",
         f"    capacity: {capacity}",
         *(f"    {line}" for line in pool),
         "    workers:",
         *(f"      - {worker}" for worker in workers),
         *tail,
+        *([f"sidecar: {{port: {sidecar_port}}}"] if sidecar_port is not None else []),
     ]
     return "\n".join(lines) + "\n"

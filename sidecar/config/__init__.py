@@ -18,12 +18,14 @@ from confgen.model import Topology
 from sidecar.config.nginx import NginxSettings
 from sidecar.config.nginx import add_arguments as add_nginx_arguments
 from sidecar.config.nginx import from_args as nginx_from_args
+from sidecar.config.tls import TlsFiles, is_loopback
 from sidecar.decide.hysteresis import HysteresisPolicy
 from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "from_argv", "grpc_listen_for", "parser", "xds_dir_for"]
+__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "listen_for",
+           "listen_mismatch", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -47,6 +49,9 @@ class SidecarConfig:
     body_cap_bytes: int = 1024 * 1024
     listen_host: str = "127.0.0.1"
     listen_port: int = 9109
+    # No --listen: listen where the topology's `sidecar` says, which is where the rendered
+    # proxy asks for /v1/models (one source); listen_host/listen_port are then replaced.
+    listen_from_topology: bool = False
     health: HealthPolicy = field(default_factory=HealthPolicy)
     weights: WeightPolicy = field(default_factory=WeightPolicy)
     hysteresis: HysteresisPolicy = field(default_factory=HysteresisPolicy)  # which weight changes are published
@@ -60,9 +65,13 @@ class SidecarConfig:
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
     serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
+    xds_tls: TlsFiles | None = None  # --xds-tls-cert/-key/--xds-client-ca: mTLS (None: plaintext, loopback only)
+    xds_max_nodes: int = 1000  # --xds-max-nodes: distinct Envoys served at once (and the limits' count cap)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
+    drains_file: Path | None = None  # --drains-file; default: next to the files the sidecar writes (none for ADS)
     grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
+    picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
 
     @property
     def publisher(self) -> str:
@@ -88,6 +97,13 @@ class SidecarConfig:
             raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
         if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
             raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
+        if self.serve_xds is not None and self.xds_tls is None and not is_loopback(self.serve_xds[0]):
+            raise ConfigError(f"--serve-xds {self.serve_xds[0]}: plaintext ADS serves the API keys to anyone who "
+                              "connects; beyond loopback give --xds-tls-cert, --xds-tls-key and --xds-client-ca")
+        if self.xds_tls is not None and self.serve_xds is None:
+            raise ConfigError("--xds-tls-cert/--xds-tls-key/--xds-client-ca need --serve-xds")
+        if self.xds_max_nodes < 1:
+            raise ConfigError(f"--xds-max-nodes must be >= 1, got {self.xds_max_nodes}")
         if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
             raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
 
@@ -114,7 +130,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")
     p.add_argument("--probe-deadline", type=float, help="seconds for one whole probe (default: 0.75 * interval)")
     p.add_argument("--body-cap", type=int, default=1024 * 1024, help="largest metrics body read, bytes (1 MiB)")
-    p.add_argument("--listen", default="127.0.0.1:9109", help="host:port of the sidecar's own HTTP server")
+    p.add_argument("--listen", help="host:port of the sidecar's own HTTP server (default: the topology's "
+                   "sidecar.address:sidecar.port, where the rendered proxy asks it for /v1/models; another port "
+                   "is reported as the startup.listen_mismatch error)")
     p.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
                    help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
@@ -142,7 +160,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-xds", metavar="HOST:PORT",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
-                   "the number of connected Envoys")
+                   "the number of connected Envoys. Beyond loopback it needs mTLS (the three flags below)")
+    p.add_argument("--xds-tls-cert", type=Path, metavar="PATH", help="--serve-xds: the control plane's certificate "
+                   "chain (PEM; cert-manager's tls.crt); with --xds-tls-key and --xds-client-ca, ADS is served over "
+                   "mTLS and each Envoy's node id must be a name of its client certificate. Re-read when it changes")
+    p.add_argument("--xds-tls-key", type=Path, metavar="PATH", help="--serve-xds: its private key (PEM; tls.key)")
+    p.add_argument("--xds-client-ca", type=Path, metavar="PATH",
+                   help="--serve-xds: the CA that signs the Envoys' client certificates (PEM; ca.crt)")
+    p.add_argument("--xds-max-nodes", type=int, default=1000, help="--serve-xds: most distinct Envoys served at "
+                   "once; also the most the in-flight limits are divided by (default 1000)")
+    p.add_argument("--drains-file", type=Path, metavar="PATH", help="where drains set by POST /drain are kept "
+                   "across restarts (default: .confgen-drains.json next to the xDS or nginx files; with --serve-xds "
+                   "none unless given: give a path on a persistent volume)")
+    p.add_argument("--picker", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an endpoint picker setting (repeatable): a scorer's weight (prefix, load, kv, cost; "
+                   "0 turns it off) or spill_min, spill_fraction, long_tokens, default_max_tokens, prompt_share, "
+                   "fallbacks, e.g. --picker prefix=2")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
@@ -186,7 +219,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         nginx = nginx_from_args(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    host, port = _split_listen(args.listen)
+    host, port = _split_listen(args.listen) if args.listen else ("127.0.0.1", 9109)
     health = _override(HealthPolicy(probe_interval_s=args.interval), args.health, "--health")
     weights = _override(WeightPolicy(), args.weights, "--weights")
     hysteresis = _override(HysteresisPolicy(), args.hysteresis, "--hysteresis")
@@ -204,6 +237,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         body_cap_bytes=args.body_cap,
         listen_host=host,
         listen_port=port,
+        listen_from_topology=not args.listen,
         health=health,
         weights=weights,
         hysteresis=hysteresis,
@@ -218,8 +252,35 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
+        xds_tls=_tls_files(args),
+        drains_file=args.drains_file.absolute() if args.drains_file else None,
+        xds_max_nodes=args.xds_max_nodes,
         grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
+        picker=tuple(args.picker),
     )
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    given = [args.xds_tls_cert, args.xds_tls_key, args.xds_client_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ConfigError("mTLS needs all three of --xds-tls-cert, --xds-tls-key and --xds-client-ca")
+    return TlsFiles(args.xds_tls_cert.absolute(), args.xds_tls_key.absolute(), args.xds_client_ca.absolute())
+
+
+DRAINS_FILE = ".confgen-drains.json"  # a dot file: `confgen render --diff` and the manifest ignore it
+
+
+def drains_file_for(config: SidecarConfig, topo: Topology) -> Path | None:
+    """Where admin drains persist: --drains-file, else beside the files written (None for ADS without it)."""
+    if config.drains_file is not None:
+        return config.drains_file
+    if config.nginx is not None:
+        return config.nginx.directory / DRAINS_FILE
+    if config.serve_xds is not None:
+        return None
+    return xds_dir_for(config, topo) / DRAINS_FILE
 
 
 def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
@@ -234,3 +295,33 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
     if topo.envoy.config_dir:
         return Path(topo.envoy.config_dir).absolute()
     raise ConfigError("no xDS directory: pass --xds-dir or set envoy.config_dir in the topology")
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+def listen_for(config: SidecarConfig, topo: Topology) -> SidecarConfig:
+    """`config` with the address the sidecar listens on: --listen, else the topology's sidecar link."""
+    if not config.listen_from_topology:
+        return config
+    return dataclasses.replace(config, listen_host=topo.sidecar.address, listen_port=topo.sidecar.port,
+                               listen_from_topology=False)
+
+
+def listen_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
+    """Why the proxy cannot reach this sidecar where the topology says it is; None when it can.
+
+    The rendered proxy asks `sidecar.address:sidecar.port` for /v1/models (when the topology
+    enables that); a sidecar listening elsewhere is never asked, and the proxy silently answers
+    the full model list instead of the healthy ones.
+    """
+    if not (topo.models_endpoint and topo.sidecar.models):
+        return None
+    wanted = f"{topo.sidecar.address}:{topo.sidecar.port}"
+    if config.listen_port != topo.sidecar.port:
+        return (f"--listen port {config.listen_port} is not the topology's sidecar.port {topo.sidecar.port}: "
+                f"the proxy asks {wanted} for /v1/models and never reaches this sidecar")
+    if config.listen_host not in _WILDCARDS and config.listen_host != topo.sidecar.address:
+        return (f"--listen host {config.listen_host} is not the topology's sidecar.address "
+                f"{topo.sidecar.address}: the proxy asks {wanted} for /v1/models")
+    return None

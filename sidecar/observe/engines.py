@@ -116,6 +116,9 @@ class _Engine:
     kv_usage: _Field | None = None
     prefix_queries: _Field | None = None
     prefix_hits: _Field | None = None
+    # Prompt tokens NOT served from the cache; with no `prefix_queries` field the queries are
+    # hits + misses (llama.cpp counts the two apart).
+    prefix_misses: _Field | None = None
     generated_tokens: _Field | None = None
     # (sum, count) names of an inter-token latency histogram, preferred first.
     token_latency: tuple[tuple[str, str], ...] = ()
@@ -167,11 +170,16 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         tpot=("request_mean_time_per_token_duration",),
         output_tokens=_Field(("request_generated_tokens_sum",)),
     ),
+    # llama-server --metrics (checked against the real server, tests/realengine): busy slots
+    # and deferred requests; no KV gauge at all (KV use is None); the prompt cache as tokens
+    # reused (`prompt_tokens_cached_total`) beside tokens processed without the cache
+    # (`prompt_tokens_total` excludes the cached ones), so queries = processed + cached.
     "llamacpp": _Engine(
         prefixes=("llamacpp:", "llamacpp_"),
         running=_Field(("requests_processing",)),
         waiting=_Field(("requests_deferred",)),
-        kv_usage=_Field(("kv_cache_usage_ratio",), "mean"),
+        prefix_hits=_Field(("prompt_tokens_cached_total",)),
+        prefix_misses=_Field(("prompt_tokens_total",)),
         generated_tokens=_Field(("n_decode_total",)),
         output_tokens=_Field(("tokens_predicted_total",)),
     ),
@@ -244,6 +252,10 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         total = field(_Field((spec.kv_ratio[1],)))
         kv = used / total if used is not None and total else None
     latency_s, latency_n = _token_latency(text, prefix, spec.token_latency)
+    hits, queries = field(spec.prefix_hits), field(spec.prefix_queries)
+    if queries is None and spec.prefix_misses is not None:
+        misses = field(spec.prefix_misses)
+        queries = None if misses is None or hits is None else misses + hits
     kv_blocks = None
     if spec.kv_blocks is not None:
         blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
@@ -253,8 +265,8 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         running=running[0],
         waiting=waiting[0],
         kv_usage=None if kv is None else min(kv, 1.0),
-        prefix_queries=field(spec.prefix_queries),
-        prefix_hits=field(spec.prefix_hits),
+        prefix_queries=queries,
+        prefix_hits=hits,
         generated_tokens=field(spec.generated_tokens),
         engines=max(running[1], 1),
         token_latency_s=latency_s,

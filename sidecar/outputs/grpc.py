@@ -8,27 +8,27 @@
 
 Bounded: receive/send message size, concurrent streams per connection, keepalive pings
 (and the pace it accepts from clients), idle connections closed, connection age capped
-(with a grace for the streams in flight). Plaintext is allowed only on a loopback bind, and
-said loudly in the log; any other bind needs TLS (`TlsSettings`: certificate, key and,
-for mutual TLS, the CA that signs client certificates), built in `server_credentials`
-alone, so adding identity checks later touches one function.
+(with a grace for the streams in flight). The transport is ADS's (`sidecar.outputs.tls`):
+mutual TLS from `TlsFiles` (certificate, key, the CA that signs client certificates; the
+client's certificate names in `peer_identities(context)`), or plaintext on a loopback bind
+only, said loudly in the log; any other bind without TLS is refused.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from sidecar.config import ConfigError
+from sidecar.config.tls import TlsFiles, is_loopback
 from sidecar.logs import log_event
+from sidecar.outputs.tls import InsecureBindError, TlsError, bind
 
-__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsSettings", "is_loopback", "server_credentials"]
+__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsFiles", "is_loopback"]
 
 _log = logging.getLogger("sidecar.grpc")
 
@@ -68,41 +68,11 @@ class GrpcLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class TlsSettings:
-    """Server certificate and key (PEM files); with `client_ca`, clients must present a
-    certificate it signed (mutual TLS)."""
-
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class GrpcSettings:
     host: str
     port: int  # 0: the OS picks (tests)
     limits: GrpcLimits = GrpcLimits()
-    tls: TlsSettings | None = None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine ("" and 0.0.0.0 do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
-
-
-def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
-    """TLS (mutual when a client CA is given) from PEM files; ConfigError when unreadable."""
-    try:
-        cert, key = tls.cert.read_bytes(), tls.key.read_bytes()
-        ca = tls.client_ca.read_bytes() if tls.client_ca is not None else None
-    except OSError as exc:
-        raise ConfigError(f"gRPC TLS: cannot read {exc.filename}: {exc.strerror}") from exc
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    tls: TlsFiles | None = None  # mutual TLS (sidecar.outputs.tls); None: plaintext, loopback only
 
 
 class GrpcServer:
@@ -134,23 +104,16 @@ class GrpcServer:
         for register in self._services:
             register(self._server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
-        try:
-            if s.tls is not None:
-                bound = self._server.add_secure_port(address, server_credentials(s.tls))
-            else:
-                bound = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc raises RuntimeError when it cannot bind
+        try:  # the transport ADS uses too: mTLS, or plaintext on loopback (logged loudly there)
+            bound = bind(self._server, s.host, s.port, s.tls, what=f"grpc ({', '.join(self._names)})")
+        except (TlsError, InsecureBindError) as exc:
             raise ConfigError(f"gRPC listen {address}: {exc}") from exc
-        if bound == 0:
-            raise ConfigError(f"gRPC listen {address}: cannot bind")
+        except (RuntimeError, OSError) as exc:  # grpc raises RuntimeError when it cannot bind
+            raise ConfigError(f"gRPC listen {address}: {exc}") from exc
         await self._server.start()
         self.port = bound
-        if s.tls is None:
-            log_event(_log, logging.WARNING, "grpc.plaintext", listen=f"{s.host}:{bound}", services=self._names,
-                      note="plaintext gRPC on loopback only: anything on this machine may call it")
-        else:
-            log_event(_log, logging.INFO, "grpc.listening", listen=f"{s.host}:{bound}", services=self._names,
-                      tls="mutual" if s.tls.client_ca is not None else "server")
+        log_event(_log, logging.INFO, "grpc.listening", listen=f"{s.host}:{bound}", services=self._names,
+                  tls="mutual" if s.tls is not None else "plaintext (loopback)")
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:

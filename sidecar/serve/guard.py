@@ -20,8 +20,8 @@ Prometheus and the kubelet reach them without credentials.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import ipaddress
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -32,21 +32,14 @@ from aiohttp import web
 
 from confgen.secrets import BEARER_TOKEN, read_key_file
 from sidecar.config import ConfigError
+from sidecar.config.tls import is_loopback
 
-__all__ = ["GUARD", "MutationGuard", "guarded", "is_loopback", "json_object", "load_token"]
+__all__ = ["GUARD", "MutationGuard", "guarded", "is_loopback", "json_depth", "json_object", "load_token"]
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = 4096  # a drain call is a pool and a worker name
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine ("" and 0.0.0.0 do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+MAX_JSON_DEPTH = 8  # a drain call is one flat object
+BODY_TIMEOUT_S = 5.0
 
 
 def load_token(file: Path | None, env: str | None) -> str | None:
@@ -107,19 +100,52 @@ GUARD = web.AppKey("mutation_guard", MutationGuard)
 async def json_object(request: web.Request) -> dict[str, object] | web.Response:
     """The request's JSON object body ({} when empty), or the 400/413 answer refusing it."""
     if request.content_length is not None and request.content_length > MAX_BODY:
-        return _error(413, f"body over {MAX_BODY} bytes")
-    raw = await request.content.read(MAX_BODY + 1)
+        return _error(413, f"body over {MAX_BODY} bytes")  # refused before reading a byte of it
+    raw = b""
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            while len(raw) <= MAX_BODY:  # chunked: read just past the limit, never the whole body
+                chunk = await request.content.read(MAX_BODY + 1 - len(raw))
+                if not chunk:
+                    break
+                raw += chunk
+    except TimeoutError:
+        return _error(408, f"the body was not sent within {BODY_TIMEOUT_S:g} s")
     if len(raw) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")
     if not raw.strip():
         return {}
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        return _error(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return _error(400, "the body is not JSON")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
     return body
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in `raw` (brackets inside strings do not count); no parsing."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
 
 
 def guarded(handler: _Handler) -> _Handler:

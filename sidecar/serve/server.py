@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,7 +28,9 @@ from prometheus_client.registry import CollectorRegistry
 
 from sidecar.daemon import Daemon
 from sidecar.fleet import Snapshot, XdsView
+from sidecar.logs import LogBudget
 from sidecar.outputs.xds.cache import SHORT
+from sidecar.serve.bounds import errors_as_json
 from sidecar.serve.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
 from sidecar.serve.models import models_answer
 
@@ -42,6 +46,10 @@ def _xds_json(view: XdsView) -> dict[str, Any]:
         "versions": dict(view.versions),
         "resources": dict(view.resources),
         "nacks_total": view.nacks_total,
+        "transport": view.transport,
+        "counted_envoys": view.counted,
+        "refused": dict(view.refused),
+        "logs_suppressed": view.logs_suppressed,
         "nodes": {
             node.node: {
                 "cluster": node.cluster,
@@ -156,9 +164,11 @@ async def _models(request: web.Request) -> web.Response:
     return web.Response(text=models_answer(daemon.topology, daemon.view()), content_type="application/json")
 
 
-def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard) -> web.Application:
-    """The sidecar's routes; `guard` decides who may POST (sidecar.serve.guard)."""
-    app = web.Application(client_max_size=MAX_BODY)
+def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGuard,
+              clock: Callable[[], float] = time.monotonic) -> web.Application:
+    """The sidecar's routes; `guard` decides who may POST (sidecar.serve.guard); every error answered as JSON
+    (sidecar.serve.bounds)."""
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_as_json(LogBudget(clock))])
     app[_DAEMON] = daemon
     app[_REGISTRY] = registry
     app[GUARD] = guard

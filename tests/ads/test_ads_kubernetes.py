@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import kubernetes_validate
+import pytest
 import yaml
 
 from confgen import parse_topology
 from confgen.deploy import render_kubernetes
+from confgen.errors import DeployError
+from sidecar.config import from_argv
+from sidecar.config.tls import TlsFiles
+from sidecar.outputs.tls import node_bound
 
 TOPOLOGY = """\
 version: 1
@@ -19,6 +26,7 @@ envoy:
     servers:
       - confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000
       - confgen-fleet-xds-1.confgen-fleet-xds.inference.svc:18000
+    tls: {cert: /etc/envoy/xds-tls/tls.crt, key: /etc/envoy/xds-tls/tls.key, ca: /etc/envoy/xds-ca/ca.crt}
 pools:
   - name: chat
     engine: vllm
@@ -47,10 +55,64 @@ def test_ads_manifests_run_a_control_plane_and_sidecarless_envoys() -> None:
     pod = by[("Deployment", "confgen-fleet")]["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["envoy"]
     envoy = pod["containers"][0]
-    assert envoy["args"][envoy["args"].index("--service-node") + 1] == "$(POD_NAME)"
+    assert envoy["args"][envoy["args"].index("--service-node") + 1] == "confgen-fleet-envoy/$(POD_NAME)"
     assert pod["initContainers"][0]["command"][:2] == ["confgen", "render"]
     listeners = by[("Service", "confgen-fleet")]["spec"]
     assert listeners["selector"]["app.kubernetes.io/component"] == "envoy"  # never the control plane's pods
     hpa = by[("HorizontalPodAutoscaler", "confgen-fleet")]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (3, 12)
     assert hpa["metrics"][0]["resource"]["name"] == "cpu"
+
+
+def test_ads_manifests_serve_over_mtls_behind_a_network_policy() -> None:
+    """The control plane takes its certificate, key and client CA from the Secret confgen-fleet-xds-tls
+    (cert-manager's entries) and its flags parse into mTLS; the Envoys mount confgen-fleet-envoy-tls where
+    envoy.xds.tls says, and their node id is bound to the shared certificate's name; a NetworkPolicy lets only
+    the Envoy pods reach the gRPC port and only scrapers reach /metrics."""
+    topo, _ = parse_topology(TOPOLOGY.encode())
+    docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    cp = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["template"]["spec"]
+    (container,) = cp["containers"]
+    config = from_argv(container["args"])
+    assert config.xds_tls == TlsFiles(Path("/etc/confgen/xds-tls/tls.crt"), Path("/etc/confgen/xds-tls/tls.key"),
+                                      Path("/etc/confgen/xds-tls/ca.crt"))
+    assert config.serve_xds == ("0.0.0.0", 18000) and config.xds_max_nodes == 14  # HPA max 12 + surge
+    volumes = {v["name"]: v for v in cp["volumes"]}
+    assert volumes["xds-tls"]["secret"]["secretName"] == "confgen-fleet-xds-tls"
+    assert {"name": "xds-tls", "mountPath": "/etc/confgen/xds-tls", "readOnly": True} in container["volumeMounts"]
+
+    pod = by[("Deployment", "confgen-fleet")]["spec"]["template"]["spec"]
+    envoy = pod["containers"][0]
+    secret = {v["name"]: v for v in pod["volumes"]}["envoy-tls"]["secret"]
+    assert secret["secretName"] == "confgen-fleet-envoy-tls"
+    assert secret["items"] == [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"},
+                               {"key": "ca.crt", "path": "ca.crt"}]
+    mounts = {m["mountPath"] for m in envoy["volumeMounts"] if m["name"] == "envoy-tls"}
+    assert mounts == {"/etc/envoy/xds-tls", "/etc/envoy/xds-ca"}
+    node = envoy["args"][envoy["args"].index("--service-node") + 1].replace("$(POD_NAME)", "confgen-fleet-7f9-abc")
+    assert node_bound(node, frozenset({"confgen-fleet-envoy"}))
+    assert not node_bound(node, frozenset({"confgen-fleet-other"}))
+
+    policy = by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "control-plane"
+    assert policy["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = policy["ingress"]
+    assert grpc_rule["ports"] == [{"protocol": "TCP", "port": 18000}]
+    assert grpc_rule["from"] == [{"podSelector": {"matchLabels": by[("Deployment", "confgen-fleet")]["spec"][
+        "selector"]["matchLabels"]}}]
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": 9109}]
+    assert metrics_rule["from"] == [{"namespaceSelector": {},
+                                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+
+
+def test_ads_manifests_need_mtls() -> None:
+    text = TOPOLOGY.replace("    tls: {cert: /etc/envoy/xds-tls/tls.crt, key: /etc/envoy/xds-tls/tls.key, "
+                            "ca: /etc/envoy/xds-ca/ca.crt}\n", "")
+    topo, _ = parse_topology(text.encode())
+    with pytest.raises(DeployError, match=r"envoy\.xds\.tls"):
+        render_kubernetes(topo)
+    same = TOPOLOGY.replace("/etc/envoy/xds-ca/ca.crt", "/etc/envoy/xds-ca/tls.crt")
+    topo, _ = parse_topology(same.encode())
+    with pytest.raises(DeployError, match="distinct file names"):
+        render_kubernetes(topo)

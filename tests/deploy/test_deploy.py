@@ -19,7 +19,7 @@ from confgen.deploy import render_compose, render_kubernetes, topology_yaml
 from confgen.deploy.kubernetes import dns_label
 from confgen.errors import DeployError
 from confgen.model import Topology
-from sidecar.config import from_argv
+from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,3 +316,68 @@ def test_the_sidecars_mutating_endpoints_get_a_token_from_a_secret_when_asked() 
     assert violations(pod) == []
     config = from_argv(sidecar["args"])  # the sidecar's own parser takes the rendered flags
     assert (config.admin_token_env, config.listen_host, config.listen_port) == (name, "0.0.0.0", 9109)
+
+
+def test_the_sidecar_listens_where_the_rendered_envoy_asks_it() -> None:
+    """A topology's sidecar.port is where the rendered Envoy asks the sidecar for /v1/models:
+    the Kubernetes and Compose renders start the sidecar on that port (it was a constant
+    9109, so `sidecar: {port: 9200}` gave an Envoy asking a port nobody listened on), and the
+    sidecar's own check finds no disagreement in either render."""
+    topo, _ = load_topology(EXAMPLES[1])
+    moved = dataclasses.replace(topo, sidecar=dataclasses.replace(topo.sidecar, port=9200))
+    docs = docs_of(render_kubernetes(moved))
+    sidecar = pod_of(docs)["containers"][1]
+    config = from_argv(sidecar["args"])
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", 9200)
+    assert sidecar["ports"] == [{"name": "metrics", "containerPort": 9200}]
+    assert listen_mismatch(config, moved) is None
+    compose = yaml.safe_load(render_compose(moved)["compose.yaml"])
+    config = from_argv(compose["services"]["sidecar"]["command"])
+    assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9200)
+    assert listen_mismatch(config, moved) is None
+
+
+GLOBAL_LIMITS = ROOT / "tests/golden/inputs/global-limits.yaml"
+
+
+def _with_store(address: str, redis: bool = True) -> Topology:
+    topo, _ = load_topology(GLOBAL_LIMITS)
+    store = dataclasses.replace(topo.limits.store, redis=address)  # type: ignore[type-var]
+    return dataclasses.replace(topo, limits=dataclasses.replace(topo.limits, store=store),
+                               kubernetes=dataclasses.replace(topo.kubernetes, redis=redis))
+
+
+def test_kubernetes_renders_a_redis_for_the_global_limits_when_asked() -> None:
+    """kubernetes.redis: a Redis Deployment (restricted, no persistence), its Service named as
+    limits.store says, and a NetworkPolicy letting only the proxy pods in; the proxy pod is
+    unchanged (its sidecar serves the rate limit service on loopback)."""
+    docs = docs_of(render_kubernetes(_with_store("confgen-global-limits-redis:6379")))
+    redis = [d for d in docs if d["metadata"]["name"] == "confgen-global-limits-redis"]
+    assert [d["kind"] for d in redis] == ["Deployment", "Service", "NetworkPolicy"]
+    for doc in redis:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    pod = redis[0]["spec"]["template"]["spec"]
+    assert violations(pod) == []
+    assert "--save" in pod["containers"][0]["args"]
+    assert redis[2]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] \
+        == "proxy"
+    assert [c["name"] for c in pod_of(docs)["containers"]] == ["envoy", "sidecar"]
+    without = docs_of(render_kubernetes(_with_store("redis.example:6379", redis=False)))
+    assert not [d for d in without if d["metadata"]["name"].endswith("-redis")]  # an existing Redis, by address
+
+
+def test_a_rendered_redis_must_be_the_store_the_topology_names() -> None:
+    with pytest.raises(DeployError) as info:
+        render_kubernetes(_with_store("redis.example:6379"))
+    assert info.value.problems[0][0] == "limits.store.redis"
+    assert "confgen-global-limits-redis:6379" in info.value.problems[0][1]
+    with pytest.raises(DeployError) as info:
+        render_compose(_with_store("redis.example:6379"))
+    assert "write 127.0.0.1:6379" in info.value.problems[0][1]
+
+
+def test_compose_runs_redis_on_the_hosts_loopback() -> None:
+    doc = yaml.safe_load(render_compose(_with_store("127.0.0.1:6390"))["compose.yaml"])
+    redis = doc["services"]["redis"]
+    assert redis["network_mode"] == "host"
+    assert redis["command"][:5] == ["redis-server", "--bind", "127.0.0.1", "--port", "6390"]

@@ -50,11 +50,20 @@ class Campaign:
         return "\n".join(lines)
 
     def write_doc(self) -> None:
+        """Rewrite the table: this run's rows replace the rows of the same cases, other cases' rows stay
+        (a full run of one file, e.g. test_abuse.py, keeps the rest of the campaign's figures)."""
         text = DOC.read_text()
         head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
+        old, _, tail = rest.partition(END)
+        ran = {r.case for r in self.rows}
+        kept = [line for line in old.splitlines()
+                if line.startswith("| ") and not line.startswith(("| case |", "| --- |"))
+                and line[2:].split(" | ", 1)[0] not in ran]
+        rows = kept + self.table().splitlines()[2:]
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        body = f"{BEGIN}\n_Full run of {len(self.rows)} cases, {stamp}._\n\n{self.table()}\n{END}"
+        header = "\n".join(self.table().splitlines()[:2])
+        body = (f"{BEGIN}\n_{len(rows)} cases; the last full run of {', '.join(sorted(ran))}: {stamp}._\n\n"
+                f"{header}\n" + "\n".join(rows) + f"\n{END}")
         DOC.write_text(head + body + tail)
 
 

@@ -253,24 +253,31 @@ def tgi() -> str:
 
 
 def llamacpp() -> str:
-    """llama.cpp server with --metrics: large values print in exponent form."""
+    """llama-server with --metrics, names, help, types and order as the real server prints them
+    (tests/realengine/test_exposition.py diffs them against the built binary): no KV gauge,
+    `n_busy_slots_per_decode` a gauge, large values in exponent form."""
     rows = [
-        ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", "1.92837e+07"),
-        ("prompt_seconds_total", "counter", "Prompt process time", "3841.21"),
-        ("tokens_predicted_total", "counter", "Number of generation tokens processed.",
-         "4.81234e+06"),
-        ("tokens_predicted_seconds_total", "counter", "Predict process time", "98123.5"),
-        ("n_decode_total", "counter", "Total number of llama_decode() calls", "1.23457e+06"),
-        ("n_busy_slots_per_decode", "counter", "Average number of busy slots per decode",
-         "3.21"),
-        ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.", "5012.3"),
-        ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-         "48.2"),
-        ("kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.", "0.63"),
-        ("kv_cache_tokens", "gauge", "KV-cache tokens.", "10321"),
-        ("requests_processing", "gauge", "Number of requests processing.", "3"),
-        ("requests_deferred", "gauge", "Number of requests deferred.", "2"),
-    ]
+        ("prompt_tokens_total", "counter", "Number of prompt tokens processed, excluding cached tokens",
+         "1.92837e+07"),
+        ("prompt_tokens_cached_total", "counter", "Number of prompt tokens reused from the cache", "8.1163e+06"),
+        ("prompt_seconds_total", "counter", "Total time spent processing prompts", "3841.21"),
+        ("tokens_predicted_total", "counter", "Number of generation tokens processed", "4.81234e+06"),
+        ("tokens_predicted_seconds_total", "counter", "Total time spent generating tokens", "98123.5"),
+        ("n_decode_total", "counter",
+         "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+         "1.23457e+06"),
+        ("n_tokens_max", "counter", "Largest observed sequence length (prompt + generation)", "8190"),
+        ("spec_decode_num_draft_tokens_total", "counter", "Speculative: Total draft tokens generated", "0"),
+        ("spec_decode_num_accepted_tokens_total", "counter",
+         "Speculative: Total draft tokens accepted by the target model", "0"),
+        ("spec_decode_num_drafts_total", "counter", "Speculative: Total speculative decoding verification steps",
+         "0"),
+        ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s", "5012.3"),
+        ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s", "48.2"),
+        ("requests_processing", "gauge", "Number of requests processing", "3"),
+        ("requests_deferred", "gauge", "Number of requests deferred", "2"),
+        ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call", "3.21"),
+    ]  # fmt: skip
     out = []
     for name, kind, help_text, value in rows:
         out += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
@@ -350,7 +357,7 @@ EXPECTED: dict[str, Expected] = {
     "sglang_tp2_dp2.prom": ("sglang", 12.0, 3.0, 0.4, None, None, None, 2),
     "sglang_underscore_tp4.prom": ("sglang", 5.0, 1.0, 0.3, None, None, None, 1),
     "tgi.prom": ("tgi", 16.0, 4.0, 0.3, None, None, None, 1),
-    "llamacpp.prom": ("llamacpp", 3.0, 2.0, 0.63, None, None, 1.23457e6, 1),
+    "llamacpp.prom": ("llamacpp", 3.0, 2.0, None, 1.92837e7 + 8.1163e6, 8.1163e6, 1.23457e6, 1),
 }
 BAD = ["bad_empty.prom", "bad_html.prom", "bad_json.prom", "bad_truncated.prom",
        "bad_no_engine_metrics.prom"]

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from confgen import parse_topology
 from sidecar import main as main_mod
-from sidecar.config import ConfigError, SidecarConfig, from_argv
+from sidecar.config import ConfigError, SidecarConfig, from_argv, listen_for, listen_mismatch
 from sidecar.decide.hysteresis import HysteresisPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
@@ -25,6 +26,7 @@ def test_defaults() -> None:
     assert config.probe_deadline_s == pytest.approx(1.5)
     assert config.body_cap_bytes == 1024 * 1024
     assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9109)
+    assert config.listen_from_topology  # no --listen: the topology's sidecar link decides
     assert config.health == HealthPolicy(probe_interval_s=2.0)
     assert config.weights == WeightPolicy()
     assert (config.publish_debounce_s, config.confirm_timeout_s, config.watch_debounce_s) == (0.1, 2.0, 0.2)
@@ -109,3 +111,47 @@ def test_config_built_in_code_is_checked_too() -> None:
         SidecarConfig(topology=Path("t.yaml"), ingresses=0)
     with pytest.raises(ConfigError, match="listen port"):
         SidecarConfig(topology=Path("t.yaml"), listen_port=-1)
+
+
+_LINKED = """\
+version: 1
+name: t
+listeners: [{name: public, port: 8080}]
+pools: [{name: chat, engine: llamacpp, models: [m], workers: ["127.0.0.1:8000"]}]
+"""
+
+
+def test_without_listen_the_sidecar_listens_where_the_topology_says() -> None:
+    """One source: with no --listen the sidecar takes the topology's sidecar.address:port,
+    the address the rendered proxy asks for /v1/models (before, it always took
+    127.0.0.1:9109, whatever the topology said)."""
+    topo, _ = parse_topology((_LINKED + "sidecar: {address: 127.0.0.2, port: 9311}\n").encode())
+    config = listen_for(from_argv(TOPO), topo)
+    assert (config.listen_host, config.listen_port) == ("127.0.0.2", 9311)
+    assert listen_mismatch(config, topo) is None
+    given = listen_for(from_argv([*TOPO, "--listen", "127.0.0.1:9400"]), topo)
+    assert (given.listen_host, given.listen_port) == ("127.0.0.1", 9400)  # --listen wins
+
+
+@pytest.mark.parametrize(
+    ("listen", "tail", "problem"),
+    [
+        ("127.0.0.1:9400", "", "--listen port 9400 is not the topology's sidecar.port 9109"),
+        ("127.0.0.1:9109", "sidecar: {port: 9200}\n", "--listen port 9109 is not the topology's sidecar.port 9200"),
+        ("10.0.0.7:9109", "", "--listen host 10.0.0.7 is not the topology's sidecar.address 127.0.0.1"),
+        ("0.0.0.0:9109", "", None),  # every address, the topology's among them
+        ("127.0.0.1:9109", "", None),
+        ("127.0.0.1:9400", "sidecar: {models: false}\n", None),  # the proxy never asks the sidecar
+        ("127.0.0.1:9400", "models_endpoint: false\n", None),
+    ],
+)
+def test_a_listen_the_proxy_cannot_reach_is_named(listen: str, tail: str, problem: str | None) -> None:
+    """--listen elsewhere than the topology's sidecar link is a problem the sidecar reports
+    (startup.listen_mismatch, an error): the proxy would ask a port nobody listens on and
+    silently answer the full model list. Wildcard hosts cover the topology's address."""
+    topo, _ = parse_topology((_LINKED + tail).encode())
+    found = listen_mismatch(listen_for(from_argv([*TOPO, "--listen", listen]), topo), topo)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(problem), found

@@ -9,7 +9,9 @@ import grpc
 import pytest
 
 from sidecar.config import ConfigError, from_argv, grpc_listen_for
-from sidecar.outputs.grpc import GrpcLimits, GrpcServer, GrpcSettings, TlsSettings, is_loopback
+from sidecar.outputs.grpc import GrpcLimits, GrpcServer, GrpcSettings, TlsFiles, is_loopback
+from sidecar.outputs.tls import peer_identities
+from tests.support.certs import CertAuthority, openssl_available
 
 _METHOD = "/confgen.test.Echo/Echo"
 
@@ -34,8 +36,9 @@ def test_plaintext_is_refused_beyond_loopback() -> None:
 
 
 def test_tls_files_unreadable_is_a_config_error(tmp_path: Path) -> None:
-    server = GrpcServer(GrpcSettings("0.0.0.0", 0, tls=TlsSettings(tmp_path / "no.crt", tmp_path / "no.key")))
-    with pytest.raises(ConfigError, match="cannot read"):
+    server = GrpcServer(GrpcSettings("0.0.0.0", 0, tls=TlsFiles(tmp_path / "no.crt", tmp_path / "no.key",
+                                                                  tmp_path / "no-ca.crt")))
+    with pytest.raises(ConfigError, match=r"no\.crt"):
         asyncio.run(server.start())
 
 
@@ -85,3 +88,42 @@ def test_grpc_listen_flag_and_topology_default(tmp_path: Path) -> None:
     assert grpc_listen_for(config, topo) == ("127.0.0.1", 9999)
     with pytest.raises(ConfigError):
         from_argv(["--topology", str(topo_file), "--grpc-listen", "nope"])
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
+def test_mutual_tls_from_the_shared_transport(tmp_path: Path) -> None:
+    """The picker's server over the ADS transport (sidecar.outputs.tls): beyond loopback with mTLS; a client
+    without a certificate fails the handshake; one with a certificate is served and named to the handler."""
+    ca = CertAuthority.create(tmp_path / "pki")
+    server_cert = ca.issue("sidecar", ["IP:127.0.0.1"])
+    client = ca.issue("envoy-0", ["DNS:envoy-0"])
+    seen: list[frozenset[str] | None] = []
+
+    async def who(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        seen.append(peer_identities(context))
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "confgen.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(who)})
+
+    async def main() -> None:
+        files = TlsFiles(server_cert.cert, server_cert.key, ca.cert)
+        server = GrpcServer(GrpcSettings("0.0.0.0", 0, tls=files))  # allowed: mutual TLS
+        server.add(_register(handler), "echo")
+        port = await server.start()
+        try:
+            for cert, expected in ((client, "ok"), (None, "UNAVAILABLE")):
+                creds = grpc.ssl_channel_credentials(
+                    ca.cert.read_bytes(), cert.key.read_bytes() if cert else None,
+                    cert.cert.read_bytes() if cert else None)
+                async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+                    try:
+                        answer = await channel.unary_unary(_METHOD)(b"hi", timeout=10)
+                        assert (answer, expected) == (b"hi", "ok")
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code().name == expected
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert seen == [frozenset({"envoy-0"})]

@@ -42,6 +42,7 @@ def test_parse_body_prompt_forms_and_garbage() -> None:
     p = parse_body(b'{"prompt": "x", "max_completion_tokens": 9, "max_tokens": 1}')
     assert p is not None and p.max_tokens == 9 and p.model is None
     assert parse_body(b"not json") is None
+    assert parse_body(b"[" * 200_000 + b"]" * 200_000) is None  # nested past Python's recursion limit
     assert parse_body(b"[1, 2]") is None
     assert parse_body(b'{"model": "m"}') is None
     p = parse_body(_chat([{"role": "user", "content": [{"type": "text", "text": "part"}]}]))  # type: ignore[dict-item]
@@ -310,3 +311,28 @@ def test_a_stream_that_never_sends_its_body_is_dropped() -> None:
 
     asyncio.run(main())
     assert metrics.unpicked.labels(reason="timeout")._value.get() == 1
+
+
+def test_picker_overrides_from_the_command_line() -> None:
+    import pytest
+
+    policy = PickerPolicy().with_overrides(["prefix=2", "cost=0", "spill_min=4", "fallbacks=0"])
+    assert dict(policy.weights) == {"prefix": 2.0, "load": 2.0, "kv": 1.0, "cost": 0.0}
+    assert policy.spill_min == 4.0 and policy.fallbacks == 0
+    for bad in ("nope=1", "prefix", "prefix=x", "long_tokens=0", "load=-1", "fallbacks=1.5"):
+        with pytest.raises(ValueError, match="--picker"):
+            PickerPolicy().with_overrides([bad])
+    store = _store(_facts("a:1"), _facts("b:1"))
+    pick = Picker(policy, rng=random.Random(1)).pick(PickRequest("chat", None, []), store.endpoints("chat"))
+    assert len(pick.endpoints) == 1  # fallbacks=0
+
+
+def test_a_request_without_a_body_is_left_to_the_proxy() -> None:
+    svc = _servicer(_facts("10.0.0.1:8000"))
+    st = _Stream(None)
+    (out,) = svc._step(st, _headers(end=True, **{DESTINATION: "10.0.0.1:8000"}))
+    assert _destination(out, "request_headers") is None and st.endpoint is None
+    hinted = _Stream(None)
+    hinted.subset = frozenset({"10.0.0.1:8000"})
+    (out,) = svc._step(hinted, _headers(end=True))
+    assert _destination(out, "request_headers") == "10.0.0.1:8000"

@@ -123,10 +123,11 @@ def run(workload: str, policy: str, seed: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--workloads", default="conversations,oneshot-uneven")
     args = parser.parse_args()
     for workload in args.workloads.split(","):
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for policy in ("least_request", "prefix_affinity"):
                 print(json.dumps(run(workload, policy, seed)), flush=True)
     return 0

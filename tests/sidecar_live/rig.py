@@ -40,12 +40,13 @@ FAST_ARGS = (
 
 
 def topology_text(
-    workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request"
+    workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request",
+    sidecar_port: int | None = None,
 ) -> str:
     # The sidecar alone decides health here: no active checks, no outlier ejection.
     return fleet_topology(name="live", admin=admin, port=port, workers=workers, models=["sim-model"],
                           capacity=capacity, pool=[f"balancing: {{policy: {policy}}}", "health: {enabled: false}",
-                                                   "outlier_detection: {enabled: false}"])
+                                                   "outlier_detection: {enabled: false}"], sidecar_port=sidecar_port)
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
@@ -211,7 +212,7 @@ def live_rig(
         port, admin, listen = free_port(), free_port(), free_port()
         chosen = fleet.workers[: listed or len(fleet.workers)]
         text = topology_text([worker_item(w.port) for w in chosen], admin=admin, port=port,
-                             capacity=capacity, policy=policy)
+                             capacity=capacity, policy=policy, sidecar_port=listen)
         if configmap:
             topo_path = configmap_publish(tmp / "cm", text)
         else:

@@ -80,3 +80,31 @@ def test_models_list_follows_health_on_envoy_and_nginx(tmp_path: Path) -> None:
                             f"{url} after {action} {name}: {_names(url)}\n{sidecar.log_tail()}")
             finally:
                 assert sidecar.stop() == 0, sidecar.log_tail()
+
+
+def test_a_sidecar_listening_where_the_proxy_does_not_ask_says_so(tmp_path: Path) -> None:
+    """The real sidecar process, started with a --listen port that is not the topology's
+    sidecar.port (the rendered Envoy would ask 9109 for /v1/models and reach nothing), logs
+    the disagreement as an error at startup; started without --listen it serves on the
+    topology's port and logs nothing of the kind."""
+    listen, other = free_port(), free_port()
+    text = TOPOLOGY.format(admin=free_port(), port=free_port(), sidecar=listen, a=1001, b=1002, c=1003)
+    topo_path = tmp_path / "topology.yaml"
+    topo_path.write_text(text)
+    common = ["--topology", str(topo_path), "--xds-dir", str(tmp_path / "envoy"), *FAST_ARGS]
+    for args, port, mismatch in (([*common, "--listen", f"127.0.0.1:{other}"], other, True), (common, listen, False)):
+        log = tmp_path / f"sidecar-{port}.log"
+        sidecar = SidecarProcess(args, log, port)
+        sidecar.start()
+        try:
+            assert poll(lambda s=sidecar: any(e.get("event") == "startup.done" for e in s.events()), 20.0), (
+                sidecar.log_tail())
+            assert sidecar.get("/healthz")[0] == 200  # it serves where it says
+            found = [e for e in sidecar.events() if e.get("event") == "startup.listen_mismatch"]
+            if mismatch:
+                assert [e["level"] for e in found] == ["error"]
+                assert f"sidecar.port {listen}" in found[0]["problem"]
+            else:
+                assert found == []
+        finally:
+            assert sidecar.stop() == 0

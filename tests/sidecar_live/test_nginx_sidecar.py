@@ -394,3 +394,36 @@ def test_changes_within_the_interval_are_coalesced_into_one_reload(tmp_path: Pat
         time.sleep(3.5)
         assert watch.reloads == 2
         assert rig.down_ports() == {pc}
+
+
+def test_pool_added_by_a_reload_is_reported_and_does_not_block_the_others(tmp_path: Path) -> None:
+    """nginx.conf is the operator's render: a topology reload that adds a pool cannot route to it
+    until nginx.conf is rendered again. The sidecar says so (event nginx.pool_not_in_conf, a problem
+    in /readyz naming the pool and the command: not a readiness failure, since nginx keeps serving
+    every other pool) instead of reporting an `nginx -t` refusal, tests nothing
+    for it, and the other pools' changes still go through in the same and later reloads."""
+    with nginx_rig(tmp_path, _fleet()) as rig, WorkerWatch(rig.nginx.pid) as watch:
+        topo_path = tmp_path / "topology.yaml"
+        pb = rig.fleet.worker("b").port
+        added = topo_path.read_text() + (
+            "  - name: extra\n    engine: vllm\n    models: [other-model]\n    capacity: 4\n"
+            "    health: {enabled: false}\n    outlier_detection: {enabled: false}\n"
+            f"    workers: [127.0.0.1:{rig.fleet.worker('c').port}]\n")
+        rig.fleet.worker("b").crash()
+        tmp = topo_path.with_suffix(".tmp")
+        tmp.write_text(added)
+        tmp.replace(topo_path)
+
+        def reported() -> bool:
+            status, body = rig.sidecar.get("/readyz")
+            reasons = json.loads(body)["problems"]
+            return status == 200 and any("pool extra is not in nginx.conf" in r and "confgen render" in r
+                                         for r in reasons)
+
+        assert poll(reported, timeout=10), rig.sidecar.get("/readyz")
+        assert poll(lambda: rig.down_ports() == {pb}, timeout=10)  # chat's change was not held back
+        assert poll(lambda: watch.reloads >= 1, timeout=5)
+        events = [e for e in rig.sidecar.events() if e["event"] == "nginx.pool_not_in_conf"]
+        assert events and events[0]["pool"] == "extra"
+        assert not [e for e in rig.sidecar.events() if e["event"] == "nginx.test_failed"]
+        assert [rig.send()[0] for _ in range(6)] == [200] * 6

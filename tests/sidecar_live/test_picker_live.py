@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ from confgen import envoy, parse_topology
 from confgen.output import write_tree
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, Rig, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import FAST_ARGS, REPO, Rig, SidecarProcess, poll, worker_specs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,7 +39,7 @@ def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
             models=["sim-model"], capacity=capacity,
             pool=["balancing: {policy: prefix_affinity}", "health: {enabled: false}",
                   "outlier_detection: {enabled: false}"],
-            tail=[f"sidecar: {{grpc_port: {grpc_port}}}"])
+            tail=[f"sidecar: {{port: {listen}, grpc_port: {grpc_port}}}"])
         topo_path = tmp / "topology.yaml"
         topo_path.write_text(text)
         xds = tmp / "envoy"
@@ -286,3 +287,18 @@ def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_
             status, worker = chat(plain, [{"role": "user", "content": "x"}],
                                   headers={"x-gateway-destination-endpoint": "127.0.0.1:1"})
             assert status == 200 and worker in ("a", "b", "c")
+
+
+def test_a_bad_picker_override_stops_the_sidecar_at_startup(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text(fleet_topology(name="bad", admin=free_port(), port=free_port(), workers=["127.0.0.1:9"],
+                                   models=["m"], capacity=4, pool=["balancing: {policy: prefix_affinity}"],
+                                   tail=[f"sidecar: {{grpc_port: {free_port()}}}"]))
+    proc = subprocess.run([sys.executable, "-m", "sidecar.main", "--topology", str(topo), "--xds-dir",
+                           str(tmp_path / "x"), "--listen", f"127.0.0.1:{free_port()}", "--picker", "prefix=lots"],
+                          capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert b"--picker prefix" in proc.stderr

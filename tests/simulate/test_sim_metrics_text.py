@@ -13,6 +13,7 @@ from confgen.simulate._metrics_text import (
     render,
     render_llamacpp,
 )
+from tests.support.exposition import RECORDED_LLAMACPP, families
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -158,6 +159,22 @@ def test_llamacpp_names_and_exponent_counters() -> None:
     assert "llamacpp:tokens_predicted_total 4.81234e+06\n" in text
     assert _samples(text)["llamacpp:tokens_predicted_total"][0][1] == 4.81234e6
     assert cpp_number(1234) == "1234"
+
+
+def test_llamacpp_families_are_the_real_servers() -> None:
+    """The simulated llama.cpp prints the real llama-server's families with their types, in
+    its order: no `kv_cache_usage_ratio`/`kv_cache_tokens` (the real server has no KV gauge),
+    `prompt_tokens_cached_total`, `n_tokens_max` and `spec_decode_*` present,
+    `n_busy_slots_per_decode` a gauge. The recorded body is checked against the built binary
+    in tests/realengine/test_llama_exposition.py."""
+    data = _busy_input("llamacpp")
+    text = render_llamacpp(data)
+    assert families(text) == families(RECORDED_LLAMACPP.read_text())
+    samples = _samples(text)
+    # done-2 reused done-1's prompt but its last token; the processed count excludes the reused ones
+    cached = samples["llamacpp:prompt_tokens_cached_total"][0][1]
+    assert cached == 799
+    assert samples["llamacpp:prompt_tokens_total"][0][1] == data.engines[0].counters.prompt_tokens - cached
 
 
 def test_number_formats_match_prometheus_client() -> None:

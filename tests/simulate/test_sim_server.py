@@ -272,3 +272,21 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     assert first == again
     assert first[0] == first[2]  # same prompt, other worker: same answer
     assert first != other
+
+
+def test_llamacpp_answers_with_its_own_model_whatever_is_asked() -> None:
+    """Like the real llama-server (tests/realengine): one model per server, the request's
+    `model` ignored (no 404), the answer naming the server's own model; other kinds still
+    refuse a model they do not serve."""
+    spec = FleetSpec((WorkerSpec(engine="llamacpp", models=("tiny",), **FAST),  # type: ignore[arg-type]
+                      WorkerSpec(engine="vllm", models=("tiny",), **FAST)))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        async with Fleet(spec) as fleet, session() as s:
+            llama, vllm = fleet.urls
+            for asked in ("tiny", "another"):
+                status, body, _ = await complete(s, llama, model=asked, max_tokens=2)
+                assert (status, body["model"]) == (200, "tiny")
+            assert (await complete(s, vllm, model="another", max_tokens=2))[0] == 404
+
+    asyncio.run(run())

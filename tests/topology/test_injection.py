@@ -27,7 +27,9 @@ FULL: dict[str, Any] = {
     "admin": {"address": "127.0.0.1", "port": 9901},
     "sidecar": {"address": "127.0.0.1", "port": 9109, "models": True},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1",
-              "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta"}},
+              "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta",
+                      "tls": {"cert": "/etc/envoy/tls/tls.crt", "key": "/etc/envoy/tls/tls.key",
+                              "ca": "/etc/envoy/tls/ca.crt", "server_names": ["cp-0.example"]}}},
     "nginx": {"config_dir": "/etc/confgen/nginx"},
     "kubernetes": {
         "namespace": "inference",
@@ -38,6 +40,7 @@ FULL: dict[str, Any] = {
         "admin_token_secret": "confgen-sidecar-token",
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "monitoring_labels": {"release": "kube-prometheus-stack"},
+        "redis_image": "redis:7.2-alpine",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
     "auth": {
@@ -90,6 +93,11 @@ FULL: dict[str, Any] = {
         },
     ],
     "last_resort": {"kind": "error", "status": 503, "message": "Busy. Retry shortly."},
+    "limits": {
+        "per_key": [{"requests": 10, "per": "1s"},
+                    {"scope": "global", "unit": "total_tokens", "tokens": 100000, "window": "minute"}],
+        "store": {"redis": "redis.example:6379"},
+    },
 }
 
 BAD_CHARS = ["\n", ";", "{", "}", "#", "\x00", "$", '"', "'", "\\"]
@@ -108,8 +116,12 @@ def _is_text(tp: Any) -> bool:
 
 def _leaves(value: Any, tp: Any, path: Path_, owner: tuple[type, str] | None) -> Iterator[tuple[Path_, str, Any]]:
     """(path, kind, owner) for every string in `value`; kind is 'value', 'key' or 'shorthand'."""
+    if typing.get_origin(tp) in (Union, types.UnionType) and isinstance(value, list):  # X | list[X]
+        tp = next(a for a in typing.get_args(tp) if typing.get_origin(a) is list)
     tp = _unwrap(tp)
     origin = typing.get_origin(tp)
+    if tp is Duration:
+        return
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, str):  # worker shorthand
             shorthand = tp.__shorthand__  # type: ignore[attr-defined]

@@ -106,6 +106,7 @@ class NginxPublisher:
         self.reloads = 0  # confirmed reloads
         self.failures: Counter[str] = Counter()  # by stage: include, test, write, signal, confirm
         self._reload_problem: str | None = None
+        self.unincluded: set[str] = set()  # pools nginx.conf does not include (added by a topology reload)
 
     # -- what the daemon calls --------------------------------------------------------------
 
@@ -164,6 +165,7 @@ class NginxPublisher:
         for table in (self._written, self._offers, self._pending, self._refused):
             table.pop(pool, None)
         self.rejected.discard(pool)
+        self.unincluded.discard(pool)
         self.publishes.pop(pool, None)
         self.rejections.pop(pool, None)
 
@@ -173,6 +175,8 @@ class NginxPublisher:
     def problems(self) -> list[str]:
         """Reasons /readyz answers 503 for, [] when nginx runs what the sidecar decided."""
         out = [f"last {pool} upstream refused by nginx -t" for pool in sorted(self.rejected)]
+        out += [f"pool {pool} is not in nginx.conf (added by a topology reload?): re-render nginx.conf "
+                "(`confgen render --target nginx`) and reload nginx" for pool in sorted(self.unincluded)]
         if self._reload_problem is not None:
             out.append(self._reload_problem)
         return out
@@ -229,6 +233,7 @@ class NginxPublisher:
             if data == live:
                 self._pending.pop(pool, None)  # a change undone before its reload: nothing to do
                 self._refused.pop(pool, None)
+                self.unincluded.discard(pool)
             elif data != self._refused.get(pool):  # nginx -t refused exactly this: do not test it again
                 self._pending[pool] = data
 
@@ -249,10 +254,36 @@ class NginxPublisher:
                 continue
             self._last_attempt_at = loop.time()
             if batch:
+                batch = await self._drop_unincluded(batch)
+            if batch:
                 checked = await self._check(batch)
                 if not checked.ok or not await self._install(batch):
                     continue
             await self._reload()
+
+    async def _drop_unincluded(self, batch: Mapping[str, bytes]) -> dict[str, bytes]:
+        """`batch` without the pools nginx.conf does not include (a pool a topology reload added:
+        nginx.conf is the operator's render and routes nothing to it). Each is reported once per
+        render of its file; the other pools' changes go ahead (one pool missing from nginx.conf
+        used to make every pool's batch fail its test)."""
+        try:
+            conf_text = await asyncio.to_thread(self.settings.conf.read_text)
+        except OSError:
+            return dict(batch)  # the test says why
+        kept = {}
+        for pool, data in batch.items():
+            live = self._path(pool)
+            if re.search(rf"\binclude\s+{re.escape(str(live))}\s*;", conf_text):
+                kept[pool] = data
+                continue
+            self.failures["include"] += 1
+            self.unincluded.add(pool)
+            self._refused[pool] = data  # not tried again until its render changes or nginx.conf includes it
+            log_event(_log, logging.ERROR, "nginx.pool_not_in_conf", pool=pool, conf=str(self.settings.conf),
+                      file=str(live), note="nginx.conf has no include for this pool (a topology reload added it?): "
+                      "re-render nginx.conf with `confgen render --target nginx` and reload nginx; the sidecar "
+                      "only rewrites the pools' upstream files")
+        return kept
 
     async def _check(self, batch: Mapping[str, bytes]) -> _Outcome:
         """`nginx -t` on the live nginx.conf with `batch`'s candidates in place of the live files."""
@@ -345,6 +376,7 @@ class NginxPublisher:
                 return False
             self._written[pool] = data
             self.rejected.discard(pool)
+            self.unincluded.discard(pool)
             self._refused.pop(pool, None)
             self.publishes[pool] += 1
             self._reload_owed = True

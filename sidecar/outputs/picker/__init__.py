@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from confgen.balancing import uses_picker
 from confgen.model import Topology
 from confgen.plan import plan
+from sidecar.config import ConfigError
 
 from .datastore import Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
@@ -109,4 +110,9 @@ class PickerService:
 
 
 def build(wiring: ServiceWiring) -> PickerService:
-    return PickerService(wiring)
+    """The picker with the sidecar's --picker overrides; ConfigError when one is bad."""
+    try:
+        policy = PickerPolicy().with_overrides(wiring.config.picker)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return PickerService(wiring, policy)

@@ -145,5 +145,10 @@ class Datastore:
             return pool if pool in self._pools else None
         return next(iter(self._pools)) if len(self._pools) == 1 else None
 
+    def pool_holding(self, addresses: Iterable[str]) -> str | None:
+        """The picker's pool one of these endpoints belongs to (a subset hint without a model)."""
+        wanted = set(addresses)
+        return next((name for name, p in self._pools.items() if wanted & p.endpoints.keys()), None)
+
     def index_size(self) -> int:
         return sum(len(e.index) for p in self._pools.values() for e in p.endpoints.values())

@@ -117,6 +117,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.decided = True
         prompt = parse_body(bytes(st.body)) if st.body and not st.oversize else None
         pool = st.pool or self.store.pool_for(prompt.model if prompt else None)
+        if pool is None and st.subset:
+            pool = self.store.pool_holding(st.subset)
         if pool is None:  # another policy's pool, or a model no pool serves
             self.metrics.unpicked.labels(reason="not_ours").inc()
             return None, None
@@ -213,7 +215,14 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 st.subset = subset
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            if msg.request_headers.end_of_stream:  # no body: pick on load alone
+            if msg.request_headers.end_of_stream:
+                # No body: not an inference request (GET /v1/models, /health). Leave it to the proxy,
+                # unless it came with a subset hint, which the protocol says must be honoured.
+                if st.subset is None:
+                    st.decided = True
+                    self.metrics.unpicked.labels(reason="no_body").inc()
+                    return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION]))))]
                 return [self._picked(st, "headers")]
             if st.streamed:
                 st.headers_held = True

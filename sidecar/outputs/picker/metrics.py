@@ -4,7 +4,7 @@
                                                 holder was passed over for load), load (no prefix known),
                                                 only (one candidate), unavailable (503 for a subset hint)
     confgen_picker_unpicked_total{reason}       left to the proxy's own balancer: not_ours (another
-                                                pool), none_ready, timeout
+                                                pool), none_ready, no_body (GET), timeout
     confgen_picker_streams_total                ext_proc streams opened (one per request)
     confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
                                                 matched/requested estimates the prefix-cache hit ratio

@@ -64,7 +64,7 @@ def parse_body(raw: bytes) -> PromptInfo | None:
     """The prompt of an OpenAI chat/completions body; None when it is not one (not JSON, no prompt)."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: hostile nesting
         return None
     if not isinstance(body, dict):
         return None

@@ -52,6 +52,33 @@ class PickerPolicy:
     fallbacks: int = 2  # endpoints after the first, for retries
 
 
+    def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:
+        """This policy with KEY=VALUE pairs applied (a scorer's name sets its weight); ValueError
+        naming the pair when one is unknown or out of range."""
+        weights = dict(self.weights)
+        fields: dict[str, float | int] = {}
+        numeric = {"spill_min": float, "spill_fraction": float, "prompt_share": float,
+                   "long_tokens": int, "default_max_tokens": int, "fallbacks": int}
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            kind = float if key in SCORERS else numeric.get(key)
+            if not sep or kind is None:
+                raise ValueError(f"--picker {pair!r}: expected KEY=VALUE with KEY one of "
+                                 f"{sorted([*SCORERS, *numeric])}")
+            try:
+                value = kind(raw)
+            except ValueError as exc:
+                raise ValueError(f"--picker {key}: {raw!r} is not a {kind.__name__}") from exc
+            if not (value >= 0 and value == value) or (key in ("long_tokens", "default_max_tokens", "prompt_share")
+                                                         and value <= 0) or value > 1e6:
+                raise ValueError(f"--picker {key}: {raw} is out of range")
+            if key in SCORERS:
+                weights[key] = float(value)
+            else:
+                fields[key] = value
+        return PickerPolicy(weights=tuple(weights.items()), **fields)  # type: ignore[arg-type]
+
+
 @dataclass(slots=True)
 class PickRequest:
     pool: str

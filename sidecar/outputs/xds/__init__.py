@@ -1,9 +1,12 @@
 """The sidecar as an xDS control plane: Aggregated Discovery over gRPC (`--serve-xds`).
 
-    cache.py      the resources every Envoy gets (LDS, CDS, EDS, RTDS) as protobuf Any,
-                  per-resource and per-type versions, a change signal for the streams
-    nodes.py      connected Envoys by node id: streams, ACKed and NACKed versions per type
-    server.py     the gRPC servicer: state of the world and delta, on one grpc.aio server
+    cache.py      the resources every Envoy gets (LDS, CDS, EDS, ECDS: the API keys, RTDS) as
+                  protobuf Any, per-resource and per-type versions, a change signal for the streams
+    nodes.py      connected Envoys by node id: streams, ACKed and NACKed versions per type;
+                  how many share the limits (ACKed RTDS, capped)
+    server.py     the gRPC servicer: state of the world and delta, on one grpc.aio server over
+                  the shared transport (`sidecar.outputs.tls`: mTLS, a node id bound to its
+                  certificate; plaintext on loopback only), bounded per client (`AdsBounds`)
     publisher.py  what the daemon talks to: endpoints per pool, the tree, the limits
 
 Resources are confgen's Envoy renderer's JSON (`confgen.envoy.ads.resources`,

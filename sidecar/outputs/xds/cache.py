@@ -24,16 +24,18 @@ from google.protobuf import any_pb2, json_format
 
 from confgen.errors import ConfgenError
 
-__all__ = ["CDS", "EDS", "LDS", "RTDS", "TYPE_ORDER", "Packer", "Resource", "XdsCache", "XdsResourceError"]
+__all__ = ["CDS", "ECDS", "EDS", "LDS", "RTDS", "TYPE_ORDER", "Packer", "Resource", "XdsCache", "XdsResourceError"]
 
 _PREFIX = "type.googleapis.com/"
 LDS = _PREFIX + "envoy.config.listener.v3.Listener"
 CDS = _PREFIX + "envoy.config.cluster.v3.Cluster"
 EDS = _PREFIX + "envoy.config.endpoint.v3.ClusterLoadAssignment"
 RTDS = _PREFIX + "envoy.service.runtime.v3.Runtime"
-# Make before break: clusters before their endpoints, both before the listeners routing to them.
-TYPE_ORDER = (CDS, EDS, LDS, RTDS)
-SHORT = {CDS: "cds", EDS: "eds", LDS: "lds", RTDS: "rtds"}
+ECDS = _PREFIX + "envoy.config.core.v3.TypedExtensionConfig"  # the API keys, apart from the listeners
+# Make before break: clusters before their endpoints, both (and the filters' configs) before the
+# listeners routing through them.
+TYPE_ORDER = (CDS, EDS, ECDS, LDS, RTDS)
+SHORT = {CDS: "cds", EDS: "eds", ECDS: "ecds", LDS: "lds", RTDS: "rtds"}
 
 
 class XdsResourceError(ConfgenError, ValueError):

@@ -3,10 +3,12 @@
 The same rule as `sidecar.outputs.files.limiter.InflightLimiter` (`sidecar.decide.saturation`): below
 saturation every Envoy holds the render's safety cap; while a pool is saturated the
 shedding controller sets the limit. The control plane knows how many Envoys share the
-fleet (the nodes connected to it, at least 1) but not their own in-flight counts (no admin
-access to them), so an Envoy's in-flight is taken as its share of what the engines report
-running and waiting (exact when all the load comes through these Envoys), and "the limit
-refused requests" as that share being at the limit.
+fleet (the nodes connected to it that ACKed the runtime layer, at least 1, at most
+`--xds-max-nodes`: a client that never applies the limits does not shrink anyone's share)
+but not their own in-flight counts (no admin access to them), so an Envoy's in-flight is
+taken as its share of what the engines report running and waiting (exact when all the
+load comes through these Envoys), and "the limit refused requests" as that share being at
+the limit.
 
 Every Envoy gets the same values; when Envoys connect or leave, the next cycle resizes the
 shares. Until the first value arrives Envoy applies the cluster's own circuit breakers
@@ -16,7 +18,7 @@ shares. Until the first value arrives Envoy applies the cluster's own circuit br
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sized
+from collections.abc import Mapping
 from typing import Protocol
 
 from confgen.envoy import breaker_runtime_keys
@@ -29,11 +31,15 @@ __all__ = ["RtdsLimiter", "RuntimeLayer"]
 _log = logging.getLogger("sidecar.outputs.xds")
 
 
+class CountedNodes(Protocol):
+    def counted(self) -> int: ...
+
+
 class RuntimeLayer(Protocol):
-    """What the limiter needs of the ADS publisher: the connected Envoys and the RTDS layer."""
+    """What the limiter needs of the ADS publisher: the Envoys that apply the limits, and the RTDS layer."""
 
     @property
-    def nodes(self) -> Sized: ...
+    def nodes(self) -> CountedNodes: ...
 
     def set_runtime(self, values: Mapping[str, int]) -> bool: ...
 
@@ -55,7 +61,7 @@ class RtdsLimiter:
         return self._admissions.shedding(pool)
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
-        ingresses = max(1, len(self._publisher.nodes))
+        ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
         for pool, load in loads.items():
             previous = self._admissions.previous(pool)

@@ -7,6 +7,9 @@
     confgen_sidecar_xds_nacks_total{node,type}          NACKs by Envoy and type (connected Envoys)
     confgen_sidecar_xds_responses_total{type}           responses sent over all streams
     confgen_sidecar_xds_updates_total{type}             changes of the served resources
+    confgen_sidecar_xds_counted_envoys                  Envoys the in-flight limits are shared by
+    confgen_sidecar_xds_refused_total{code}             streams refused (identity, bounds), by gRPC code
+    confgen_sidecar_xds_logs_suppressed_total           log lines clients caused beyond their budget
 
 Series exist only for connected Envoys (a node that left has none left behind).
 """
@@ -42,6 +45,15 @@ class XdsCollector(Collector):
         nacks = CounterMetricFamily(_P + "nacks", "NACKs by Envoy and type.", labels=["node", "type"])
         responses = CounterMetricFamily(_P + "responses", "Responses sent over all streams.", labels=["type"])
         updates = CounterMetricFamily(_P + "updates", "Changes of the served resources.", labels=["type"])
+        counted = GaugeMetricFamily(_P + "counted_envoys", "Envoys the in-flight limits are shared by "
+                                    "(connected, ACKed the runtime layer, capped).")
+        refused = CounterMetricFamily(_P + "refused", "Streams refused (node identity, bounds), by gRPC code.",
+                                      labels=["code"])
+        suppressed = CounterMetricFamily(_P + "logs_suppressed", "Log lines clients caused beyond their budget.")
+        counted.add_metric([], view.counted)
+        for code, n in sorted(view.refused.items()):
+            refused.add_metric([code], n)
+        suppressed.add_metric([], view.logs_suppressed)
         connected.add_metric([], len(view.nodes))
         for kind, version in view.versions.items():
             served.add_metric([kind, version], 1.0)
@@ -54,7 +66,7 @@ class XdsCollector(Collector):
                 nacked.add_metric([node.node, SHORT.get(type_url, type_url), nack.version], 1.0)
             for type_url, count in sorted(node.nacks.items()):
                 nacks.add_metric([node.node, SHORT.get(type_url, type_url)], count)
-        yield from (connected, served, acked, nacked, nacks, responses, updates)
+        yield from (connected, served, acked, nacked, nacks, responses, updates, counted, refused, suppressed)
 
 
 def register_xds(registry: CollectorRegistry, view: Callable[[], XdsView]) -> XdsCollector:

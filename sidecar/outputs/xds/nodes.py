@@ -4,6 +4,11 @@ A node may hold several streams (a reconnect overlapping the old stream's end); 
 as connected while any is open and leaves every view when its last one closes. A NACK is
 kept with Envoy's error_detail until the node ACKs a later version of that type: the
 version it last accepted stays in force in that Envoy meanwhile.
+
+Bounded: at most `max_nodes` distinct node ids at once (a new one beyond is refused by the
+server). `counted()` is how many Envoys share the fleet for the in-flight limits: only nodes
+that ACKed the runtime layer (RTDS), at most `max_nodes`: a client that connects and never
+applies the limits does not shrink the share of those that do.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.fleet import Nack, NodeView
+from sidecar.outputs.xds.cache import RTDS
 
 __all__ = ["Nack", "NodeView", "Nodes"]
 
@@ -30,19 +36,25 @@ class _Node:
 class Nodes:
     """The fleet of Envoys as the control plane sees it; `on_change` runs when the set of nodes changes."""
 
-    def __init__(self, clock: Callable[[], float], on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, clock: Callable[[], float], on_change: Callable[[], None] | None = None,
+                 max_nodes: int = 1000) -> None:
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
         self._on_change = on_change
+        self.max_nodes = max_nodes
         self.nacks_total = 0
 
-    def connect(self, node: str, cluster: str, protocol: str) -> None:
+    def connect(self, node: str, cluster: str, protocol: str) -> bool:
+        """A stream of `node` opened; False (nothing recorded) when it would exceed `max_nodes`."""
         entry = self._nodes.get(node)
         if entry is None:
+            if len(self._nodes) >= self.max_nodes:
+                return False
             entry = self._nodes[node] = _Node(cluster, protocol)
         entry.streams += 1
         if entry.streams == 1 and self._on_change is not None:
             self._on_change()
+        return True
 
     def disconnect(self, node: str) -> None:
         entry = self._nodes.get(node)
@@ -69,6 +81,10 @@ class Nodes:
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    def counted(self) -> int:
+        """Envoys that share the fleet's limits: connected nodes that ACKed RTDS (<= max_nodes)."""
+        return min(self.max_nodes, sum(1 for n in self._nodes.values() if RTDS in n.acked))
 
     def view(self) -> tuple[NodeView, ...]:
         return tuple(

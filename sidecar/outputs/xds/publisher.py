@@ -28,11 +28,12 @@ from confgen.secrets import resolve as resolve_secrets
 from sidecar.fleet import XdsView
 from sidecar.logs import log_event
 from sidecar.outputs.publisher import Built, Wiring
-from sidecar.outputs.xds.cache import CDS, EDS, LDS, RTDS, SHORT, XdsCache
+from sidecar.outputs.tls import TlsFiles
+from sidecar.outputs.xds.cache import CDS, ECDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.outputs.xds.limits import RtdsLimiter
 from sidecar.outputs.xds.metrics import register_xds
 from sidecar.outputs.xds.nodes import Nodes
-from sidecar.outputs.xds.server import AdsServicer, serve
+from sidecar.outputs.xds.server import AdsBounds, AdsServicer, serve
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
@@ -43,11 +44,13 @@ class AdsPublisher:
     """Serves the fleet's resources to every connected Envoy over ADS."""
 
     def __init__(self, host: str, port: int, *, clock: Callable[[], float],
-                 on_nodes_changed: Callable[[], None] | None = None) -> None:
+                 on_nodes_changed: Callable[[], None] | None = None, tls: TlsFiles | None = None,
+                 max_nodes: int = 1000, bounds: AdsBounds | None = None) -> None:
         self._host, self._port = host, port
+        self._tls = tls
         self.cache = XdsCache()
-        self.nodes = Nodes(clock, on_nodes_changed)
-        self.servicer = AdsServicer(self.cache, self.nodes)
+        self.nodes = Nodes(clock, on_nodes_changed, max_nodes=max_nodes)
+        self.servicer = AdsServicer(self.cache, self.nodes, bounds, clock)
         self._server: grpc.aio.Server | None = None
         self.bound_port: int | None = None
         self.publishes: Counter[str] = Counter()
@@ -59,9 +62,10 @@ class AdsPublisher:
         self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
     async def start(self) -> None:
-        """Serve ADS on the configured address; OSError when it cannot be bound."""
+        """Serve ADS on the configured address; OSError when it cannot be bound, TlsError /
+        InsecureBindError (ConfgenError) for unusable certificates or plaintext beyond loopback."""
         try:
-            self._server, self.bound_port = await serve(self.servicer, self._host, self._port)
+            self._server, self.bound_port = await serve(self.servicer, self._host, self._port, self._tls)
         except RuntimeError as exc:  # grpc reports a port it could not bind this way
             raise OSError(str(exc)) from exc
         log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
@@ -135,7 +139,7 @@ class AdsPublisher:
         """
         prepared = await asyncio.to_thread(lambda: [
             (t, self.cache.prepare(t, {str(r["name"]): r for r in items}))
-            for t, items in ((CDS, served.clusters), (LDS, served.listeners))])
+            for t, items in ((CDS, served.clusters), (ECDS, served.extension_configs), (LDS, served.listeners))])
         eds = self.cache.resources(EDS)
         for pool, cla in served.assignments.items():
             endpoints = per_pool.get(pool)
@@ -166,12 +170,17 @@ class AdsPublisher:
             responses={SHORT[t]: n for t, n in self.servicer.sent.items()},
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
+            transport="mtls" if self._tls is not None else "plaintext",
+            counted=self.nodes.counted(),
+            refused=dict(self.servicer.refused),
+            logs_suppressed=self.servicer.logs_suppressed,
         )
 
 
 def build(wiring: Wiring) -> Built:
     """The ADS publisher (`sidecar.outputs.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
     assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
-    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock)
+    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock, tls=wiring.config.xds_tls,
+                             max_nodes=wiring.config.xds_max_nodes)
     register_xds(wiring.registry, publisher.view)
     return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation))

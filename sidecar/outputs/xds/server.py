@@ -15,7 +15,16 @@ sent) against the cache; removals for names it has that are gone.
 ACK/NACK: a request carrying the nonce of the latest response of its type answers it; with
 error_detail it is a NACK of the version that response carried (recorded with Envoy's
 message; the same version is not sent again, the next change is). A request with an older
-nonce is stale and changes nothing but its subscriptions.
+nonce is stale and changes nothing but its subscriptions. A nonce is answered once: a
+repeated ACK/NACK of it is stale too.
+
+Bounded (`AdsBounds`): each request is applied to the stream's per-type state as it arrives
+(nothing queues: a client that sends and never reads holds one state per type, not its
+requests); subscriptions, node ids and the NACK text kept are capped; the server caps
+message size, streams, connections and handshake time. Who may speak for which node: with
+mTLS the node id must be bound to the client certificate (`sidecar.outputs.tls.node_bound`),
+checked on the first request; refused streams end with PERMISSION_DENIED, and what clients
+make the server log is rate-limited per client (`sidecar.logs.LogBudget`).
 """
 
 from __future__ import annotations
@@ -23,22 +32,76 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from sidecar.logs import log_event
+from sidecar.logs import LogBudget, clip
+from sidecar.outputs.tls import TlsFiles, bind, node_bound, peer_identities
 from sidecar.outputs.xds.cache import CDS, LDS, SHORT, TYPE_ORDER, XdsCache
 from sidecar.outputs.xds.nodes import Nodes
 
-__all__ = ["AdsServicer", "serve"]
+__all__ = ["AdsBounds", "AdsServicer", "serve"]
 
 _log = logging.getLogger("sidecar.outputs.xds")
 _WILDCARD_TYPES = (CDS, LDS)
 _MAX_NONCES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class AdsBounds:
+    """What one client can make the control plane hold or do."""
+
+    max_node_id: int = 256  # characters; a longer node id is refused (never shown)
+    max_text: int = 512  # characters of a NACK's error text kept, logged and shown
+    max_names: int = 10_000  # resource names one stream may subscribe to, per type
+    max_unknown_names: int = 1024  # of which not served now (a pool just removed, a typo, an attack)
+    max_name: int = 256  # characters of a resource name (pool names are at most 63)
+    max_streams: int = 2_000  # concurrent streams on the server (RESOURCE_EXHAUSTED beyond)
+    max_streams_per_connection: int = 8  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (an Envoy uses 1)
+    max_connections: int = 2_000
+    # One request. Envoy's are a few KiB plus a NACK's text; a delta reconnect lists every resource it
+    # has (initial_resource_versions: ~85 bytes a pool, 10,000 pools ~0.85 MiB). grpc refuses a longer
+    # message from its length prefix, before buffering it.
+    max_receive_bytes: int = 1024 * 1024
+    handshake_timeout_s: float = 10.0  # TCP + TLS handshake, then the HTTP/2 preface
+    idle_timeout_s: float = 300.0  # a connection with no stream open is closed after this
+    log_burst: int = 20  # lines one client (node id or peer address) can cause per window
+    log_window_s: float = 60.0
+    # What one stream may make the server parse: a token bucket in bytes (each request costs
+    # at least min_request_cost). Beyond it the stream is not read (HTTP/2 flow control holds
+    # the sender back). Envoy sends a few small requests per response: far below.
+    read_rate_bytes_s: float = 1024 * 1024
+    read_burst_bytes: float = 8 * 1024 * 1024
+    min_request_cost: int = 4096
+
+
+class _Pace:
+    """A token bucket: how long to wait before reading on after a request of `cost` bytes."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self._rate, self._burst, self._clock = rate, burst, clock
+        self._tokens, self._last = burst, clock()
+
+    def delay(self, cost: float) -> float:
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate) - cost
+        self._last = now
+        return max(0.0, -self._tokens / self._rate)
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _peer_host(context: Any) -> str:
+    peer = str(context.peer() or "")
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 def _nack_message(request: Any) -> str | None:
@@ -52,43 +115,69 @@ def _nack_message(request: Any) -> str | None:
 
 
 class _Stream:
-    """What every stream does: its node, its wake-up, its requests."""
+    """What every stream does: its node, its client's certificate names, its wake-up."""
 
-    def __init__(self, cache: XdsCache, nodes: Nodes, protocol: str) -> None:
-        self.cache = cache
-        self.nodes = nodes
+    def __init__(self, servicer: AdsServicer, protocol: str, context: Any) -> None:
+        self.servicer = servicer
         self.protocol = protocol
+        self.identities = peer_identities(context)  # None: plaintext (loopback only)
+        self.peer = _peer_host(context)
         self.node: str | None = None
         self.wake = asyncio.Event()
-        self.inbox: list[Any] = []
         self.closed = False
+        self.refused: _Refused | None = None
         self._nonce = 0
 
     def nonce(self) -> str:
         self._nonce += 1
         return str(self._nonce)
 
-    async def read(self, requests: AsyncIterator[Any]) -> None:
+    async def read(self, requests: AsyncIterator[Any], handle: Callable[[Any], None]) -> None:
+        """Apply each request to the stream's state as it arrives (paced); stop at the first refused one."""
+        bounds = self.servicer.bounds
+        pace = _Pace(bounds.read_rate_bytes_s, bounds.read_burst_bytes, _monotonic)
         try:
             async for request in requests:
-                self.inbox.append(request)
+                cost = max(request.ByteSize(), bounds.min_request_cost)
+                handle(request)
+                del request  # not held while paced
                 self.wake.set()
+                wait = pace.delay(cost)
+                if wait > 0:  # rate limiting, not synchronisation: the client sends faster than allowed
+                    self.servicer.paced += 1
+                    await asyncio.sleep(wait)
+        except _Refused as exc:
+            self.refused = exc
         finally:
             self.closed = True
             self.wake.set()
 
     def identify(self, request: Any) -> None:
-        if self.node is None:
-            node = request.node.id if request.HasField("node") else ""
-            if not node:
-                raise _NoNode
-            self.node = str(node)
-            self.nodes.connect(self.node, str(request.node.cluster), self.protocol)
-            log_event(_log, logging.INFO, "xds.connected", node=self.node, protocol=self.protocol)
+        """The first request names the node: present, short, bound to the certificate, room for it."""
+        if self.node is not None:
+            return
+        bounds = self.servicer.bounds
+        node = str(request.node.id) if request.HasField("node") else ""
+        if not node:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first request must carry node.id")
+        if len(node) > bounds.max_node_id:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"node.id longer than {bounds.max_node_id} characters")
+        if not node_bound(node, self.identities):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"node.id {clip(node, 64)!r} is not a name of the client certificate "
+                           "(its SAN or CN, or <name>/<anything>)")
+        if not self.servicer.nodes.connect(node, clip(str(request.node.cluster), 128), self.protocol):
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"serving the most Envoys allowed ({self.servicer.nodes.max_nodes})")
+        self.node = node
+        self.servicer.say(node, logging.INFO, "xds.connected", node=node, protocol=self.protocol,
+                          peer=self.peer, identity=self._identity())
 
-
-class _NoNode(Exception):
-    pass
+    def _identity(self) -> str:
+        if self.identities is None:
+            return "plaintext"
+        return clip(",".join(sorted(self.identities)), 200)
 
 
 @dataclass(slots=True)
@@ -108,28 +197,43 @@ class _DeltaType:
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
-    def __init__(self, cache: XdsCache, nodes: Nodes) -> None:
+    def __init__(self, cache: XdsCache, nodes: Nodes, bounds: AdsBounds | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self._cache = cache
-        self._nodes = nodes
+        self.nodes = nodes
+        self.bounds = bounds or AdsBounds()
+        self._budget = LogBudget(clock or _monotonic, self.bounds.log_burst, self.bounds.log_window_s)
         self.sent: dict[str, int] = dict.fromkeys(TYPE_ORDER, 0)  # responses, by type
+        self.refused: dict[str, int] = {}  # streams refused, by status code name
+        self.paced = 0  # times a stream was not read for a while (it sent beyond its budget)
         self.on_sent: Callable[[str, str, str], None] | None = None  # (node, type_url, version), for benches
 
+    def say(self, key: str, level: int, event: str, **fields: Any) -> None:
+        """Log what a client caused, within its budget (`AdsBounds.log_burst` per window)."""
+        self._budget.log(_log, level, clip(key, 64), event, **fields)
+
+    @property
+    def logs_suppressed(self) -> int:
+        return self._budget.suppressed_total
+
     async def _run(self, stream: _Stream, requests: AsyncIterator[Any], context: Any,
-                   step: Callable[[], list[Any]]) -> AsyncIterator[Any]:
+                   handle: Callable[[Any], None], step: Callable[[], list[Any]]) -> AsyncIterator[Any]:
         listener = self._cache.listen(stream.wake)
-        reader = asyncio.create_task(stream.read(requests))
+        reader = asyncio.create_task(stream.read(requests, handle))
         try:
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
-                try:
-                    responses = step()
-                except _NoNode:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first request must carry node.id")
+                if stream.refused is not None:
+                    refused = stream.refused
+                    self.refused[refused.code.name] = self.refused.get(refused.code.name, 0) + 1
+                    self.say(stream.node or stream.peer, logging.WARNING, "xds.refused", code=refused.code.name,
+                             reason=refused.details, peer=stream.peer, identity=stream._identity())
+                    await context.abort(refused.code, refused.details)
                     return
-                for response in responses:
+                for response in step() if self._cache.primed else ():
                     yield response
-                if stream.closed and not stream.inbox:
+                if stream.closed:
                     return
         finally:
             self._cache.unlisten(listener)
@@ -137,32 +241,34 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             if stream.node is not None:
-                self._nodes.disconnect(stream.node)
-                log_event(_log, logging.INFO, "xds.disconnected", node=stream.node, protocol=stream.protocol)
+                self.nodes.disconnect(stream.node)
+                self.say(stream.node, logging.INFO, "xds.disconnected", node=stream.node, protocol=stream.protocol)
 
     # -- state of the world ---------------------------------------------------------------
 
     async def StreamAggregatedResources(self, request_iterator: AsyncIterator[Any],
                                         context: Any) -> AsyncIterator[Any]:
-        stream = _Stream(self._cache, self._nodes, "sotw")
+        stream = _Stream(self, "sotw", context)
         types: dict[str, _SotwType] = {}
 
-        def step() -> list[Any]:
-            inbox, stream.inbox = stream.inbox, []
-            for request in inbox:
-                stream.identify(request)
-                self._sotw_request(stream, types, request)
-            return self._sotw_responses(stream, types) if self._cache.primed else []
+        def handle(request: Any) -> None:
+            stream.identify(request)
+            self._sotw_request(stream, types, request)
 
-        async for response in self._run(stream, request_iterator, context, step):
+        async for response in self._run(stream, request_iterator, context, handle,
+                                        lambda: self._sotw_responses(stream, types)):
             yield response
 
     def _sotw_request(self, stream: _Stream, types: dict[str, _SotwType], request: Any) -> None:
         type_url = str(request.type_url)
         if type_url not in SHORT:
             return
+        if len(request.resource_names) > self.bounds.max_names:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"more than {self.bounds.max_names} resource names for {SHORT[type_url]}")
         state = types.setdefault(type_url, _SotwType())
         names = frozenset(str(n) for n in request.resource_names)
+        self._check_names(type_url, names)
         if type_url in _WILDCARD_TYPES and (not names or "*" in names):
             state.names = None
         else:
@@ -170,15 +276,8 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
         nonce = str(request.response_nonce)
         if not nonce or nonce != state.nonce:
             return  # first request, or an answer to an older response
-        assert stream.node is not None
-        message = _nack_message(request)
-        if message is None:
-            self._nodes.ack(stream.node, type_url, str(request.version_info))
-        else:
-            self._nodes.nack(stream.node, type_url, state.nonce_version, message)
-            log_event(_log, logging.ERROR, "xds.nack", node=stream.node, type=SHORT[type_url],
-                      version=state.nonce_version, error=message,
-                      note="Envoy keeps the version it last accepted")
+        state.nonce = None  # answered: the same nonce again is stale
+        self._answer(stream, type_url, state.nonce_version, request)
 
     def _sotw_responses(self, stream: _Stream, types: dict[str, _SotwType]) -> list[Any]:
         out = []
@@ -204,23 +303,25 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
 
     async def DeltaAggregatedResources(self, request_iterator: AsyncIterator[Any],
                                        context: Any) -> AsyncIterator[Any]:
-        stream = _Stream(self._cache, self._nodes, "delta")
+        stream = _Stream(self, "delta", context)
         types: dict[str, _DeltaType] = {}
 
-        def step() -> list[Any]:
-            inbox, stream.inbox = stream.inbox, []
-            for request in inbox:
-                stream.identify(request)
-                self._delta_request(stream, types, request)
-            return self._delta_responses(stream, types) if self._cache.primed else []
+        def handle(request: Any) -> None:
+            stream.identify(request)
+            self._delta_request(stream, types, request)
 
-        async for response in self._run(stream, request_iterator, context, step):
+        async for response in self._run(stream, request_iterator, context, handle,
+                                        lambda: self._delta_responses(stream, types)):
             yield response
 
     def _delta_request(self, stream: _Stream, types: dict[str, _DeltaType], request: Any) -> None:
         type_url = str(request.type_url)
         if type_url not in SHORT:
             return
+        limit = self.bounds.max_names
+        if max(len(request.resource_names_subscribe), len(request.initial_resource_versions)) > limit:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"more than {limit} resource names for {SHORT[type_url]}")
         subscribe = {str(n) for n in request.resource_names_subscribe}
         unsubscribe = {str(n) for n in request.resource_names_unsubscribe}
         state = types.get(type_url)
@@ -233,18 +334,43 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
         state.names -= unsubscribe
         for name in unsubscribe:
             state.known.pop(name, None)
+        if len(state.names) > limit:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"more than {limit} resource names for {SHORT[type_url]}")
+        self._check_names(type_url, state.names)
+        if any(len(n) > self.bounds.max_name for n in state.known):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a resource name longer than {self.bounds.max_name}")
         nonce = str(request.response_nonce)
         version = state.nonces.pop(nonce, None) if nonce else None
         if version is None:
-            return
+            return  # no nonce, an unknown one, or one already answered
+        self._answer(stream, type_url, version, request)
+
+    def _check_names(self, type_url: str, names: Iterable[str]) -> None:
+        """What a stream keeps per type is bounded by what is served: few unknown names, none too long."""
+        have = self._cache.resources(type_url)
+        unknown = 0
+        for name in names:
+            if len(name) > self.bounds.max_name:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"a resource name longer than {self.bounds.max_name} characters")
+            unknown += name not in have and name != "*"
+        if unknown > self.bounds.max_unknown_names:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{unknown} {SHORT[type_url]} names that are not served "
+                           f"(at most {self.bounds.max_unknown_names})")
+
+    def _answer(self, stream: _Stream, type_url: str, version: str, request: Any) -> None:
+        """An ACK or NACK of the response that carried `version` (each nonce answered once)."""
         assert stream.node is not None
         message = _nack_message(request)
         if message is None:
-            self._nodes.ack(stream.node, type_url, version)
-        else:
-            self._nodes.nack(stream.node, type_url, version, message)
-            log_event(_log, logging.ERROR, "xds.nack", node=stream.node, type=SHORT[type_url], version=version,
-                      error=message, note="Envoy keeps the version it last accepted")
+            self.nodes.ack(stream.node, type_url, version)
+            return
+        text = clip(message, self.bounds.max_text)
+        self.nodes.nack(stream.node, type_url, version, text)
+        self.say(stream.node, logging.ERROR, "xds.nack", node=stream.node, type=SHORT[type_url], version=version,
+                 error=text, note="Envoy keeps the version it last accepted")
 
     def _delta_responses(self, stream: _Stream, types: dict[str, _DeltaType]) -> list[Any]:
         out = []
@@ -281,18 +407,32 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             self.on_sent(stream.node, type_url, version)
 
 
-async def serve(servicer: AdsServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A started grpc.aio server with the ADS service on host:port; (server, bound port)."""
+def _monotonic() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def serve(servicer: AdsServicer, host: str, port: int,
+                tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server with the ADS service on host:port; (server, bound port).
+
+    mTLS with `tls`; without it plaintext, refused beyond loopback (`sidecar.outputs.tls.bind`)."""
+    bounds = servicer.bounds
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ("grpc.max_receive_message_length", bounds.max_receive_bytes),
+        ("grpc.max_concurrent_streams", bounds.max_streams_per_connection),
+        ("grpc.max_allowed_incoming_connections", bounds.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(bounds.handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(bounds.idle_timeout_s * 1000)),
+        # What a client may send ahead of what the server reads: a fixed window per stream
+        # (no BDP growth), so a stream that is not read (paced) holds at most that much.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 64 * 1024),
         # Envoy pings over idle streams (the bootstrap's keepalive); let it.
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
-    ])
+    ], maximum_concurrent_rpcs=bounds.max_streams)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+    bound = bind(server, host, port, tls, what="xds")
     await server.start()
     return server, bound

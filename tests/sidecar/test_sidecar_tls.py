@@ -1,0 +1,126 @@
+"""sidecar.outputs.tls: plaintext only on loopback, unusable files refused, node ids bound to certificates."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sidecar.config import ConfigError, from_argv
+from sidecar.outputs.tls import (
+    InsecureBindError,
+    TlsError,
+    TlsFiles,
+    bind,
+    identities_of,
+    is_loopback,
+    node_bound,
+    server_credentials,
+)
+from tests.support.certs import CertAuthority, openssl_available
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("::1", True), ("[::1]", True), ("localhost", True), ("127.9.9.9", True),
+    ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.1", False), ("xds.example", False),
+])
+def test_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_node_bound_to_the_certificate_names() -> None:
+    names = frozenset({"envoy-0", "spiffe://cluster/ns/a/sa/envoy"})
+    assert node_bound("envoy-0", names)
+    assert node_bound("spiffe://cluster/ns/a/sa/envoy", names)
+    assert node_bound("envoy-0/pod-abc", names)  # a group certificate: <name>/<member>
+    assert not node_bound("envoy-1", names)
+    assert not node_bound("envoy-0/", names)
+    assert not node_bound("envoy-00", names)
+    assert not node_bound("envoy-1/envoy-0", names)
+    assert not node_bound("envoy-0", frozenset())
+    assert node_bound("anything", None)  # plaintext (loopback only): nothing to bind to
+
+
+def test_identities_only_from_tls() -> None:
+    assert identities_of({"transport_security_type": [b"insecure"], "x509_common_name": [b"x"]}) is None
+    assert identities_of({}) is None
+    auth = {"transport_security_type": [b"ssl"], "x509_common_name": [b"cn"],
+            "x509_subject_alternative_name": [b"dns-name", b"spiffe://x/y"]}
+    assert identities_of(auth) == {"cn", "dns-name", "spiffe://x/y"}
+
+
+def test_plaintext_beyond_loopback_refused() -> None:
+    async def run() -> None:
+        server = grpc.aio.server()
+        with pytest.raises(InsecureBindError, match="refusing to serve plaintext"):
+            bind(server, "0.0.0.0", 0, None, what="xds")
+        assert bind(server, "127.0.0.1", 0, None, what="xds") > 0
+        await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_config_refuses_plaintext_ads_beyond_loopback(tmp_path: Path) -> None:
+    topo = str(tmp_path / "t.yaml")
+    with pytest.raises(ConfigError, match="plaintext ADS"):
+        from_argv(["--topology", topo, "--serve-xds", "0.0.0.0:18000"])
+    with pytest.raises(ConfigError, match="all three"):
+        from_argv(["--topology", topo, "--serve-xds", "0.0.0.0:18000", "--xds-tls-cert", "/a"])
+    config = from_argv(["--topology", topo, "--serve-xds", "0.0.0.0:18000", "--xds-tls-cert", "/a",
+                        "--xds-tls-key", "/b", "--xds-client-ca", "/c"])
+    assert config.xds_tls == TlsFiles(Path("/a"), Path("/b"), Path("/c"))
+    assert from_argv(["--topology", topo, "--serve-xds", "127.0.0.1:18000"]).xds_tls is None
+
+
+def test_unusable_files_refused(tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(TlsError, match="missing"):
+        server_credentials(TlsFiles(tmp_path / "missing", pem, pem))
+    junk = tmp_path / "junk"
+    junk.write_text("not a certificate")
+    with pytest.raises(TlsError, match="not PEM"):
+        server_credentials(TlsFiles(pem, junk, pem))
+    huge = tmp_path / "huge"
+    huge.write_bytes(b"-----BEGIN " + b"A" * (2 * 1024 * 1024))
+    with pytest.raises(TlsError, match="larger than"):
+        server_credentials(TlsFiles(pem, pem, huge))
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
+def test_renewed_certificate_served_without_restart(tmp_path: Path) -> None:
+    """cert-manager renews tls.crt in place: the next handshake presents the new certificate."""
+    ca = CertAuthority.create(tmp_path / "pki")
+    first = ca.issue("xds-old", ["IP:127.0.0.1"])
+    second = ca.issue("xds-new", ["IP:127.0.0.1"])
+    client = ca.issue("envoy-0", ["DNS:envoy-0"])
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", ca.cert)
+    live.cert.write_bytes(first.cert.read_bytes())
+    live.key.write_bytes(first.key.read_bytes())
+
+    async def served_cn(port: int) -> str:
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(ca.cert))
+        context.load_cert_chain(str(client.cert), str(client.key))
+        context.set_alpn_protocols(["h2"])
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        cert = writer.get_extra_info("peercert")
+        writer.close()
+        return str(dict(x[0] for x in cert["subject"])["commonName"])
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        port = bind(server, "127.0.0.1", 0, live, what="test")
+        await server.start()
+        try:
+            assert await served_cn(port) == "xds-old"
+            live.key.write_bytes(second.key.read_bytes())
+            live.cert.write_bytes(second.cert.read_bytes())
+            assert await served_cn(port) == "xds-new"
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())

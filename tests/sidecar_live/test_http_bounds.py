@@ -1,0 +1,215 @@
+"""The sidecar's HTTP server under hostile clients, with raw sockets against the shipped process.
+
+`python -m sidecar.main` (control-plane mode on loopback: no Envoy needed beside it), its
+default bounds (sidecar.serve.bounds): a connection cap of 256, a 10 s header/idle timeout,
+a 5 s body timeout, bodies over 4 KiB refused before being read, JSON depth 8, errors as
+JSON. Wall time ~25 s (two timeouts are waited out).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import pytest
+
+from confgen.runtime import free_port
+from tests.sidecar_live.rig import SidecarProcess, poll
+
+TOPOLOGY = """\
+version: 1
+name: bounds
+admin: {{address: 127.0.0.1, port: {admin}}}
+listeners:
+  - {{name: public, address: 127.0.0.1, port: {port}}}
+envoy:
+  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}
+pools:
+  - name: chat
+    engine: vllm
+    models: [m]
+    workers: ["127.0.0.1:{worker}"]
+"""
+HEADER_TIMEOUT, BODY_TIMEOUT, CAP = 10.0, 5.0, 256
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    tmp = tmp_path_factory.mktemp("bounds")
+    xds, listen = free_port(), free_port()
+    topology = tmp / "topology.yaml"
+    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, worker=free_port()))
+    proc = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
+                           "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"], tmp / "sidecar.log", listen)
+    proc.start()
+    try:
+        assert poll(lambda: _healthy(proc), timeout=30), proc.log_tail()
+        yield proc
+        log = proc.log_path.read_text(errors="replace")
+        assert "Traceback" not in log, proc.log_tail()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+def _healthy(proc: SidecarProcess) -> bool:
+    try:
+        return proc.get("/healthz")[0] == 200
+    except OSError:
+        return False
+
+
+def _port(proc: SidecarProcess) -> int:
+    return int(proc.url.rsplit(":", 1)[1])
+
+
+@contextmanager
+def _conn(port: int, timeout: float = 10.0) -> Iterator[socket.socket]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _closed(sock: socket.socket, timeout: float) -> bool:
+    """True when the server closes `sock` within `timeout` (reads and drops what it answers meanwhile)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed too
+        return True
+    return False
+
+
+def _answer(sock: socket.socket, timeout: float = 5.0) -> tuple[int, dict[str, object] | None]:
+    """Status and JSON body of the response on `sock` (Content-Length framed; the server closes or not)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), None)
+    while length is not None and len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    with suppress(ValueError):
+        return status, json.loads(body)
+    return status, None
+
+
+def _request(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: sidecar", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_connection_cap(sidecar: SidecarProcess) -> None:
+    port = _port(sidecar)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(CAP + 40):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        # the ones beyond the cap are closed at accept (in order), the ones within it stay open
+        assert _closed(held[-1], 5.0)
+        open_ = sum(not _closed(s, 0.01) for s in held)
+        assert CAP - 10 <= open_ <= CAP, open_  # (a slot or two may still be held by an earlier request)
+        assert not any(_closed(s, 0.01) for s in held[:CAP - 10])
+    finally:
+        for s in held:
+            s.close()
+    assert poll(lambda: _healthy(sidecar), timeout=10)
+
+
+def test_slow_header_and_idle_connections_closed_within_the_timeout(sidecar: SidecarProcess) -> None:
+    port = _port(sidecar)
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
+    idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        for s in slow:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+        idle.sendall(_request("GET", "/healthz", {}))
+        assert _answer(idle)[0] == 200  # kept alive, then idle
+        started = time.monotonic()
+        assert all(_closed(s, HEADER_TIMEOUT + 10) for s in slow)
+        assert _closed(idle, HEADER_TIMEOUT + 10)
+        waited = time.monotonic() - started
+        assert waited < HEADER_TIMEOUT + 10, waited
+    finally:
+        for s in [*slow, idle]:
+            s.close()
+
+
+def test_bodies_refused_before_being_read(sidecar: SidecarProcess) -> None:
+    port = _port(sidecar)
+    json_headers = {"Content-Type": "application/json"}
+    # Content-Length over the limit: answered from the head, the body never sent
+    with _conn(port) as sock:
+        sock.sendall(_request("POST", "/drain", {**json_headers, "Content-Length": str(50 * 1024 * 1024)}))
+        status, body = _answer(sock)
+        assert status == 413 and body is not None and "error" in body
+    # chunked: answered after just past the limit, not after 50 MiB
+    with _conn(port) as sock:
+        sock.sendall(_request("POST", "/drain", {**json_headers, "Transfer-Encoding": "chunked"}))
+        chunk = b"%x\r\n" % 65536 + b"[" * 65536 + b"\r\n"
+        sent = 0
+        sock.settimeout(0.0)
+        answer = b""
+        while sent < 50 * 1024 * 1024 and b"\r\n\r\n" not in answer:
+            with suppress(BlockingIOError):
+                answer += sock.recv(65536)
+            try:
+                sent += sock.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.001)  # the server stopped reading: its answer is on its way
+            except OSError:
+                break
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+        assert sent < 4 * 1024 * 1024, sent
+    # a body that never completes: 408 within the body timeout
+    with _conn(port) as sock:
+        started = time.monotonic()
+        sock.sendall(_request("POST", "/drain", {**json_headers, "Content-Length": "100"}, b'{"pool": '))
+        status, _ = _answer(sock, timeout=BODY_TIMEOUT + 10)
+        assert status == 408 and time.monotonic() - started < BODY_TIMEOUT + 10
+
+
+def test_errors_are_json_answers(sidecar: SidecarProcess) -> None:
+    port = _port(sidecar)
+    deep = b"[" * 2000 + b"]" * 2000
+    for method, path, headers, body, expected in [
+        ("POST", "/drain", {"Content-Type": "application/json"}, deep, 400),
+        ("POST", "/drain", {"Content-Type": "application/json"}, b'{"pool": ' + b"[" * 2000, 400),
+        ("POST", "/drain", {"Content-Type": "application/json"}, b"{not json", 400),
+        ("GET", "/no-such-path", {}, b"", 404),
+        ("DELETE", "/metrics", {}, b"", 405),
+    ]:
+        with _conn(port) as sock:
+            sock.sendall(_request(method, path, {**headers, "Content-Length": str(len(body))}, body))
+            status, answer = _answer(sock)
+            assert status == expected, (path, status, answer)
+            assert isinstance(answer, dict) and isinstance(answer.get("error"), str), (path, answer)
+    assert _healthy(sidecar)
+
+
+def test_json_depth() -> None:
+    from sidecar.serve.guard import json_depth
+
+    assert json_depth(b'{"a": "[[[[{{{{"}') == 1
+    assert json_depth(b'{"a": "\\"[[[["}') == 1
+    assert json_depth(b"[[[]]]") == 3
+    assert json_depth(b"[" * 2000) == 2000
+    assert json_depth(b"") == 0
