@@ -129,10 +129,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         if config.picker and "picker" not in wanted(topo):
             log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
                       "policy prefix_affinity: the endpoint picker does not run")
+        if config.grpc_tls is not None and not wanted(topo):
+            log_event(_log, logging.WARNING, "startup.grpc_tls_unused", note="--grpc-tls-cert is set but the "
+                      "topology needs no gRPC service (no prefix_affinity pool, no global limit)")
         if wanted(topo):
             try:
                 services = [build_service(name, service_wiring) for name in wanted(topo)]
-                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
+                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo), tls=config.grpc_tls))
                 for service in services:
                     grpc_server.add(service.add_to, service.name)
                     await service.start()

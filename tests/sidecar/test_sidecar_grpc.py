@@ -127,3 +127,39 @@ def test_mutual_tls_from_the_shared_transport(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert seen == [frozenset({"envoy-0"})]
+
+
+def _topology_file(tmp_path: Path) -> Path:
+    topo_file = tmp_path / "t.yaml"
+    topo_file.write_text(
+        "version: 1\nname: t\nlisteners: [{name: l, port: 8080}]\n"
+        "pools: [{name: p, engine: vllm, models: [m], workers: ['127.0.0.1:8000']}]\n")
+    return topo_file
+
+
+def test_grpc_tls_flags(tmp_path: Path) -> None:
+    """--grpc-tls-cert/-key/--grpc-client-ca: all three or none; beyond loopback --grpc-listen needs them."""
+    topo = str(_topology_file(tmp_path))
+    assert from_argv(["--topology", topo]).grpc_tls is None
+    config = from_argv(["--topology", topo, "--grpc-listen", "0.0.0.0:9110", "--grpc-tls-cert", "c.crt",
+                        "--grpc-tls-key", "c.key", "--grpc-client-ca", "ca.crt"])
+    assert config.grpc_tls == TlsFiles(Path("c.crt").absolute(), Path("c.key").absolute(), Path("ca.crt").absolute())
+    assert config.xds_tls is None  # the two listeners' files are apart
+    with pytest.raises(ConfigError, match="--grpc-tls-cert, --grpc-tls-key and --grpc-client-ca"):
+        from_argv(["--topology", topo, "--grpc-tls-cert", "c.crt", "--grpc-tls-key", "c.key"])
+    for host in ("0.0.0.0", "10.0.0.7", "[::]"):
+        with pytest.raises(ConfigError, match="plaintext gRPC"):
+            from_argv(["--topology", topo, "--grpc-listen", f"{host}:9110"])
+    assert from_argv(["--topology", topo, "--grpc-listen", "[::1]:9110"]).grpc_listen == ("::1", 9110)
+
+
+def test_sidecar_refuses_plaintext_grpc_beyond_loopback(tmp_path: Path) -> None:
+    """The shipped command: --grpc-listen on a non-loopback address without mTLS exits 2 before binding."""
+    import subprocess
+    import sys
+
+    topo = _topology_file(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "sidecar.main", "--topology", str(topo),
+                           "--grpc-listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert "--grpc-tls-cert" in done.stderr and "plaintext gRPC" in done.stderr
