@@ -189,7 +189,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                       {"name": "metrics", "port": k8s_mod.SIDECAR_PORT, "targetPort": "metrics"}],
         },
     }
-    envoy_ports = [port, *(p["containerPort"] for p in grpc_ports)]
+    envoy_ports = [port, grpc_port] if picker else [port]
     return [statefulset, service, _pdb(plan, name, "control-plane"), _network_policy(plan, name, envoy_ports)]
 
 
