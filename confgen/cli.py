@@ -126,6 +126,16 @@ def _target_warnings(path: Path, target: targets.Target, topo: Topology) -> list
     return pin(path, found)
 
 
+def _target_refusals(path: Path, target: targets.Target, topo: Topology) -> list[Diagnostic]:
+    """What `target` cannot render at all, as errors pinned to the topology."""
+    found = target.refusals(topo)
+    if not found:
+        return []
+    from .topology import pin
+
+    return sorted(pin(path, found, Severity.ERROR))
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from . import secrets as secret_mod
     from .output import diff_tree, write_tree
@@ -139,6 +149,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         _print_diagnostics(exc.diagnostics, sys.stderr)
         return EXIT_INVALID
     target = targets.get(args.target)
+    refusals = _target_refusals(args.topology, target, topo)
+    if refusals:
+        _print_diagnostics(refusals, sys.stderr)
+        return EXIT_INVALID
     warnings = sorted([*warnings, *_target_warnings(args.topology, target, topo)])
     _print_diagnostics(warnings, sys.stderr)
     if args.diff and args.check is None:
@@ -197,6 +211,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         chosen = [t for t in targets.verifiable() if getattr(args, t.name)] if topo is not None else []
         for target in chosen:
             assert topo is not None and target.verify is not None
+            refusals = _target_refusals(path, target, topo)
+            if refusals:
+                findings += refusals
+                continue
             try:
                 problems = target.verify(topo, args.envoy_all_endpoints)
             except VerifyError as exc:

@@ -10,7 +10,8 @@
     │   ├── ProxyStartError
     │   └── VerifyError      `validate --envoy/--nginx` could not run its check
     ├── SpecError            a simulated fleet's spec is invalid (confgen.simulate; also a ValueError)
-    └── sidecar.config.ConfigError   the sidecar's flags or settings (also a ValueError)
+    ├── sidecar.config.ConfigError   the sidecar's flags or settings (also a ValueError)
+    └── sidecar.outputs.ratelimit.store.StoreUnavailable   the rate limit store did not answer in time
 
 Errors from outside (OSError, subprocess.TimeoutExpired, ...) are translated into one of
 these at the module that meets them, so callers catch `ConfgenError` and nothing broader.

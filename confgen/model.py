@@ -22,6 +22,10 @@ Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
 XdsMode = Literal["files", "ads"]
 XdsProtocol = Literal["delta", "sotw"]
+LimitScope = Literal["local", "global"]
+LimitUnit = Literal["requests", "input_tokens", "output_tokens", "total_tokens"]
+LimitWindow = Literal["second", "minute", "hour", "day"]
+WINDOW_SECONDS: dict[str, int] = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 
 # The health path each engine answers on (see the engines' docs; sglang's /health runs a
 # one-token generation, which is what we want to know).
@@ -279,7 +283,9 @@ class ApiKey:
     client: str = field(doc="Client id, forwarded to workers and used for per-key limits.", pattern="name")
     env: str | None = field(None, doc="Environment variable that holds the key at render time.", pattern="env_var")
     file: str | None = field(None, doc="File that holds the key at render time.", pattern="file_path")
-    rate_limit: RateLimit | None = field(None, doc="This client's own bucket (overrides limits.per_key).")
+    rate_limit: LimitSet | None = field(
+        None, doc="This client's own limits, one or a list (replace limits.per_key for this client)."
+    )
 
 
 @dataclass(frozen=True)
@@ -295,21 +301,112 @@ class Auth:
 
 @dataclass(frozen=True)
 class RateLimit:
-    requests: int = field(doc="Tokens added every `per`.", minimum=1, maximum=10_000_000)
-    per: Duration = field(
-        doc="Refill period (Envoy's token-bucket timer refuses periods under 50ms).", minimum=_d("50ms")
+    requests: int | None = field(
+        None,
+        doc="unit requests: requests admitted every `per` (local) or `window` (global).",
+        minimum=1,
+        maximum=10_000_000,
     )
-    burst: int | None = field(None, doc="Bucket size (default: requests).", minimum=1, maximum=10_000_000)
+    tokens: int | None = field(
+        None,
+        doc="Token units (scope global only): tokens admitted every `window`, counted from each response's "
+        "`usage` (see docs/targets.md for streams).",
+        minimum=1,
+        maximum=1_000_000_000_000,
+    )
+    per: Duration | None = field(
+        None,
+        doc="scope local: refill period of the token bucket (Envoy's timer refuses periods under 50ms).",
+        minimum=_d("50ms"),
+    )
+    burst: int | None = field(
+        None, doc="scope local: bucket size (default: requests).", minimum=1, maximum=10_000_000
+    )
+    scope: LimitScope = field(
+        "local",
+        doc="local: a token bucket in each proxy (N proxies admit N times the rate). global: one budget for "
+        "the whole fleet, counted by confgen-sidecar's rate limit service in `limits.store` (Envoy only).",
+    )
+    unit: LimitUnit = field(
+        "requests",
+        doc="What is counted: requests, or (scope global) the tokens of each answer's `usage`: input_tokens "
+        "(prompt), output_tokens (completion) or total_tokens.",
+    )
+    window: LimitWindow | None = field(
+        None, doc="scope global: the fixed window the budget is counted in (second, minute, hour or day)."
+    )
+    per_model: bool = field(
+        False,
+        doc="scope global: a separate budget per model the route serves (routes that name no model share one).",
+    )
+    fail_closed: bool = field(
+        False,
+        doc="scope global: answer 429 when the rate limit service or its store cannot be reached (default: "
+        "admit, with the local limits as the only bound).",
+    )
 
     @property
     def bucket(self) -> int:
-        return self.burst or self.requests
+        return self.burst or self.rate
+
+    @property
+    def rate(self) -> int:
+        """requests (or tokens) admitted per period; the checks guarantee one is set."""
+        return self.requests if self.requests is not None else (self.tokens or 1)
+
+    @property
+    def period(self) -> Duration:
+        """`per`, or the window's length (the checks guarantee one is set)."""
+        if self.per is not None:
+            return self.per
+        return Duration(WINDOW_SECONDS[self.window or "second"] * 1000)
+
+
+LimitSet = RateLimit | list[RateLimit]  # one limit, or several (a request must fit all of them)
+
+
+def limit_list(value: LimitSet | None) -> list[RateLimit]:
+    """The limits a `LimitSet` field holds, in order."""
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+@dataclass(frozen=True)
+class LimitStore:
+    redis: str = field(
+        doc="host:port of the Redis (or Valkey) every confgen-sidecar counts global limits in.",
+        pattern="server",
+    )
+    timeout: Duration = field(
+        _d("50ms"),
+        doc="Longest wait for one Redis call; past it (or when Redis is down) the sidecar admits the request, "
+        "unless the limit is fail_closed.",
+        minimum=_d("1ms"),
+        maximum=_d("10s"),
+    )
+    check_timeout: Duration = field(
+        _d("100ms"),
+        doc="Longest time Envoy waits for the sidecar's answer before it admits the request (or refuses it "
+        "for fail_closed limits). Longer than `timeout`, so the sidecar answers first.",
+        minimum=_d("1ms"),
+        maximum=_d("10s"),
+    )
 
 
 @dataclass(frozen=True)
 class Limits:
-    global_: RateLimit | None = field(None, key="global", doc="One token bucket for all requests on a listener.")
-    per_key: RateLimit | None = field(None, doc="A token bucket per API-key client.")
+    global_: LimitSet | None = field(
+        None, key="global",
+        doc="Limits on all requests together, not per client (local: each listener of each proxy; global: every "
+        "listener of every Envoy): one, or a list."
+    )
+    per_key: LimitSet | None = field(
+        None, doc="Limits on each API-key client's requests (each client its own budget): one, or a list."
+    )
+    store: LimitStore | None = field(
+        None, doc="Where scope: global limits are counted; required when any limit is global."
+    )
 
 
 # The largest values the proxies accept for an in-flight cap: Envoy's circuit-breaker
@@ -473,6 +570,14 @@ class Kubernetes:
         "Grafana that select them (kube-prometheus-stack selects `release: <its release name>` by default).",
         pattern="k8s_label_value",
     )
+    redis: bool = field(
+        False,
+        doc="Also run a Redis for limits.store: kubernetes renders a Deployment and a Service named "
+        "confgen-<name>-redis (write limits.store.redis: confgen-<name>-redis:6379), compose a redis service on "
+        "the host's loopback (write 127.0.0.1:<port>). Counters live one window, so it keeps no data on disk. "
+        "Leave it false to point limits.store at a Redis you run.",
+    )
+    redis_image: str = field("redis:7.2-alpine", doc="Image of the rendered Redis.", pattern="image")
     prometheus_url: str = field(
         "http://prometheus-operated.monitoring.svc:9090",
         doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",
@@ -536,7 +641,9 @@ class Topology:
     )
     admin: Admin = field(factory=Admin, doc="Envoy's admin interface.")
     auth: Auth | None = field(None, doc="API-key authentication at the edge.")
-    limits: Limits = field(factory=Limits, doc="Token-bucket rate limits (429 when empty).")
+    limits: Limits = field(
+        factory=Limits, doc="Rate limits: local token buckets, and global budgets in requests or tokens (429)."
+    )
     backpressure: Backpressure = field(
         factory=Backpressure, doc="Load shedding: the proxy's safety cap and the sidecar's saturation rule."
     )

@@ -50,6 +50,7 @@ __all__ = [
     "EnvoyProcess",
     "NginxProcess",
     "ProxyStartError",
+    "RedisProcess",
     "child_pids",
     "find_envoy",
     "find_nginx",
@@ -404,3 +405,76 @@ class NginxProcess(_Proxy):
         raise ProxyStartError(
             f"nginx reload not seen within {timeout}s:\n{_log_tail(self.log_path)}"
         )
+
+
+# --------------------------------------------------------------------------- redis
+
+
+def find_redis() -> Path:
+    """Debian's redis-server (`apt-get install --no-install-recommends redis-server`)."""
+    import shutil
+
+    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise BinaryNotFoundError("redis-server not found: apt-get install -y --no-install-recommends redis-server")
+
+
+class RedisProcess(_Proxy):
+    """A private redis-server on a free loopback port, in its own temp dir, no persistence.
+
+    Started and stopped by pid (never the system's service). `kill()` stops it at once
+    (SIGKILL, a crashed store) and `restart()` starts it again on the same port, empty.
+    """
+
+    _name = "redis"
+
+    def __init__(self, *, port: int | None = None, startup_timeout: float = 10.0, stop_timeout: float = 5.0,
+                 binary: Path | None = None) -> None:
+        super().__init__(startup_timeout=startup_timeout, stop_timeout=stop_timeout, binary=binary)
+        self.port = port or free_port()
+        self._dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        binary = self._binary or find_redis()
+        if self._dir is None:
+            self._dir = self._temp_dir()
+        log = (self._dir / "redis.log").open("ab")
+        try:
+            return subprocess.Popen(
+                [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self._dir), "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            log.close()
+
+    def _ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _tails(self) -> str:
+        return _log_tail(self._dir / "redis.log") if self._dir else "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash; the temp dir stays for restart()."""
+        proc = self._require_proc()
+        proc.kill()
+        proc.wait(timeout=self._stop_timeout)
+
+    def restart(self) -> None:
+        """Start again on the same port (empty: no persistence)."""
+        self._proc = None
+        self.start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._dir = None

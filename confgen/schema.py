@@ -22,7 +22,7 @@ def _type_schema(tp: Any, pattern: str | None, defs: dict[str, Any]) -> dict[str
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return {"anyOf": [_type_schema(args[0], pattern, defs), {"type": "null"}]}
+        return {"anyOf": [*(_type_schema(a, pattern, defs) for a in args), {"type": "null"}]}
     if origin is Literal:
         return {"type": "string", "enum": list(typing.get_args(tp))}
     if origin is list:

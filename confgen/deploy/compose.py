@@ -8,7 +8,8 @@ tests/deploy/test_compose_run.py resolves each service as Docker does and runs t
 
 from __future__ import annotations
 
-from ..model import Topology
+from ..errors import DeployError
+from ..model import Topology, is_ip, split_address
 from ._canonical import dump, topology_yaml
 
 XDS_DIR = "/var/run/confgen/envoy"
@@ -54,8 +55,30 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             "restart": "unless-stopped",
         },
     }
+    if k8s.redis:
+        services["redis"] = _redis_service(topo)
     doc = {"name": f"confgen-{topo.name}", "services": services, "volumes": {"xds": {}}}
     return {
         "compose.yaml": dump(doc).encode(),
         "topology.yaml": topology_yaml(topo).encode(),
+    }
+
+
+def _redis_service(topo: Topology) -> dict[str, object]:
+    """kubernetes.redis: a Redis for limits.store on the host's loopback, no persistence."""
+    store = topo.limits.store
+    if store is None:
+        raise DeployError([("kubernetes.redis", "there is no limits.store for the rendered Redis to serve")])
+    address = split_address(store.redis)
+    assert address is not None  # the topology's pattern
+    host, port = address
+    if host != "localhost" and not (is_ip(host) and host.startswith("127.")):
+        raise DeployError([("limits.store.redis", "with kubernetes.redis, compose runs Redis on the host's loopback "
+                            f"(host networking, like Envoy and the sidecar): write 127.0.0.1:{port}")])
+    return {
+        "image": topo.kubernetes.redis_image,
+        "command": ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                    "--maxmemory", "200mb", "--maxmemory-policy", "volatile-ttl"],
+        "network_mode": "host",
+        "restart": "unless-stopped",
     }

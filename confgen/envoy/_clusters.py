@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..balancing import POLICIES, uses_picker
+from ..limits import needs_store
 from ..model import ENVOY_CAP_MAX, Pool, Topology, grpc_service_hosts, is_ip, split_address
 from ..plan import Plan
 from . import layout
@@ -214,7 +215,7 @@ def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
     out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
     if topo.models_endpoint and topo.sidecar.models:
         out.append(sidecar_cluster(topo))
-    if picker_wanted(topo):
+    if picker_wanted(topo) or needs_store(topo):  # the sidecar's gRPC services: picker, rate limits
         out.append(picker_cluster(topo))
     return out
 

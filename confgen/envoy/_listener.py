@@ -8,12 +8,17 @@ Filter order, and why:
   3. local_ratelimit  - global bucket, then one bucket per client (429).
   4. json_to_metadata - read the body's `model` into dynamic metadata; routes match on it
                         (no header a client could forge decides the pool).
+     (token budgets: also the estimate from max_tokens, and the answer's usage; then
+     sse_to_metadata for the usage of streams)
   5. rbac             - per-route client allow lists, evaluated on the final route.
-  6. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
+  6. ratelimit        - global budgets (confgen-sidecar's rate limit service), per-route
+                        descriptors; see _ratelimit.py.
+  7. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
                         picker reads the buffered body and names the worker
                         (x-gateway-destination-endpoint, which header_mutation strips from
-                        clients); fails open within `PICKER_TIMEOUT`.
-  7. router
+                        clients); fails open within `PICKER_TIMEOUT`. After the rate limit
+                        check: a refused request never reaches the picker.
+  8. router
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
+from ..limits import local_client_limits, local_listener_limit
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
+from . import _ratelimit
 from ._clusters import (
     PICKER_HEADER,
     PICKER_METADATA_NS,
@@ -55,7 +62,7 @@ ENVOY_CONTROL_HEADERS = (
 
 
 def _bucket(limit: RateLimit) -> Json:
-    return {"max_tokens": limit.bucket, "tokens_per_fill": limit.requests, "fill_interval": dur(limit.per)}
+    return {"max_tokens": limit.bucket, "tokens_per_fill": limit.rate, "fill_interval": dur(limit.period)}
 
 
 def _percent(key: str) -> Json:
@@ -83,19 +90,19 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
                 "forwarding": {"header": topo.auth.client_header, "hide_credentials": True},
             },
         ))
-    limits = topo.limits
-    if limits.global_ is not None:
+    listener_limit = local_listener_limit(topo)
+    if listener_limit is not None:
         filters.append(extension(
             "envoy.filters.http.local_ratelimit",
             "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
             {
                 "stat_prefix": "global",
-                "token_bucket": _bucket(limits.global_),
+                "token_bucket": _bucket(listener_limit),
                 "filter_enabled": _percent("confgen.ratelimit.global.enabled"),
                 "filter_enforced": _percent("confgen.ratelimit.global.enforced"),
             },
         ))
-    per_client = _per_client_limits(topo)
+    per_client = local_client_limits(topo)
     if per_client:
         assert topo.auth is not None
         filters.append(extension(
@@ -116,24 +123,33 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
                     "header_name": topo.auth.client_header, "descriptor_key": "client"}}]}],
             },
         ))
+    tokens = _ratelimit.uses_tokens(topo)
+    body_rules: Json = {"request_rules": {
+        # The same rule as the nginx target's njs (docs/targets.md): only these
+        # Content-Types, or none, and `model` kept as its JSON value, so a number or
+        # boolean is a name no route matches (STRING would turn `true` into "1").
+        "allow_content_types": list(MODEL_CONTENT_TYPES),
+        "allow_empty_content_type": True,
+        "rules": [{
+            "selectors": [{"key": "model"}],
+            "on_present": {"metadata_namespace": META_NS, "key": "model", "type": "PROTOBUF_VALUE"},
+        }, *(_ratelimit.usage_request_rules() if tokens else [])],
+    }}
+    if tokens:  # token budgets: the answer's usage (JSON bodies here, streams in sse_to_metadata)
+        body_rules["response_rules"] = {"allow_content_types": list(MODEL_CONTENT_TYPES),
+                                        "rules": _ratelimit.usage_response_rules()}
     filters.append(extension(
-        "envoy.filters.http.json_to_metadata",
-        "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
-        {"request_rules": {
-            # The same rule as the nginx target's njs (docs/targets.md): only these
-            # Content-Types, or none, and `model` kept as its JSON value, so a number or
-            # boolean is a name no route matches (STRING would turn `true` into "1").
-            "allow_content_types": list(MODEL_CONTENT_TYPES),
-            "allow_empty_content_type": True,
-            "rules": [{
-                "selectors": [{"key": "model"}],
-                "on_present": {"metadata_namespace": META_NS, "key": "model", "type": "PROTOBUF_VALUE"},
-            }],
-        }},
+        "envoy.filters.http.json_to_metadata", "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+        body_rules,
     ))
+    if tokens:
+        filters.append(_ratelimit.sse_filter())
     if restricted:
         # No rules here: allow everything unless a route narrows it (typed_per_filter_config).
         filters.append(extension("envoy.filters.http.rbac", "extensions.filters.http.rbac.v3.RBAC", {}))
+    # Global budgets: asked once the route is final (it carries the descriptors) and the
+    # client is allowed on it; before the router, so a refused prompt never reaches a worker.
+    filters += _ratelimit.filters(topo)
     if picker_wanted(topo):
         filters.append(_picker_filter())
     filters.append(extension(
@@ -177,17 +193,6 @@ def _picker_filter() -> Json:
         "metadata_options": {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
         "route_cache_action": "RETAIN",  # the destination header matches no route: no re-match
     })
-
-
-def _per_client_limits(topo: Topology) -> list[tuple[str, RateLimit]]:
-    if topo.auth is None:
-        return []
-    out = []
-    for key in topo.auth.api_keys:
-        limit = key.rate_limit or topo.limits.per_key
-        if limit is not None:
-            out.append((key.client, limit))
-    return out
 
 
 def _rbac_only(topo: Topology, clients: tuple[str, ...]) -> Json:
@@ -245,10 +250,15 @@ def _action(topo: Topology, plan: Plan, pool: Pool) -> Json:
     return action
 
 
-def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: Json) -> Json:
+def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: Json,
+           model: str | None = None) -> Json:
     route: Json = {"name": name, "match": match, "route": _action(topo, plan, planned.pool)}
+    per_filter: Json = {}
     if planned.clients is not None:
-        route["typed_per_filter_config"] = {"envoy.filters.http.rbac": _rbac_only(topo, planned.clients)}
+        per_filter["envoy.filters.http.rbac"] = _rbac_only(topo, planned.clients)
+    per_filter.update(_ratelimit.per_route(topo, model))
+    if per_filter:
+        route["typed_per_filter_config"] = per_filter
     return route
 
 
@@ -260,14 +270,15 @@ def _routes_for(topo: Topology, plan: Plan, planned: PlannedRoute) -> list[Json]
     if planned.kind == "model":
         assert planned.models is not None
         return [_route(topo, plan, planned.name, planned,
-                       {"prefix": "/", "dynamic_metadata": [_model_matcher(planned.models[0])]})]
+                       {"prefix": "/", "dynamic_metadata": [_model_matcher(planned.models[0])]}, planned.models[0])]
     base: Json = {"prefix": planned.path_prefix or "/"}
     if planned.headers:
         base["headers"] = [_header_matcher(h.name, h.exact, h.prefix, h.present) for h in planned.headers]
     if not planned.models:
         return [_route(topo, plan, planned.name, planned, base)]
     return [
-        _route(topo, plan, f"{planned.name}/{mi}", planned, {**base, "dynamic_metadata": [_model_matcher(model)]})
+        _route(topo, plan, f"{planned.name}/{mi}", planned, {**base, "dynamic_metadata": [_model_matcher(model)]},
+               model)
         for mi, model in enumerate(planned.models)
     ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from .._openai import canned_body, error_body, models_body, retry_after_seconds
+from ..limits import needs_store
 from ..model import Topology
 from ._proto import Json
 
@@ -36,9 +37,11 @@ def _status(code: int) -> Json:
     }
 
 
-def _retry_after(topo: Topology) -> list[Json]:
+def _retry_after(topo: Topology, keep: bool = False) -> list[Json]:
+    """retry-after on Envoy's own answers; `keep`: unless the answer already has one (a global
+    budget's 429 carries the seconds until its window resets, from the rate limit service)."""
     header = {"key": "retry-after", "value": str(retry_after_seconds(topo))}
-    return [{"header": header, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    return [{"header": header, "append_action": "ADD_IF_ABSENT" if keep else "OVERWRITE_IF_EXISTS_OR_ADD"}]
 
 
 def _models_fallback(topo: Topology) -> list[Json]:
@@ -75,7 +78,7 @@ def local_reply_config(topo: Topology) -> Json:
         },
         {  # local rate limit: its RL flag is set after the reply is mapped, so match the status
             "filter": _status(429),
-            "headers_to_add": _retry_after(topo),
+            "headers_to_add": _retry_after(topo, keep=needs_store(topo)),
             "body_format_override": _json_format(error_body("rate_limited")),
         },
     ]

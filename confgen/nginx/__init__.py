@@ -25,7 +25,7 @@ from ..errors import SecretError
 from ..model import Topology
 from ..secrets import BEARER_TOKEN
 from ._context import build_context, upstream_options
-from ._features import unsupported
+from ._features import refused, unsupported
 from ._guard import UnsafeValueError
 from ._templates import Templates
 from .upstream import UpstreamServer, render_upstream, upstream_name, upstream_path
@@ -35,6 +35,7 @@ __all__ = [
     "Templates",
     "UnsafeValueError",
     "UpstreamServer",
+    "refused",
     "render",
     "render_for_test",
     "render_upstream",

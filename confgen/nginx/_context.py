@@ -15,6 +15,7 @@ from typing import Any
 from .._fields import Duration
 from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..balancing import is_hashing, nginx_method
+from ..limits import local_client_limits, local_listener_limit
 from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, is_ip, split_address
 from ..plan import Plan, PlannedRoute, plan
 from .upstream import UpstreamServer, upstream_name, upstream_path
@@ -42,10 +43,10 @@ def timeout(d: Duration) -> str:
 
 def rate(limit: RateLimit) -> str:
     """nginx's rate for a token bucket: whole requests per second or per minute."""
-    per_ms = limit.per.ms
-    if (limit.requests * 1000) % per_ms == 0:
-        return f"{limit.requests * 1000 // per_ms}r/s"
-    return f"{max(1, round(limit.requests * 60_000 / per_ms))}r/m"
+    per_ms = limit.period.ms
+    if (limit.rate * 1000) % per_ms == 0:
+        return f"{limit.rate * 1000 // per_ms}r/s"
+    return f"{max(1, round(limit.rate * 60_000 / per_ms))}r/m"
 
 
 def burst(limit: RateLimit) -> int:
@@ -168,10 +169,8 @@ def _key_limits(topo: Topology, secrets: Mapping[str, str]) -> tuple[list[dict[s
     if topo.auth is None:
         return [], {}
     groups: dict[RateLimit, list[str]] = {}
-    for key in topo.auth.api_keys:
-        limit = key.rate_limit or topo.limits.per_key
-        if limit is not None:
-            groups.setdefault(limit, []).append(key.client)
+    for client, limit in local_client_limits(topo):
+        groups.setdefault(limit, []).append(client)
     limits: list[dict[str, Any]] = []
     maps: MapFiles = {}
     for index, (limit, clients) in enumerate(groups.items()):
@@ -253,8 +252,8 @@ def build_context(
             "client_header": topo.auth.client_header,
             "bucket_size": _bucket_size(secrets),
         },
-        "global_limit": None if topo.limits.global_ is None else {
-            "rate": rate(topo.limits.global_), "burst": burst(topo.limits.global_),
+        "global_limit": None if (listener_limit := local_listener_limit(topo)) is None else {
+            "rate": rate(listener_limit), "burst": burst(listener_limit),
         },
         "key_limits": key_limits,
         "listeners": listeners,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 
 from ..balancing import is_hashing, uses_picker
-from ..model import Balancing, Topology
+from ..model import Balancing, LimitSet, RateLimit, Topology, limit_list
 from ._context import rate
 
 Finding = tuple[str, str]
@@ -65,15 +65,38 @@ def unsupported(topo: Topology) -> list[Finding]:
             found.append((f"{base}.fallback", (
                 "nginx falls back to the next pool when every try in this one failed (its own 502/504); "
                 "there is no partial spill-over while some workers are still healthy")))
-    for name, limit in (("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)):
-        if limit is not None and not _exact(limit.requests, limit.per.ms):
-            found.append((name, f"nginx rates are whole requests per second or minute; rendered as {rate(limit)}"))
-    for ki, key in enumerate(topo.auth.api_keys if topo.auth else []):
-        if key.rate_limit is not None and not _exact(key.rate_limit.requests, key.rate_limit.per.ms):
-            found.append((f"auth.api_keys[{ki}].rate_limit",
-                          f"nginx rates are whole requests per second or minute; rendered as {rate(key.rate_limit)}"))
+    for path, limit in _limits(topo):
+        if limit.scope == "local" and not _exact(limit.rate, limit.period.ms):
+            found.append((path, f"nginx rates are whole requests per second or minute; rendered as {rate(limit)}"))
     if not ipaddress.ip_address(topo.admin.address).is_loopback:
         found.append(("admin.address", "the nginx status page listens on 127.0.0.1 only"))
+    return found
+
+
+def _limits(topo: Topology) -> list[tuple[str, RateLimit]]:
+    """(field path, limit) for every limit in the topology."""
+    sets: list[tuple[str, LimitSet | None]] = [
+        ("limits.global", topo.limits.global_), ("limits.per_key", topo.limits.per_key)]
+    if topo.auth is not None:
+        sets += [(f"auth.api_keys[{ki}].rate_limit", k.rate_limit) for ki, k in enumerate(topo.auth.api_keys)]
+    out = []
+    for base, value in sets:
+        for index, limit in enumerate(limit_list(value)):
+            out.append((f"{base}[{index}]" if isinstance(value, list) else base, limit))
+    return out
+
+
+def refused(topo: Topology) -> list[Finding]:
+    """What open-source nginx cannot render at all: `validate --nginx` and `render --target nginx`
+    refuse the topology with these errors."""
+    found: list[Finding] = []
+    for path, limit in _limits(topo):
+        if limit.scope == "global":
+            found.append((f"{path}.scope", (
+                "open-source nginx cannot call a rate limit service, so it cannot share a budget with other "
+                "proxies; global limits are Envoy-only (docs/targets.md)")))
+        elif limit.unit != "requests":
+            found.append((f"{path}.unit", "nginx counts requests only; token limits are Envoy-only (docs/targets.md)"))
     return found
 
 

@@ -42,6 +42,8 @@ class Target:
     render: Callable[[Topology, str, Mapping[str, str] | None], dict[str, bytes]]
     # what the target cannot honour: (field path, message) warnings
     warnings: Callable[[Topology], list[Finding]] = _nothing
+    # what the target cannot render at all: (field path, message) errors; render and validate refuse
+    refusals: Callable[[Topology], list[Finding]] = _nothing
     # the real proxy's check: (topology, check every endpoint) -> what it refused, [] when accepted
     verify: Callable[[Topology, bool], list[Refusal]] | None = None
     verify_help: str = ""

@@ -23,6 +23,13 @@ def _warnings(topo: Topology) -> list[Finding]:
     return found
 
 
+def _refusals(topo: Topology) -> list[Finding]:
+    from .. import nginx
+
+    found: list[Finding] = nginx.refused(topo)
+    return found
+
+
 def _verify(topo: Topology, all_endpoints: bool) -> list[Refusal]:
     from ..verify import verify_nginx
 
@@ -33,6 +40,7 @@ TARGET = Target(
     name="nginx",
     render=_render,
     warnings=_warnings,
+    refusals=_refusals,
     verify=_verify,
     verify_help="also run the real nginx -t on the rendered output",
     config_dir=lambda topo: topo.nginx.config_dir,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from confgen.balancing import uses_picker
+from confgen.limits import needs_store
 from confgen.model import Topology
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class ServiceWiring:
 
 SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
     "picker": "sidecar.outputs.picker:build",  # Envoy ext_proc endpoint picker (policy prefix_affinity)
+    "ratelimit": "sidecar.outputs.ratelimit:build",  # Envoy's rate limit service (scope: global limits)
 }
 
 
@@ -83,6 +85,8 @@ def wanted(topo: Topology) -> list[str]:
     out = []
     if any(uses_picker(pool.balancing.policy) for pool in topo.pools):
         out.append("picker")
+    if needs_store(topo):
+        out.append("ratelimit")
     return out
 
 

@@ -335,3 +335,49 @@ def test_the_sidecar_listens_where_the_rendered_envoy_asks_it() -> None:
     config = from_argv(compose["services"]["sidecar"]["command"])
     assert (config.listen_host, config.listen_port) == ("127.0.0.1", 9200)
     assert listen_mismatch(config, moved) is None
+
+
+GLOBAL_LIMITS = ROOT / "tests/golden/inputs/global-limits.yaml"
+
+
+def _with_store(address: str, redis: bool = True) -> Topology:
+    topo, _ = load_topology(GLOBAL_LIMITS)
+    store = dataclasses.replace(topo.limits.store, redis=address)  # type: ignore[type-var]
+    return dataclasses.replace(topo, limits=dataclasses.replace(topo.limits, store=store),
+                               kubernetes=dataclasses.replace(topo.kubernetes, redis=redis))
+
+
+def test_kubernetes_renders_a_redis_for_the_global_limits_when_asked() -> None:
+    """kubernetes.redis: a Redis Deployment (restricted, no persistence), its Service named as
+    limits.store says, and a NetworkPolicy letting only the proxy pods in; the proxy pod is
+    unchanged (its sidecar serves the rate limit service on loopback)."""
+    docs = docs_of(render_kubernetes(_with_store("confgen-global-limits-redis:6379")))
+    redis = [d for d in docs if d["metadata"]["name"] == "confgen-global-limits-redis"]
+    assert [d["kind"] for d in redis] == ["Deployment", "Service", "NetworkPolicy"]
+    for doc in redis:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    pod = redis[0]["spec"]["template"]["spec"]
+    assert violations(pod) == []
+    assert "--save" in pod["containers"][0]["args"]
+    assert redis[2]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] \
+        == "proxy"
+    assert [c["name"] for c in pod_of(docs)["containers"]] == ["envoy", "sidecar"]
+    without = docs_of(render_kubernetes(_with_store("redis.example:6379", redis=False)))
+    assert not [d for d in without if d["metadata"]["name"].endswith("-redis")]  # an existing Redis, by address
+
+
+def test_a_rendered_redis_must_be_the_store_the_topology_names() -> None:
+    with pytest.raises(DeployError) as info:
+        render_kubernetes(_with_store("redis.example:6379"))
+    assert info.value.problems[0][0] == "limits.store.redis"
+    assert "confgen-global-limits-redis:6379" in info.value.problems[0][1]
+    with pytest.raises(DeployError) as info:
+        render_compose(_with_store("redis.example:6379"))
+    assert "write 127.0.0.1:6379" in info.value.problems[0][1]
+
+
+def test_compose_runs_redis_on_the_hosts_loopback() -> None:
+    doc = yaml.safe_load(render_compose(_with_store("127.0.0.1:6390"))["compose.yaml"])
+    redis = doc["services"]["redis"]
+    assert redis["network_mode"] == "host"
+    assert redis["command"][:5] == ["redis-server", "--bind", "127.0.0.1", "--port", "6390"]

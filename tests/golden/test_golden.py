@@ -32,11 +32,13 @@ def test_goldens_hold_placeholder_keys_and_no_stale_case() -> None:
     present = {d for d in GOLDEN.glob("*/*") if d.is_dir() and d.name != "__pycache__" and d.parent.name != "inputs"}
     assert present == wanted
     with_keys = 0
-    for example in {example for example, _ in cases()}:
+    rendered = cases()
+    for example in {example for example, _ in rendered}:
         topo, _ = load(example)
         for key in topo.auth.api_keys if topo.auth else []:
             with_keys += 1
             placeholder = f"placeholder-key-{key.client}".encode()
             assert placeholder in stored(example, "envoy")["lds.json"], (example, key.client)
-            assert placeholder in stored(example, "nginx")["auth/clients.map"], (example, key.client)
+            if (example, "nginx") in rendered:  # nginx refuses global limits
+                assert placeholder in stored(example, "nginx")["auth/clients.map"], (example, key.client)
     assert with_keys, "no example has API keys: this check checks nothing"

@@ -134,7 +134,9 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                 assert firing(prom, "ConfgenPoolWithoutHealthyCapacity") == []
                 # probe errors exist now too: every dashboard query has data, but for what the rig's
                 # topology has none of: token buckets, outlier detection (off), a fallback chain
-                absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed")
+                # confgen_sidecar_ratelimit: no global limit in this rig (test_global_limits_live reads them)
+                absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed",
+                          "confgen_sidecar_ratelimit")
                 empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
                          and not any(word in e for word in absent)]
                 assert empty == [], empty

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from confgen.deploy._observability import alert_rules, dashboard
+from sidecar.outputs.ratelimit.service import METRIC_NAMES as RATELIMIT_METRICS
 from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool
 
@@ -20,7 +21,7 @@ ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHe
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent", "ConfgenXdsNack", "ConfgenTopologyEditRefused", "ConfgenWriteFailures",
           "ConfgenErrorBudgetBurnFast", "ConfgenErrorBudgetBurnSlow", "ConfgenTtftBudgetBurnFast",
-          "ConfgenSustainedShedding"}
+          "ConfgenSustainedShedding", "ConfgenRateLimitStoreDown"}
 
 
 def dashboard_exprs() -> list[str]:
@@ -78,7 +79,8 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
     done = subprocess.run([tool("promtool"), "check", "rules", str(tmp_path / "exprs.yaml")], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    ours = set(METRIC_NAMES) | {n + s for n in METRIC_NAMES for s in ("_bucket", "_count", "_sum")}
+    names = (*METRIC_NAMES, *RATELIMIT_METRICS)
+    ours = set(names) | {n + s for n in names for s in ("_bucket", "_count", "_sum")}
     words = {w for e in exprs for w in re.findall(r"\b(llm_[a-z_]+|confgen_[a-z_]+|envoy_[a-z_]+)\b", e)}
     assert {w for w in words if not w.startswith("envoy_")} <= ours
     assert json.loads(json.dumps(board)) == board

@@ -9,6 +9,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import pytest
@@ -19,6 +20,7 @@ from confgen._decode import _hints
 from confgen._fields import Duration, yaml_key
 from confgen.errors import TopologyError
 from confgen.topology import parse
+from tests.support.certs import CertAuthority, openssl_available
 
 # Sets every string-typed field of the model at least once (checked below).
 FULL: dict[str, Any] = {
@@ -42,6 +44,7 @@ FULL: dict[str, Any] = {
         "admin_token_secret": "confgen-sidecar-token",
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "monitoring_labels": {"release": "kube-prometheus-stack"},
+        "redis_image": "redis:7.2-alpine",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
     "auth": {
@@ -93,6 +96,11 @@ FULL: dict[str, Any] = {
         },
     ],
     "last_resort": {"kind": "error", "status": 503, "message": "Busy. Retry shortly."},
+    "limits": {
+        "per_key": [{"requests": 10, "per": "1s"},
+                    {"scope": "global", "unit": "total_tokens", "tokens": 100000, "window": "minute"}],
+        "store": {"redis": "redis.example:6379"},
+    },
 }
 
 BAD_CHARS = ["\n", ";", "{", "}", "#", "\x00", "$", '"', "'", "\\"]
@@ -111,8 +119,12 @@ def _is_text(tp: Any) -> bool:
 
 def _leaves(value: Any, tp: Any, path: Path_, owner: tuple[type, str] | None) -> Iterator[tuple[Path_, str, Any]]:
     """(path, kind, owner) for every string in `value`; kind is 'value', 'key' or 'shorthand'."""
+    if typing.get_origin(tp) in (Union, types.UnionType) and isinstance(value, list):  # X | list[X]
+        tp = next(a for a in typing.get_args(tp) if typing.get_origin(a) is list)
     tp = _unwrap(tp)
     origin = typing.get_origin(tp)
+    if tp is Duration:
+        return
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, str):  # worker shorthand
             shorthand = tp.__shorthand__  # type: ignore[attr-defined]
@@ -203,12 +215,21 @@ def _dump(doc: dict[str, Any]) -> str:
     return yaml.dump(doc, Dumper=yaml.CSafeDumper, sort_keys=False, width=1000)
 
 
-def test_full_topology_is_valid_and_covers_every_string_field() -> None:
+def test_full_topology_is_valid_and_covers_every_string_field(tmp_path: Path) -> None:
     """The base of the injection test is valid (real Envoy accepts it), and it sets every
-    str, Literal, list-of-str and dict-of-str field the model has, so no field is missed."""
+    str, Literal, list-of-str and dict-of-str field the model has, so no field is missed.
+    Envoy reads sidecar.grpc_tls's files when it validates: real ones from a throwaway CA."""
     topo, _ = parse(_dump(FULL).encode(), "full.yaml")
     covered = {owner for _, _, owner in LEAVES}
     assert _text_fields(model.Topology) - covered == set()
+    doc = copy.deepcopy(FULL)
+    if openssl_available():
+        ca = CertAuthority.create(tmp_path / "pki")
+        client = ca.issue("full-envoy")
+        doc["sidecar"]["grpc_tls"] = {"cert": str(client.cert), "key": str(client.key), "ca": str(ca.cert)}
+    else:  # the TLS context is checked by tests/envoy/test_envoy_grpc_tls.py (skipped there too)
+        del doc["sidecar"]["grpc_tls"]
+    topo, _ = parse(_dump(doc).encode(), "full.yaml")
     assert verify.verify(topo, "envoy") == []
 
 

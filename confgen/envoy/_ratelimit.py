@@ -1,0 +1,179 @@
+"""Global limits in Envoy: the rate limit filter, per-route descriptors, usage into metadata.
+
+Per request, Envoy's global rate limit filter asks confgen-sidecar's rate limit service
+(cluster `confgen_sidecar_grpc`) about one descriptor per budget that applies to the
+request (confgen.limits documents the entries). Every descriptor is in the route's
+RateLimitPerRoute, the only place Envoy honours per-descriptor `hits_addend` and
+`apply_on_stream_done`:
+
+  requests budget   checked and counted (cost 1) before the request is forwarded
+  token budget      checked with cost 0 before the request is forwarded (a key over budget
+                    gets 429 before its prompt reaches a worker; the service reserves the
+                    request's estimate until its answer ends), and charged when the stream
+                    ends with the tokens in dynamic metadata confgen.usage:<key>
+
+The usage keys come from the answer: a JSON body's usage (json_to_metadata response rules) or
+a stream's usage chunk (sse_to_metadata, when the client asked stream_options.include_usage).
+The request writes only confgen.usage:max_output (max_completion_tokens, else max_tokens, else
+ESTIMATE_OUTPUT_TOKENS), sent with the check: the service reserves the request's estimate until
+its end. At stream end, a descriptor charges the usage (Envoy drops it when there is none: a
+refused request, a stream without usage, an error) and a second one (phase: done, cost 0)
+settles what is left: a reservation still held is charged its estimate, none charges nothing,
+so a stream without usage is charged its estimate. Budgets with fail_closed go through a
+second filter instance with failure_mode_deny, the others fail open.
+"""
+
+from __future__ import annotations
+
+from ..limits import (
+    ANY_MODEL,
+    BODY_BYTES_KEY,
+    CLIENT_KEY,
+    ESTIMATE_OUTPUT_TOKENS,
+    LIMIT_KEY,
+    MAX_OUTPUT_KEY,
+    MODEL_KEY,
+    PHASE_DONE,
+    PHASE_KEY,
+    REQUEST_ID_KEY,
+    USAGE_KEYS,
+    USAGE_NS,
+    Budget,
+    budgets,
+    domain,
+)
+from ..model import Topology
+from ._clusters import SIDECAR_GRPC_CLUSTER
+from ._proto import Json, dur, extension, typed
+
+FILTER_OPEN = "envoy.filters.http.ratelimit"
+FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
+
+
+def uses_tokens(topo: Topology) -> bool:
+    return any(b.tokens for b in budgets(topo))
+
+
+def _filter(topo: Topology, name: str, deny: bool) -> Json:
+    store = topo.limits.store
+    assert store is not None  # checked on load
+    return extension(name, "extensions.filters.http.ratelimit.v3.RateLimit", {
+        "domain": domain(topo),
+        "stat_prefix": "confgen_global_closed" if deny else "confgen_global",
+        "timeout": dur(store.check_timeout),
+        "failure_mode_deny": deny,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "rate_limited_status": {"code": 429},
+        "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
+                               "transport_api_version": "V3"},
+    })
+
+
+def filters(topo: Topology) -> list[Json]:
+    """The global rate limit filter(s), placed after the route is final (after json_to_metadata)."""
+    found = budgets(topo)
+    out = []
+    if any(not b.limit.fail_closed for b in found):
+        out.append(_filter(topo, FILTER_OPEN, deny=False))
+    if any(b.limit.fail_closed for b in found):
+        out.append(_filter(topo, FILTER_CLOSED, deny=True))
+    return out
+
+
+def usage_request_rules() -> list[Json]:
+    """json_to_metadata request rules: the request's max output, for its reservation (see above).
+
+    STRING: Envoy's metadata rate limit action takes string values only (a NUMBER was
+    measured to fall back to the action's default)."""
+    rules: list[Json] = []
+    # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
+    rules.append({"selectors": [{"key": "max_tokens"}],
+                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"},
+                  "on_missing": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY,
+                                 "value": str(ESTIMATE_OUTPUT_TOKENS), "type": "STRING"}})
+    rules.append({"selectors": [{"key": "max_completion_tokens"}],
+                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"}})
+    return rules
+
+
+def usage_response_rules() -> list[Json]:
+    """json_to_metadata response rules: a JSON body's usage."""
+    return [{
+        "selectors": [{"key": "usage"}, {"key": key}],
+        "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
+    } for key in sorted(set(USAGE_KEYS.values()))]
+
+
+def sse_filter() -> Json:
+    """sse_to_metadata: the usage chunk of a stream (stream_options.include_usage)."""
+    return extension("envoy.filters.http.sse_to_metadata", "extensions.filters.http.sse_to_metadata.v3.SseToMetadata", {
+        "response_rules": {"content_parser": extension(
+            "envoy.content_parsers.json", "extensions.content_parsers.json.v3.JsonContentParser",
+            {"rules": [{"rule": {
+                "selectors": [{"key": "usage"}, {"key": key}],
+                "on_present": {"metadata_namespace": USAGE_NS, "key": key, "type": "NUMBER"},
+            }} for key in sorted(set(USAGE_KEYS.values()))]},
+        )},
+    })
+
+
+def _selector(topo: Topology, budget: Budget) -> list[Json]:
+    """The actions naming the budget (and its client), producing no descriptor when it does not apply."""
+    if not budget.per_client:
+        return [{"generic_key": {"descriptor_key": LIMIT_KEY, "descriptor_value": budget.id}}]
+    assert topo.auth is not None
+    header = topo.auth.client_header
+    if budget.clients is not None:
+        first: Json = {"header_value_match": {
+            "descriptor_key": LIMIT_KEY, "descriptor_value": budget.id, "expect_match": True,
+            "headers": [{"name": header, "string_match": {"exact": c}} for c in budget.clients[:1]]}}
+    elif budget.except_clients:
+        # client names are [a-z0-9_-] (the topology's pattern): safe inside a regex alternation
+        regex = "^(" + "|".join(budget.except_clients) + ")$"
+        first = {"header_value_match": {
+            "descriptor_key": LIMIT_KEY, "descriptor_value": budget.id, "expect_match": False,
+            "headers": [{"name": header, "string_match": {"safe_regex": {"regex": regex}}}]}}
+    else:
+        first = {"generic_key": {"descriptor_key": LIMIT_KEY, "descriptor_value": budget.id}}
+    return [first, {"request_headers": {"header_name": header, "descriptor_key": CLIENT_KEY}}]
+
+
+def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
+    actions = _selector(topo, budget)
+    if budget.limit.per_model:
+        actions.append({"generic_key": {"descriptor_key": MODEL_KEY, "descriptor_value": model or ANY_MODEL}})
+    if not budget.tokens:
+        return [{"actions": actions}]
+    # Envoy sets x-request-id itself on outside requests (use_remote_address, ids not preserved):
+    # it ties the request's reservation to its charge, and no client can choose it.
+    request_id = {"request_headers": {"header_name": "x-request-id", "descriptor_key": REQUEST_ID_KEY}}
+    check = [*actions, request_id,
+             {"metadata": {"descriptor_key": MAX_OUTPUT_KEY, "source": "DYNAMIC",
+                           "metadata_key": {"key": USAGE_NS, "path": [{"key": MAX_OUTPUT_KEY}]},
+                           "default_value": str(ESTIMATE_OUTPUT_TOKENS)}},
+             {"request_headers": {"header_name": "content-length", "descriptor_key": BODY_BYTES_KEY,
+                                  "skip_if_absent": True}}]
+    return [
+        # checked (cost 0) and the request's estimate reserved: refused once spent + reserved reach the budget
+        {"actions": check, "hits_addend": {"number": 0}},
+        # charged the answer's usage when the stream ends, the reservation released (no usage in
+        # metadata: Envoy drops this descriptor)
+        {"actions": [*actions, request_id], "apply_on_stream_done": True,
+         "hits_addend": {"format": f"%DYNAMIC_METADATA({USAGE_NS}:{USAGE_KEYS[budget.limit.unit]})%"}},
+        # then, always: a reservation still held (an answer without usage) is charged its estimate
+        {"actions": [*actions, request_id, {"generic_key": {"descriptor_key": PHASE_KEY,
+                                                             "descriptor_value": PHASE_DONE}}],
+         "apply_on_stream_done": True, "hits_addend": {"number": 0}},
+    ]
+
+
+def per_route(topo: Topology, model: str | None) -> Json:
+    """typed_per_filter_config entries of one route (model: the one it serves, if exactly one)."""
+    found = budgets(topo)
+    out: Json = {}
+    for name, closed in ((FILTER_OPEN, False), (FILTER_CLOSED, True)):
+        chosen = [b for b in found if b.limit.fail_closed == closed]
+        if chosen:
+            out[name] = typed("extensions.filters.http.ratelimit.v3.RateLimitPerRoute", {
+                "rate_limits": [entry for b in chosen for entry in _entries(topo, b, model)]})
+    return out

@@ -1,0 +1,169 @@
+"""Counting in Redis: fixed windows, one atomic Lua script per decision.
+
+Why fixed windows (as envoyproxy/ratelimit counts): one counter per (budget, client, model,
+window) that every sidecar of the fleet increments, expiring with its window; the answer's
+`x-ratelimit-reset` is exact; a budget admits exactly its amount per window whatever the
+number of Envoys. A sliding or GCRA limiter would smooth the burst at a window's edge (up to
+twice the amount across the boundary) at the cost of more state per key; LLM budgets are
+quotas per minute/hour/day, where users expect the fixed calendar window.
+
+The script decides every descriptor of one request at once, atomically:
+
+    mode a  (admit: requests)   refused when count + cost > limit; counted only if the whole
+                                request is admitted (a refused request costs nothing anywhere)
+    mode c  (check: tokens, hits 0, no request id)   refused when count >= limit
+    mode r  (reserve: tokens, hits 0, with the request's id)   refused when count + the
+                                tokens reserved by requests in flight >= limit; else the
+                                request's estimate is reserved under its id until its answer
+    mode f  (charge: tokens at stream end, the answer's usage)   counted (the tokens were
+                                spent), the request's reservation released
+    mode d  (done: tokens at stream end, after mode f in the same call)   the reservation
+                                still there means the answer had no usage (a stream without
+                                include_usage, an error, a cancel): its estimate is counted
+                                and released. No reservation: nothing (a refused request, or
+                                mode f already settled it).
+
+Reservations make a token budget hold to T + one request: a request is admitted only while
+the tokens spent plus those reserved by the requests in flight stay under the budget, and its
+estimate (max_tokens, plus the body's length / 4 for prompt tokens) bounds what it spends. A
+request refused by any budget reserves nothing, so its end charges nothing. Reservations live
+in a hash per budget (and client, model), not per window (a request admitted in one window
+may end in the next), as request id -> "estimate:deadline"; one past its deadline (its answer
+never came) is dropped when the hash is next read. (The keys are passed in ARGV, fine for one
+Redis, not for Redis Cluster.) Returned: each counter after the script, the tokens reserved
+beside it, and whether the request was refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from confgen.errors import ConfgenError
+
+__all__ = ["Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
+
+Mode = Literal["a", "c", "r", "f", "d"]
+
+_SCRIPT = """
+local now = tonumber(ARGV[1])
+local n = #KEYS
+local function held_in(rkey)
+  local total, flat = 0, redis.call('HGETALL', rkey)
+  for j = 1, #flat, 2 do
+    local est, deadline = string.match(flat[j + 1], '^(%d+):(%d+)$')
+    if est == nil or tonumber(deadline) < now then
+      redis.call('HDEL', rkey, flat[j])
+    else
+      total = total + tonumber(est)
+    end
+  end
+  return total
+end
+local cur, held = {}, {}
+local over = 0
+for i = 1, n do
+  local b = 1 + 8 * (i - 1)
+  local mode, add, lim, rkey = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 7]
+  local c = tonumber(redis.call('GET', KEYS[i]) or '0')
+  local h = 0
+  if mode == 'r' then h = held_in(rkey) end
+  cur[i], held[i] = c, h
+  if (mode == 'a' and c + add > lim) or (mode == 'c' and c >= lim) or (mode == 'r' and c + h >= lim) then
+    over = 1
+  end
+end
+local out = {}
+for i = 1, n do
+  local b = 1 + 8 * (i - 1)
+  local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
+  local est, rkey, hold = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8])
+  if mode == 'd' and rid ~= '' then
+    local had = redis.call('HGET', rkey, rid)
+    if had then
+      local e, deadline = string.match(had, '^(%d+):(%d+)$')
+      if e ~= nil and tonumber(deadline) >= now then add = tonumber(e) end
+      redis.call('HDEL', rkey, rid)
+    end
+  end
+  local v = cur[i]
+  if add > 0 and (mode == 'f' or mode == 'd' or (mode == 'a' and over == 0)) then
+    v = redis.call('INCRBY', KEYS[i], add)
+    if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
+  end
+  if mode == 'r' and over == 0 and est > 0 then
+    redis.call('HSET', rkey, rid, est .. ':' .. (now + hold))
+    redis.call('EXPIRE', rkey, hold)
+    held[i] = held[i] + est
+  elseif mode == 'f' and rid ~= '' then
+    redis.call('HDEL', rkey, rid)
+  end
+  out[2 * i - 1] = v
+  out[2 * i] = held[i]
+end
+out[2 * n + 1] = over
+return out
+"""
+
+
+class StoreUnavailable(ConfgenError):
+    """Redis did not answer in time or refused (translated at the edge; the service fails open)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    key: str
+    mode: Mode
+    cost: int
+    limit: int
+    ttl_s: int
+    request_id: str = ""  # modes r, f, d: the request the reservation belongs to
+    estimate: int = 0  # mode r: the tokens reserved until the answer's usage replaces them
+    reservations: str = ""  # modes r, f, d: the hash of the budget's reservations
+    hold_s: int = 0  # mode r: how long a reservation may wait for its answer
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    counts: list[int]  # each counter after the script
+    reserved: list[int]  # tokens reserved beside each counter by requests in flight
+    refused: bool
+
+
+class RedisCounter:
+    """An async Redis client with a bound on every call, and the decision script."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 64) -> None:
+        self.address = f"{host}:{port}"
+        self.timeout_s = timeout_s
+        # No retries inside the client (redis-py's default retries 3 times with backoff, which
+        # would multiply the bound); the service's own backoff decides when to try again.
+        self._redis = aioredis.Redis(
+            host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), max_connections=max_connections,
+            health_check_interval=0, client_name="confgen-sidecar-ratelimit",
+        )
+        self._script = self._redis.register_script(_SCRIPT)
+
+    async def decide(self, ops: list[Op], now: float) -> Decision:
+        """The decision on one request's descriptors (see the module's docstring); `now`: the
+        wall clock (reservation deadlines)."""
+        args: list[str | int] = [int(now)]
+        for op in ops:
+            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                raw = await self._script(keys=[op.key for op in ops], args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        values = [int(v) for v in raw]
+        return Decision(values[0:-1:2], values[1:-1:2], bool(values[-1]))
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,243 @@
+"""Global limits, live: real Envoys, each with its real sidecar (rate limit service), one
+real redis-server, a simulated fleet.
+
+- Charging: a non-streaming answer is charged its usage's tokens (not 1: a known Envoy AI
+  Gateway pitfall), a stream with include_usage its usage chunk, a stream without usage
+  its documented estimate (max_tokens); output_tokens budgets count completion tokens.
+- 3 Envoys, one key limited to L requests a minute: L admitted (+-5 %); a local limit of
+  L a minute admits about 3L (the baseline this replaces).
+- 3 Envoys, a budget of T total tokens a minute, streaming and non-streaming mixed, 3 in
+  flight: admitted tokens <= T + the largest request's cost (reservations).
+- 429 answers carry the OpenAI-style body, retry-after and x-ratelimit-* headers.
+- The rate limit service unreachable with request-time and stream-done limits on the same
+  route (CVE-2026-26330's case): every request is served, Envoy stays up.
+- Redis killed mid-run: no request fails, the store metric says so, fail_closed refuses,
+  the budget holds again within 2 s of Redis's return.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from confgen.runtime import free_port
+from tests.sidecar_live.glimits import GlobalRig, call, global_rig, spread, usage_of, wait_for_window
+from tests.support.envoy import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _body(max_tokens: int, stream: bool = False, usage: bool = True, prompt: str = "hello there") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens}
+    if stream:
+        body["stream"] = True
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _charged(rig: GlobalRig, budget: str, at_least: int, timeout: float = 10.0) -> int:
+    """The budget's counter once it reaches `at_least` (stream-done charges are fire-and-forget)."""
+    wait_until(lambda: rig.counted(budget) >= at_least, timeout=timeout)
+    return rig.counted(budget)
+
+
+def test_tokens_are_charged_from_usage_streaming_or_not(tmp_path: Path) -> None:
+    with global_rig(tmp_path, envoys=1) as rig:
+        url = rig.pairs[0].url
+        wait_for_window(20)
+        expected = 0
+        # 1. non-streaming: the JSON body's usage (json_to_metadata)
+        status, _, payload = call(url, "tok", _body(17))
+        usage = usage_of(status, payload, stream=False)
+        assert status == 200 and usage is not None, payload
+        expected += usage["total_tokens"]
+        assert usage["total_tokens"] > 17  # prompt + completion: a charge of 1 or of max_tokens would differ
+        assert _charged(rig, "client/tok/0", expected) == expected
+        # 2. a stream with include_usage: its usage chunk (sse_to_metadata)
+        status, _, payload = call(url, "tok", _body(11, stream=True))
+        usage = usage_of(status, payload, stream=True)
+        assert status == 200 and usage is not None, payload
+        expected += usage["total_tokens"]
+        assert _charged(rig, "client/tok/0", expected) == expected
+        # 3. a stream without usage: the estimate, max_tokens + the body's bytes / 4
+        body = _body(9, stream=True, usage=False)
+        status, _, payload = call(url, "tok", body)
+        assert status == 200 and usage_of(status, payload, stream=True) is None
+        expected += 9 + -(-len(json.dumps(body).encode()) // 4)
+        assert _charged(rig, "client/tok/0", expected) == expected
+        # 4. a refused request is charged nothing (it reserved nothing): spend the budget, then ask
+        rig.store().incrby(next(k for k in rig.store().scan_iter(match="confgen:*client/tok/0:*")
+                                if not k.endswith(b":r")), 5000)
+        status, _, _ = call(url, "tok", _body(50))
+        assert status == 429
+        time.sleep(0.5)  # the stream-done calls are fire-and-forget: give a wrong charge time to land
+        assert rig.counted("client/tok/0") == expected + 5000
+        # output_tokens budget: completion tokens only, non-streaming and streaming
+        status, _, payload = call(url, "out", _body(13))
+        assert status == 200
+        assert _charged(rig, "client/out/0", 13) == 13
+        status, _, payload = call(url, "out", _body(5, stream=True))
+        assert status == 200
+        assert _charged(rig, "client/out/0", 18) == 18
+        # every answer's charge released its request's reservation (same x-request-id both times)
+        assert wait_until(lambda: rig.reserved("client/tok/0") == 0 and rig.reserved("client/out/0") == 0)
+
+
+def test_three_envoys_admit_one_budget_of_requests(tmp_path: Path) -> None:
+    limit = 60
+    with global_rig(tmp_path, envoys=3) as rig:
+        wait_for_window(30)
+        results = spread(rig, "req", [_body(1)] * (2 * limit), concurrency=6)
+        statuses = [r[0] for r in results]
+        admitted = statuses.count(200)
+        assert statuses.count(429) + admitted == len(statuses), statuses
+        assert abs(admitted - limit) <= 0.05 * limit, (admitted, limit)
+        per_envoy = [sum(1 for i, s in enumerate(statuses) if s == 200 and i % 3 == e) for e in range(3)]
+        assert all(n > 0 for n in per_envoy), per_envoy  # every Envoy took its share of the one budget
+        refused = next(r for r in results if r[0] == 429)
+        headers, payload = refused[1], json.loads(refused[2])
+        assert payload["error"]["code"] == "rate_limit_exceeded", payload
+        # retry-after: when the minute's window resets (>= 30 s away here), not the fixed 2 s of local limits
+        assert 2 < int(headers["retry-after"]) <= 60, headers
+        assert headers["x-ratelimit-limit"].startswith("60"), headers
+        assert headers["x-ratelimit-remaining"] == "0"
+        ok = next(r for r in results if r[0] == 200)
+        assert "x-ratelimit-remaining" in ok[1]
+        # the baseline: a local limit of 60 a minute is 60 per Envoy
+        local = spread(rig, "loc", [_body(1)] * (4 * limit), concurrency=6)
+        local_admitted = [r[0] for r in local].count(200)
+        assert local_admitted >= 2.5 * limit, local_admitted
+        print(f"\nglobal: {admitted} admitted of {len(statuses)} (limit {limit}, per Envoy {per_envoy}); "
+              f"local: {local_admitted} of {len(local)}")
+
+
+def test_three_envoys_hold_one_token_budget_streaming_and_not(tmp_path: Path) -> None:
+    budget, concurrency = 3000, 3
+    with global_rig(tmp_path, envoys=3) as rig:
+        wait_for_window(40)
+        bodies = [_body(20 + (i * 37) % 80, stream=i % 2 == 1, prompt="tell me " * (1 + i % 5)) for i in range(160)]
+        results = spread(rig, "tok", bodies, concurrency=concurrency)
+        admitted = [usage_of(s, p, bool(b.get("stream"))) for s, _, p, b in results if s == 200]
+        assert all(u is not None for u in admitted)
+        tokens = sum(u["total_tokens"] for u in admitted if u)
+        largest = max(u["total_tokens"] for u in admitted if u)
+        statuses = [r[0] for r in results]
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses.count(429) > 0
+        print(f"\ntokens admitted {tokens} for a budget of {budget} (largest request {largest}, "
+              f"{len(admitted)} requests admitted, {concurrency} in flight)")
+        # requests in flight reserve their estimate (max_tokens + body bytes / 4): the budget is
+        # passed by at most the last request admitted
+        assert tokens <= budget + largest, (tokens, budget, largest)
+        assert tokens >= 0.75 * budget, (tokens, budget)  # estimates above the usage refuse a little early
+
+
+def test_service_unreachable_with_request_and_stream_done_limits_serves_everything(tmp_path: Path) -> None:
+    """CVE-2026-26330 (GHSA-c23c-rp3m-vpg3): a request-phase limit plus an apply_on_stream_done
+    limit with the rate limit service unreachable crashed Envoy (use after free) before the fix
+    (envoyproxy/envoy#43877, 2026-03-10, in 1.38.0 and every later release; we run 1.40.0)."""
+    closed = free_port()  # nothing listens there: the service is unreachable
+    with global_rig(tmp_path, envoys=1, sidecars=False, grpc_ports=[closed]) as rig:
+        pair = rig.pairs[0]
+        statuses = []
+        for i in range(40):
+            client = ("tok", "req", "out")[i % 3]
+            status, _, _ = call(pair.url, client, _body(3, stream=i % 2 == 0, usage=i % 4 == 0))
+            statuses.append(status)
+        assert statuses == [200] * 40
+        assert pair.envoy.stats()  # the admin still answers: Envoy is alive
+        stats = pair.envoy.stats()
+        assert int(stats.get("cluster.confgen_sidecar_grpc.upstream_cx_connect_fail", 0)) > 0
+        # fail_closed budgets go through the filter that denies when the service cannot answer
+        status, _, _ = call(pair.url, "closed", _body(1))
+        assert status in (429, 500), status
+
+
+def _load(rig: GlobalRig, client: str, stop: threading.Event, out: list[tuple[float, int]], rate: float) -> None:
+    """One request every 1/rate s through the Envoys in turn until `stop` (bounded by the caller)."""
+    index = 0
+    next_at = time.monotonic()
+    while not stop.is_set() and index < 100_000:
+        status, _, _ = call(rig.pairs[index % len(rig.pairs)].url, client, _body(1), timeout=10)
+        out.append((time.monotonic(), status))
+        index += 1
+        next_at += 1 / rate
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            stop.wait(delay)
+
+
+def _metric(rig: GlobalRig, name: str) -> float:
+    total = 0.0
+    for pair in rig.pairs:
+        assert pair.sidecar is not None
+        for line in pair.sidecar.metrics().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_redis_outage(tmp_path: Path, outage_s: float, rate: float = 20.0) -> dict[str, Any]:
+    """A steady load over 3 Envoys on a key limited to 5 requests a second; Redis killed
+    for `outage_s`, then started again (empty). Returns what happened."""
+    with global_rig(tmp_path, envoys=3) as rig:
+        out: list[tuple[float, int]] = []
+        stop = threading.Event()
+        threads = [threading.Thread(target=_load, args=(rig, "sec", stop, out, rate / 2)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(3.0)  # the load's steady state before the fault (a duration under test, not a sync)
+            failures_before = _metric(rig, "confgen_sidecar_ratelimit_store_failures_total")
+            killed = time.monotonic()
+            rig.redis.kill()
+            assert wait_until(lambda: _metric(rig, "confgen_sidecar_ratelimit_store_up") < 3, timeout=5)
+            store_up_during = _metric(rig, "confgen_sidecar_ratelimit_store_up")
+            closed_during = call(rig.pairs[0].url, "closed", _body(1))[0]
+            time.sleep(max(0.0, outage_s - (time.monotonic() - killed)))
+            rig.redis.restart()
+            back = time.monotonic()
+            time.sleep(4.0)  # the load after the return (measured below)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        failures = _metric(rig, "confgen_sidecar_ratelimit_store_failures_total") - failures_before
+        store_up_after = _metric(rig, "confgen_sidecar_ratelimit_store_up")
+    return {"out": out, "killed": killed, "back": back, "failures": failures, "store_up_during": store_up_during,
+            "store_up_after": store_up_after, "closed_during": closed_during}
+
+
+def _first_refusal_after(out: list[tuple[float, int]], t: float) -> float | None:
+    later = [at for at, status in out if at >= t and status == 429]
+    return min(later) - t if later else None
+
+
+def check_outage(result: dict[str, Any], limit_per_s: int = 5) -> None:
+    out, back = result["out"], result["back"]
+    statuses = [s for _, s in out]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))  # nothing failed because of the outage
+    during = [s for at, s in out if result["killed"] + 0.5 <= at < back]
+    assert during and during.count(429) == 0  # fail open: uncounted while Redis is away
+    assert result["store_up_during"] < 3 and result["store_up_after"] == 3
+    assert result["failures"] >= 1
+    assert result["closed_during"] == 429  # fail_closed refuses while the store is away
+    refused_after = _first_refusal_after(out, back)
+    assert refused_after is not None and refused_after <= 2.0, refused_after
+    # whole seconds after the return hold the budget again (a fixed window of 1 s)
+    settled = [s for at, s in out if back + 2.0 <= at < back + 4.0]
+    per_second = settled.count(200) / 2.0
+    assert per_second <= limit_per_s * 1.5, (per_second, limit_per_s)
+    print(f"\noutage: {len(during)} requests admitted uncounted, budget enforced {refused_after:.2f} s after "
+          f"Redis returned, {per_second:.1f} admitted/s after (limit {limit_per_s}/s)")
+
+
+def test_redis_killed_mid_run_fails_open_and_counting_resumes(tmp_path: Path) -> None:
+    check_outage(run_redis_outage(tmp_path, outage_s=3.0))
+
