@@ -114,15 +114,16 @@ def test_grpc_tls_without_a_grpc_service_is_a_warning(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI to make certificates")
-@pytest.mark.parametrize("ads", [False, True])
-def test_envoy_accepts_the_tls_cluster(tmp_path: Path, ads: bool) -> None:
+@pytest.mark.parametrize("ads", ["", "10.0.0.9:18000", "cp-0.cp.ns.svc:18000', 'cp-1.cp.ns.svc:18000"],
+                         ids=["files", "ads-ip", "ads-dns"])
+def test_envoy_accepts_the_tls_cluster(tmp_path: Path, ads: str) -> None:
     """`envoy --mode validate` loads the certificate files: real ones, from a throwaway CA."""
     ca = CertAuthority.create(tmp_path / "pki")
     client = ca.issue("pa-envoy", ["DNS:pa-envoy"])
     tls = f"  grpc_tls: {{cert: {client.cert}, key: {client.key}, ca: {ca.cert}}}\n"
     extra = "sidecar:\n  address: 10.0.0.9\n" + tls
     if ads:
-        extra = (f"envoy:\n  xds:\n    mode: ads\n    servers: ['10.0.0.9:18000']\n"
+        extra = (f"envoy:\n  xds:\n    mode: ads\n    servers: ['{ads}']\n"
                  f"    tls: {{cert: {client.cert}, key: {client.key}, ca: {ca.cert}}}\n" + "sidecar:\n" + tls)
     topo, _ = parse_topology(TOPO.format(policy="prefix_affinity", extra=extra).encode())
     assert verify_envoy(topo) == []

@@ -163,3 +163,39 @@ def test_sidecar_refuses_plaintext_grpc_beyond_loopback(tmp_path: Path) -> None:
                            "--grpc-listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done
     assert "--grpc-tls-cert" in done.stderr and "plaintext gRPC" in done.stderr
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
+def test_renewed_grpc_certificate_served_without_restart(tmp_path: Path) -> None:
+    """--grpc-tls-cert renewed in place (cert-manager): the picker's server presents it from the next handshake."""
+    import ssl
+
+    ca = CertAuthority.create(tmp_path / "pki")
+    first, second = ca.issue("grpc-old", ["IP:127.0.0.1"]), ca.issue("grpc-new", ["IP:127.0.0.1"])
+    client = ca.issue("envoy-0", ["DNS:envoy-0"])
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", ca.cert)
+    live.cert.write_bytes(first.cert.read_bytes())
+    live.key.write_bytes(first.key.read_bytes())
+
+    async def served_cn(port: int) -> str:
+        context = ssl.create_default_context(cafile=str(ca.cert))
+        context.load_cert_chain(str(client.cert), str(client.key))
+        context.set_alpn_protocols(["h2"])
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        cert = writer.get_extra_info("peercert")
+        writer.close()
+        return str(dict(x[0] for x in cert["subject"])["commonName"])
+
+    async def main() -> None:
+        server = GrpcServer(GrpcSettings("127.0.0.1", 0, tls=live))
+        server.add(_register(_echo()), "echo")
+        port = await server.start()
+        try:
+            assert await served_cn(port) == "grpc-old"
+            live.key.write_bytes(second.key.read_bytes())
+            live.cert.write_bytes(second.cert.read_bytes())
+            assert await served_cn(port) == "grpc-new"
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
