@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
-from confgen.model import Topology
+from confgen.model import Topology, grpc_service_hosts
 from sidecar.config.nginx import NginxSettings
 from sidecar.config.nginx import add_arguments as add_nginx_arguments
 from sidecar.config.nginx import from_args as nginx_from_args
@@ -24,7 +24,8 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "listen_for",
+__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "grpc_listen_mismatch",
+           "listen_for",
            "listen_mismatch", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
@@ -301,6 +302,22 @@ def drains_file_for(config: SidecarConfig, topo: Topology) -> Path | None:
 def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
     """Where the gRPC services listen: --grpc-listen, else loopback at the topology's grpc_port."""
     return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
+
+
+def grpc_listen_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
+    """Why Envoy cannot reach the gRPC services where the rendered cluster sends it; None when it can.
+
+    confgen_sidecar_grpc goes to sidecar.address (with ADS: the servers' hosts) at sidecar.grpc_port;
+    a loopback bind serves only an Envoy on this machine at a loopback address."""
+    host, port = grpc_listen_for(config, topo)
+    remote = [h for h in grpc_service_hosts(topo) if not is_loopback(h)]
+    if remote and is_loopback(host):
+        return (f"the gRPC services listen on {host}:{port} (loopback) but Envoy calls {remote[0]}:"
+                f"{topo.sidecar.grpc_port}: give --grpc-listen <that address or 0.0.0.0>:{topo.sidecar.grpc_port} "
+                "with --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca")
+    if port not in (0, topo.sidecar.grpc_port):
+        return f"--grpc-listen port {port} is not the topology's sidecar.grpc_port {topo.sidecar.grpc_port}"
+    return None
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:

@@ -199,3 +199,24 @@ def test_renewed_grpc_certificate_served_without_restart(tmp_path: Path) -> None
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_grpc_listen_mismatch_names_what_envoy_cannot_reach(tmp_path: Path) -> None:
+    """Logged at startup (startup.grpc_listen_mismatch): a loopback bind while the render sends Envoy elsewhere,
+    or another port than sidecar.grpc_port."""
+    from confgen.topology import load
+    from sidecar.config import grpc_listen_mismatch
+
+    base = _topology_file(tmp_path).read_text()
+    remote = tmp_path / "remote.yaml"
+    remote.write_text(base + "sidecar: {address: 10.0.0.5, grpc_tls: {cert: /t/e.crt, key: /t/e.key, ca: /t/ca.crt}}\n")
+    topo, _ = load(remote)
+    tls = ["--grpc-tls-cert", "s.crt", "--grpc-tls-key", "s.key", "--grpc-client-ca", "ca.crt"]
+    problem = grpc_listen_mismatch(from_argv(["--topology", str(remote), *tls]), topo)
+    assert problem is not None and "10.0.0.5:9110" in problem and "--grpc-listen" in problem
+    assert grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "0.0.0.0:9110", *tls]),
+                                topo) is None
+    local, _ = load(_topology_file(tmp_path))
+    assert grpc_listen_mismatch(from_argv(["--topology", str(remote)]), local) is None
+    wrong = grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "127.0.0.1:9999"]), local)
+    assert wrong is not None and "sidecar.grpc_port 9110" in wrong
