@@ -16,7 +16,17 @@ from ._names import dns_label
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
 from .limits import needs_store
-from .model import LimitSet, Pool, RateLimit, Topology, is_ip, limit_list, split_address
+from .model import (
+    LimitSet,
+    Pool,
+    RateLimit,
+    Topology,
+    grpc_service_hosts,
+    is_ip,
+    is_loopback_host,
+    limit_list,
+    split_address,
+)
 from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
@@ -32,6 +42,7 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         _duplicates,
         _addresses,
         _xds,
+        _grpc_services,
         _references,
         _fallback_cycles,
         _model_routing,
@@ -88,21 +99,7 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             WARNING,
         )
     picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
-    if picker and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
-        yield (
-            "sidecar.address",
-            ("Envoy calls the endpoint picker (prefix_affinity) at this address, but the sidecar serves gRPC in "
-             "plaintext on loopback only: every request would go without it (least_request)"),
-            WARNING,
-        )
     limited = needs_store(topo)
-    if limited and is_ip(topo.sidecar.address) and not ipaddress.ip_address(topo.sidecar.address).is_loopback:
-        yield (
-            "sidecar.address",
-            ("Envoy asks the rate limit service (scope: global limits) at this address, but the sidecar serves "
-             "gRPC in plaintext on loopback only: every check would fail open (uncounted)"),
-            WARNING,
-        )
     if (picker or limited) and topo.sidecar.grpc_port == topo.sidecar.port:
         yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
     for pi, pool in enumerate(topo.pools):
@@ -203,6 +200,41 @@ def _xds(topo: Topology) -> Iterator[Finding]:
     if xds.mode == "ads" and len(xds.servers) == 1:
         yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
                "change until it is back; list two for high availability", WARNING)
+
+
+def _grpc_services(topo: Topology) -> Iterator[Finding]:
+    """Envoy reaches the sidecar's gRPC services (the endpoint picker; the rate limit service) beyond
+    loopback only over mutual TLS (sidecar.grpc_tls): the sidecar serves plaintext on loopback alone, and
+    plaintext beyond it would let anyone who reaches the port steer routing or spend the limits (and
+    without TLS every call would fail: requests unpicked, limits failing open)."""
+    tls = topo.sidecar.grpc_tls
+    wanted = [f"the endpoint picker (pools[{i}].balancing.policy)" for i, p in enumerate(topo.pools)
+              if uses_picker(p.balancing.policy)]
+    if needs_store(topo):
+        wanted.append("the rate limit service (scope: global limits)")
+    if not wanted:
+        if tls is not None:
+            yield "sidecar.grpc_tls", "used only when Envoy calls the sidecar's gRPC services (a pool with policy " \
+                "prefix_affinity, or scope: global limits)", WARNING
+        return
+    if tls is not None:
+        yield from ((f"sidecar.grpc_tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
+                    for i, n in enumerate(tls.server_names) if n in tls.server_names[:i])
+        return
+    hosts = grpc_service_hosts(topo)
+    remote = [h for h in hosts if not is_loopback_host(h)]
+    if not remote:
+        return
+    if topo.envoy.xds.mode == "ads":
+        index = next(i for i, server in enumerate(topo.envoy.xds.servers)
+                     if (split_address(server) or ("", 0))[0] == remote[0])
+        path, where = f"envoy.xds.servers[{index}]", f"the control plane at {remote[0]}"
+    else:
+        path, where = "sidecar.address", f"the sidecar at {remote[0]}"
+    yield (path, f"Envoy calls {where}:{topo.sidecar.grpc_port} for {' and '.join(wanted)} beyond "
+           "loopback: set sidecar.grpc_tls (mutual TLS: Envoy's client cert, key and the sidecar's CA; the "
+           "sidecar's --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca); plaintext gRPC is served on loopback only",
+           ERROR)
 
 
 def _references(topo: Topology) -> Iterator[Finding]:

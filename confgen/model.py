@@ -597,6 +597,20 @@ class Kubernetes:
 
 
 @dataclass(frozen=True)
+class GrpcTls:
+    cert: str = field(doc="Envoy's client certificate chain (PEM), as Envoy sees the path (cert-manager: tls.crt); "
+                      "signed by the CA the sidecar's --grpc-client-ca names.", pattern="file_path")
+    key: str = field(doc="Its private key (PEM; tls.key).", pattern="file_path")
+    ca: str = field(doc="CA that signs the sidecar's gRPC certificate (PEM; ca.crt).", pattern="file_path")
+    server_names: list[str] = field(
+        factory=list,
+        doc="Names the sidecar's gRPC certificate must carry (a DNS or IP subjectAltName, any one of them); "
+        "default: sidecar.address, or with envoy.xds.mode ads the hosts of envoy.xds.servers.",
+        pattern="host",
+    )
+
+
+@dataclass(frozen=True)
 class SidecarLink:
     address: str = field(
         "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
@@ -605,9 +619,16 @@ class SidecarLink:
     grpc_port: int = field(
         9110,
         doc="Port of confgen-sidecar's gRPC services on the same address (the endpoint picker Envoy calls for "
-        "pools with policy prefix_affinity; the sidecar's --grpc-listen).",
+        "pools with policy prefix_affinity; the sidecar's --grpc-listen). With envoy.xds.mode ads the control "
+        "plane serves them: Envoy calls this port on the hosts of envoy.xds.servers.",
         minimum=1,
         maximum=65535,
+    )
+    grpc_tls: GrpcTls | None = field(
+        None,
+        doc="Mutual TLS from Envoy to the sidecar's gRPC services (its `--grpc-tls-cert/--grpc-tls-key/"
+        "--grpc-client-ca`); required when Envoy reaches them beyond loopback. Without it the calls are "
+        "plaintext, which the sidecar serves on loopback only.",
     )
     models: bool = field(
         True,
@@ -684,3 +705,26 @@ def is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def grpc_service_hosts(topo: Topology) -> list[str]:
+    """Where Envoy reaches confgen-sidecar's gRPC services (picker, rate limits), at sidecar.grpc_port:
+    sidecar.address, or with envoy.xds.mode ads the control plane (the hosts of envoy.xds.servers, in order)."""
+    if topo.envoy.xds.mode != "ads":
+        return [topo.sidecar.address]
+    hosts: list[str] = []
+    for server in topo.envoy.xds.servers:
+        parts = split_address(server)
+        if parts is not None and parts[0] not in hosts:
+            hosts.append(parts[0])
+    return hosts
+
+
+def is_loopback_host(host: str) -> bool:
+    """A loopback IP or `localhost` (a name that may resolve elsewhere is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -27,7 +27,15 @@ from prometheus_client.registry import CollectorRegistry
 from confgen.errors import ConfgenError, TopologyError
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
-from sidecar.config import ConfigError, SidecarConfig, grpc_listen_for, listen_for, listen_mismatch, xds_dir_for
+from sidecar.config import (
+    ConfigError,
+    SidecarConfig,
+    grpc_listen_for,
+    grpc_listen_mismatch,
+    listen_for,
+    listen_mismatch,
+    xds_dir_for,
+)
 from sidecar.daemon import Daemon
 from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
@@ -129,10 +137,16 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         if config.picker and "picker" not in wanted(topo):
             log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
                       "policy prefix_affinity: the endpoint picker does not run")
+        if config.grpc_tls is not None and not wanted(topo):
+            log_event(_log, logging.WARNING, "startup.grpc_tls_unused", note="--grpc-tls-cert is set but the "
+                      "topology needs no gRPC service (no prefix_affinity pool, no global limit)")
+        if wanted(topo) and (grpc_problem := grpc_listen_mismatch(config, topo)) is not None:
+            log_event(_log, logging.ERROR, "startup.grpc_listen_mismatch", problem=grpc_problem,
+                      note="Envoy's calls fail: requests go unpicked (least_request), global limits fail open")
         if wanted(topo):
             try:
                 services = [build_service(name, service_wiring) for name in wanted(topo)]
-                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo)))
+                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo), tls=config.grpc_tls))
                 for service in services:
                     grpc_server.add(service.add_to, service.name)
                     await service.start()

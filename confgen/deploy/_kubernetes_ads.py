@@ -14,9 +14,18 @@
         <base>-envoy-tls for the Envoys (mounted where envoy.xds.tls says). The Envoys share one
         certificate whose name (SAN or CN) is <base>-envoy: each Envoy's node id is
         <base>-envoy/<pod name>, which the control plane accepts only from that certificate.
-    NetworkPolicy <base>-xds: the control plane's pods accept the gRPC port only from this
-        topology's Envoy pods and /metrics only from pods labelled
-        app.kubernetes.io/name=prometheus (any namespace); nothing else.
+    The endpoint picker (a pool with policy prefix_affinity) runs in the control plane: one
+        picker sees every Envoy's requests. It listens on sidecar.grpc_port beyond loopback, so
+        over mTLS too, from the same Secret as ADS (--grpc-tls-* = the --xds-tls-* files): the
+        same pods, the same server names (the per-pod DNS names envoy.xds.servers lists, which
+        the Envoys check for both clusters), the same clients (the Envoy pods' shared
+        certificate) and the same CA; a second Certificate would repeat all of that and add a
+        second renewal to watch, with nothing gained (both keys live in the same pod). The
+        Envoys' side is sidecar.grpc_tls, which must name envoy.xds.tls's files (the Envoys'
+        one certificate Secret).
+    NetworkPolicy <base>-xds: the control plane's pods accept the gRPC ports (ADS, and the
+        picker's when it runs) only from this topology's Envoy pods and /metrics only from pods
+        labelled app.kubernetes.io/name=prometheus (any namespace); nothing else.
 
 Built from `kubernetes.py`'s pieces (the plan's names and labels, the restricted security
 contexts, the key environment, the resource sizes); the selectors add the component, so
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import posixpath
 
+from ..balancing import uses_picker
 from ..model import split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
@@ -52,7 +62,25 @@ def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
     names = [posixpath.basename(p) for p in (tls.cert, tls.key, tls.ca)]
     if len(set(names)) < 3:
         return [("envoy.xds.tls", f"cert, key and ca need distinct file names to come from one Secret, got {names}")]
+    grpc_tls = plan.topo.sidecar.grpc_tls
+    if serves_picker(plan):
+        if plan.topo.sidecar.grpc_port in (xds_port(plan), k8s_mod.SIDECAR_PORT):
+            return [("sidecar.grpc_port", f"port {plan.topo.sidecar.grpc_port} is also the control plane's ADS or "
+                     "metrics port")]
+        if grpc_tls is None:
+            return [("sidecar.grpc_tls", "the control plane serves the endpoint picker (prefix_affinity) to the "
+                     "Envoy pods beyond loopback: set sidecar.grpc_tls (mutual TLS) to envoy.xds.tls's cert, key "
+                     "and ca")]
+        if (grpc_tls.cert, grpc_tls.key, grpc_tls.ca) != (tls.cert, tls.key, tls.ca):
+            return [("sidecar.grpc_tls", "in Kubernetes the Envoys have one client certificate (the Secret "
+                     f"{plan.base}-envoy-tls, mounted where envoy.xds.tls says): give sidecar.grpc_tls the same "
+                     "cert, key and ca as envoy.xds.tls")]
     return []
+
+
+def serves_picker(plan: k8s_mod._Plan) -> bool:
+    """Whether the control plane runs the endpoint picker (its gRPC services) for the Envoys."""
+    return any(uses_picker(pool.balancing.policy) for pool in plan.topo.pools)
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:
@@ -82,6 +110,13 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     name = f"{plan.base}-xds"
     port = xds_port(plan)
     topology_file = f"{k8s_mod.TOPOLOGY_DIR}/topology.yaml"
+    grpc_port = topo.sidecar.grpc_port
+    picker = serves_picker(plan)
+    # the picker for every Envoy, over mTLS from the xds Secret (the module's docstring says why)
+    grpc_args = ["--grpc-listen", f"0.0.0.0:{grpc_port}",
+                 "--grpc-tls-cert", f"{XDS_TLS_DIR}/tls.crt", "--grpc-tls-key", f"{XDS_TLS_DIR}/tls.key",
+                 "--grpc-client-ca", f"{XDS_TLS_DIR}/ca.crt"] if picker else []
+    grpc_ports = [{"name": "grpc", "containerPort": grpc_port}] if picker else []
     container = {
         "name": "control-plane",
         "image": topo.kubernetes.sidecar_image,
@@ -91,9 +126,9 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                  "--xds-client-ca", f"{XDS_TLS_DIR}/ca.crt",
                  # a replica counts (and the limits are divided by) at most this many Envoys
                  "--xds-max-nodes", str(max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas) + 2),
-                 "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}"],
+                 "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}", *grpc_args],
         "workingDir": k8s_mod.WORK_DIR,
-        "ports": [{"name": "xds", "containerPort": port},
+        "ports": [{"name": "xds", "containerPort": port}, *grpc_ports,
                   {"name": "metrics", "containerPort": k8s_mod.SIDECAR_PORT}],
         "volumeMounts": [{"name": "topology", "mountPath": k8s_mod.TOPOLOGY_DIR, "readOnly": True},
                          {"name": "work", "mountPath": k8s_mod.WORK_DIR},
@@ -149,14 +184,18 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
             "clusterIP": "None",  # per-pod DNS names for envoy.xds.servers
             "selector": _selector(plan, "control-plane"),
             "ports": [{"name": "xds", "port": port, "targetPort": "xds", "appProtocol": "grpc"},
+                      *({"name": "grpc", "port": grpc_port, "targetPort": "grpc", "appProtocol": "grpc"}
+                        for _ in grpc_ports),
                       {"name": "metrics", "port": k8s_mod.SIDECAR_PORT, "targetPort": "metrics"}],
         },
     }
-    return [statefulset, service, _pdb(plan, name, "control-plane"), _network_policy(plan, name, port)]
+    envoy_ports = [port, grpc_port] if picker else [port]
+    return [statefulset, service, _pdb(plan, name, "control-plane"), _network_policy(plan, name, envoy_ports)]
 
 
-def _network_policy(plan: k8s_mod._Plan, name: str, port: int) -> Obj:
-    """The control plane's pods: gRPC from this topology's Envoys, /metrics from scrapers, nothing else."""
+def _network_policy(plan: k8s_mod._Plan, name: str, ports: list[int]) -> Obj:
+    """The control plane's pods: gRPC (ADS, the picker) from this topology's Envoys, /metrics from scrapers,
+    nothing else."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -166,7 +205,7 @@ def _network_policy(plan: k8s_mod._Plan, name: str, port: int) -> Obj:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": _selector(plan, "envoy")}}],
-                 "ports": [{"protocol": "TCP", "port": port}]},
+                 "ports": [{"protocol": "TCP", "port": port} for port in ports]},
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(SCRAPER_LABELS)}}],
                  "ports": [{"protocol": "TCP", "port": k8s_mod.SIDECAR_PORT}]},
             ],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..balancing import POLICIES, uses_picker
 from ..limits import needs_store
-from ..model import ENVOY_CAP_MAX, Pool, Topology, is_ip, split_address
+from ..model import ENVOY_CAP_MAX, Pool, Topology, grpc_service_hosts, is_ip, split_address
 from ..plan import Plan
 from . import layout
 from ._proto import Json, dur, extension, typed
@@ -240,13 +240,23 @@ def picker_wanted(topo: Topology) -> bool:
 
 
 def picker_cluster(topo: Topology) -> Json:
-    address = {"socket_address": {"address": topo.sidecar.address, "port_value": topo.sidecar.grpc_port}}
-    return typed("config.cluster.v3.Cluster", {
+    """confgen-sidecar's gRPC services: the sidecar beside Envoy (sidecar.address), or with envoy.xds.mode ads
+    the control plane (each server's host, one priority each in the order listed, like confgen_xds: every
+    Envoy asks the first healthy one, so one picker sees the whole fleet's requests); mutual TLS with
+    sidecar.grpc_tls."""
+    port = topo.sidecar.grpc_port
+    hosts = grpc_service_hosts(topo)
+    resolve = not all(is_ip(host) for host in hosts)
+    groups: list[Json] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]} for host in hosts]
+    if len(groups) > 1:
+        for priority, group in enumerate(groups):
+            group["priority"] = priority
+    cluster: Json = {
         "name": SIDECAR_GRPC_CLUSTER,
-        "type": "STATIC",
+        "type": "STRICT_DNS" if resolve else "STATIC",
         "connect_timeout": "0.25s",
-        "load_assignment": {"cluster_name": SIDECAR_GRPC_CLUSTER,
-                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
+        "load_assignment": {"cluster_name": SIDECAR_GRPC_CLUSTER, "endpoints": groups},
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
             "extensions.upstreams.http.v3.HttpProtocolOptions",
             {"explicit_http_config": {"http2_protocol_options": {
@@ -256,7 +266,34 @@ def picker_cluster(topo: Topology) -> Json:
         "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_requests": ENVOY_CAP_MAX,
                                              "max_pending_requests": ENVOY_CAP_MAX,
                                              "max_connections": 64}]},
-    })
+    }
+    if len(groups) > 1:  # a failing server hands all of its share to the next one at once
+        cluster["load_assignment"]["policy"] = {"overprovisioning_factor": 100}
+        cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "no_traffic_interval": "2s",
+                                     "unhealthy_threshold": 1, "healthy_threshold": 1, "tcp_health_check": {}}]
+    if resolve:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    tls = topo.sidecar.grpc_tls
+    if tls is not None:
+        cluster["transport_socket"] = upstream_mtls(tls.cert, tls.key, tls.ca, tls.server_names or hosts)
+    return typed("config.cluster.v3.Cluster", cluster)
+
+
+def upstream_mtls(cert: str, key: str, ca: str, server_names: list[str]) -> Json:
+    """Envoy's side of mutual TLS to a confgen-sidecar gRPC server (ADS, picker, rate limits): its client
+    certificate, and the server's checked against `ca` and one of `server_names` (DNS or IP SANs)."""
+    return {"name": "envoy.transport_sockets.tls", "typed_config": typed(
+        "extensions.transport_sockets.tls.v3.UpstreamTlsContext", {"common_tls_context": {
+            "alpn_protocols": ["h2"],  # gRPC
+            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+            "tls_certificates": [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}],
+            "validation_context": {
+                "trusted_ca": {"filename": ca},
+                "match_typed_subject_alt_names": [
+                    {"san_type": "IP_ADDRESS" if is_ip(name) else "DNS", "matcher": {"exact": name}}
+                    for name in server_names],
+            },
+        }})}
 
 
 # The confgen-sidecar next to Envoy, asked for GET /v1/models only. A name no pool can have

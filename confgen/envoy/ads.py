@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..model import Topology, is_ip, split_address
 from ..plan import plan
-from ._clusters import assignments, clusters
+from ._clusters import assignments, clusters, upstream_mtls
 from ._listener import listeners
 from ._proto import Json, typed
 
@@ -166,19 +166,7 @@ def _upstream_tls(topo: Topology) -> Json:
             parts = split_address(server)
             if parts is not None and parts[0] not in names:
                 names.append(parts[0])
-    return {"name": "envoy.transport_sockets.tls", "typed_config": typed(
-        "extensions.transport_sockets.tls.v3.UpstreamTlsContext", {"common_tls_context": {
-            "alpn_protocols": ["h2"],  # gRPC
-            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
-            "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
-                                  "private_key": {"filename": tls.key}}],
-            "validation_context": {
-                "trusted_ca": {"filename": tls.ca},
-                "match_typed_subject_alt_names": [
-                    {"san_type": "IP_ADDRESS" if is_ip(name) else "DNS", "matcher": {"exact": name}}
-                    for name in names],
-            },
-        }})}
+    return upstream_mtls(tls.cert, tls.key, tls.ca, names)
 
 
 def bootstrap(topo: Topology) -> Json:

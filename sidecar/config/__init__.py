@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
-from confgen.model import Topology
+from confgen.model import Topology, grpc_service_hosts
 from sidecar.config.nginx import NginxSettings
 from sidecar.config.nginx import add_arguments as add_nginx_arguments
 from sidecar.config.nginx import from_args as nginx_from_args
@@ -24,7 +24,8 @@ from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "listen_for",
+__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "grpc_listen_mismatch",
+           "listen_for",
            "listen_mismatch", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
@@ -71,6 +72,7 @@ class SidecarConfig:
     admin_token_env: str | None = None  # ... or the environment variable holding it
     drains_file: Path | None = None  # --drains-file; default: next to the files the sidecar writes (none for ADS)
     grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
+    grpc_tls: TlsFiles | None = None  # --grpc-tls-cert/-key/--grpc-client-ca: mTLS (None: plaintext, loopback only)
     picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
 
     @property
@@ -106,6 +108,10 @@ class SidecarConfig:
             raise ConfigError(f"--xds-max-nodes must be >= 1, got {self.xds_max_nodes}")
         if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
             raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
+        if self.grpc_listen is not None and self.grpc_tls is None and not is_loopback(self.grpc_listen[0]):
+            raise ConfigError(f"--grpc-listen {self.grpc_listen[0]}: plaintext gRPC lets anyone who connects steer "
+                              "routing and spend the rate limits; beyond loopback give --grpc-tls-cert, "
+                              "--grpc-tls-key and --grpc-client-ca")
 
 
 def _version() -> str:
@@ -179,7 +185,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
-                   "Plaintext: a loopback address only")
+                   "Plaintext: a loopback address only; beyond it mTLS (the three flags below)")
+    p.add_argument("--grpc-tls-cert", type=Path, metavar="PATH", help="the gRPC services' certificate chain (PEM; "
+                   "cert-manager's tls.crt; may be --xds-tls-cert's); with --grpc-tls-key and --grpc-client-ca they "
+                   "are served over mTLS: a client without a certificate signed by that CA is refused at the "
+                   "handshake. Re-read when it changes")
+    p.add_argument("--grpc-tls-key", type=Path, metavar="PATH", help="its private key (PEM; tls.key)")
+    p.add_argument("--grpc-client-ca", type=Path, metavar="PATH",
+                   help="the CA that signs the Envoys' client certificates for the gRPC services (PEM; ca.crt)")
     add_nginx_arguments(p)
     return p
 
@@ -252,21 +265,24 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
-        xds_tls=_tls_files(args),
+        xds_tls=_tls_files(args, "xds-tls-cert", "xds-tls-key", "xds-client-ca"),
         drains_file=args.drains_file.absolute() if args.drains_file else None,
         xds_max_nodes=args.xds_max_nodes,
         grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
+        grpc_tls=_tls_files(args, "grpc-tls-cert", "grpc-tls-key", "grpc-client-ca"),
         picker=tuple(args.picker),
     )
 
 
-def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
-    given = [args.xds_tls_cert, args.xds_tls_key, args.xds_client_ca]
+def _tls_files(args: argparse.Namespace, cert: str, key: str, ca: str) -> TlsFiles | None:
+    """The three paths of one mTLS listener (flag names without dashes), or None when none is given."""
+    given: list[Path | None] = [getattr(args, flag.replace("-", "_")) for flag in (cert, key, ca)]
     if not any(given):
         return None
-    if not all(given):
-        raise ConfigError("mTLS needs all three of --xds-tls-cert, --xds-tls-key and --xds-client-ca")
-    return TlsFiles(args.xds_tls_cert.absolute(), args.xds_tls_key.absolute(), args.xds_client_ca.absolute())
+    paths = [path for path in given if path is not None]
+    if len(paths) < 3:
+        raise ConfigError(f"mTLS needs all three of --{cert}, --{key} and --{ca}")
+    return TlsFiles(paths[0].absolute(), paths[1].absolute(), paths[2].absolute())
 
 
 DRAINS_FILE = ".confgen-drains.json"  # a dot file: `confgen render --diff` and the manifest ignore it
@@ -286,6 +302,22 @@ def drains_file_for(config: SidecarConfig, topo: Topology) -> Path | None:
 def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
     """Where the gRPC services listen: --grpc-listen, else loopback at the topology's grpc_port."""
     return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
+
+
+def grpc_listen_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
+    """Why Envoy cannot reach the gRPC services where the rendered cluster sends it; None when it can.
+
+    confgen_sidecar_grpc goes to sidecar.address (with ADS: the servers' hosts) at sidecar.grpc_port;
+    a loopback bind serves only an Envoy on this machine at a loopback address."""
+    host, port = grpc_listen_for(config, topo)
+    remote = [h for h in grpc_service_hosts(topo) if not is_loopback(h)]
+    if remote and is_loopback(host):
+        return (f"the gRPC services listen on {host}:{port} (loopback) but Envoy calls {remote[0]}:"
+                f"{topo.sidecar.grpc_port}: give --grpc-listen <that address or 0.0.0.0>:{topo.sidecar.grpc_port} "
+                "with --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca")
+    if port not in (0, topo.sidecar.grpc_port):
+        return f"--grpc-listen port {port} is not the topology's sidecar.grpc_port {topo.sidecar.grpc_port}"
+    return None
 
 
 def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:

@@ -5,9 +5,10 @@ Plain data for `SidecarConfig`; what builds the credentials from them is
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+
+from confgen.model import is_loopback_host
 
 __all__ = ["TlsFiles", "is_loopback"]
 
@@ -25,10 +26,7 @@ class TlsFiles:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine ("", 0.0.0.0 and names do not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    """Whether binding `host` keeps the server on this machine ("", 0.0.0.0 and names do not).
+
+    confgen's definition (validate judges where Envoy calls with it): one rule for both sides."""
+    return is_loopback_host(host)

@@ -116,3 +116,83 @@ def test_ads_manifests_need_mtls() -> None:
     topo, _ = parse_topology(same.encode())
     with pytest.raises(DeployError, match="distinct file names"):
         render_kubernetes(topo)
+
+
+PICKER = TOPOLOGY.replace('    workers: ["10.0.0.1:8000", "10.0.0.2:8000"]\n',
+                          '    balancing: {policy: prefix_affinity}\n'
+                          '    workers: ["10.0.0.1:8000", "10.0.0.2:8000"]\n'
+                          'sidecar:\n  grpc_port: 9300\n'
+                          '  grpc_tls: {cert: /etc/envoy/xds-tls/tls.crt, key: /etc/envoy/xds-tls/tls.key, '
+                          'ca: /etc/envoy/xds-ca/ca.crt}\n')
+
+
+def test_the_control_plane_serves_the_picker_over_mtls() -> None:
+    """A prefix_affinity pool: the control plane runs the endpoint picker beyond loopback with the xds Secret's
+    certificate as its gRPC certificate (its flags parse into mTLS), exposes it on the headless Service, and the
+    NetworkPolicy admits that port from the Envoy pods only; the Envoys' bootstrap needs nothing new (the picker's
+    cluster, with its TLS context to the control plane's names, comes over ADS)."""
+    from confgen import envoy as envoy_render
+
+    topo, _ = parse_topology(PICKER.encode())
+    docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    cp = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["template"]["spec"]
+    (container,) = cp["containers"]
+    config = from_argv(container["args"])
+    assert config.grpc_listen == ("0.0.0.0", 9300)
+    assert config.grpc_tls == config.xds_tls == TlsFiles(
+        Path("/etc/confgen/xds-tls/tls.crt"), Path("/etc/confgen/xds-tls/tls.key"), Path("/etc/confgen/xds-tls/ca.crt"))
+    assert {"name": "grpc", "containerPort": 9300} in container["ports"]
+    svc = by[("Service", "confgen-fleet-xds")]["spec"]
+    assert {"name": "grpc", "port": 9300, "targetPort": "grpc", "appProtocol": "grpc"} in svc["ports"]
+    grpc_rule, metrics_rule = by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"]
+    assert grpc_rule["ports"] == [{"protocol": "TCP", "port": 18000}, {"protocol": "TCP", "port": 9300}]
+    assert grpc_rule["from"] == [{"podSelector": {"matchLabels": by[("Deployment", "confgen-fleet")]["spec"][
+        "selector"]["matchLabels"]}}]
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": 9109}]
+    # What the control plane serves the Envoys: the picker at its per-pod names, over mTLS with the Envoys'
+    # certificate (mounted by the Deployment for ADS already).
+    clusters = {c["name"]: c for c in envoy_render.ads_static_bootstrap(topo)["static_resources"]["clusters"]}
+    cluster = clusters["confgen_sidecar_grpc"]
+    hosts = [g["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"]
+             for g in cluster["load_assignment"]["endpoints"]]
+    assert hosts == ["confgen-fleet-xds-0.confgen-fleet-xds.inference.svc",
+                     "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc"]
+    ctx = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    assert ctx["tls_certificates"][0]["certificate_chain"]["filename"] == "/etc/envoy/xds-tls/tls.crt"
+    assert [m["matcher"]["exact"] for m in ctx["validation_context"]["match_typed_subject_alt_names"]] == hosts
+
+
+def test_without_the_picker_the_control_plane_has_no_grpc_port() -> None:
+    topo, _ = parse_topology(TOPOLOGY.encode())
+    docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    (container,) = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["template"]["spec"]["containers"]
+    assert "--grpc-listen" not in container["args"] and "--grpc-tls-cert" not in container["args"]
+    assert [p["port"] for p in by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"][0]["ports"]] == [18000]
+
+
+def test_the_picker_in_kubernetes_needs_the_envoys_certificate(tmp_path: Path) -> None:
+    """Without sidecar.grpc_tls validate refuses it where the Envoys are sent beyond loopback; with other files
+    than envoy.xds.tls's the render says the Envoys have one certificate Secret."""
+    from confgen.errors import TopologyError
+    from confgen.topology import load
+
+    bare = PICKER.split("  grpc_tls:")[0]
+    path = tmp_path / "topology.yaml"
+    path.write_text(bare)
+    with pytest.raises(TopologyError) as err:
+        load(path)
+    assert any(d.path == "envoy.xds.servers[0]" and "sidecar.grpc_tls" in d.message and d.line == 9
+               for d in err.value.diagnostics), err.value.diagnostics
+    head, _, tail = PICKER.rpartition("/etc/envoy/xds-ca/ca.crt")  # the last one: grpc_tls's
+    other = head + "/etc/envoy/grpc-ca/ca.crt" + tail
+    topo, _ = parse_topology(other.encode())
+    with pytest.raises(DeployError, match=r"sidecar\.grpc_tls"):
+        render_kubernetes(topo)
+    clash = PICKER.replace("grpc_port: 9300", "grpc_port: 18000")
+    topo, _ = parse_topology(clash.encode())
+    with pytest.raises(DeployError, match=r"sidecar\.grpc_port"):
+        render_kubernetes(topo)

@@ -127,3 +127,96 @@ def test_mutual_tls_from_the_shared_transport(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert seen == [frozenset({"envoy-0"})]
+
+
+def _topology_file(tmp_path: Path) -> Path:
+    topo_file = tmp_path / "t.yaml"
+    topo_file.write_text(
+        "version: 1\nname: t\nlisteners: [{name: l, port: 8080}]\n"
+        "pools: [{name: p, engine: vllm, models: [m], workers: ['127.0.0.1:8000']}]\n")
+    return topo_file
+
+
+def test_grpc_tls_flags(tmp_path: Path) -> None:
+    """--grpc-tls-cert/-key/--grpc-client-ca: all three or none; beyond loopback --grpc-listen needs them."""
+    topo = str(_topology_file(tmp_path))
+    assert from_argv(["--topology", topo]).grpc_tls is None
+    config = from_argv(["--topology", topo, "--grpc-listen", "0.0.0.0:9110", "--grpc-tls-cert", "c.crt",
+                        "--grpc-tls-key", "c.key", "--grpc-client-ca", "ca.crt"])
+    assert config.grpc_tls == TlsFiles(Path("c.crt").absolute(), Path("c.key").absolute(), Path("ca.crt").absolute())
+    assert config.xds_tls is None  # the two listeners' files are apart
+    with pytest.raises(ConfigError, match="--grpc-tls-cert, --grpc-tls-key and --grpc-client-ca"):
+        from_argv(["--topology", topo, "--grpc-tls-cert", "c.crt", "--grpc-tls-key", "c.key"])
+    for host in ("0.0.0.0", "10.0.0.7", "[::]"):
+        with pytest.raises(ConfigError, match="plaintext gRPC"):
+            from_argv(["--topology", topo, "--grpc-listen", f"{host}:9110"])
+    assert from_argv(["--topology", topo, "--grpc-listen", "[::1]:9110"]).grpc_listen == ("::1", 9110)
+
+
+def test_sidecar_refuses_plaintext_grpc_beyond_loopback(tmp_path: Path) -> None:
+    """The shipped command: --grpc-listen on a non-loopback address without mTLS exits 2 before binding."""
+    import subprocess
+    import sys
+
+    topo = _topology_file(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "sidecar.main", "--topology", str(topo),
+                           "--grpc-listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert "--grpc-tls-cert" in done.stderr and "plaintext gRPC" in done.stderr
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
+def test_renewed_grpc_certificate_served_without_restart(tmp_path: Path) -> None:
+    """--grpc-tls-cert renewed in place (cert-manager): the picker's server presents it from the next handshake."""
+    import ssl
+
+    ca = CertAuthority.create(tmp_path / "pki")
+    first, second = ca.issue("grpc-old", ["IP:127.0.0.1"]), ca.issue("grpc-new", ["IP:127.0.0.1"])
+    client = ca.issue("envoy-0", ["DNS:envoy-0"])
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", ca.cert)
+    live.cert.write_bytes(first.cert.read_bytes())
+    live.key.write_bytes(first.key.read_bytes())
+
+    async def served_cn(port: int) -> str:
+        context = ssl.create_default_context(cafile=str(ca.cert))
+        context.load_cert_chain(str(client.cert), str(client.key))
+        context.set_alpn_protocols(["h2"])
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        cert = writer.get_extra_info("peercert")
+        writer.close()
+        return str(dict(x[0] for x in cert["subject"])["commonName"])
+
+    async def main() -> None:
+        server = GrpcServer(GrpcSettings("127.0.0.1", 0, tls=live))
+        server.add(_register(_echo()), "echo")
+        port = await server.start()
+        try:
+            assert await served_cn(port) == "grpc-old"
+            live.key.write_bytes(second.key.read_bytes())
+            live.cert.write_bytes(second.cert.read_bytes())
+            assert await served_cn(port) == "grpc-new"
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_grpc_listen_mismatch_names_what_envoy_cannot_reach(tmp_path: Path) -> None:
+    """Logged at startup (startup.grpc_listen_mismatch): a loopback bind while the render sends Envoy elsewhere,
+    or another port than sidecar.grpc_port."""
+    from confgen.topology import load
+    from sidecar.config import grpc_listen_mismatch
+
+    base = _topology_file(tmp_path).read_text()
+    remote = tmp_path / "remote.yaml"
+    remote.write_text(base + "sidecar: {address: 10.0.0.5, grpc_tls: {cert: /t/e.crt, key: /t/e.key, ca: /t/ca.crt}}\n")
+    topo, _ = load(remote)
+    tls = ["--grpc-tls-cert", "s.crt", "--grpc-tls-key", "s.key", "--grpc-client-ca", "ca.crt"]
+    problem = grpc_listen_mismatch(from_argv(["--topology", str(remote), *tls]), topo)
+    assert problem is not None and "10.0.0.5:9110" in problem and "--grpc-listen" in problem
+    assert grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "0.0.0.0:9110", *tls]),
+                                topo) is None
+    local, _ = load(_topology_file(tmp_path))
+    assert grpc_listen_mismatch(from_argv(["--topology", str(remote)]), local) is None
+    wrong = grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "127.0.0.1:9999"]), local)
+    assert wrong is not None and "sidecar.grpc_port 9110" in wrong

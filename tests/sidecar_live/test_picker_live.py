@@ -162,7 +162,10 @@ def test_client_sent_destination_header_is_ignored(tmp_path: Path) -> None:
         # (but for requests Envoy routed itself because the picker's answer came too late).
         assert seen[home] >= 10 - (picker_fallbacks(rig) - fallbacks), seen
         headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_headers"].items()}
-        assert headers["x-gateway-destination-endpoint"].split(",")[0] == f"127.0.0.1:{rig.fleet.worker(home).port}"
+        named = headers.get("x-gateway-destination-endpoint")
+        assert named is None or forged not in named  # the client's value never reaches a worker
+        if picker_fallbacks(rig) == fallbacks:  # every answer in time: the last one named home
+            assert named is not None and named.split(",")[0] == f"127.0.0.1:{rig.fleet.worker(home).port}"
 
 
 def test_a_hot_prefix_spills_when_its_worker_queues(tmp_path: Path) -> None:

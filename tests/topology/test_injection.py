@@ -9,6 +9,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import pytest
@@ -19,13 +20,16 @@ from confgen._decode import _hints
 from confgen._fields import Duration, yaml_key
 from confgen.errors import TopologyError
 from confgen.topology import parse
+from tests.support.certs import CertAuthority, openssl_available
 
 # Sets every string-typed field of the model at least once (checked below).
 FULL: dict[str, Any] = {
     "version": 1,
     "name": "full",
     "admin": {"address": "127.0.0.1", "port": 9901},
-    "sidecar": {"address": "127.0.0.1", "port": 9109, "models": True},
+    "sidecar": {"address": "127.0.0.1", "port": 9109, "models": True,
+                "grpc_tls": {"cert": "/etc/envoy/grpc/tls.crt", "key": "/etc/envoy/grpc/tls.key",
+                             "ca": "/etc/envoy/grpc/ca.crt", "server_names": ["sidecar.example"]}},
     "envoy": {"config_dir": "/etc/confgen/envoy", "node_id": "edge-1",
               "xds": {"mode": "files", "servers": ["cp-0.example:18000", "[::1]:18001"], "protocol": "delta",
                       "tls": {"cert": "/etc/envoy/tls/tls.crt", "key": "/etc/envoy/tls/tls.key",
@@ -212,12 +216,21 @@ def _dump(doc: dict[str, Any]) -> str:
     return yaml.dump(doc, Dumper=yaml.CSafeDumper, sort_keys=False, width=1000)
 
 
-def test_full_topology_is_valid_and_covers_every_string_field() -> None:
+def test_full_topology_is_valid_and_covers_every_string_field(tmp_path: Path) -> None:
     """The base of the injection test is valid (real Envoy accepts it), and it sets every
-    str, Literal, list-of-str and dict-of-str field the model has, so no field is missed."""
+    str, Literal, list-of-str and dict-of-str field the model has, so no field is missed.
+    Envoy reads sidecar.grpc_tls's files when it validates: real ones from a throwaway CA."""
     topo, _ = parse(_dump(FULL).encode(), "full.yaml")
     covered = {owner for _, _, owner in LEAVES}
     assert _text_fields(model.Topology) - covered == set()
+    doc = copy.deepcopy(FULL)
+    if openssl_available():
+        ca = CertAuthority.create(tmp_path / "pki")
+        client = ca.issue("full-envoy")
+        doc["sidecar"]["grpc_tls"] = {"cert": str(client.cert), "key": str(client.key), "ca": str(ca.cert)}
+    else:  # the TLS context is checked by tests/envoy/test_envoy_grpc_tls.py (skipped there too)
+        del doc["sidecar"]["grpc_tls"]
+    topo, _ = parse(_dump(doc).encode(), "full.yaml")
     assert verify.verify(topo, "envoy") == []
 
 

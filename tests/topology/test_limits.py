@@ -99,10 +99,14 @@ def test_impossible_combinations_are_errors_at_the_field(snippet: str, where: tu
     assert hits[0] == where, shown
 
 
-def test_the_rate_limit_service_off_loopback_is_a_warning_and_its_port_must_differ() -> None:
-    text = BASE + STORE + "sidecar: {address: 10.0.0.9}\n"
-    _, warnings = parse(text.encode(), "t.yaml")
-    assert any(w.path == "sidecar.address" and "fail open" in w.message for w in warnings)
+def test_the_rate_limit_service_off_loopback_needs_mtls_and_its_port_must_differ() -> None:
+    """Off loopback the sidecar serves gRPC only over mTLS: without sidecar.grpc_tls, an error at the address."""
+    found = _errors(BASE + STORE + "sidecar: {address: 10.0.0.9}\n")
+    assert [f[2] for f in found] == ["sidecar.address"]
+    assert "rate limit service" in found[0][3] and "sidecar.grpc_tls" in found[0][3]
+    tls = "grpc_tls: {cert: /etc/tls/e.crt, key: /etc/tls/e.key, ca: /etc/tls/ca.crt}"
+    _, warnings = parse((BASE + STORE + f"sidecar: {{address: 10.0.0.9, {tls}}}\n").encode(), "t.yaml")
+    assert not [w for w in warnings if w.path.startswith("sidecar")]
     found = _errors(BASE + STORE + "sidecar: {port: 9300, grpc_port: 9300}\n")
     assert [f[2] for f in found] == ["sidecar.grpc_port"]
 
