@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import ConfgenError, TopologyError
+from confgen.model import Topology
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import (
@@ -70,6 +71,41 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(max(seconds, 0.0)):
             await stop.wait()
+
+
+def _warn_unused_service_flags(config: SidecarConfig, topo: Topology) -> None:
+    """Flags for gRPC services the topology does not need, and a bind Envoy will not reach."""
+    needed = wanted(topo)
+    if config.picker and "picker" not in needed:
+        log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
+                  "policy prefix_affinity: the endpoint picker does not run")
+    if config.grpc_tls is not None and not needed:
+        log_event(_log, logging.WARNING, "startup.grpc_tls_unused", note="--grpc-tls-cert is set but the "
+                  "topology needs no gRPC service (no prefix_affinity pool, no global limit)")
+    if needed and (problem := grpc_listen_mismatch(config, topo)) is not None:
+        log_event(_log, logging.ERROR, "startup.grpc_listen_mismatch", problem=problem,
+                  note="Envoy's calls fail: requests go unpicked (least_request), global limits fail open")
+
+
+async def _start_services(config: SidecarConfig, topo: Topology,
+                          wiring: ServiceWiring) -> tuple[list[Service], GrpcServer]:
+    """The gRPC services the topology needs (SERVICES), on the sidecar's one gRPC server, started.
+    A reload that adds the first prefix_affinity pool or global limit needs a restart to start
+    them. ConfigError or OSError when a service or the server cannot start (nothing left running)."""
+    services = [build_service(name, wiring) for name in wanted(topo)]
+    server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo), tls=config.grpc_tls))
+    started: list[Service] = []
+    try:
+        for service in services:
+            server.add(service.add_to, service.name)
+            await service.start()
+            started.append(service)
+        await server.start()
+    except (ConfigError, OSError):
+        for service in started:
+            await service.close()
+        raise
+    return services, server
 
 
 async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
@@ -129,28 +165,13 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                         publisher=publisher, clock=loop.time, limiter=built.limiter)
         await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
         await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
-        # gRPC services the topology needs (the endpoint picker), on one server. A reload that
-        # adds a prefix_affinity pool needs a restart to start the picker.
-        service_wiring = ServiceWiring(config, lambda: daemon.topology, registry, loop.time)
         services: list[Service] = []
         grpc_server: GrpcServer | None = None
-        if config.picker and "picker" not in wanted(topo):
-            log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
-                      "policy prefix_affinity: the endpoint picker does not run")
-        if config.grpc_tls is not None and not wanted(topo):
-            log_event(_log, logging.WARNING, "startup.grpc_tls_unused", note="--grpc-tls-cert is set but the "
-                      "topology needs no gRPC service (no prefix_affinity pool, no global limit)")
-        if wanted(topo) and (grpc_problem := grpc_listen_mismatch(config, topo)) is not None:
-            log_event(_log, logging.ERROR, "startup.grpc_listen_mismatch", problem=grpc_problem,
-                      note="Envoy's calls fail: requests go unpicked (least_request), global limits fail open")
+        _warn_unused_service_flags(config, topo)
         if wanted(topo):
             try:
-                services = [build_service(name, service_wiring) for name in wanted(topo)]
-                grpc_server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo), tls=config.grpc_tls))
-                for service in services:
-                    grpc_server.add(service.add_to, service.name)
-                    await service.start()
-                await grpc_server.start()
+                services, grpc_server = await _start_services(
+                    config, topo, ServiceWiring(config, lambda: daemon.topology, registry, loop.time))
             except (ConfigError, OSError) as exc:
                 await publisher.close()
                 log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
