@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench import loadgen
+from bench._procstat import cpu_s
 from bench._stats import pct, summarize
 from tests.sidecar_live.glimits import KEYS, global_rig
 
@@ -43,11 +43,6 @@ def _job(rate: float, count: int) -> dict[str, Any]:
                                                for i in range(count)]}
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def latency(rate: float, count: int, rounds: int, workdir: Path) -> dict[str, Any]:
     out: dict[str, list[dict[str, Any]]] = {"free": [], "big": []}
     cpu: list[float] = []
@@ -59,10 +54,10 @@ def latency(rate: float, count: int, rounds: int, workdir: Path) -> dict[str, An
         before = rig.pairs[0].envoy.stats()
         for r in range(rounds):
             proc, path = loadgen.start(_job(rate, count), workdir, f"round-{r}")
-            started = _cpu_s(sidecar.proc.pid)
+            started = cpu_s(sidecar.proc.pid)
             loadgen.go(proc, [url])
             records = loadgen.collect(proc, path, count / rate + 60)
-            cpu.append(_cpu_s(sidecar.proc.pid) - started)
+            cpu.append(cpu_s(sidecar.proc.pid) - started)
             for parity, client in ((0, "free"), (1, "big")):
                 summary = summarize([rec for rec in records if rec["i"] % 2 == parity], warmup_s=1.0)
                 out[client].append(summary)

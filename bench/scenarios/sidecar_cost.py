@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench._procstat import cpu_s, rss_mb
 from bench.engines_bench import bench_extract
 from confgen import envoy, runtime
 from confgen.output import write_tree
@@ -59,17 +59,6 @@ def _pad(body: bytes, size: int) -> bytes:
     return body + b"".join(lines)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_mb(pid: int) -> tuple[float, float]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    values = {ln.split(":")[0]: ln.split()[1] for ln in status.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
-    return int(values["VmRSS"]) / 1024, int(values["VmHWM"]) / 1024
-
-
 def _topology(ports: list[int], listen: int, admin: int) -> str:
     per = len(ports) // POOLS
     pools = []
@@ -102,10 +91,10 @@ def _measure(ctx: Context, ports: list[int], concurrency: str, warmup: float, wi
             _proxies.run_sidecar(rendered, proxy, ctx.work / f"cost{tag}.sidecar.log", 1.0,
                                  ("--max-concurrency", concurrency)) as sidecar:
         time.sleep(warmup)
-        cpu0, t0 = _cpu_s(sidecar.pid), time.monotonic()
+        cpu0, t0 = cpu_s(sidecar.pid), time.monotonic()
         time.sleep(window)
-        cpu1, t1 = _cpu_s(sidecar.pid), time.monotonic()
-        rss, hwm = _rss_mb(sidecar.pid)
+        cpu1, t1 = cpu_s(sidecar.pid), time.monotonic()
+        rss, hwm = rss_mb(sidecar.pid)
         with urllib.request.urlopen(proxy.admin_url + "/stats?filter=update_success", timeout=5) as r:
             updates = sum(int(ln.split(": ")[1]) for ln in r.read().decode().splitlines()
                           if ln.startswith("cluster.pool") and ln.split(": ")[1].isdigit())

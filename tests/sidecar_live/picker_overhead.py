@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -20,16 +19,12 @@ from pathlib import Path
 
 import aiohttp
 
+from bench._procstat import cpu_s
 from confgen import envoy, parse_topology
 from confgen.output import write_tree
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, fleet_topology, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, worker_specs
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _load(url: str, rate: float, count: int) -> tuple[list[float], int]:
@@ -93,9 +88,9 @@ def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 asyncio.run(_load(url, rate, int(rate)))  # warm-up second
                 assert sidecar.proc is not None
-                cpu0, t0 = _cpu_s(sidecar.proc.pid), time.perf_counter()
+                cpu0, t0 = cpu_s(sidecar.proc.pid), time.perf_counter()
                 latencies, failures = asyncio.run(_load(url, rate, int(rate * seconds)))
-                cpu = _cpu_s(sidecar.proc.pid) - cpu0
+                cpu = cpu_s(sidecar.proc.pid) - cpu0
                 wall = time.perf_counter() - t0
             finally:
                 sidecar.stop()
