@@ -112,6 +112,10 @@ class Limiter(Protocol):
 
     def shedding(self, pool: str) -> bool: ...
 
+    def inflight_signal(self, pool: str) -> float | None:
+        """The watch's last signal for the pool (None: not watched, or no fresh metrics)."""
+        ...
+
     def forget(self, pool: str) -> None: ...
 
 

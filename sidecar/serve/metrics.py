@@ -47,6 +47,7 @@ METRIC_NAMES = (
     _PREFIX + "pool_saturated",
     _PREFIX + "pool_shedding",
     _PREFIX + "pool_queue_per_slot",
+    _PREFIX + "pool_inflight_past_batch",
     _PREFIX + "shed_requests_total",
     _PREFIX + "endpoint_health",
     _PREFIX + "endpoint_running_requests",
@@ -119,6 +120,9 @@ class SidecarCollector(Collector):
         signal = GaugeMetricFamily(_PREFIX + "pool_queue_per_slot", "The detector's signal: the pool's waiting "
                                    "requests per declared slot over the workers with fresh metrics (saturated at "
                                    ">= 1.0 for 2 s or >= 2.5 at once by default).", labels=["pool"])
+        past = GaugeMetricFamily(_PREFIX + "pool_inflight_past_batch", "The in-flight watch's signal (Envoy target): "
+                                 "this Envoy's requests in flight x ingresses / the batch the engines can run - 1 "
+                                 "(saturated at >= 1.0 for 2.5 s or >= 2.5 at once by default).", labels=["pool"])
         shed = CounterMetricFamily(_PREFIX + "shed_requests", "Requests this Envoy answered 429 for the pool, as "
                                    "seen in its overflow counter: reason saturated (the controller's limit) or cap "
                                    "(the render's safety cap).", labels=["pool", "reason"])
@@ -147,6 +151,8 @@ class SidecarCollector(Collector):
             shedding.add_metric([pool.name], 1.0 if pool.shedding else 0.0)
             if pool.queue_per_slot is not None:
                 signal.add_metric([pool.name], pool.queue_per_slot)
+            if pool.inflight_past_batch is not None:
+                past.add_metric([pool.name], pool.inflight_past_batch)
             for reason in ("saturated", "cap"):
                 shed.add_metric([pool.name, reason], pool.shed.get(reason, 0))
             saturation.add_metric([pool.name], pool.saturation)
@@ -186,7 +192,7 @@ class SidecarCollector(Collector):
         problems.add_metric([], float(len(snap.problems)))
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
                     rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
-                    ttft, tpot, output_tokens, shedding, signal, shed)
+                    ttft, tpot, output_tokens, shedding, signal, past, shed)
 
 
 def _le(bound: float) -> str:

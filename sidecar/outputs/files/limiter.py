@@ -78,6 +78,10 @@ class InflightLimiter:
         """True while the pool's limit follows the controller rather than the safety cap."""
         return self._admissions.shedding(pool)
 
+    def inflight_signal(self, pool: str) -> float | None:
+        watch = self._watches.get(pool)
+        return watch.signal if watch is not None else None
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         """Compute every pool's limit and set those Envoy does not hold yet."""
         if not loads:

@@ -69,6 +69,9 @@ class RtdsLimiter:
     async def watch(self, now: float) -> None:
         return None
 
+    def inflight_signal(self, pool: str) -> float | None:
+        return None
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
