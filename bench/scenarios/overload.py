@@ -155,7 +155,7 @@ def _span(values: list[float | None], scale: float = 1.0, digits: int = 0) -> st
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     seeds = [ctx.seed + k for k in range(int(ctx.option("overload_seeds", 1 if ctx.quick else 2)))]
-    surges = [s for s in SURGES if not ctx.quick or s.key == "s150"]
+    surges = [s for s in SURGES if (not ctx.quick or s.key == "s150") and ctx.option("overload_surges", 1)]
     cap = FLEET.capacity_rps()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     own: list[dict[str, Any]] = []
@@ -246,12 +246,13 @@ def run(ctx: Context) -> Result:
                                       abs(share2 - surge.excess) <= 0.05, 0.05))
         raw["surges"][surge.key] = {"label": surge.label, "excess": surge.excess, "results": rows}
     res.raw = raw
-    last = runs[surges[0].key]
-    res.chart = {"bars": [(rs[0]["label"], _mean([r["p50_ms"] for r in rs]), _mean([r["p99_ms"] for r in rs]))
-                          for rs in last.values()]}
-    res.summary = ("Admitted P99 is over the requests that were served (200); shed requests got a 429 and are "
-                   "counted apart. The peers shed nothing: their P99 grows with the length of the surge. "
-                   f"The chart shows {surges[0].label}.")
+    if surges:
+        last = runs[surges[0].key]
+        res.chart = {"bars": [(rs[0]["label"], _mean([r["p50_ms"] for r in rs]), _mean([r["p99_ms"] for r in rs]))
+                              for rs in last.values()]}
+        res.summary = ("Admitted P99 is over the requests that were served (200); shed requests got a 429 and are "
+                       "counted apart. The peers shed nothing: their P99 grows with the length of the surge. "
+                       f"The chart shows {surges[0].label}.")
     res.notes.append("vLLM Router round_robin is not run: an even split loads the 0.5x worker to "
                      f"{FLEET.round_robin_overload():.0%} of its capacity, far worse than the overload itself.")
     res.notes.append("The excess is 1 - 1/level: the share of offered requests the fleet cannot serve in the long "
