@@ -41,7 +41,7 @@ from ._clusters import (
     target_cluster,
 )
 from ._proto import Json, dur, extension, typed
-from ._replies import META_NS, local_reply_config
+from ._replies import META_NS, SHED_STATUS, local_reply_config
 
 # Request headers Envoy would obey from a client (retries, timeouts, routing hints).
 ENVOY_CONTROL_HEADERS = (
@@ -267,20 +267,60 @@ def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: 
     return route
 
 
-def _critical_first(topo: Topology, routes: list[Json], plan: Plan, planned: PlannedRoute) -> list[Json]:
-    """Before each route that is not critical itself, the same route for the critical API-key
-    clients (matched on the client header api_key_auth sets; a client-sent copy is removed
-    first in the chain), at HIGH priority."""
-    clients = topo.critical_clients()
-    if not clients or planned.traffic_class == "critical" or topo.auth is None:
+def _client_header(topo: Topology, clients: tuple[str, ...]) -> Json:
+    """Matches the client id api_key_auth forwards (a client-sent copy is removed first in the chain)."""
+    assert topo.auth is not None
+    return {"name": topo.auth.client_header,
+            "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(c) for c in clients) + ")$"}}}
+
+
+def shed_runtime_key(pool: str) -> str:
+    """The runtime key holding the percentage (0-100) of `pool`'s sheddable requests Envoy answers
+    429 `overloaded` at once: the render defaults it to 0, the sidecar raises it under overload
+    (admin runtime in file mode, the RTDS layer in ADS mode). Pool names are validated names."""
+    return f"confgen.shed.{pool}.sheddable"
+
+
+def _shed_route(route: Json, pool: str, extra_headers: list[Json]) -> Json:
+    """`route`'s match (plus `extra_headers`) for the share of requests in the pool's shed
+    runtime key, answered at once with SHED_STATUS (the local reply mapper turns it into 429
+    `overloaded` + retry-after, like the breaker's overflow). The runtime value is a percentage:
+    Envoy 1.40 reads an integer runtime value of a fractional percent as numerator over HUNDRED
+    for route matching (measured: 50 -> ~50 %, 5000 -> every request). Only the route's client
+    rule is kept (a client not allowed on it still gets 403, not 429); no rate limit descriptor:
+    a refused request uses no budget."""
+    match = {**route["match"], "runtime_fraction": {
+        "default_value": {"numerator": 0, "denominator": "HUNDRED"}, "runtime_key": shed_runtime_key(pool)}}
+    if extra_headers:
+        match["headers"] = [*route["match"].get("headers", []), *extra_headers]
+    shed: Json = {"name": f"{route['name']}/shed", "match": match, "direct_response": {"status": SHED_STATUS}}
+    rbac = route.get("typed_per_filter_config", {}).get("envoy.filters.http.rbac")
+    if rbac is not None:
+        shed["typed_per_filter_config"] = {"envoy.filters.http.rbac": rbac}
+    return shed
+
+
+def _by_class(topo: Topology, routes: list[Json], planned: PlannedRoute) -> list[Json]:
+    """Each route of a plan entry with what its classes need before it, in this order:
+    - for the critical API-key clients, unless the route is critical itself: a copy matched on
+      their client id at HIGH priority (critical wins over everything);
+    - if the route is sheddable, or sheddable clients may use it: the shed route (`_shed_route`;
+      matched on the sheddable clients' id when only they are sheddable here);
+    - the route itself (DEFAULT priority unless critical)."""
+    if planned.traffic_class == "critical":
         return routes
-    header = {"name": topo.auth.client_header,
-              "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(c) for c in clients) + ")$"}}}
+    critical = topo.critical_clients() if topo.auth is not None else ()
+    sheddable = planned.sheddable_clients(topo) if topo.auth is not None else ()
     out: list[Json] = []
     for route in routes:
-        match = {**route["match"], "headers": [*route["match"].get("headers", []), header]}
-        out.append({**route, "name": f"{route['name']}/critical", "match": match,
-                    "route": {**route["route"], "priority": "HIGH"}})
+        if critical:
+            match = {**route["match"], "headers": [*route["match"].get("headers", []), _client_header(topo, critical)]}
+            out.append({**route, "name": f"{route['name']}/critical", "match": match,
+                        "route": {**route["route"], "priority": "HIGH"}})
+        if planned.traffic_class == "sheddable":
+            out.append(_shed_route(route, planned.pool.name, []))
+        elif sheddable:
+            out.append(_shed_route(route, planned.pool.name, [_client_header(topo, sheddable)]))
         out.append(route)
     return out
 
@@ -343,7 +383,7 @@ def routes(topo: Topology, plan: Plan) -> list[Json]:
                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             })
     for planned in plan.routes:
-        out.extend(_critical_first(topo, _routes_for(topo, plan, planned), plan, planned))
+        out.extend(_by_class(topo, _routes_for(topo, plan, planned), planned))
     return out
 
 
