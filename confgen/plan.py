@@ -24,7 +24,7 @@ from .balancing import is_hashing
 from .model import HeaderMatch, Pool, Topology
 
 __all__ = ["Plan", "PlannedPool", "PlannedRoute", "fallback_chain", "implicit_model_routes", "plan",
-           "primary_pool_for"]
+           "primary_pool_for", "sheddable_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,3 +157,8 @@ def plan(topo: Topology) -> Plan:
     restricted = any(r.allow_clients is not None for r in topo.routes) or any(
         p.allow_clients is not None for p in topo.pools)
     return Plan(routes=tuple(routes), pools=pools, restricted=restricted)
+
+
+def sheddable_pools(topo: Topology) -> tuple[str, ...]:
+    """Pools the Envoy render gives a shed share of sheddable traffic (`Plan.sheddable_pools`)."""
+    return plan(topo).sheddable_pools(topo)

@@ -457,6 +457,7 @@ class Daemon:
                 queue_per_slot=self._watches[pool.name].signal if pool.name in self._watches else None,
                 shed=dict(self._limiter.shed.get(pool.name, {})) if self._limiter is not None else {},
                 shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
+                sheddable_share=self._limiter.sheddable_share.get(pool.name) if self._limiter is not None else None,
                 probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(

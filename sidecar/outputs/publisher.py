@@ -98,6 +98,7 @@ class Limiter(Protocol):
 
     in_force: dict[str, int]  # pool -> limit the proxy runs with
     shed: dict[str, dict[str, int]]  # pool -> reason ("saturated" | "cap") -> requests the proxy refused (seen)
+    sheddable_share: dict[str, int]  # pool -> percent of its sheddable requests the proxy refuses at once
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None: ...
 

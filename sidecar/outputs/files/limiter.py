@@ -15,16 +15,24 @@ The limit is set through Envoy's admin runtime layer,
 against Envoy 1.40: POST /runtime_modify takes effect on the next request), posted only
 when it differs from what Envoy's /runtime shows (read every cycle, so an Envoy restart
 that lost the admin layer is repaired), and read back; `in_force` is what Envoy confirmed.
+
+Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), the same
+call sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable
+requests Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses
+requests, lowered while it has room, 0 once the pool stops shedding); `sheddable_share` is
+what Envoy confirmed. Envoy does not count those refusals per pool (a direct_response route
+has no route stats in 1.40), so `shed` holds the breaker's refusals only.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
-from confgen.envoy import breaker_runtime_keys
+from confgen.envoy import breaker_runtime_keys, shed_runtime_key
 from sidecar.decide.admission import Admissions
+from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import Admission, PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
 from sidecar.outputs.envoy_admin import EnvoyAdmin
@@ -37,12 +45,17 @@ _log = logging.getLogger("sidecar.outputs.files.limiter")
 class InflightLimiter:
     """Applies the shedding controller (`sidecar.decide.saturation.admit`) to Envoy's runtime layer."""
 
-    def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None) -> None:
+    def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None,
+                 sheddable: Callable[[], Collection[str]] = tuple,
+                 share_policy: ShedSharePolicy | None = None) -> None:
         if ingresses < 1:
             raise ValueError(f"ingresses must be >= 1, got {ingresses}")
         self._admin = admin
         self._ingresses = ingresses
         self._admissions = Admissions(policy, _log)
+        self._sheddable = sheddable  # the pools the current render gives sheddable traffic
+        self._shares = ShedShares(share_policy)
+        self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
         self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
@@ -52,6 +65,8 @@ class InflightLimiter:
         self._admissions.forget(pool)
         self._overflows.pop(pool, None)
         self.shed.pop(pool, None)
+        self._shares.forget(pool)
+        self.sheddable_share.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         """True while the pool's limit follows the controller rather than the safety cap."""
@@ -67,6 +82,8 @@ class InflightLimiter:
                       note="Envoy's runtime could not be read; limits unchanged")
             return
         wanted: dict[str, int] = {}
+        shares: dict[str, int] = {}
+        sheddable = set(self._sheddable())
         counters = await self._counters(list(loads))
         for pool, load in loads.items():
             active, refused = self._read(pool, counters, self._admissions.previous(pool), load.cap)
@@ -74,8 +91,12 @@ class InflightLimiter:
                 pool, load, active, refused, self._ingresses, now, active=active,
                 full_share=round(load.saturation.full_share, 3), waiting=round(load.saturation.waiting, 1),
                 capacity=load.saturation.capacity, reason=load.saturation.reason)
+            if pool in sheddable:
+                shares[pool] = self._share(pool, active, refused, wanted[pool], now)
         changes = {key: str(limit) for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)
                    if runtime.get(key) != str(limit)}
+        changes.update({shed_runtime_key(pool): str(percent) for pool, percent in shares.items()
+                        if runtime.get(shed_runtime_key(pool), "0") != str(percent)})
         if changes and not await self._admin.set_runtime(changes):
             log_event(_log, logging.ERROR, "limit.refused", admin=self._admin.base_url, keys=sorted(changes))
         after = await self._admin.runtime() if changes else runtime
@@ -90,6 +111,24 @@ class InflightLimiter:
             else:
                 log_event(_log, logging.WARNING, "limit.unconfirmed", pool=pool, limit=limit, envoy=list(held))
                 self.in_force.pop(pool, None)
+        for pool, percent in shares.items():
+            held_share = after.get(shed_runtime_key(pool), "0") if after is not None else None
+            if held_share == str(percent):
+                self.sheddable_share[pool] = percent
+            else:
+                log_event(_log, logging.WARNING, "shed_share.unconfirmed", pool=pool, percent=percent,
+                          envoy=held_share)
+                self.sheddable_share.pop(pool, None)
+
+    def _share(self, pool: str, active: int | None, refused: bool, limit: int, now: float) -> int:
+        """The pool's sheddable share for this cycle (logs when it moves)."""
+        before = self._shares.percent(pool)
+        percent = self._shares.step(pool, shedding=self._admissions.shedding(pool), refused=refused,
+                                    in_flight=active, limit=limit, now=now)
+        if percent != before:
+            log_event(_log, logging.INFO, "shed_share.set", pool=pool, percent=percent, before=before,
+                      limit=limit, active=active, refused=refused)
+        return percent
 
     async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
         """Envoy's in-flight and overflow counters of every pool, in one admin call."""

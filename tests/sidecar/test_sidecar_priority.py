@@ -1,0 +1,74 @@
+"""Sheddable first (sidecar.decide.priority), with a fake clock: the share of sheddable requests
+refused at once rises while the pool's limit refuses requests, falls while it has room, is 0
+when the pool is not shedding, and is never raised without this Envoy's in-flight count."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.decide.priority import ShedShare, ShedSharePolicy, ShedShares, next_share
+
+POLICY = ShedSharePolicy()  # first 25, x2, -10, room 0.9, min interval 1 s
+
+
+def run(steps: list[tuple[bool, bool, int | None]], limit: int = 100, dt: float = 2.0,
+        shares: ShedShares | None = None) -> list[int]:
+    """The share after each cycle of (shedding, refused, in_flight), `dt` seconds apart."""
+    shares = shares or ShedShares(POLICY)
+    return [shares.step("chat", shedding=s, refused=r, in_flight=f, limit=limit, now=i * dt)
+            for i, (s, r, f) in enumerate(steps)]
+
+
+def test_while_the_limit_refuses_the_share_rises_fast_to_all_sheddable_traffic() -> None:
+    assert run([(True, True, 100)] * 5) == [25, 50, 100, 100, 100]
+
+
+def test_not_shedding_is_zero_at_once_whatever_came_before() -> None:
+    assert run([(True, True, 100), (True, True, 100), (False, True, 100), (False, False, 10)]) == [25, 50, 0, 0]
+
+
+def test_with_room_and_nothing_refused_the_share_falls_slowly() -> None:
+    steps = [(True, True, 100)] * 3 + [(True, False, 50)] * 4
+    assert run(steps) == [25, 50, 100, 90, 80, 70, 60]
+
+
+def test_a_binding_limit_that_refuses_nothing_holds_the_share() -> None:
+    """In flight at the limit (no room) but nothing refused: the share is about the excess."""
+    assert run([(True, True, 100), (True, True, 100), (True, False, 95), (True, False, 100)]) == [25, 50, 50, 50]
+
+
+def test_stale_or_missing_in_flight_never_raises_it() -> None:
+    assert run([(True, True, None)] * 3) == [0, 0, 0]
+    assert run([(True, True, 100), (True, True, None), (True, True, None)]) == [25, 25, 25]
+
+
+def test_the_share_moves_at_most_once_per_min_interval() -> None:
+    """Extra cycles (a reload, a fast publish) inside min_interval_s do not compound the raise."""
+    assert run([(True, True, 100)] * 4, dt=0.4) == [25, 25, 25, 50]
+
+
+def test_a_raise_after_lowering_starts_from_where_it_is() -> None:
+    steps = [(True, True, 100)] * 3 + [(True, False, 10)] * 5 + [(True, True, 100)]
+    assert run(steps)[-2:] == [50, 100]
+
+
+def test_shares_are_per_pool_and_forgotten() -> None:
+    shares = ShedShares(POLICY)
+    shares.step("chat", shedding=True, refused=True, in_flight=9, limit=10, now=0.0)
+    shares.step("code", shedding=True, refused=False, in_flight=1, limit=10, now=0.0)
+    assert (shares.percent("chat"), shares.percent("code")) == (25, 0)
+    shares.forget("chat")
+    assert shares.percent("chat") == 0
+
+
+def test_next_share_is_pure() -> None:
+    before = ShedShare(50, 0.0)
+    after = next_share(before, shedding=True, refused=True, in_flight=10, limit=10, now=5.0, policy=POLICY)
+    assert (before.percent, after.percent, after.changed_at) == (50, 100, 5.0)
+
+
+@pytest.mark.parametrize("bad", [dict(first=0), dict(factor=0.5), dict(step_down=0), dict(room=0.0),
+                                 dict(min_interval_s=-1.0), dict(first=101)])
+def test_policy_refuses_nonsense(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ShedSharePolicy(**bad)  # type: ignore[arg-type]
