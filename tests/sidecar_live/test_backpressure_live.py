@@ -112,7 +112,7 @@ def test_overload_is_shed_with_429_and_retry_after_and_admitted_requests_complet
             assert json.loads(body)["error"]["code"] == "overloaded"
         assert any(e.get("event") == "shed.start" for e in rig.sidecar.events())
         seen = re.search(r'^confgen_sidecar_shed_requests_total'
-                         r'\{pool="chat",reason="saturated",class="standard"\} (\S+)$', rig.sidecar.metrics(), re.M)
+                         r'\{class="standard",pool="chat",reason="saturated"\} (\S+)$', rig.sidecar.metrics(), re.M)
         shed_lines = [ln for ln in rig.sidecar.metrics().splitlines() if "shed_requests_total{" in ln]
         assert seen is not None and float(seen.group(1)) > 0, shed_lines  # the sidecar saw its 429s
         assert _gauge(rig, "pool_queue_per_slot") is not None
