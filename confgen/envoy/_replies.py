@@ -13,10 +13,11 @@ from ..plan import plan
 from ._proto import Json
 
 META_NS = "confgen"  # dynamic-metadata namespace the request's `model` is written to
-# The status of the routes that refuse a share of sheddable requests (`_listener._shed_route`):
-# a code Envoy never answers on its own, so the mapper below can tell these answers from a rate
-# limit's 429 (whose RL flag is set only after the reply is mapped) and make them 429 `overloaded`.
-SHED_STATUS = 529
+# The status of the shed share's refusals (`_listener._shed_config`): a code Envoy never answers
+# on its own, so the mapper below can tell them from a rate limit's 429 (whose RL flag is set only
+# after the reply is mapped) and make them 429 `overloaded`. 507 (Insufficient Storage): the local
+# rate limit filter takes only codes of envoy.type.v3.StatusCode.
+SHED_STATUS = 507
 
 
 def _json_format(body: Json) -> Json:

@@ -123,8 +123,9 @@ class SidecarCollector(Collector):
         shed = CounterMetricFamily(_PREFIX + "shed_requests", "Requests this Envoy answered 429 for the pool, as "
                                    "seen in its overflow counter: reason saturated (the controller's limit; class "
                                    "standard: Envoy's DEFAULT priority, standard traffic and the sheddable requests "
-                                   "the shed share let through) or cap (the render's safety cap; class any). The "
-                                   "shed share's own refusals are not counted by Envoy (see sheddable_refused_ratio).",
+                                   "the shed share let through) or cap (the render's safety cap; class any); and "
+                                   "reason share, class sheddable: sheddable requests refused at once by the pool's "
+                                   "shed share (Envoy's per-pool local_ratelimit.shed counter; file mode only).",
                                    labels=["pool", "reason", "class"])
         share = GaugeMetricFamily(_PREFIX + "sheddable_refused_ratio", "Share of the pool's sheddable requests this "
                                   "Envoy answers 429 at once (confirmed in Envoy), before its circuit breaker; "
@@ -156,6 +157,8 @@ class SidecarCollector(Collector):
                 signal.add_metric([pool.name], pool.queue_per_slot)
             for reason, traffic in (("saturated", "standard"), ("cap", "any")):
                 shed.add_metric([pool.name, reason, traffic], pool.shed.get(reason, 0))
+            if pool.sheddable_share is not None:
+                shed.add_metric([pool.name, "share", "sheddable"], pool.shed.get("share", 0))
             if pool.sheddable_share is not None:
                 share.add_metric([pool.name], pool.sheddable_share / 100)
             saturation.add_metric([pool.name], pool.saturation)

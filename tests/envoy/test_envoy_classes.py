@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 from confgen import envoy, parse_topology
+from confgen.envoy._listener import SHED_FILTER
+from confgen.envoy._proto import Json
 from confgen.nginx import unsupported
 from confgen.runtime import EnvoyProcess, free_port
 from tests.support.backends import backends
@@ -69,40 +71,46 @@ def test_render_gives_critical_traffic_the_high_priority_breaker() -> None:
                                                        "auth.api_keys[0].class", "auth.api_keys[1].class"}
 
 
-def _names(topo_text: str) -> list[tuple[str, str]]:
+def _routes(topo_text: str) -> tuple[list[Json], list[str]]:
     topo, _ = parse_topology(topo_text.encode(), "classes.yaml")
     files = envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)
-    lds = json.loads(files["lds.json"])
-    hcm = lds["resources"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return [(r["name"], "shed" if "direct_response" in r else r.get("route", {}).get("priority", "DEFAULT"))
-            for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if r["name"] != "models-list"]
+    hcm = json.loads(files["lds.json"])["resources"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return ([r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if r["name"] != "models-list"],
+            [f["name"] for f in hcm["http_filters"]])
 
 
-def test_render_puts_the_shed_route_after_critical_and_before_the_route() -> None:
-    """Order per route: the critical clients' HIGH copy, then the shed share (the sheddable route
-    itself, or a copy for the sheddable clients), then the route; a critical route has neither."""
-    assert _names(TOPOLOGY.format(admin=1, port=2, a=3)) == [
+def _kind(route: Json) -> str:
+    shed = SHED_FILTER in route.get("typed_per_filter_config", {})
+    return route["route"].get("priority", "DEFAULT") + ("+shed" if shed else "")
+
+
+def test_render_gives_sheddable_routes_the_shed_share_after_the_critical_copy() -> None:
+    """Order per route: the critical clients' HIGH copy, then (on a standard route) the
+    sheddable clients' copy carrying the shed share, then the route (carrying it when the route
+    is sheddable); a critical route has neither. The shed filter runs after rbac, before the
+    router; without sheddable traffic there is no shed filter, setting or 507 mapper."""
+    routes, filters = _routes(TOPOLOGY.format(admin=1, port=2, a=3))
+    assert [(r["name"], _kind(r)) for r in routes] == [
         ("urgent", "HIGH"),
-        ("bulk/critical", "HIGH"), ("bulk/shed", "shed"), ("bulk", "DEFAULT"),
-        ("model/chat-model/critical", "HIGH"), ("model/chat-model/shed", "shed"), ("model/chat-model", "DEFAULT"),
+        ("bulk/critical", "HIGH"), ("bulk", "DEFAULT+shed"),
+        ("model/chat-model/critical", "HIGH"), ("model/chat-model/sheddable", "DEFAULT+shed"),
+        ("model/chat-model", "DEFAULT"),
     ]
-    topo, _ = parse_topology(TOPOLOGY.format(admin=1, port=2, a=3).encode(), "classes.yaml")
-    files = envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)
-    routes = json.loads(files["lds.json"])["resources"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
-    shed = next(r for r in routes if r["name"] == "model/chat-model/shed")
-    assert shed["match"]["runtime_fraction"] == {"default_value": {"numerator": 0, "denominator": "HUNDRED"},
-                                                 "runtime_key": envoy.shed_runtime_key("chat")}
+    assert filters.index(SHED_FILTER) > filters.index("envoy.filters.http.json_to_metadata")
+    assert filters.index(SHED_FILTER) < filters.index("envoy.filters.http.router")
+    copy = next(r for r in routes if r["name"] == "model/chat-model/sheddable")
     assert {"name": "x-confgen-client", "string_match": {"safe_regex": {"regex": "^(batch)$"}}} in \
-        shed["match"]["headers"]
-    bulk = next(r for r in routes if r["name"] == "bulk/shed")
-    assert [h["name"] for h in bulk["match"]["headers"]] == ["x-tier"]  # everyone's traffic is sheddable there
-    # No sheddable traffic: no shed route and no 529 mapper (the output is as before).
+        copy["match"]["headers"]
+    shed = copy["typed_per_filter_config"][SHED_FILTER]
+    assert shed["filter_enabled"] == {"default_value": {"numerator": 0, "denominator": "HUNDRED"},
+                                      "runtime_key": envoy.shed_runtime_key("chat")}
+    assert shed["stat_prefix"] == envoy.shed_stat_prefix("chat")
     plain = TOPOLOGY.replace(", class: sheddable", "").replace(
         "  - {{name: bulk, pool: chat, class: sheddable, match: {{headers: [{{name: x-tier, exact: bulk}}]}}}}\n", "")
-    assert all(kind != "shed" for _, kind in _names(plain.format(admin=1, port=2, a=3)))
+    routes, filters = _routes(plain.format(admin=1, port=2, a=3))
+    assert SHED_FILTER not in filters and all("+shed" not in _kind(r) for r in routes)
     topo, _ = parse_topology(plain.format(admin=1, port=2, a=3).encode(), "classes.yaml")
-    assert "529" not in envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)["lds.json"].decode()
+    assert "507" not in envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)["lds.json"].decode()
 
 
 def _set_runtime(proc: EnvoyProcess, values: dict[str, int]) -> None:
@@ -117,7 +125,10 @@ def test_the_shed_share_refuses_sheddable_traffic_first_on_the_real_envoy(tmp_pa
     `overloaded` + retry-after at once (the body of the breaker's overflow, not a rate limit's),
     without reaching a worker; standard and critical traffic pass; a critical client on the
     sheddable route is critical. At 50 % about half of the sheddable requests are refused
-    (bounds for 200 draws: 25-75 %); back at 0 all pass."""
+    (bounds for 200 draws: 25-75 %); back at 0 all pass. Envoy counts the refusals per pool
+    (`confgen_shed_chat.http_local_rate_limit.rate_limited`); the first request on each
+    sheddable route once the share is on passes (the bucket's single token, refilled daily:
+    Envoy counts it as `ok`)."""
     port, admin = free_port(), free_port()
     with backends("a") as (a,):
         text = TOPOLOGY.format(admin=admin, port=port, a=a.port)
@@ -128,6 +139,8 @@ def test_the_shed_share_refuses_sheddable_traffic_first_on_the_real_envoy(tmp_pa
             upstream = proc.stats()["cluster.chat.upstream_rq_total"]
             _set_runtime(proc, {envoy.shed_runtime_key("chat"): 100})
             for headers in (_auth("batch"), {**_auth("web"), "x-tier": "bulk"}):
+                assert request(url, body, headers)[0] == 200  # the route's single token, once
+                upstream += 1
                 status, answer_headers, answer_body = request(url, body, headers)
                 assert status == 429, answer_body
                 assert json.loads(answer_body)["error"]["code"] == "overloaded"
@@ -143,6 +156,10 @@ def test_the_shed_share_refuses_sheddable_traffic_first_on_the_real_envoy(tmp_pa
             assert 50 <= refused <= 150, refused
             _set_runtime(proc, {envoy.shed_runtime_key("chat"): 0})
             assert all(request(url, body, _auth("batch"))[0] == 200 for _ in range(20))
+            stats = proc.stats()
+            prefix = f"{envoy.shed_stat_prefix('chat')}.http_local_rate_limit"
+            assert stats[f"{prefix}.ok"] == 2, stats  # each sheddable route's single token
+            assert stats[f"{prefix}.rate_limited"] == 3 + refused, stats
 
 
 def test_with_default_shut_critical_traffic_still_passes_on_the_real_envoy(tmp_path: Path) -> None:

@@ -72,3 +72,21 @@ def test_next_share_is_pure() -> None:
 def test_policy_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ShedSharePolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_the_file_limiter_tallies_the_shed_share_refusals_envoy_counts_per_pool() -> None:
+    """Envoy counts a pool's shed share refusals in `confgen_shed_<pool>.http_local_rate_limit.
+    rate_limited`: the first read sets the baseline, later increases are tallied as reason share;
+    an unreadable counter changes nothing."""
+    from confgen.envoy import shed_stat_prefix
+    from sidecar.outputs.envoy_admin import EnvoyAdmin
+    from sidecar.outputs.files.limiter import InflightLimiter
+
+    limiter = InflightLimiter(EnvoyAdmin("http://127.0.0.1:1"), 1)
+    name = f"{shed_stat_prefix('chat')}.http_local_rate_limit.rate_limited"
+    limiter._read_share("chat", {name: 7})
+    assert "chat" not in limiter.shed
+    limiter._read_share("chat", {name: 12})
+    limiter._read_share("chat", None)
+    limiter._read_share("chat", {name: 15})
+    assert limiter.shed["chat"] == {"share": 8}

@@ -57,7 +57,7 @@ def test_under_overload_sheddable_traffic_is_refused_first_and_critical_never(tm
     saturates, the sidecar lowers the DEFAULT limit and raises the shed share while that limit
     refuses requests: the sheddable clients' refused share is above the standard clients' and
     each of them gets fewer answers than a standard one; the critical clients get no 429; the
-    share is in the metrics; after the load it is back to 0 in Envoy and sheddable requests
+    share and its refusals are in the metrics; after the load it is back to 0 in Envoy and sheddable requests
     pass. Measured (two runs): refused sheddable 0.96 / 0.95, standard 0.47 / 0.52 (a refused
     client retries after 0.2 s, a served one holds ~1 s: per attempt), answers per client
     sheddable 2.2 / 2.4, standard 9.6 / 9.0; critical 30 / 30 answered, none refused."""
@@ -101,6 +101,10 @@ def test_under_overload_sheddable_traffic_is_refused_first_and_critical_never(tm
         for headers, body in shed_bodies:
             assert headers["retry-after"] and json.loads(body)["error"]["code"] == "overloaded"
         assert any(e.get("event") == "shed_share.set" for e in rig.sidecar.events())
+        counted = re.search(r'^confgen_sidecar_shed_requests_total\{class="sheddable",pool="chat",reason="share"\} '
+                            r'(\S+)$', rig.sidecar.metrics(), re.M)
+        # the share's refusals, as Envoy counted them (the breaker's are reason saturated)
+        assert counted is not None and 0 < float(counted.group(1)) <= statuses["sheddable"][429], counted
         assert poll(lambda: _share(rig) == 0.0, timeout=30), rig.sidecar.metrics()
         assert _envoy_share(rig) in (None, "0")
         assert all(_post(rig, TIERS["sheddable"])[0] == 200 for _ in range(3))

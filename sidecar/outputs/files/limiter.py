@@ -20,8 +20,9 @@ Sheddable first: for the pools the render gives sheddable traffic (`sheddable`),
 call sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable
 requests Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses
 requests, lowered while it has room, 0 once the pool stops shedding); `sheddable_share` is
-what Envoy confirmed. Envoy does not count those refusals per pool (a direct_response route
-has no route stats in 1.40), so `shed` holds the breaker's refusals only.
+what Envoy confirmed. Envoy counts those refusals per pool
+(`<confgen.envoy.shed_stat_prefix(pool)>.http_local_rate_limit.rate_limited`, read in the same
+stats call as the breakers' counters): tallied in `shed` as reason "share".
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import re
 from collections.abc import Callable, Collection, Mapping
 
-from confgen.envoy import breaker_runtime_keys, shed_runtime_key
+from confgen.envoy import breaker_runtime_keys, shed_runtime_key, shed_stat_prefix
 from sidecar.decide.admission import Admissions
 from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import Admission, PoolLoad, SaturationPolicy
@@ -57,6 +58,7 @@ class InflightLimiter:
         self._shares = ShedShares(share_policy)
         self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
         self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
+        self._share_refusals: dict[str, int] = {}  # pool -> Envoy's shed share counter at the last read
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
 
@@ -64,6 +66,7 @@ class InflightLimiter:
         self.in_force.pop(pool, None)
         self._admissions.forget(pool)
         self._overflows.pop(pool, None)
+        self._share_refusals.pop(pool, None)
         self.shed.pop(pool, None)
         self._shares.forget(pool)
         self.sheddable_share.pop(pool, None)
@@ -93,6 +96,7 @@ class InflightLimiter:
                 capacity=load.saturation.capacity, reason=load.saturation.reason)
             if pool in sheddable:
                 shares[pool] = self._share(pool, active, refused, wanted[pool], now)
+                self._read_share(pool, counters)
         changes = {key: str(limit) for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)
                    if runtime.get(key) != str(limit)}
         changes.update({shed_runtime_key(pool): str(percent) for pool, percent in shares.items()
@@ -131,10 +135,22 @@ class InflightLimiter:
         return percent
 
     async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
-        """Envoy's in-flight and overflow counters of every pool, in one admin call."""
+        """Envoy's in-flight, overflow and shed share counters of every pool, in one admin call."""
         names = "|".join(re.escape(p) for p in pools)
-        return await self._admin.stats(rf"^cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
-                                       r"|circuit_breakers\.high\.remaining_rq)$")
+        return await self._admin.stats(rf"^(cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
+                                       r"|circuit_breakers\.high\.remaining_rq)"
+                                       rf"|{re.escape(shed_stat_prefix(''))}({names})\.http_local_rate_limit\.rate_limited)$")
+
+    def _read_share(self, pool: str, counters: dict[str, int | str] | None) -> None:
+        """Tally the sheddable requests the pool's shed share refused since the last read."""
+        count = counters.get(f"{shed_stat_prefix(pool)}.http_local_rate_limit.rate_limited") if counters else None
+        if not isinstance(count, int):
+            return
+        before = self._share_refusals.get(pool)
+        self._share_refusals[pool] = count
+        if before is not None and count > before:
+            tally = self.shed.setdefault(pool, {})
+            tally["share"] = tally.get("share", 0) + count - before
 
     def _read(self, pool: str, counters: dict[str, int | str] | None, previous: Admission | None,
               cap: int) -> tuple[int | None, bool]:
