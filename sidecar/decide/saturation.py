@@ -42,26 +42,36 @@ against the inference time (CoDel's sojourn), a lower level held longer and prob
 interval/4 near saturation, by their worst case in a virtual-time model of the bench's
 fleets (bench/sweep/overload.py, results in bench/sweep/overload.md).
 
-While saturated (`admit`), the in-flight limit of this Envoy follows a proportional
-controller on the pool's smoothed waiting queue:
+While saturated (`admit`), this Envoy's in-flight limit is set at once to its share of
+what the fleet can hold with full batches and half a batch waiting:
 
-    limit = active + gain x (target_queue x capacity - waiting) / ingresses
+    limit = (1 + target_queue) x batch / ingresses
 
-`active` is this Envoy's requests in flight to the pool. The first saturated cycle caps
-admission near the current in-flight; when the limit binds, active ~ limit and the rule
-moves the limit by `gain` of the error per cycle, settling where the engines hold
-`target_queue` waiting requests per slot: batches stay full (throughput at the fleet's
-best) while a new request waits at most about half a batch, so admitted latency stays
-bounded and the excess, not more, gets 429 at once (Envoy overflows past the limit
-instead of queueing). `gain` 0.5 keeps the loop damped even when the queue answers one
-cycle late; `/ ingresses` because every Envoy sharing the fleet runs the same rule on the
-same queue. The limit stays within [1, cap], cap being the render's safety cap.
+`batch` is what the workers in rotation can run at once (`PoolSaturation.batch`): each
+worker's declared slots, its running count when it runs more than that, or, when its KV
+cache is full and requests wait (KV-bound), what it runs. Load the engines hold that did
+not come through the Envoys counted (their requests in flight, running + waiting, past
+this Envoy's in-flight x ingresses: clients that bypass the proxy, an Envoy not counted
+in `--ingresses`) is taken off first, so it is not buried; with several Envoys whose
+traffic is uneven this errs toward refusing the lighter one. In flight past the limit, Envoy
+answers 429 at once (it overflows instead of queueing); the requests already in flight are
+never cancelled, so the backlog built before the limit acts drains at the fleet's full
+rate, then admission follows completions: throughput stays at the fleet's best while a new
+request waits about half a batch, and the excess, not more, is refused. Every Envoy
+sharing the fleet holds the same share (`/ ingresses`: file mode's `--ingresses`, ADS's
+connected Envoys), so together they admit what one Envoy would.
 
-Release: once the pool is no longer saturated the limit only rises (by the same rule,
-the queue being short), and returns to the safety cap once it has refused no request
-for `release_after_s`. A queue kept short by the limit itself (requests still refused)
-is still saturation, so the loop does not open the gate to the whole excess, saturate
-again and swing.
+Chosen over the proportional controller shipped first (`limit = active + 0.5 x (target x
+capacity - waiting) / ingresses` per cycle) by the virtual-time model
+(bench/sweep/overload.py): the same false alarms at 78 %, and a 3x spike's backlog drained
+about a cycle sooner (worst shed-share miss from the spike's 5th second 26 -> 21 points),
+because the first saturated cycle goes to the setpoint instead of moving half way; the
+engines' queue, which lags Envoy's in-flight by a probe, no longer steers the limit.
+
+Release: once the pool is no longer saturated the limit stays, and returns to the safety
+cap once it has refused no request for `release_after_s`. A queue kept short by the limit
+itself (requests still refused) is still saturation, so the gate does not open to the
+whole excess, saturate again and swing.
 """
 
 from __future__ import annotations
@@ -73,8 +83,8 @@ from typing import TypeVar
 
 from sidecar.observe.engines import LoadSample
 
-__all__ = ["Admission", "Headroom", "PoolLoad", "PoolSaturation", "QueueWatch", "SaturationPolicy", "admit",
-           "assess"]
+__all__ = ["Admission", "Headroom", "InflightWatch", "PoolLoad", "PoolSaturation", "QueueWatch", "SaturationPolicy",
+           "admit", "assess", "setpoint"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -90,13 +100,18 @@ class SaturationPolicy:
     lookahead_s: float = 2.0
     stale_after_s: float = 5.0
     target_queue: float = 0.5
-    gain: float = 0.5
     release_after_s: float = 4.0
     # The pool's standing queue (`QueueWatch`): waiting requests per declared slot over the
     # workers with fresh metrics.
     pool_enter: float = 1.0
     pool_hold_s: float = 2.0
     pool_burst: float = 2.5
+    # This Envoy's own in-flight count between probes (`InflightWatch`; file target only):
+    # in flight past the batch, per unit of batch, read every `inflight_interval_s` (0: off).
+    inflight_interval_s: float = 0.5
+    inflight_enter: float = 1.0
+    inflight_hold_s: float = 2.5
+    inflight_burst: float = 2.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.queue_exit < self.queue_enter:
@@ -105,10 +120,14 @@ class SaturationPolicy:
             raise ValueError("kv_threshold must be within (0, 1]")
         if self.queue_half_life_s < 0 or self.lookahead_s < 0 or self.release_after_s < 0:
             raise ValueError("queue_half_life_s, lookahead_s and release_after_s must be >= 0")
-        if self.stale_after_s <= 0 or self.target_queue < 0 or not 0 < self.gain <= 1:
-            raise ValueError("stale_after_s must be > 0, target_queue >= 0 and gain within (0, 1]")
+        if self.stale_after_s <= 0 or self.target_queue < 0:
+            raise ValueError("stale_after_s must be > 0 and target_queue >= 0")
         if not self.queue_exit < self.pool_enter <= self.pool_burst or self.pool_hold_s < 0:
             raise ValueError("need queue_exit < pool_enter <= pool_burst and pool_hold_s >= 0")
+        if not self.queue_exit < self.inflight_enter <= self.inflight_burst or self.inflight_hold_s < 0 \
+                or self.inflight_interval_s < 0:
+            raise ValueError("need queue_exit < inflight_enter <= inflight_burst, inflight_hold_s >= 0 and "
+                             "inflight_interval_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +176,13 @@ class Headroom:
     def fresh(self, now: float, policy: SaturationPolicy) -> bool:
         return self.at is not None and now - self.at <= policy.stale_after_s
 
+    def batch(self, capacity: int, policy: SaturationPolicy) -> float:
+        """What this worker can run at once: its declared slots, what it runs when that is
+        more, or what it runs while its KV cache is full and requests wait (KV-bound)."""
+        if self.kv is not None and self.kv >= policy.kv_threshold and self.waiting > 0:
+            return max(min(self.running, float(capacity)), 1.0)
+        return max(float(capacity), self.running)
+
 
 @dataclass(frozen=True, slots=True)
 class PoolSaturation:
@@ -168,18 +194,21 @@ class PoolSaturation:
     fresh_capacity: int  # ... of those with fresh metrics
     waiting: float  # waiting requests of the workers with fresh metrics (latest samples)
     in_flight: float = 0.0  # running + waiting of the workers with fresh metrics (latest samples)
-    reason: str = ""  # why saturated: "headroom" (per-worker rule) or "queue" (the pool's standing queue)
+    reason: str = ""  # why saturated: "headroom" (per-worker rule), "queue" (standing queue), "inflight" (Envoy's)
+    batch: float = 0.0  # what the workers in rotation can run at once (0: unknown, the capacity is used)
 
 
 def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: SaturationPolicy,
            max_utilization: float) -> PoolSaturation:
     """`workers`: (headroom, declared capacity) of each worker in rotation."""
     capacity = fresh_capacity = full_capacity = 0
-    waiting = in_flight = 0.0
+    waiting = in_flight = batch = 0.0
     for headroom, cap in workers:
         capacity += cap
         if not headroom.fresh(now, policy):
+            batch += cap
             continue
+        batch += headroom.batch(cap, policy)
         fresh_capacity += cap
         waiting += headroom.waiting
         in_flight += headroom.waiting + headroom.running
@@ -188,7 +217,7 @@ def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: Saturati
     share = full_capacity / capacity if capacity else 0.0
     saturated = capacity > 0 and share >= max_utilization - 1e-9
     return PoolSaturation(saturated=saturated, full_share=share, capacity=capacity, fresh_capacity=fresh_capacity,
-                          waiting=waiting, in_flight=in_flight, reason="headroom" if saturated else "")
+                          waiting=waiting, in_flight=in_flight, reason="headroom" if saturated else "", batch=batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +260,52 @@ class QueueWatch:
 
 
 @dataclass(frozen=True, slots=True)
+class InflightWatch:
+    """This Envoy's own requests in flight to the pool, read between probes (file target).
+
+    The engines' queue is seen once per probe (2 s); Envoy's in-flight count is as fresh as
+    an admin call, and a surge shows in it first. The signal is the in-flight past the
+    batch the fleet can run, per unit of batch: `in_flight x ingresses / batch - 1` (this
+    Envoy's share scaled to the fleet; `batch` from the last probe's verdict, so an engine
+    that runs more than its declared slots raises it). The pool is saturated once the
+    signal has been at least `inflight_enter` on every read for `inflight_hold_s` (2.5 s:
+    longer than the 2 s bursts at 1.75x the bench's bursty fleet absorbs), or at once at
+    `inflight_burst` (a spike); clear again at `queue_exit` or below. Only while the last
+    verdict had fresh engine metrics: stale or missing metrics never shed. Measured in the
+    virtual-time model (bench/sweep/overload.py): the worst shed-share miss from a surge's
+    5th second 21 -> 16 points (the 3x spike is refused about a second sooner), no more
+    false alarms at 78 %; a 2 s hold shed bursty arrivals at 78 %.
+    """
+
+    since: float | None = None
+    on: bool = False
+    signal: float | None = None
+
+    def observe(self, in_flight: int | None, pool: PoolSaturation | None, ingresses: int, now: float,
+                policy: SaturationPolicy) -> InflightWatch:
+        """`pool`: the last probe's verdict for the pool (None: none yet)."""
+        if in_flight is None or pool is None or pool.fresh_capacity < 1:
+            return InflightWatch()
+        batch = pool.batch if pool.batch > 0 else float(pool.capacity)
+        if batch <= 0:
+            return InflightWatch()
+        signal = in_flight * max(ingresses, 1) / batch - 1.0
+        since = (self.since if self.since is not None else now) if signal >= policy.inflight_enter else None
+        if self.on:
+            on = signal > policy.queue_exit
+        else:
+            on = signal >= policy.inflight_burst or (
+                since is not None and now - since >= policy.inflight_hold_s - 1e-9)
+        return InflightWatch(since=since, on=on, signal=signal)
+
+    def apply(self, pool: PoolSaturation) -> PoolSaturation:
+        """`pool` with this watch's verdict added."""
+        if pool.saturated or not self.on:
+            return pool
+        return replace(pool, saturated=True, reason="inflight")
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """The controller's state for one pool: the limit it wants Envoy to hold."""
 
@@ -243,30 +318,36 @@ def admit(previous: Admission | None, pool: PoolSaturation, active: int | None, 
           ingresses: int, now: float, policy: SaturationPolicy) -> Admission:
     """The next in-flight limit for this Envoy (see the module docstring); within [1, cap].
 
-    `active`: this Envoy's requests in flight to the pool (None: unknown). `refused`: the
-    limit refused requests since the previous call (demand is past it).
+    `active`: this Envoy's requests in flight to the pool (None: unknown, and then shedding
+    never starts). `refused`: the limit refused requests since the previous call (demand is
+    past it).
     """
     cap = max(cap, 1)
     prev = previous if previous is not None and previous.shedding else None
     if pool.saturated:
         if active is None:  # cannot see our own in-flight: hold what is in force, never shed blindly
             return prev if prev is not None else Admission(limit=cap)
-        return Admission(limit=_controlled(pool, active, cap, ingresses, policy), shedding=True)
+        return Admission(limit=setpoint(pool, cap, ingresses, policy, active), shedding=True)
     if prev is None:
         return Admission(limit=cap)
-    # Not saturated any more: only raise the limit, and go back to the cap once it has
-    # refused nothing for release_after_s (a short queue held short by the limit itself is
-    # still saturation).
-    limit = max(prev.limit, _controlled(pool, active, cap, ingresses, policy) if active is not None else 0)
+    # Not saturated any more: keep the limit, and go back to the cap once it has refused
+    # nothing for release_after_s (a short queue held short by the limit itself is still
+    # saturation).
     since = None if refused else (prev.clear_since if prev.clear_since is not None else now)
     if since is not None and now - since >= policy.release_after_s:
         return Admission(limit=cap)
-    return Admission(limit=limit, shedding=True, clear_since=since)
+    fresh = setpoint(pool, cap, ingresses, policy, active) if active is not None else prev.limit
+    return Admission(limit=max(prev.limit, fresh), shedding=True, clear_since=since)
 
 
-def _controlled(pool: PoolSaturation, active: int, cap: int, ingresses: int, policy: SaturationPolicy) -> int:
-    error = policy.target_queue * pool.fresh_capacity - pool.waiting
-    wanted = active + policy.gain * error / ingresses
+def setpoint(pool: PoolSaturation, cap: int, ingresses: int, policy: SaturationPolicy, active: int = 0) -> int:
+    """This Envoy's share of full batches plus `target_queue` of a batch waiting, less its
+    share of the load the engines hold that did not come through the Envoys counted
+    (`pool.in_flight` past `active` x ingresses: load that bypasses them); in [1, cap]."""
+    ingresses = max(ingresses, 1)
+    batch = pool.batch if pool.batch > 0 else float(pool.capacity)
+    outside = max(0.0, pool.in_flight - active * ingresses)
+    wanted = ((1.0 + policy.target_queue) * batch - outside) / ingresses
     return min(max(math.floor(wanted + 0.5), 1), cap)
 
 

@@ -102,7 +102,20 @@ class Limiter(Protocol):
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None: ...
 
+    @property
+    def watch_interval_s(self) -> float | None:
+        """How often `watch` wants to run between cycles (None: it has nothing to watch)."""
+        ...
+
+    async def watch(self, now: float) -> None:
+        """Between cycles: react to what the proxy alone can tell at once (its in-flight count)."""
+        ...
+
     def shedding(self, pool: str) -> bool: ...
+
+    def inflight_signal(self, pool: str) -> float | None:
+        """The watch's last signal for the pool (None: not watched, or no fresh metrics)."""
+        ...
 
     def forget(self, pool: str) -> None: ...
 

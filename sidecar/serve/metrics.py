@@ -47,6 +47,7 @@ METRIC_NAMES = (
     _PREFIX + "pool_saturated",
     _PREFIX + "pool_shedding",
     _PREFIX + "pool_queue_per_slot",
+    _PREFIX + "pool_inflight_past_batch",
     _PREFIX + "shed_requests_total",
     _PREFIX + "sheddable_refused_ratio",
     _PREFIX + "endpoint_health",
@@ -120,6 +121,9 @@ class SidecarCollector(Collector):
         signal = GaugeMetricFamily(_PREFIX + "pool_queue_per_slot", "The detector's signal: the pool's waiting "
                                    "requests per declared slot over the workers with fresh metrics (saturated at "
                                    ">= 1.0 for 2 s or >= 2.5 at once by default).", labels=["pool"])
+        past = GaugeMetricFamily(_PREFIX + "pool_inflight_past_batch", "The in-flight watch's signal (Envoy target): "
+                                 "this Envoy's requests in flight x ingresses / the batch the engines can run - 1 "
+                                 "(saturated at >= 1.0 for 2.5 s or >= 2.5 at once by default).", labels=["pool"])
         shed = CounterMetricFamily(_PREFIX + "shed_requests", "Requests this Envoy answered 429 for the pool, as "
                                    "seen in its overflow counter: reason saturated (the controller's limit; class "
                                    "standard: Envoy's DEFAULT priority, standard traffic and the sheddable requests "
@@ -155,11 +159,12 @@ class SidecarCollector(Collector):
             shedding.add_metric([pool.name], 1.0 if pool.shedding else 0.0)
             if pool.queue_per_slot is not None:
                 signal.add_metric([pool.name], pool.queue_per_slot)
+            if pool.inflight_past_batch is not None:
+                past.add_metric([pool.name], pool.inflight_past_batch)
             for reason, traffic in (("saturated", "standard"), ("cap", "any")):
                 shed.add_metric([pool.name, reason, traffic], pool.shed.get(reason, 0))
             if pool.sheddable_share is not None:
                 shed.add_metric([pool.name, "share", "sheddable"], pool.shed.get("share", 0))
-            if pool.sheddable_share is not None:
                 share.add_metric([pool.name], pool.sheddable_share / 100)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
@@ -198,8 +203,7 @@ class SidecarCollector(Collector):
         problems.add_metric([], float(len(snap.problems)))
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
                     rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
-                    ttft, tpot, output_tokens, shedding, signal, shed, share)
-
+                    ttft, tpot, output_tokens, shedding, signal, past, shed, share)
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)

@@ -33,9 +33,7 @@ from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
-from tests.support.certs import Cert, CertAuthority, openssl_available
-
-pytestmark = pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI to make certificates")
+from tests.support.certs import Cert, CertAuthority
 
 API_KEY = "sk-mtls-test-key-0123456789abcdef"
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"

@@ -15,7 +15,7 @@ from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,8 +65,6 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
     tls_args: list[str] = []
     xds_tls = grpc_tls = ""
     if mtls:
-        if not openssl_available():
-            pytest.skip("needs the openssl CLI to make certificates")
         ca = CertAuthority.create(tmp_path / "pki")
         server = ca.issue("control-plane", ["IP:127.0.0.1"])
         client = ca.issue("fleet-envoy", ["DNS:fleet-envoy"])

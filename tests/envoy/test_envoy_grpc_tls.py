@@ -18,7 +18,7 @@ from confgen import envoy, parse_topology
 from confgen.errors import Severity, TopologyError
 from confgen.topology import load
 from confgen.verify import verify_envoy
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority
 
 TOPO = """\
 version: 1
@@ -113,7 +113,6 @@ def test_grpc_tls_without_a_grpc_service_is_a_warning(tmp_path: Path) -> None:
     assert [p.severity for p in found] == [Severity.WARNING], problems
 
 
-@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI to make certificates")
 @pytest.mark.parametrize("ads", ["", "10.0.0.9:18000", "cp-0.cp.ns.svc:18000', 'cp-1.cp.ns.svc:18000"],
                          ids=["files", "ads-ip", "ads-dns"])
 def test_envoy_accepts_the_tls_cluster(tmp_path: Path, ads: str) -> None:

@@ -5,10 +5,22 @@ releases to the safety cap."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from confgen.envoy import breaker_runtime_keys
-from sidecar.decide.saturation import Admission, Headroom, PoolSaturation, QueueWatch, SaturationPolicy, admit, assess
+from sidecar.decide.saturation import (
+    Admission,
+    Headroom,
+    InflightWatch,
+    PoolSaturation,
+    QueueWatch,
+    SaturationPolicy,
+    admit,
+    assess,
+    setpoint,
+)
 from sidecar.observe.engines import LoadSample
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.files.limiter import InflightLimiter
@@ -133,15 +145,40 @@ def test_below_saturation_the_limit_is_the_safety_cap() -> None:
     assert admit(None, sat(saturated=False, waiting=100), 500, False, 96, 1, 0.0, POLICY) == Admission(limit=96)
 
 
-def test_on_saturation_the_limit_caps_admission_near_the_current_in_flight() -> None:
-    """24 slots, 60 in flight, 36 waiting against a target of 12: the limit starts at
-    60 + 0.5 x (12 - 36) = 48, under what is in flight, so new requests get 429 at once;
-    with two ingresses each corrects half as much."""
+def test_on_saturation_the_limit_goes_at_once_to_full_batches_and_half_a_batch_waiting() -> None:
+    """24 slots, 60 in flight: the limit is 1.5 x 24 = 36 at once, under what is in flight,
+    so new requests get 429 until the backlog has drained; whatever the queue or the
+    in-flight count. Two ingresses hold half each, within [1, cap]."""
     first = admit(None, sat(waiting=36), 60, False, 96, 1, 0.0, POLICY)
-    assert first == Admission(limit=48, shedding=True)
-    assert admit(None, sat(waiting=36), 60, False, 96, 2, 0.0, POLICY).limit == 54
-    assert admit(None, sat(waiting=500), 3, False, 96, 1, 0.0, POLICY).limit == 1  # never below 1
-    assert admit(None, sat(waiting=0), 200, False, 96, 1, 0.0, POLICY).limit == 96  # never above the cap
+    assert first == Admission(limit=36, shedding=True)
+    assert admit(first, sat(waiting=500), 3, True, 96, 1, 2.0, POLICY).limit == 36
+    assert admit(None, sat(waiting=36), 60, False, 96, 2, 0.0, POLICY).limit == 18
+    assert admit(None, sat(capacity=1, waiting=9), 60, False, 96, 4, 0.0, POLICY).limit == 1  # never below 1
+    assert admit(None, sat(capacity=200, waiting=9), 60, False, 96, 1, 0.0, POLICY).limit == 96  # nor above the cap
+
+
+def test_the_batch_is_what_the_engines_run_not_only_what_is_declared() -> None:
+    """A worker running more than its declared slots counts what it runs; one whose KV cache
+    is full with requests waiting counts what it runs (fewer); one without fresh metrics
+    counts its declared slots."""
+    more = Headroom().observe(LoadSample(running=12, waiting=0, kv_usage=0.3), 1.0, 8, POLICY)
+    kv_bound = Headroom().observe(LoadSample(running=5, waiting=3, kv_usage=0.95), 1.0, 8, POLICY)
+    kv_idle = Headroom().observe(LoadSample(running=5, waiting=0, kv_usage=0.95), 1.0, 8, POLICY)
+    pool = assess([(more, 8), (kv_bound, 8), (kv_idle, 8), (Headroom(), 8)], 1.0, POLICY, 0.8)
+    assert pool.batch == 12 + 5 + 8 + 8
+    assert pool.in_flight == 12 + 8 + 5
+    assert setpoint(pool, 96, 1, POLICY, active=25) == 50  # 1.5 x 33 = 49.5, rounded half up
+    assert setpoint(pool, 96, 1, POLICY, active=15) == 40  # 10 in flight came from elsewhere
+
+
+def test_load_that_bypasses_this_envoy_is_taken_off_its_share() -> None:
+    """The engines hold 36 (12 running, 24 waiting) and nothing came through this Envoy:
+    1.5 x 12 - 36 is under the floor, so the limit is 1. All 36 through it: nothing came from
+    outside, the limit is 1.5 x 12 = 18; two Envoys holding 18 each: 9 each."""
+    busy = replace(sat(capacity=12, waiting=24), in_flight=36.0)
+    assert admit(None, busy, 0, False, 48, 1, 0.0, POLICY).limit == 1
+    assert admit(None, busy, 36, False, 48, 1, 0.0, POLICY).limit == 18
+    assert admit(None, busy, 18, False, 48, 2, 0.0, POLICY).limit == 9
 
 
 def test_without_its_own_in_flight_count_the_sidecar_never_starts_shedding() -> None:
@@ -153,11 +190,11 @@ def test_without_its_own_in_flight_count_the_sidecar_never_starts_shedding() -> 
 
 def test_release_waits_until_the_limit_refuses_nothing_then_returns_to_the_cap() -> None:
     """The queue is short but the limit still refuses requests: still shedding (the limit
-    only rises). Once nothing was refused for release_after_s (4 s), back to the cap."""
+    never falls while clear). Once nothing was refused for release_after_s (4 s), back to the cap."""
     state = Admission(limit=30, shedding=True)
     clear = sat(saturated=False, full_share=0.0, waiting=0)
     state = admit(state, clear, 30, True, 96, 1, 0.0, POLICY)
-    assert state.shedding and state.limit == 36 and state.clear_since is None
+    assert state.shedding and state.limit == 36 and state.clear_since is None  # the setpoint (1.5 x 24)
     state = admit(state, clear, 20, False, 96, 1, 2.0, POLICY)
     assert state.shedding and state.limit == 36 and state.clear_since == 2.0
     state = admit(state, clear, 20, False, 96, 1, 4.0, POLICY)
@@ -280,11 +317,57 @@ def test_without_fresh_metrics_the_watch_starts_over_and_never_saturates() -> No
     assert not w.apply(blind).saturated
 
 
+# -- detector: this Envoy's own in-flight (InflightWatch) ------------------------------------
+
+
+def inflight(counts: list[int], step: float = 0.5, batch: float = 24.0, ingresses: int = 1,
+             start: InflightWatch | None = None, t0: float = 0.0, fresh: bool = True) -> InflightWatch:
+    """The watch after reads `step` s apart (a fake clock) of this Envoy's in-flight `counts`."""
+    pool = replace(sat(saturated=False, capacity=24), batch=batch, fresh_capacity=24 if fresh else 0)
+    w = start or InflightWatch()
+    for i, n in enumerate(counts):
+        w = w.observe(n, pool, ingresses, t0 + i * step, POLICY)
+    return w
+
+
+def test_in_flight_past_twice_the_batch_saturates_after_the_hold_a_two_second_burst_does_not() -> None:
+    """48 in flight on a batch of 24 is 1.0 past it: held 2.5 s (six reads 0.5 s apart) it
+    is saturation; for the 2 s of a burst at 1.75x it is not."""
+    assert not inflight([48] * 5).on  # 2.0 s
+    held = inflight([48] * 6)  # 2.5 s
+    assert held.on and held.signal == pytest.approx(1.0)
+    assert not inflight([48, 48, 48, 30, 48, 48, 48]).on  # a dip starts the hold over
+    assert held.apply(sat(saturated=False)).reason == "inflight"
+
+
+def test_a_spike_past_the_burst_level_saturates_at_once_and_clears_only_when_short() -> None:
+    on = inflight([84])  # 84 / 24 - 1 = 2.5
+    assert on.on
+    assert inflight([40], start=on, t0=1.0).on  # 0.67 past the batch: still on
+    assert not inflight([29], start=on, t0=1.0).on  # 0.21: at or under queue_exit, clear
+
+
+def test_the_batch_and_the_ingresses_scale_the_signal() -> None:
+    """Two Envoys each with 24 in flight are 48 on the fleet; an engine batch of 48 (engines
+    running more than declared) halves the signal."""
+    assert inflight([24], ingresses=2).signal == pytest.approx(1.0)
+    assert inflight([48], batch=48.0).signal == pytest.approx(0.0)
+
+
+def test_without_fresh_engine_metrics_or_its_own_count_the_in_flight_watch_never_saturates() -> None:
+    assert not inflight([200] * 10, fresh=False).on
+    w = inflight([84])
+    assert w.on
+    assert w.observe(None, sat(), 1, 1.0, POLICY) == InflightWatch()
+    assert w.observe(84, None, 1, 1.0, POLICY) == InflightWatch()
+
+
 def test_policy_refuses_inconsistent_thresholds() -> None:
     """queue_exit must sit below queue_enter (the hysteresis band), kv_threshold in (0, 1],
-    stale_after_s > 0 and gain in (0, 1]."""
-    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"gain": 1.5},
-                {"pool_enter": 3.0}, {"pool_enter": 0.2}, {"pool_hold_s": -1.0}):
+    stale_after_s > 0, target_queue >= 0, the watches' levels ordered."""
+    for bad in ({"queue_exit": 1.5}, {"kv_threshold": 0.0}, {"stale_after_s": 0.0}, {"target_queue": -0.5},
+                {"pool_enter": 3.0}, {"pool_enter": 0.2}, {"pool_hold_s": -1.0}, {"inflight_enter": 0.2},
+                {"inflight_enter": 3.0}, {"inflight_hold_s": -1.0}, {"inflight_interval_s": -0.5}):
         with pytest.raises(ValueError):
             SaturationPolicy(**bad)  # type: ignore[arg-type]
 
@@ -309,13 +392,19 @@ def test_limiter_counts_refusals_by_reason_and_leaves_critical_requests_out_of_i
     limiter = InflightLimiter(EnvoyAdmin("http://127.0.0.1:1"), 1)
     base = {"cluster.chat.upstream_rq_active": 30, "cluster.chat.upstream_rq_active_overflow": 5,
             "cluster.chat.upstream_rq_pending_overflow": 1}
-    assert limiter._read("chat", base, None, 96) == (30, False)  # the first read only sets the baseline
+    assert limiter._read("chat", base, None, 96) == 30  # the first read only sets the baseline
+    assert "chat" not in limiter._refused
     more = {**base, "cluster.chat.upstream_rq_active_overflow": 9}
-    assert limiter._read("chat", more, None, 96) == (30, True)
+    assert limiter._read("chat", more, None, 96) == 30
+    assert "chat" in limiter._refused
+    limiter._refused.clear()
     shedding = Admission(limit=20, shedding=True)
     most = {**more, "cluster.chat.upstream_rq_pending_overflow": 3,
             "cluster.chat.circuit_breakers.high.remaining_rq": 90}
-    assert limiter._read("chat", most, shedding, 96) == (24, True)  # 6 critical requests in flight
+    assert limiter._read("chat", most, shedding, 96) == 24  # 6 critical requests in flight
+    assert "chat" in limiter._refused
+    limiter._refused.clear()
     assert limiter.shed["chat"] == {"cap": 4, "saturated": 2}
-    assert limiter._read("chat", most, shedding, 96) == (24, False)
-    assert limiter._read("chat", None, shedding, 96) == (None, False)  # Envoy unreadable: unknown, never shed
+    assert limiter._read("chat", most, shedding, 96) == 24
+    assert limiter._read("chat", None, shedding, 96) is None  # Envoy unreadable: unknown, never shed
+    assert "chat" not in limiter._refused

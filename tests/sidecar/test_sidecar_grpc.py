@@ -11,7 +11,7 @@ import pytest
 from sidecar.config import ConfigError, from_argv, grpc_listen_for
 from sidecar.outputs.grpc import GrpcLimits, GrpcServer, GrpcSettings, TlsFiles, is_loopback
 from sidecar.outputs.tls import peer_identities
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority, served_common_name
 
 _METHOD = "/confgen.test.Echo/Echo"
 
@@ -90,7 +90,6 @@ def test_grpc_listen_flag_and_topology_default(tmp_path: Path) -> None:
         from_argv(["--topology", str(topo_file), "--grpc-listen", "nope"])
 
 
-@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
 def test_mutual_tls_from_the_shared_transport(tmp_path: Path) -> None:
     """The picker's server over the ADS transport (sidecar.outputs.tls): beyond loopback with mTLS; a client
     without a certificate fails the handshake; one with a certificate is served and named to the handler."""
@@ -165,11 +164,8 @@ def test_sidecar_refuses_plaintext_grpc_beyond_loopback(tmp_path: Path) -> None:
     assert "--grpc-tls-cert" in done.stderr and "plaintext gRPC" in done.stderr
 
 
-@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
 def test_renewed_grpc_certificate_served_without_restart(tmp_path: Path) -> None:
     """--grpc-tls-cert renewed in place (cert-manager): the picker's server presents it from the next handshake."""
-    import ssl
-
     ca = CertAuthority.create(tmp_path / "pki")
     first, second = ca.issue("grpc-old", ["IP:127.0.0.1"]), ca.issue("grpc-new", ["IP:127.0.0.1"])
     client = ca.issue("envoy-0", ["DNS:envoy-0"])
@@ -177,24 +173,15 @@ def test_renewed_grpc_certificate_served_without_restart(tmp_path: Path) -> None
     live.cert.write_bytes(first.cert.read_bytes())
     live.key.write_bytes(first.key.read_bytes())
 
-    async def served_cn(port: int) -> str:
-        context = ssl.create_default_context(cafile=str(ca.cert))
-        context.load_cert_chain(str(client.cert), str(client.key))
-        context.set_alpn_protocols(["h2"])
-        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
-        cert = writer.get_extra_info("peercert")
-        writer.close()
-        return str(dict(x[0] for x in cert["subject"])["commonName"])
-
     async def main() -> None:
         server = GrpcServer(GrpcSettings("127.0.0.1", 0, tls=live))
         server.add(_register(_echo()), "echo")
         port = await server.start()
         try:
-            assert await served_cn(port) == "grpc-old"
+            assert await served_common_name(port, ca, client) == "grpc-old"
             live.key.write_bytes(second.key.read_bytes())
             live.cert.write_bytes(second.cert.read_bytes())
-            assert await served_cn(port) == "grpc-new"
+            assert await served_common_name(port, ca, client) == "grpc-new"
         finally:
             await server.stop(0)
 

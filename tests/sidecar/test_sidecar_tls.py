@@ -19,7 +19,7 @@ from sidecar.outputs.tls import (
     node_bound,
     server_credentials,
 )
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority, served_common_name
 
 
 @pytest.mark.parametrize(("host", "loopback"), [
@@ -89,7 +89,6 @@ def test_unusable_files_refused(tmp_path: Path) -> None:
         server_credentials(TlsFiles(pem, pem, huge))
 
 
-@pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI")
 def test_renewed_certificate_served_without_restart(tmp_path: Path) -> None:
     """cert-manager renews tls.crt in place: the next handshake presents the new certificate."""
     ca = CertAuthority.create(tmp_path / "pki")
@@ -100,27 +99,26 @@ def test_renewed_certificate_served_without_restart(tmp_path: Path) -> None:
     live.cert.write_bytes(first.cert.read_bytes())
     live.key.write_bytes(first.key.read_bytes())
 
-    async def served_cn(port: int) -> str:
-        import ssl
-
-        context = ssl.create_default_context(cafile=str(ca.cert))
-        context.load_cert_chain(str(client.cert), str(client.key))
-        context.set_alpn_protocols(["h2"])
-        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
-        cert = writer.get_extra_info("peercert")
-        writer.close()
-        return str(dict(x[0] for x in cert["subject"])["commonName"])
-
     async def run() -> None:
         server = grpc.aio.server()
         port = bind(server, "127.0.0.1", 0, live, what="test")
         await server.start()
         try:
-            assert await served_cn(port) == "xds-old"
+            assert await served_common_name(port, ca, client) == "xds-old"
             live.key.write_bytes(second.key.read_bytes())
             live.cert.write_bytes(second.cert.read_bytes())
-            assert await served_cn(port) == "xds-new"
+            assert await served_common_name(port, ca, client) == "xds-new"
         finally:
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_certificates_without_openssl_fail_rather_than_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No openssl CLI on PATH: making a certificate fails the test with how to install it (never a skip)."""
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(pytest.fail.Exception, match=r"openssl CLI, not found on PATH: install Debian's openssl"):
+        CertAuthority.create(tmp_path / "pki")
+    assert not (tmp_path / "pki" / "confgen-test-ca.crt").exists()

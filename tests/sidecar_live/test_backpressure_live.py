@@ -14,7 +14,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.sidecar_live.rig import Rig, http, live_rig, poll, worker_specs
+from tests.sidecar_live.rig import FAST_ARGS, Rig, http, live_rig, poll, worker_specs
 
 BODY = {"model": "sim-model", "prompt": "hold a slot", "max_tokens": 40}  # ~1 s at decode_ms=20
 KEYS = ("circuit_breakers.chat.default.max_requests", "circuit_breakers.chat.default.max_pending_requests")
@@ -142,3 +142,30 @@ def test_saturation_from_outside_load_sheds_then_releases(tmp_path: Path) -> Non
             assert all(job.result(timeout=60)[0] == 200 for job in jobs)
         assert poll(lambda: _gauge(rig, "inflight_limit") == 48, timeout=15), rig.sidecar.state()
         assert set(_burst(rig, 4)) == {200}
+
+
+def test_a_spike_through_envoy_is_refused_on_its_own_in_flight_count(tmp_path: Path) -> None:
+    """Probes every 4 s, and the engine-side rules set out of reach (queue levels of 40-50
+    per slot), so only the in-flight watch can act: 30 long requests at once through Envoy
+    on three workers of 2 slots are 30 / 6 - 1 = 4 past the batch, over the burst level of
+    2.5. The limit becomes 1.5 x 6 = 9 in Envoy (reason "inflight"; the watch reads every
+    0.5 s, so it is usually there before the next probe: the time is printed), further
+    requests get 429 at once and the 30 admitted ones complete."""
+    args = [a if a != "0.5" or i != 1 else "4" for i, a in enumerate(FAST_ARGS)]
+    args += ["--saturation", "queue_enter=50", "--saturation", "pool_enter=40", "--saturation", "pool_burst=50"]
+    workers = worker_specs(["a", "b", "c"], max_num_seqs=2, decode_ms=20.0)
+    long_body = {"model": "sim-model", "prompt": "spike", "max_tokens": 200}  # ~4 s each
+    with live_rig(tmp_path, workers, capacity=2, sidecar_args=args) as rig:
+        assert poll(lambda: _gauge(rig, "inflight_limit") == 24, timeout=8), rig.sidecar.metrics()
+        with ThreadPoolExecutor(max_workers=30) as spike:
+            t0 = time.monotonic()
+            jobs = [spike.submit(http, "POST", rig.url, long_body, 60.0) for _ in range(30)]
+            assert poll(lambda: _runtime(rig) == ["9", "9"], timeout=8.0), rig.sidecar.events()[-5:]
+            took = time.monotonic() - t0
+            started = [e for e in rig.sidecar.events() if e.get("event") == "shed.start"]
+            assert started and started[0]["reason"] == "inflight", started
+            after = _burst(rig, 4)
+            answers = [job.result(timeout=60)[0] for job in jobs]
+        print(f"limit 9 after {took:.2f} s; spike: {Counter(answers)}, then 4 more: {dict(after)}, {started[0]}")
+        assert after == Counter({429: 4}), after
+        assert set(answers) <= {200, 429} and answers.count(200) >= 9, Counter(answers)

@@ -25,10 +25,9 @@ from confgen.runtime import EnvoyProcess, RedisProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.glimits import KEYS, NAME, call, topology_text, wait_for_window
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, worker_specs
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority
 
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI to make certificates")]
+pytestmark = pytest.mark.timeout(240)
 
 
 async def _check(port: int, creds: grpc.ChannelCredentials) -> str:

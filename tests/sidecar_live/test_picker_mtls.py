@@ -33,10 +33,9 @@ from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, fleet_topology, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
 from tests.sidecar_live.test_picker_live import chat, conversation_system
-from tests.support.certs import Cert, CertAuthority, openssl_available
+from tests.support.certs import Cert, CertAuthority
 
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(not openssl_available(), reason="needs the openssl CLI to make certificates")]
+pytestmark = pytest.mark.timeout(240)
 
 
 def _counter(sidecar: SidecarProcess, name: str) -> float:

@@ -6,27 +6,45 @@
 
 Each issued `Cert` has its `cert` and `key` paths (PEM); `ca.cert` is the CA's. EC P-256 keys
 (fast to make on a loaded machine), one day of validity.
+
+Without the openssl CLI the test making a certificate FAILS with how to install it (`make test`
+installs Debian's `openssl` first); it never skips: a skipped mTLS test is not coverage.
+
+`await served_common_name(port, ca, client)` handshakes with a TLS server as `client` and
+answers the CN of the certificate the server presented (certificate renewal tests).
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import ssl
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Cert", "CertAuthority", "openssl_available"]
+import pytest
+
+__all__ = ["Cert", "CertAuthority", "openssl", "served_common_name"]
 
 _TIMEOUT = 30.0
+_HANDSHAKE_TIMEOUT = 10.0
+_HINT = ("install Debian's openssl package (apt-get install -y --no-install-recommends openssl; "
+         "`make test` does it as root)")
 
 
-def openssl_available() -> bool:
-    return shutil.which("openssl") is not None
+def openssl() -> str:
+    """The openssl CLI's path; the calling test fails (not skips) when it is missing."""
+    path = shutil.which("openssl")
+    if path is None:
+        pytest.fail(f"the mTLS tests make their certificates with the openssl CLI, not found on PATH: {_HINT}",
+                    pytrace=False)
+    return path
 
 
 def _run(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=_TIMEOUT)
+    subprocess.run([openssl(), *args], cwd=cwd, check=True, capture_output=True, timeout=_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -67,3 +85,15 @@ class CertAuthority:
         _run("x509", "-req", "-in", str(csr), "-CA", str(self.cert), "-CAkey", str(self.key),
              "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext), cwd=self.directory)
         return Cert(name, cert, key)
+
+
+async def served_common_name(port: int, ca: CertAuthority, client: Cert, *, host: str = "127.0.0.1") -> str:
+    """The CN of the certificate a TLS (gRPC: ALPN h2) server on host:port presents to `client`."""
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    context.load_cert_chain(str(client.cert), str(client.key))
+    context.set_alpn_protocols(["h2"])
+    async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
+        _, writer = await asyncio.open_connection(host, port, ssl=context)
+    cert = writer.get_extra_info("peercert")
+    writer.close()
+    return str(dict(x[0] for x in cert["subject"])["commonName"])

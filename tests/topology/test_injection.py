@@ -20,7 +20,7 @@ from confgen._decode import _hints
 from confgen._fields import Duration, yaml_key
 from confgen.errors import TopologyError
 from confgen.topology import parse
-from tests.support.certs import CertAuthority, openssl_available
+from tests.support.certs import CertAuthority
 
 # Sets every string-typed field of the model at least once (checked below).
 FULL: dict[str, Any] = {
@@ -224,12 +224,9 @@ def test_full_topology_is_valid_and_covers_every_string_field(tmp_path: Path) ->
     covered = {owner for _, _, owner in LEAVES}
     assert _text_fields(model.Topology) - covered == set()
     doc = copy.deepcopy(FULL)
-    if openssl_available():
-        ca = CertAuthority.create(tmp_path / "pki")
-        client = ca.issue("full-envoy")
-        doc["sidecar"]["grpc_tls"] = {"cert": str(client.cert), "key": str(client.key), "ca": str(ca.cert)}
-    else:  # the TLS context is checked by tests/envoy/test_envoy_grpc_tls.py (skipped there too)
-        del doc["sidecar"]["grpc_tls"]
+    ca = CertAuthority.create(tmp_path / "pki")
+    client = ca.issue("full-envoy")
+    doc["sidecar"]["grpc_tls"] = {"cert": str(client.cert), "key": str(client.key), "ca": str(ca.cert)}
     topo, _ = parse(_dump(doc).encode(), "full.yaml")
     assert verify.verify(topo, "envoy") == []
 

@@ -16,25 +16,33 @@ against Envoy 1.40: POST /runtime_modify takes effect on the next request), post
 when it differs from what Envoy's /runtime shows (read every cycle, so an Envoy restart
 that lost the admin layer is repaired), and read back; `in_force` is what Envoy confirmed.
 
-Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), the same
-call sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable
-requests Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses
-requests, lowered while it has room, 0 once the pool stops shedding); `sheddable_share` is
-what Envoy confirmed. Envoy counts those refusals per pool
+Between probe cycles, `watch` reads this Envoy's in-flight count every
+`SaturationPolicy.inflight_interval_s` (one admin stats call for every pool) and runs the
+`InflightWatch`: a surge past the fleet's batch sets the limit at once instead of at the
+next probe. `apply` and `watch` take turns (one lock), and a refusal seen by either counts
+for the next `apply` (the release rule needs every refusal).
+
+Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `apply` also
+sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable requests
+Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses requests,
+lowered while it has room, 0 once the pool stops shedding), in the same runtime call;
+`sheddable_share` is what Envoy confirmed. Envoy counts those refusals per pool
 (`<confgen.envoy.shed_stat_prefix(pool)>.http_local_rate_limit.rate_limited`, read in the same
 stats call as the breakers' counters): tallied in `shed` as reason "share".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 
 from confgen.envoy import breaker_runtime_keys, shed_runtime_key, shed_stat_prefix
 from sidecar.decide.admission import Admissions
 from sidecar.decide.priority import ShedSharePolicy, ShedShares
-from sidecar.decide.saturation import Admission, PoolLoad, SaturationPolicy
+from sidecar.decide.saturation import Admission, InflightWatch, PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 
@@ -53,50 +61,106 @@ class InflightLimiter:
             raise ValueError(f"ingresses must be >= 1, got {ingresses}")
         self._admin = admin
         self._ingresses = ingresses
-        self._admissions = Admissions(policy, _log)
+        self._policy = policy or SaturationPolicy()
+        self._admissions = Admissions(self._policy, _log)
+        self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
+        self._refused: set[str] = set()  # pools whose limit refused requests since the last apply
+        self._loads: dict[str, PoolLoad] = {}  # the last apply's, what watch reads the batch from
+        self._watches: dict[str, InflightWatch] = {}
+        self._lock = asyncio.Lock()
         self._sheddable = sheddable  # the pools the current render gives sheddable traffic
         self._shares = ShedShares(share_policy)
-        self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
-        self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
         self._share_refusals: dict[str, int] = {}  # pool -> Envoy's shed share counter at the last read
+        self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
+
+    @property
+    def watch_interval_s(self) -> float | None:
+        """How often `watch` wants to run (None: never)."""
+        return self._policy.inflight_interval_s or None
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
         self._admissions.forget(pool)
         self._overflows.pop(pool, None)
-        self._share_refusals.pop(pool, None)
         self.shed.pop(pool, None)
+        self._refused.discard(pool)
+        self._loads.pop(pool, None)
+        self._watches.pop(pool, None)
         self._shares.forget(pool)
+        self._share_refusals.pop(pool, None)
         self.sheddable_share.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         """True while the pool's limit follows the controller rather than the safety cap."""
         return self._admissions.shedding(pool)
 
+    def inflight_signal(self, pool: str) -> float | None:
+        watch = self._watches.get(pool)
+        return watch.signal if watch is not None else None
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         """Compute every pool's limit and set those Envoy does not hold yet."""
         if not loads:
             return
+        async with self._lock:
+            counters = await self._counters(list(loads))
+            wanted: dict[str, int] = {}
+            shares: dict[str, int] = {}
+            sheddable = set(self._sheddable())
+            for pool, load in loads.items():
+                active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
+                refused = pool in self._refused
+                self._refused.discard(pool)
+                self._loads[pool] = load
+                watch = self._watches.get(pool, InflightWatch()).observe(active, load.saturation, self._ingresses,
+                                                                         now, self._policy)
+                self._watches[pool] = watch
+                saturation = watch.apply(load.saturation)
+                wanted[pool] = self._admissions.step(
+                    pool, replace(load, saturation=saturation), active, refused, self._ingresses, now, active=active,
+                    full_share=round(saturation.full_share, 3), waiting=round(saturation.waiting, 1),
+                    capacity=saturation.capacity, reason=saturation.reason)
+                if pool in sheddable:
+                    shares[pool] = self._share(pool, active, refused, wanted[pool], now)
+                    self._read_share(pool, counters)
+            await self._set(wanted, loads, shares)
+
+    async def watch(self, now: float) -> None:
+        """Between probes: this Envoy's in-flight count against the fleet's batch
+        (`InflightWatch`); a pool it finds saturated gets its limit at once."""
+        async with self._lock:
+            if not self._loads:
+                return
+            counters = await self._counters(list(self._loads))
+            if counters is None:
+                return
+            wanted: dict[str, int] = {}
+            for pool, load in self._loads.items():
+                active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
+                watch = self._watches.get(pool, InflightWatch()).observe(active, load.saturation, self._ingresses,
+                                                                         now, self._policy)
+                self._watches[pool] = watch
+                if not watch.on or self._admissions.shedding(pool):
+                    continue  # nothing new: a pool already shedding follows the probes' cycle
+                saturation = watch.apply(load.saturation)
+                wanted[pool] = self._admissions.step(
+                    pool, replace(load, saturation=saturation), active, False, self._ingresses, now, active=active,
+                    signal=round(watch.signal or 0.0, 2), capacity=saturation.capacity, reason=saturation.reason)
+            if wanted:
+                await self._set(wanted, {p: self._loads[p] for p in wanted})
+
+    async def _set(self, wanted: Mapping[str, int], loads: Mapping[str, PoolLoad],
+                   shares: Mapping[str, int] | None = None) -> None:
+        """Post the limits (and shed shares) Envoy does not hold yet, read them back into
+        `in_force` (and `sheddable_share`)."""
+        shares = shares or {}
         runtime = await self._admin.runtime()
         if runtime is None:
             log_event(_log, logging.WARNING, "limit.unreachable", admin=self._admin.base_url,
                       note="Envoy's runtime could not be read; limits unchanged")
             return
-        wanted: dict[str, int] = {}
-        shares: dict[str, int] = {}
-        sheddable = set(self._sheddable())
-        counters = await self._counters(list(loads))
-        for pool, load in loads.items():
-            active, refused = self._read(pool, counters, self._admissions.previous(pool), load.cap)
-            wanted[pool] = self._admissions.step(
-                pool, load, active, refused, self._ingresses, now, active=active,
-                full_share=round(load.saturation.full_share, 3), waiting=round(load.saturation.waiting, 1),
-                capacity=load.saturation.capacity, reason=load.saturation.reason)
-            if pool in sheddable:
-                shares[pool] = self._share(pool, active, refused, wanted[pool], now)
-                self._read_share(pool, counters)
         changes = {key: str(limit) for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)
                    if runtime.get(key) != str(limit)}
         changes.update({shed_runtime_key(pool): str(percent) for pool, percent in shares.items()
@@ -134,13 +198,6 @@ class InflightLimiter:
                       limit=limit, active=active, refused=refused)
         return percent
 
-    async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
-        """Envoy's in-flight, overflow and shed share counters of every pool, in one admin call."""
-        names = "|".join(re.escape(p) for p in pools)
-        return await self._admin.stats(rf"^(cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
-                                       r"|circuit_breakers\.high\.remaining_rq)"
-                                       rf"|{re.escape(shed_stat_prefix(''))}({names})\.http_local_rate_limit\.rate_limited)$")
-
     def _read_share(self, pool: str, counters: dict[str, int | str] | None) -> None:
         """Tally the sheddable requests the pool's shed share refused since the last read."""
         count = counters.get(f"{shed_stat_prefix(pool)}.http_local_rate_limit.rate_limited") if counters else None
@@ -152,10 +209,17 @@ class InflightLimiter:
             tally = self.shed.setdefault(pool, {})
             tally["share"] = tally.get("share", 0) + count - before
 
+    async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
+        """Envoy's in-flight, overflow and shed share counters of every pool, in one admin call."""
+        names = "|".join(re.escape(p) for p in pools)
+        return await self._admin.stats(rf"^(cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
+                                       r"|circuit_breakers\.high\.remaining_rq)"
+                                       rf"|{re.escape(shed_stat_prefix(''))}({names})\.http_local_rate_limit\.rate_limited)$")
+
     def _read(self, pool: str, counters: dict[str, int | str] | None, previous: Admission | None,
-              cap: int) -> tuple[int | None, bool]:
-        """This Envoy's requests in flight to the pool, and whether its breakers refused any
-        since the previous cycle (Envoy 1.40 counts a max_requests overflow in
+              cap: int) -> int | None:
+        """This Envoy's requests in flight to the pool; a refusal by its breakers since the
+        previous read marks the pool in `_refused` (Envoy 1.40 counts a max_requests overflow in
         `upstream_rq_active_overflow`, a max_pending_requests one in `upstream_rq_pending_overflow`:
         both are refusals, summed; reading the pending one alone saw none of the 429s);
         the refusals are tallied by reason: "saturated" while the controller's limit was in
@@ -170,13 +234,14 @@ class InflightLimiter:
                   for name in ("active_overflow", "pending_overflow")]
         active = active if isinstance(active, int) else None
         if not any(isinstance(c, int) for c in counts):
-            return active, False
+            return active
         overflow = sum(c for c in counts if isinstance(c, int))
         before = self._overflows.get(pool)
         self._overflows[pool] = overflow
         if before is None or overflow <= before:
-            return active, False
+            return active
         reason = "saturated" if previous is not None and previous.shedding else "cap"
         tally = self.shed.setdefault(pool, {})
         tally[reason] = tally.get(reason, 0) + overflow - before
-        return active, True
+        self._refused.add(pool)
+        return active

@@ -72,6 +72,18 @@ class RtdsLimiter:
     def shedding(self, pool: str) -> bool:
         return self._admissions.shedding(pool)
 
+    @property
+    def watch_interval_s(self) -> float | None:
+        """None: the control plane has no Envoy's own in-flight count to watch between probes
+        (the engines' reports, once per cycle, are what it sees)."""
+        return None
+
+    async def watch(self, now: float) -> None:
+        return None
+
+    def inflight_signal(self, pool: str) -> float | None:
+        return None
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
