@@ -35,7 +35,7 @@ __all__ = ["ShedShare", "ShedSharePolicy", "ShedShares", "next_share"]
 
 @dataclass(frozen=True, slots=True)
 class ShedSharePolicy:
-    first: int = 25  # percent on the first raise
+    first: int = 50  # percent on the first raise (then 100: a surge is rarely less than the sheddable share)
     factor: float = 2.0  # each further raise multiplies the share
     step_down: int = 10  # points removed per cycle while the limit has room
     room: float = 0.9  # "the limit has room": in flight below room x limit

@@ -58,9 +58,10 @@ def test_under_overload_sheddable_traffic_is_refused_first_and_critical_never(tm
     refuses requests: the sheddable clients' refused share is above the standard clients' and
     each of them gets fewer answers than a standard one; the critical clients get no 429; the
     share and its refusals are in the metrics; after the load it is back to 0 in Envoy and sheddable requests
-    pass. Measured (two runs): refused sheddable 0.96 / 0.95, standard 0.47 / 0.52 (a refused
-    client retries after 0.2 s, a served one holds ~1 s: per attempt), answers per client
-    sheddable 2.2 / 2.4, standard 9.6 / 9.0; critical 30 / 30 answered, none refused."""
+    pass. Measured (two runs, main's controller of 2026-12-01): refused sheddable 0.96 / 0.96,
+    standard 0.39 / 0.43 (per attempt: a refused client retries after 0.2 s, a served one holds
+    ~1 s), answers per client sheddable 2.0 / 2.1, standard 9.6 / 9.6; critical 31 / 31
+    answered, none refused."""
     workers = worker_specs(["a", "b", "c"], max_num_seqs=2, decode_ms=20.0)
     with live_rig(tmp_path, workers, capacity=2, extra_yaml=ROUTES) as rig:
         assert poll(lambda: _share(rig) == 0.0, timeout=10), rig.sidecar.metrics()
