@@ -32,9 +32,17 @@ def test_not_shedding_is_zero_at_once_whatever_came_before() -> None:
     assert run([(True, True, 100), (True, True, 100), (False, True, 100), (False, False, 10)]) == [50, 100, 0, 0]
 
 
-def test_with_room_and_nothing_refused_the_share_falls_slowly() -> None:
-    steps = [(True, True, 100)] * 3 + [(True, False, 50)] * 4
-    assert run(steps) == [50, 100, 100, 90, 80, 70, 60]
+def test_with_room_and_nothing_refused_for_the_quiet_time_the_share_falls_slowly() -> None:
+    """Cycles 2 s apart: the last refusal at 4 s, quiet from 8 s on, then -10 per cycle."""
+    steps = [(True, True, 100)] * 3 + [(True, False, 50)] * 5
+    assert run(steps) == [50, 100, 100, 100, 90, 80, 70, 60]
+
+
+def test_refusals_every_other_cycle_keep_the_share_up() -> None:
+    """At a small limit (5 of 6 in flight is 'room'), refusals on every other cycle: the share
+    stays at 100 instead of a 100/90 sawtooth that lets sheddable requests in."""
+    steps = [(True, True, 6)] * 2 + [(True, False, 5), (True, True, 6)] * 4
+    assert run(steps, limit=6) == [50, 100] + [100] * 8
 
 
 def test_a_binding_limit_that_refuses_nothing_holds_the_share() -> None:
@@ -54,7 +62,7 @@ def test_the_share_moves_at_most_once_per_min_interval() -> None:
 
 def test_a_raise_after_lowering_starts_from_where_it_is() -> None:
     steps = [(True, True, 100)] * 3 + [(True, False, 10)] * 5 + [(True, True, 100)]
-    assert run(steps)[-2:] == [50, 100]
+    assert run(steps)[-2:] == [60, 100]
 
 
 def test_shares_are_per_pool_and_forgotten() -> None:
@@ -73,7 +81,7 @@ def test_next_share_is_pure() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(first=0), dict(factor=0.5), dict(step_down=0), dict(room=0.0),
-                                 dict(min_interval_s=-1.0), dict(first=101)])
+                                 dict(min_interval_s=-1.0), dict(first=101), dict(quiet_s=-1.0)])
 def test_policy_refuses_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ShedSharePolicy(**bad)  # type: ignore[arg-type]
