@@ -183,3 +183,14 @@ def test_with_default_shut_critical_traffic_still_passes_on_the_real_envoy(tmp_p
             assert request(url, body, _auth("ops"))[0] == 200
             assert request(url, body, {**_auth("batch"), "x-tier": "urgent"})[0] == 200
             assert request(url, body, {**_auth("batch"), "x-confgen-client": "ops"})[0] == 429
+
+
+def test_validate_warns_that_a_strict_dns_pool_sheds_sheddable_traffic_like_standard() -> None:
+    """The shed share is the sidecar's (eds pools only): a strict_dns pool that gets sheddable
+    traffic (a sheddable route, or a sheddable client) is warned about at its discovery."""
+    text = TOPOLOGY.format(admin=1, port=2, a=3).replace("    workers:", "    discovery: strict_dns\n    workers:")
+    _, warnings = parse_topology(text.encode(), "classes.yaml")
+    found = [d for d in warnings if "shed share" in d.message]
+    assert [d.path for d in found] == ["pools[0].discovery"], warnings
+    _, warnings = parse_topology(TOPOLOGY.format(admin=1, port=2, a=3).encode(), "classes.yaml")
+    assert not [d for d in warnings if "shed share" in d.message]
