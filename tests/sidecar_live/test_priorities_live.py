@@ -107,5 +107,6 @@ def test_under_overload_sheddable_traffic_is_refused_first_and_critical_never(tm
         # the share's refusals, as Envoy counted them (the breaker's are reason saturated)
         assert counted is not None and 0 < float(counted.group(1)) <= statuses["sheddable"][429], counted
         assert poll(lambda: _share(rig) == 0.0, timeout=30), rig.sidecar.metrics()
+        assert rig.sidecar.state()["pools"]["chat"]["sheddable_share"] == 0
         assert _envoy_share(rig) in (None, "0")
         assert all(_post(rig, TIERS["sheddable"])[0] == 200 for _ in range(3))
