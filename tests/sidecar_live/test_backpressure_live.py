@@ -118,6 +118,9 @@ def test_overload_is_shed_with_429_and_retry_after_and_admitted_requests_complet
         assert _gauge(rig, "pool_queue_per_slot") is not None
         assert poll(lambda: _gauge(rig, "inflight_limit") == 24, timeout=15), rig.sidecar.state()
         assert _runtime(rig) == ["24", "24"]
+        # no sheddable traffic in this topology: the limiter never sets a shed share
+        assert "confgen.shed.chat.sheddable" not in json.loads(rig.envoy.admin_get("/runtime")[1])["entries"]
+        assert "sheddable_refused_ratio{" not in rig.sidecar.metrics()
         assert _gauge(rig, "pool_saturated") == 0.0
         assert set(_burst(rig, 6)) == {200}
 
