@@ -48,6 +48,7 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         _model_routing,
         _pool_settings,
         _routes,
+        _classes,
         _auth_and_limits,
         _canned,
     ):
@@ -380,6 +381,19 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", ERROR
         if scale is not None:
             yield from _fixed_workers_of_autoscaled(base, pool)
+
+
+def _classes(topo: Topology) -> Iterator[Finding]:
+    """Sheddable traffic is refused first by a share the sidecar's limiter raises, and the
+    limiter runs for the pools whose endpoints it publishes (discovery eds) only."""
+    routed = {r.pool for r in topo.routes if r.class_ == "sheddable"}
+    clients = bool(topo.sheddable_clients())
+    for pi, pool in enumerate(topo.pools):
+        if pool.discovery == "strict_dns" and (clients or pool.name in routed):
+            yield f"pools[{pi}].discovery", (
+                "this pool gets sheddable traffic, but the sidecar sets the shed share (and the shedding limit) "
+                "only for discovery: eds pools: under overload its sheddable traffic is shed like standard "
+                "traffic"), WARNING
 
 
 def _fixed_workers_of_autoscaled(base: str, pool: Pool) -> Iterator[Finding]:

@@ -279,8 +279,11 @@ class Route:
     )
     class_: TrafficClass = field(
         "standard", key="class",
-        doc="Under overload, critical traffic is never shed by the sidecar's limit (only the safety cap bounds "
-        "it); standard and sheddable traffic absorb the excess (Envoy cannot order the two; nginx honours none).",
+        doc="Under overload (Envoy only; nginx honours no class): critical traffic is never shed by the "
+        "sidecar's limit (only the safety cap bounds it); sheddable traffic is refused first (429 overloaded, a "
+        "share the sidecar raises while the pool's limit refuses requests); standard traffic absorbs what "
+        "remains. A request's class: critical if its route or its API-key client says critical, else "
+        "sheddable if either says sheddable, else standard.",
     )
 
 
@@ -294,8 +297,8 @@ class ApiKey:
     )
     class_: TrafficClass = field(
         "standard", key="class",
-        doc="This client's traffic class on every route (critical wins over the route's own class); see "
-        "routes[].class.",
+        doc="This client's traffic class on every route: critical if either this or the route's class is "
+        "critical, else sheddable if either is sheddable, else standard; see routes[].class.",
     )
 
 
@@ -668,6 +671,10 @@ class Topology:
     def critical_clients(self) -> tuple[str, ...]:
         """API-key clients whose traffic is critical on every route."""
         return tuple(k.client for k in self.auth.api_keys if k.class_ == "critical") if self.auth else ()
+
+    def sheddable_clients(self) -> tuple[str, ...]:
+        """API-key clients whose traffic is sheddable on every route that is not critical."""
+        return tuple(k.client for k in self.auth.api_keys if k.class_ == "sheddable") if self.auth else ()
 
     def has_critical(self) -> bool:
         """Some traffic is critical: the render gives the pools a HIGH-priority circuit breaker."""

@@ -24,7 +24,7 @@ from .balancing import is_hashing
 from .model import HeaderMatch, Pool, Topology
 
 __all__ = ["Plan", "PlannedPool", "PlannedRoute", "fallback_chain", "implicit_model_routes", "plan",
-           "primary_pool_for"]
+           "primary_pool_for", "sheddable_pools"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,18 @@ class PlannedRoute:
     models: tuple[str, ...] | None = None  # the body's `model` is one of these (None: any)
     path_prefix: str | None = None
     headers: tuple[HeaderMatch, ...] | None = None
-    traffic_class: str = "standard"  # critical: Envoy's HIGH priority (the sidecar never lowers its limit)
+    traffic_class: str = "standard"  # critical: Envoy's HIGH priority (the sidecar never lowers its limit);
+    # sheddable: refused first under overload (a runtime share the sidecar raises; see sheddable_pools)
+
+    def sheddable_clients(self, topo: Topology) -> tuple[str, ...]:
+        """The sheddable API-key clients who may use this route when it is standard (a critical
+        route stays critical for them; a sheddable one is sheddable for everyone already)."""
+        if self.traffic_class != "standard":
+            return ()
+        return tuple(c for c in topo.sheddable_clients() if self.clients is None or c in self.clients)
+
+    def carries_sheddable(self, topo: Topology) -> bool:
+        return self.traffic_class == "sheddable" or bool(self.sheddable_clients(topo))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,11 @@ class Plan:
     routes: tuple[PlannedRoute, ...]
     pools: tuple[PlannedPool, ...]  # in topology order
     restricted: bool  # some route limits its clients (the per-route client filter is needed)
+
+    def sheddable_pools(self, topo: Topology) -> tuple[str, ...]:
+        """Pools some sheddable traffic is routed to (a route's class, or a sheddable client on a
+        standard route): the render refuses a runtime share of it first under overload."""
+        return tuple(dict.fromkeys(r.pool.name for r in self.routes if r.carries_sheddable(topo)))
 
     def pool(self, name: str) -> PlannedPool:
         for planned in self.pools:
@@ -141,3 +157,8 @@ def plan(topo: Topology) -> Plan:
     restricted = any(r.allow_clients is not None for r in topo.routes) or any(
         p.allow_clients is not None for p in topo.pools)
     return Plan(routes=tuple(routes), pools=pools, restricted=restricted)
+
+
+def sheddable_pools(topo: Topology) -> tuple[str, ...]:
+    """Pools the Envoy render gives a shed share of sheddable traffic (`Plan.sheddable_pools`)."""
+    return plan(topo).sheddable_pools(topo)

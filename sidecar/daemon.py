@@ -458,6 +458,7 @@ class Daemon:
                 inflight_past_batch=self._limiter.inflight_signal(pool.name) if self._limiter is not None else None,
                 shed=dict(self._limiter.shed.get(pool.name, {})) if self._limiter is not None else {},
                 shedding=self._limiter.shedding(pool.name) if self._limiter is not None else False,
+                sheddable_share=self._limiter.sheddable_share.get(pool.name) if self._limiter is not None else None,
                 probe_durations=h.view() if (h := self._probe_durations.get(pool.name)) is not None else None,
             ))
         return Snapshot(

@@ -95,6 +95,7 @@ class PoolView:
     # ingresses / batch - 1
     shed: Mapping[str, int] = field(default_factory=dict)  # requests this Envoy refused, by reason
     shedding: bool = False  # the limit follows the shedding controller, not the safety cap
+    sheddable_share: int | None = None  # percent of sheddable requests refused at once (None: no such traffic)
     probe_durations: HistogramView | None = None  # every probe of the pool's endpoints since start
     model: str = ""  # the pool's model (its first `models` entry): the engine metrics' `model` label
 

@@ -49,10 +49,13 @@ class Surge:
 
 TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2)", "product")
 CRITICAL_SHARE = 0.2
+SHEDDABLE_SHARE = 0.3
 CLASSES = Setup("product_classes", f"confgen render + confgen-sidecar, {CRITICAL_SHARE:.0%} of the requests on a "
-                "critical route", "product",
+                f"critical route, {SHEDDABLE_SHARE:.0%} on a sheddable one", "product",
                 routes="[{name: urgent, pool: chat, class: critical, "
-                "match: {headers: [{name: x-tier, exact: critical}]}}]")
+                "match: {headers: [{name: x-tier, exact: critical}]}}, "
+                "{name: bulk, pool: chat, class: sheddable, "
+                "match: {headers: [{name: x-tier, exact: sheddable}]}}]")
 SURGES = (Surge("s118", "118 % for 30 s", 1.18, 30.0), Surge("s150", "150 % for 15 s", 1.5, 15.0),
           Surge("x3", "3x for 5 s", 3.0, 5.0))
 
@@ -66,7 +69,8 @@ def setups(ctx: Context) -> list[Setup]:
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
-                   length_s: float = OWN_S + OWN_WARMUP_S, critical_share: float = 0.0) -> list[dict[str, Any]]:
+                   length_s: float = OWN_S + OWN_WARMUP_S, critical_share: float = 0.0,
+                   sheddable_share: float = 0.0) -> list[dict[str, Any]]:
     """Open-loop Poisson arrivals at BASE x capacity for LEAD_S, then the surge's level for
     its length (thinning from the top rate, so one seed gives one arrival sequence); without
     a surge, BASE for `length_s`. Same request shape as the matrix (bench/_workload)."""
@@ -89,30 +93,78 @@ def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: 
         prompt = int(math.exp(rng.uniform(math.log(plo), math.log(phi))))
         body = {"model": "sim-model", "prompt": f"[request {i}] " + wl.text(rng, prompt),
                 "max_tokens": rng.randint(olo, ohi), "stream": True}
-        headers = {"x-tier": "critical"} if tier.random() < critical_share else {}
+        draw = tier.random()
+        headers = ({"x-tier": "critical"} if draw < critical_share
+                   else {"x-tier": "sheddable"} if draw < critical_share + sheddable_share else {})
         out.append({"i": i, "t": round(t, 6), "body": body, "headers": headers, "session": None})
     return out
 
 
+CLASS_NAMES = ("critical", "standard", "sheddable")
+
+
+def _classify(request: dict[str, Any]) -> str:
+    return str(request["headers"].get("x-tier", "standard"))
+
+
 def _classes_table(res: Result, rows: list[dict[str, Any]], surge: Surge) -> None:
     table = []
-    crit_shed = 0
-    for k in ("critical", "standard"):
+    shed: dict[str, int] = {}
+    requests: dict[str, int] = {}
+    share: dict[str, float | None] = {}
+    for k in CLASS_NAMES:
         got = [r.get("by_class", {}).get(k) for r in rows]
         got = [g for g in got if g is not None]
-        crit_shed += sum(g["shed"] for g in got) if k == "critical" else 0
-        table.append([k, str(sum(g["requests"] for g in got)), str(sum(g["shed"] for g in got)),
-                      _span([g["shed_share"] for g in got], 100, 1) + " %", _span([g["p99_ms"] for g in got]),
-                      _span([g["ttft_p99_ms"] for g in got])])
-    standard_excess = surge.excess / (1 - CRITICAL_SHARE)
+        shed[k] = sum(g["shed"] for g in got)
+        requests[k] = sum(g["requests"] for g in got)
+        share[k] = _mean([g["shed_share"] for g in got])
+        table.append([k, str(requests[k]), str(shed[k]),
+                      _span([g["shed_share"] for g in got], 100, 1) + " %", _span([g["p50_ms"] for g in got]),
+                      _span([g["p99_ms"] for g in got]), _span([g["ttft_p99_ms"] for g in got]),
+                      _span([g.get("tpot_p99_ms") for g in got], digits=1)])
+    # If the sheddable traffic absorbs the excess first: its shed share, and what is left for standard.
+    ideal_sheddable = min(1.0, surge.excess / SHEDDABLE_SHARE)
+    left = max(0.0, surge.excess - SHEDDABLE_SHARE)
+    ideal_standard = left / (1 - CRITICAL_SHARE - SHEDDABLE_SHARE)
     res.tables.append((f"Traffic classes at {surge.label}: {CRITICAL_SHARE:.0%} of the requests on a route of class "
-                       f"critical (Envoy's HIGH-priority breaker), the rest standard; if only standard traffic absorbs "
-                       f"the excess its shed share is {standard_excess:.1%}", ["class", "requests", "shed (429)",
-                                                                               "shed share", "admitted P99 ms",
-                                                                               "TTFT P99 ms"], table))
+                       f"critical (Envoy's HIGH-priority breaker), {SHEDDABLE_SHARE:.0%} on a route of class sheddable "
+                       f"(the shed share), the rest standard. Excess {surge.excess:.1%}: if the sheddable traffic "
+                       f"absorbs it first, sheddable's shed share is {ideal_sheddable:.1%} and standard's "
+                       f"{ideal_standard:.1%}; mean over seeds (range)",
+                       ["class", "requests", "shed (429)", "shed share", "admitted P50 ms", "admitted P99 ms",
+                        "TTFT P99 ms", "TPOT P99 ms"], table))
     failed = any(r.get("failed") for r in rows)
-    res.targets.append(Target(f"[overload] classes at {surge.label}: critical traffic shed", "0", str(crit_shed),
-                              float(crit_shed), crit_shed == 0 and not failed, 0.0))
+    res.targets.append(Target(f"[overload] classes at {surge.label}: critical traffic shed", "0", str(shed["critical"]),
+                              float(shed["critical"]), shed["critical"] == 0 and not failed, 0.0))
+    sheddable, standard = share["sheddable"] or 0.0, share["standard"] or 0.0
+    total = sum(shed.values()) / max(1, sum(requests.values()))
+    res.targets.append(Target(f"[overload] classes at {surge.label}: sheddable traffic shed first",
+                              f"sheddable shed share >= {ideal_sheddable - 0.1:.0%}", f"{sheddable:.1%}", sheddable,
+                              sheddable >= ideal_sheddable - 0.1 and not failed, ideal_sheddable - 0.1))
+    res.targets.append(Target(f"[overload] classes at {surge.label}: standard shed only past what sheddable absorbs",
+                              f"standard shed share <= {ideal_standard + 0.05:.0%}",
+                              f"{standard:.1%} (all classes: {total:.1%} shed against a {surge.excess:.1%} excess)",
+                              standard, standard <= ideal_standard + 0.05 and not failed, ideal_standard + 0.05))
+
+
+def _classes(ctx: Context, res: Result, seeds: list[int], cap: float) -> list[dict[str, Any]]:
+    """The product at 150 % with three classes: per-class shed share and admitted latency."""
+    surge = next(s for s in SURGES if s.key == "s150")
+    classes: list[dict[str, Any]] = []
+    for seed in seeds:
+        reqs = surge_requests(FLEET, cap, surge, seed + 11, critical_share=CRITICAL_SHARE,
+                              sheddable_share=SHEDDABLE_SHARE)
+        r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, CLASSES,
+                            f"ov-classes-{seed}", warmup_s=LEAD_S + FROM_S, deadline_s=reqs[-1]["t"] + 1.0,
+                            timeout_s=90.0, classify=_classify)
+        r["seed"] = seed
+        classes.append(r)
+        by = r.get("by_class", {})
+        print(f"  [overload] classes at 150 % seed {seed}: " + ", ".join(
+            f"{k} shed {v['shed']}/{v['requests']} P99 {fmt_ms(v['p99_ms'])} ms TTFT P99 {fmt_ms(v['ttft_p99_ms'])} ms"
+            for k, v in by.items()), flush=True)
+    _classes_table(res, classes, surge)
+    return classes
 
 
 def _every_fleet(ctx: Context, res: Result, seeds: list[int], length_s: float) -> None:
@@ -177,20 +229,8 @@ def run(ctx: Context) -> Result:
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} ({r['wall_s']:.0f}s)", flush=True)
-    classes: list[dict[str, Any]] = []
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
-        surge = next(s for s in SURGES if s.key == "s150")
-        for seed in seeds:
-            reqs = surge_requests(FLEET, cap, surge, seed + 11, critical_share=CRITICAL_SHARE)
-            r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, CLASSES,
-                                f"ov-classes-{seed}", warmup_s=LEAD_S + FROM_S, deadline_s=reqs[-1]["t"] + 1.0,
-                                timeout_s=90.0, classify=lambda q: "critical" if q["headers"] else "standard")
-            classes.append(r)
-            by = r.get("by_class", {})
-            print(f"  [overload] classes at 150 % seed {seed}: " + ", ".join(
-                f"{k} shed {v['shed']}/{v['requests']} P99 {fmt_ms(v['p99_ms'])} ms" for k, v in by.items()),
-                flush=True)
-        _classes_table(res, classes, surge)
+        _classes(ctx, res, seeds, cap)
     fleets_s = ctx.option("overload_fleets_s", 0)  # --set overload_fleets_s=60: the product alone at 78 %
     if fleets_s > 0:
         _every_fleet(ctx, res, seeds, fleets_s)

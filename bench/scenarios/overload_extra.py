@@ -34,18 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cap = ov.FLEET.capacity_rps()
     try:
         if args.classes:
-            surge = next(s for s in ov.SURGES if s.key == "s150")
-            rows = []
-            for seed in args.seeds:
-                reqs = ov.surge_requests(ov.FLEET, cap, surge, seed + 11, critical_share=ov.CRITICAL_SHARE)
-                r = measure_or_fail(ctx, ov.FLEET.spec(seed), list(ov.FLEET.max_num_seqs), reqs, ov.CLASSES,
-                                    f"ov-classes-{seed}", warmup_s=ov.LEAD_S + ov.FROM_S,
-                                    deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
-                                    classify=lambda q: "critical" if q["headers"] else "standard")
-                rows.append(r)
-                print(f"  classes seed {seed}: " + ", ".join(f"{k} shed {v['shed']}/{v['requests']} P99 "
-                      f"{fmt_ms(v['p99_ms'])} ms" for k, v in r.get("by_class", {}).items()), flush=True)
-            ov._classes_table(res, rows, surge)
+            ov._classes(ctx, res, args.seeds, cap)
         if args.two:
             for surge in ov.SURGES[:2]:
                 for seed in args.seeds:

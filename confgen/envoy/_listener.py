@@ -11,6 +11,11 @@ Filter order, and why:
      (token budgets: also the estimate from max_tokens, and the answer's usage; then
      sse_to_metadata for the usage of streams)
   5. rbac             - per-route client allow lists, evaluated on the final route.
+  5b. local_ratelimit.shed - only with sheddable traffic: on the sheddable routes (their
+                        typed_per_filter_config), refuses the runtime share of the pool's
+                        sheddable requests the sidecar sets under overload (`_shed_config`);
+                        after rbac (a client not allowed still gets 403), before the global
+                        budgets and the picker (a refused request uses neither).
   6. ratelimit        - global budgets (confgen-sidecar's rate limit service), per-route
                         descriptors; see _ratelimit.py.
   7. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
@@ -41,7 +46,7 @@ from ._clusters import (
     target_cluster,
 )
 from ._proto import Json, dur, extension, typed
-from ._replies import META_NS, local_reply_config
+from ._replies import META_NS, SHED_STATUS, local_reply_config
 
 # Request headers Envoy would obey from a client (retries, timeouts, routing hints).
 ENVOY_CONTROL_HEADERS = (
@@ -70,7 +75,7 @@ def _percent(key: str) -> Json:
     return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": key}
 
 
-def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> list[Json]:
+def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool, sheddable: bool) -> list[Json]:
     internal = [*ENVOY_CONTROL_HEADERS]
     if topo.auth is not None:
         internal.insert(0, topo.auth.client_header)
@@ -148,6 +153,10 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool) -> li
     if restricted:
         # No rules here: allow everything unless a route narrows it (typed_per_filter_config).
         filters.append(extension("envoy.filters.http.rbac", "extensions.filters.http.rbac.v3.RBAC", {}))
+    if sheddable:
+        # No limit here: only the sheddable routes' own settings (typed_per_filter_config) act.
+        filters.append(extension(SHED_FILTER, "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                                 {"stat_prefix": "confgen_shed"}))
     # Global budgets: asked once the route is final (it carries the descriptors) and the
     # client is allowed on it; before the router, so a refused prompt never reaches a worker.
     filters += _ratelimit.filters(topo)
@@ -267,20 +276,78 @@ def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: 
     return route
 
 
-def _critical_first(topo: Topology, routes: list[Json], plan: Plan, planned: PlannedRoute) -> list[Json]:
-    """Before each route that is not critical itself, the same route for the critical API-key
-    clients (matched on the client header api_key_auth sets; a client-sent copy is removed
-    first in the chain), at HIGH priority."""
-    clients = topo.critical_clients()
-    if not clients or planned.traffic_class == "critical" or topo.auth is None:
+def shed_runtime_key(pool: str) -> str:
+    """The runtime key holding the percentage (0-100) of `pool`'s sheddable requests Envoy answers
+    429 `overloaded` at once: the render defaults it to 0, the sidecar raises it under overload
+    (admin runtime in file mode, the RTDS layer in ADS mode). Pool names are validated names."""
+    return f"confgen.shed.{pool}.sheddable"
+
+
+def shed_stat_prefix(pool: str) -> str:
+    """Envoy counts the pool's refused sheddable requests in
+    `<prefix>.http_local_rate_limit.rate_limited` (one counter for all its sheddable routes)."""
+    return f"confgen_shed_{pool}"
+
+
+SHED_FILTER = "envoy.filters.http.local_ratelimit.shed"
+# One token a day: the bucket must hold at least one, so while the share is enforced one
+# sheddable request per route and day can pass it (Envoy's `ok` counter shows it).
+_SHED_BUCKET = {"max_tokens": 1, "tokens_per_fill": 1, "fill_interval": "86400s"}
+
+
+def _shed_config(pool: str) -> Json:
+    """The shed share on one sheddable route: a local rate limit whose `filter_enabled` is the
+    pool's runtime share (an integer runtime value is a percentage: checked on Envoy 1.40, 50 ->
+    ~50 % refused) over an (almost) empty bucket, answered with SHED_STATUS, which the local
+    reply mapper makes 429 `overloaded` + retry-after like the breaker's overflow. Chosen over a
+    runtime_fraction route with a direct_response (same effect) because Envoy counts these
+    refusals per pool (stat_prefix); a direct_response has no route stats in 1.40."""
+    return typed("extensions.filters.http.local_ratelimit.v3.LocalRateLimit", {
+        "stat_prefix": shed_stat_prefix(pool),
+        "token_bucket": _SHED_BUCKET,
+        "filter_enabled": {"default_value": {"numerator": 0, "denominator": "HUNDRED"},
+                           "runtime_key": shed_runtime_key(pool)},
+        "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "status": {"code": SHED_STATUS},
+    })
+
+
+def _with_shed(route: Json, pool: str) -> Json:
+    return {**route, "typed_per_filter_config": {**route.get("typed_per_filter_config", {}),
+                                                 SHED_FILTER: _shed_config(pool)}}
+
+
+def _client_header(topo: Topology, clients: tuple[str, ...]) -> Json:
+    """Matches the client id api_key_auth forwards (a client-sent copy is removed first in the chain)."""
+    assert topo.auth is not None
+    return {"name": topo.auth.client_header,
+            "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(c) for c in clients) + ")$"}}}
+
+
+def _by_class(topo: Topology, routes: list[Json], planned: PlannedRoute) -> list[Json]:
+    """Each route of a plan entry with what its classes need, in this order:
+    - for the critical API-key clients, unless the route is critical itself: a copy matched on
+      their client id at HIGH priority (critical wins over everything);
+    - if sheddable clients may use a standard route: a copy matched on their client id that
+      carries the pool's shed share (`_shed_config`);
+    - the route itself (HIGH if critical; carrying the shed share if sheddable)."""
+    if planned.traffic_class == "critical":
         return routes
-    header = {"name": topo.auth.client_header,
-              "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(c) for c in clients) + ")$"}}}
+    critical = topo.critical_clients() if topo.auth is not None else ()
+    sheddable = planned.sheddable_clients(topo) if topo.auth is not None else ()
+    pool = planned.pool.name
     out: list[Json] = []
     for route in routes:
-        match = {**route["match"], "headers": [*route["match"].get("headers", []), header]}
-        out.append({**route, "name": f"{route['name']}/critical", "match": match,
-                    "route": {**route["route"], "priority": "HIGH"}})
+        if critical:
+            match = {**route["match"], "headers": [*route["match"].get("headers", []), _client_header(topo, critical)]}
+            out.append({**route, "name": f"{route['name']}/critical", "match": match,
+                        "route": {**route["route"], "priority": "HIGH"}})
+        if planned.traffic_class == "sheddable":
+            out.append(_with_shed(route, pool))
+            continue
+        if sheddable:
+            match = {**route["match"], "headers": [*route["match"].get("headers", []), _client_header(topo, sheddable)]}
+            out.append(_with_shed({**route, "name": f"{route['name']}/sheddable", "match": match}, pool))
         out.append(route)
     return out
 
@@ -343,7 +410,7 @@ def routes(topo: Topology, plan: Plan) -> list[Json]:
                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             })
     for planned in plan.routes:
-        out.extend(_critical_first(topo, _routes_for(topo, plan, planned), plan, planned))
+        out.extend(_by_class(topo, _routes_for(topo, plan, planned), planned))
     return out
 
 
@@ -363,7 +430,7 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
             "max_direct_response_body_size_bytes": direct_response_limit(topo),
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo, plan)}],
         },
-        "http_filters": _filters(topo, secrets, plan.restricted),
+        "http_filters": _filters(topo, secrets, plan.restricted, bool(plan.sheddable_pools(topo))),
         "local_reply_config": local_reply_config(topo),
         "access_log": [extension(
             "envoy.access_loggers.stdout",

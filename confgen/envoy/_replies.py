@@ -9,9 +9,15 @@ import json
 from .._openai import canned_body, error_body, models_body, retry_after_seconds
 from ..limits import needs_store
 from ..model import Topology
+from ..plan import plan
 from ._proto import Json
 
 META_NS = "confgen"  # dynamic-metadata namespace the request's `model` is written to
+# The status of the shed share's refusals (`_listener._shed_config`): a code Envoy never answers
+# on its own, so the mapper below can tell them from a rate limit's 429 (whose RL flag is set only
+# after the reply is mapped) and make them 429 `overloaded`. 507 (Insufficient Storage): the local
+# rate limit filter takes only codes of envoy.type.v3.StatusCode.
+SHED_STATUS = 507
 
 
 def _json_format(body: Json) -> Json:
@@ -76,6 +82,12 @@ def local_reply_config(topo: Topology) -> Json:
             "headers_to_add": _retry_after(topo),
             "body_format_override": _json_format(error_body("overloaded")),
         },
+        *([{  # a sheddable request refused by its pool's shed share (the route's direct_response)
+            "filter": _status(SHED_STATUS),
+            "status_code": 429,
+            "headers_to_add": _retry_after(topo),
+            "body_format_override": _json_format(error_body("overloaded")),
+        }] if plan(topo).sheddable_pools(topo) else []),
         {  # local rate limit: its RL flag is set after the reply is mapped, so match the status
             "filter": _status(429),
             "headers_to_add": _retry_after(topo, keep=needs_store(topo)),

@@ -21,13 +21,13 @@ def unsupported(topo: Topology) -> list[Finding]:
     for ri, route in enumerate(topo.routes):
         if route.class_ != "standard":
             found.append((f"routes[{ri}].class", (
-                "nginx has one limit_conn per pool and no request classes: critical and sheddable traffic "
-                "are shed alike (the sidecar's shedding limit is Envoy-only)")))
+                "nginx honours no traffic class: one limit_conn per pool, so critical, standard and sheddable "
+                "traffic are shed alike (critical's own breaker and shedding sheddable first are Envoy-only)")))
     for ki, key in enumerate(topo.auth.api_keys if topo.auth else []):
         if key.class_ != "standard":
             found.append((f"auth.api_keys[{ki}].class", (
-                "nginx has one limit_conn per pool and no request classes: this client's traffic is shed like "
-                "any other")))
+                "nginx honours no traffic class: one limit_conn per pool, so this client's traffic is shed like "
+                "any other (classes are Envoy-only)")))
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
         bal = pool.balancing

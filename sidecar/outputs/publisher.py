@@ -97,7 +97,8 @@ class Limiter(Protocol):
     """Keeps each pool's in-flight limit in the proxy (sidecar.outputs.files.limiter's rule)."""
 
     in_force: dict[str, int]  # pool -> limit the proxy runs with
-    shed: dict[str, dict[str, int]]  # pool -> reason ("saturated" | "cap") -> requests the proxy refused (seen)
+    shed: dict[str, dict[str, int]]  # pool -> reason ("saturated" | "cap" | "share") -> requests refused (seen)
+    sheddable_share: dict[str, int]  # pool -> percent of its sheddable requests the proxy refuses at once
 
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None: ...
 

@@ -49,6 +49,7 @@ METRIC_NAMES = (
     _PREFIX + "pool_queue_per_slot",
     _PREFIX + "pool_inflight_past_batch",
     _PREFIX + "shed_requests_total",
+    _PREFIX + "sheddable_refused_ratio",
     _PREFIX + "endpoint_health",
     _PREFIX + "endpoint_running_requests",
     _PREFIX + "endpoint_waiting_requests",
@@ -124,8 +125,15 @@ class SidecarCollector(Collector):
                                  "this Envoy's requests in flight x ingresses / the batch the engines can run - 1 "
                                  "(saturated at >= 1.0 for 2.5 s or >= 2.5 at once by default).", labels=["pool"])
         shed = CounterMetricFamily(_PREFIX + "shed_requests", "Requests this Envoy answered 429 for the pool, as "
-                                   "seen in its overflow counter: reason saturated (the controller's limit) or cap "
-                                   "(the render's safety cap).", labels=["pool", "reason"])
+                                   "seen in its overflow counter: reason saturated (the controller's limit; class "
+                                   "standard: Envoy's DEFAULT priority, standard traffic and the sheddable requests "
+                                   "the shed share let through) or cap (the render's safety cap; class any); and "
+                                   "reason share, class sheddable: sheddable requests refused at once by the pool's "
+                                   "shed share (Envoy's per-pool local_ratelimit.shed counter; file mode only).",
+                                   labels=["pool", "reason", "class"])
+        share = GaugeMetricFamily(_PREFIX + "sheddable_refused_ratio", "Share of the pool's sheddable requests this "
+                                  "Envoy answers 429 at once (confirmed in Envoy), before its circuit breaker; "
+                                  "only for pools with sheddable traffic.", labels=["pool"])
         engine_labels = ["pool", "model", "worker", "address"]
         ttft = HistogramMetricFamily(_PREFIX + "engine_time_to_first_token_seconds", "The engine's own time to "
                                      "first token histogram, as last scraped (DP engines summed): per pool, its "
@@ -153,8 +161,11 @@ class SidecarCollector(Collector):
                 signal.add_metric([pool.name], pool.queue_per_slot)
             if pool.inflight_past_batch is not None:
                 past.add_metric([pool.name], pool.inflight_past_batch)
-            for reason in ("saturated", "cap"):
-                shed.add_metric([pool.name, reason], pool.shed.get(reason, 0))
+            for reason, traffic in (("saturated", "standard"), ("cap", "any")):
+                shed.add_metric([pool.name, reason, traffic], pool.shed.get(reason, 0))
+            if pool.sheddable_share is not None:
+                shed.add_metric([pool.name, "share", "sheddable"], pool.shed.get("share", 0))
+                share.add_metric([pool.name], pool.sheddable_share / 100)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)
@@ -192,8 +203,7 @@ class SidecarCollector(Collector):
         problems.add_metric([], float(len(snap.problems)))
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
                     rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
-                    ttft, tpot, output_tokens, shedding, signal, past, shed)
-
+                    ttft, tpot, output_tokens, shedding, signal, past, shed, share)
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)

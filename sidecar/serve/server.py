@@ -86,6 +86,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "inflight_limit": pool.inflight_limit,
                 "saturated": pool.saturated,
                 "shedding": pool.shedding,
+                "sheddable_share": pool.sheddable_share,
                 "endpoints": [
                     {
                         "worker": ep.key.worker,

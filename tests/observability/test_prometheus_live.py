@@ -135,8 +135,9 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                 # probe errors exist now too: every dashboard query has data, but for what the rig's
                 # topology has none of: token buckets, outlier detection (off), a fallback chain
                 # confgen_sidecar_ratelimit: no global limit in this rig (test_global_limits_live reads them)
+                # sheddable_refused_ratio: no sheddable traffic in this rig (test_priorities_live reads it)
                 absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed",
-                          "confgen_sidecar_ratelimit")
+                          "confgen_sidecar_ratelimit", "sheddable_refused_ratio")
                 empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
                          and not any(word in e for word in absent)]
                 assert empty == [], empty

@@ -200,6 +200,7 @@ def live_rig(
     configmap: bool = False,
     worker_item: Callable[[int], str] = lambda port: f"127.0.0.1:{port}",
     prepare_xds: Callable[[Path], None] | None = None,
+    extra_yaml: str = "",
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
@@ -207,12 +208,13 @@ def live_rig(
     mounted the way Kubernetes mounts a ConfigMap (symlinks through `..data`).
     `worker_item`: the YAML list item that names the worker listening on a port.
     `prepare_xds`: called with the xDS directory's path before anything is written there.
+    `extra_yaml`: top-level topology keys appended to the rig's (e.g. `routes:`).
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
         port, admin, listen = free_port(), free_port(), free_port()
         chosen = fleet.workers[: listed or len(fleet.workers)]
         text = topology_text([worker_item(w.port) for w in chosen], admin=admin, port=port,
-                             capacity=capacity, policy=policy, sidecar_port=listen)
+                             capacity=capacity, policy=policy, sidecar_port=listen) + extra_yaml
         if configmap:
             topo_path = configmap_publish(tmp / "cm", text)
         else:

@@ -111,13 +111,16 @@ def test_overload_is_shed_with_429_and_retry_after_and_admitted_requests_complet
             assert headers["retry-after"] == "2"
             assert json.loads(body)["error"]["code"] == "overloaded"
         assert any(e.get("event") == "shed.start" for e in rig.sidecar.events())
-        seen = re.search(r'^confgen_sidecar_shed_requests_total\{pool="chat",reason="saturated"\} (\S+)$',
-                         rig.sidecar.metrics(), re.M)
+        seen = re.search(r'^confgen_sidecar_shed_requests_total'
+                         r'\{class="standard",pool="chat",reason="saturated"\} (\S+)$', rig.sidecar.metrics(), re.M)
         shed_lines = [ln for ln in rig.sidecar.metrics().splitlines() if "shed_requests_total{" in ln]
         assert seen is not None and float(seen.group(1)) > 0, shed_lines  # the sidecar saw its 429s
         assert _gauge(rig, "pool_queue_per_slot") is not None
         assert poll(lambda: _gauge(rig, "inflight_limit") == 24, timeout=15), rig.sidecar.state()
         assert _runtime(rig) == ["24", "24"]
+        # no sheddable traffic in this topology: the limiter never sets a shed share
+        assert "confgen.shed.chat.sheddable" not in json.loads(rig.envoy.admin_get("/runtime")[1])["entries"]
+        assert "sheddable_refused_ratio{" not in rig.sidecar.metrics()
         assert _gauge(rig, "pool_saturated") == 0.0
         assert set(_burst(rig, 6)) == {200}
 

@@ -21,6 +21,14 @@ Between probe cycles, `watch` reads this Envoy's in-flight count every
 `InflightWatch`: a surge past the fleet's batch sets the limit at once instead of at the
 next probe. `apply` and `watch` take turns (one lock), and a refusal seen by either counts
 for the next `apply` (the release rule needs every refusal).
+
+Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `apply` also
+sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable requests
+Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses requests,
+lowered while it has room, 0 once the pool stops shedding), in the same runtime call;
+`sheddable_share` is what Envoy confirmed. Envoy counts those refusals per pool
+(`<confgen.envoy.shed_stat_prefix(pool)>.http_local_rate_limit.rate_limited`, read in the same
+stats call as the breakers' counters): tallied in `shed` as reason "share".
 """
 
 from __future__ import annotations
@@ -28,11 +36,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
-from confgen.envoy import breaker_runtime_keys
+from confgen.envoy import breaker_runtime_keys, shed_runtime_key, shed_stat_prefix
 from sidecar.decide.admission import Admissions
+from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import Admission, InflightWatch, PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
 from sidecar.outputs.envoy_admin import EnvoyAdmin
@@ -45,7 +54,9 @@ _log = logging.getLogger("sidecar.outputs.files.limiter")
 class InflightLimiter:
     """Applies the shedding controller (`sidecar.decide.saturation.admit`) to Envoy's runtime layer."""
 
-    def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None) -> None:
+    def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None,
+                 sheddable: Callable[[], Collection[str]] = tuple,
+                 share_policy: ShedSharePolicy | None = None) -> None:
         if ingresses < 1:
             raise ValueError(f"ingresses must be >= 1, got {ingresses}")
         self._admin = admin
@@ -57,6 +68,10 @@ class InflightLimiter:
         self._loads: dict[str, PoolLoad] = {}  # the last apply's, what watch reads the batch from
         self._watches: dict[str, InflightWatch] = {}
         self._lock = asyncio.Lock()
+        self._sheddable = sheddable  # the pools the current render gives sheddable traffic
+        self._shares = ShedShares(share_policy)
+        self._share_refusals: dict[str, int] = {}  # pool -> Envoy's shed share counter at the last read
+        self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
 
@@ -73,6 +88,9 @@ class InflightLimiter:
         self._refused.discard(pool)
         self._loads.pop(pool, None)
         self._watches.pop(pool, None)
+        self._shares.forget(pool)
+        self._share_refusals.pop(pool, None)
+        self.sheddable_share.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         """True while the pool's limit follows the controller rather than the safety cap."""
@@ -89,6 +107,8 @@ class InflightLimiter:
         async with self._lock:
             counters = await self._counters(list(loads))
             wanted: dict[str, int] = {}
+            shares: dict[str, int] = {}
+            sheddable = set(self._sheddable())
             for pool, load in loads.items():
                 active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
                 refused = pool in self._refused
@@ -102,7 +122,10 @@ class InflightLimiter:
                     pool, replace(load, saturation=saturation), active, refused, self._ingresses, now, active=active,
                     full_share=round(saturation.full_share, 3), waiting=round(saturation.waiting, 1),
                     capacity=saturation.capacity, reason=saturation.reason)
-            await self._set(wanted, loads)
+                if pool in sheddable:
+                    shares[pool] = self._share(pool, active, refused, wanted[pool], now)
+                    self._read_share(pool, counters)
+            await self._set(wanted, loads, shares)
 
     async def watch(self, now: float) -> None:
         """Between probes: this Envoy's in-flight count against the fleet's batch
@@ -128,8 +151,11 @@ class InflightLimiter:
             if wanted:
                 await self._set(wanted, {p: self._loads[p] for p in wanted})
 
-    async def _set(self, wanted: Mapping[str, int], loads: Mapping[str, PoolLoad]) -> None:
-        """Post the limits Envoy does not hold yet, read them back into `in_force`."""
+    async def _set(self, wanted: Mapping[str, int], loads: Mapping[str, PoolLoad],
+                   shares: Mapping[str, int] | None = None) -> None:
+        """Post the limits (and shed shares) Envoy does not hold yet, read them back into
+        `in_force` (and `sheddable_share`)."""
+        shares = shares or {}
         runtime = await self._admin.runtime()
         if runtime is None:
             log_event(_log, logging.WARNING, "limit.unreachable", admin=self._admin.base_url,
@@ -137,6 +163,8 @@ class InflightLimiter:
             return
         changes = {key: str(limit) for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)
                    if runtime.get(key) != str(limit)}
+        changes.update({shed_runtime_key(pool): str(percent) for pool, percent in shares.items()
+                        if runtime.get(shed_runtime_key(pool), "0") != str(percent)})
         if changes and not await self._admin.set_runtime(changes):
             log_event(_log, logging.ERROR, "limit.refused", admin=self._admin.base_url, keys=sorted(changes))
         after = await self._admin.runtime() if changes else runtime
@@ -151,12 +179,42 @@ class InflightLimiter:
             else:
                 log_event(_log, logging.WARNING, "limit.unconfirmed", pool=pool, limit=limit, envoy=list(held))
                 self.in_force.pop(pool, None)
+        for pool, percent in shares.items():
+            held_share = after.get(shed_runtime_key(pool), "0") if after is not None else None
+            if held_share == str(percent):
+                self.sheddable_share[pool] = percent
+            else:
+                log_event(_log, logging.WARNING, "shed_share.unconfirmed", pool=pool, percent=percent,
+                          envoy=held_share)
+                self.sheddable_share.pop(pool, None)
+
+    def _share(self, pool: str, active: int | None, refused: bool, limit: int, now: float) -> int:
+        """The pool's sheddable share for this cycle (logs when it moves)."""
+        before = self._shares.percent(pool)
+        percent = self._shares.step(pool, shedding=self._admissions.shedding(pool), refused=refused,
+                                    in_flight=active, limit=limit, now=now)
+        if percent != before:
+            log_event(_log, logging.INFO, "shed_share.set", pool=pool, percent=percent, before=before,
+                      limit=limit, active=active, refused=refused)
+        return percent
+
+    def _read_share(self, pool: str, counters: dict[str, int | str] | None) -> None:
+        """Tally the sheddable requests the pool's shed share refused since the last read."""
+        count = counters.get(f"{shed_stat_prefix(pool)}.http_local_rate_limit.rate_limited") if counters else None
+        if not isinstance(count, int):
+            return
+        before = self._share_refusals.get(pool)
+        self._share_refusals[pool] = count
+        if before is not None and count > before:
+            tally = self.shed.setdefault(pool, {})
+            tally["share"] = tally.get("share", 0) + count - before
 
     async def _counters(self, pools: list[str]) -> dict[str, int | str] | None:
-        """Envoy's in-flight and overflow counters of every pool, in one admin call."""
+        """Envoy's in-flight, overflow and shed share counters of every pool, in one admin call."""
         names = "|".join(re.escape(p) for p in pools)
-        return await self._admin.stats(rf"^cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
-                                       r"|circuit_breakers\.high\.remaining_rq)$")
+        return await self._admin.stats(rf"^(cluster\.({names})\.(upstream_rq_(active|active_overflow|pending_overflow)"
+                                       r"|circuit_breakers\.high\.remaining_rq)"
+                                       rf"|{re.escape(shed_stat_prefix(''))}({names})\.http_local_rate_limit\.rate_limited)$")
 
     def _read(self, pool: str, counters: dict[str, int | str] | None, previous: Admission | None,
               cap: int) -> int | None:

@@ -36,6 +36,7 @@ from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.errors import OutputError
 from confgen.model import Topology
 from confgen.output import atomic_write, diff_tree, write_tree
+from confgen.plan import sheddable_pools
 from sidecar.config import xds_dir_for
 from sidecar.logs import log_event
 from sidecar.outputs.envoy_admin import EnvoyAdmin
@@ -407,7 +408,9 @@ def build(wiring: Wiring) -> Built:
     config = wiring.config
     publisher = EdsPublisher(xds_dir_for(config, wiring.topo), wiring.admin, debounce_s=config.publish_debounce_s,
                              confirm_timeout_s=config.confirm_timeout_s)
-    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation))
+    topology = wiring.topology
+    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation,
+                                            sheddable=lambda: sheddable_pools(topology())))
 
 
 def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:

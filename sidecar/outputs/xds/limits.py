@@ -13,16 +13,21 @@ the limit.
 Every Envoy gets the same values; when Envoys connect or leave, the next cycle resizes the
 shares. Until the first value arrives Envoy applies the cluster's own circuit breakers
 (the safety cap), and a disconnected Envoy keeps its last values.
+
+Sheddable first: the same layer carries `confgen.envoy.shed_runtime_key(pool)` for the pools
+the render gives sheddable traffic (`sidecar.decide.priority`, from the same `refused` and
+in-flight share), so every Envoy refuses the same share of sheddable requests at once.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
-from confgen.envoy import breaker_runtime_keys
+from confgen.envoy import breaker_runtime_keys, shed_runtime_key
 from sidecar.decide.admission import Admissions
+from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
 
@@ -47,15 +52,22 @@ class RuntimeLayer(Protocol):
 class RtdsLimiter:
     """Same role as `sidecar.outputs.files.limiter.InflightLimiter`, through RTDS instead of the admin API."""
 
-    def __init__(self, publisher: RuntimeLayer, policy: SaturationPolicy | None = None) -> None:
+    def __init__(self, publisher: RuntimeLayer, policy: SaturationPolicy | None = None,
+                 sheddable: Callable[[], Collection[str]] = tuple,
+                 share_policy: ShedSharePolicy | None = None) -> None:
         self._publisher = publisher
         self._admissions = Admissions(policy, _log)
+        self._sheddable = sheddable  # the pools the current render gives sheddable traffic
+        self._shares = ShedShares(share_policy)
         self.in_force: dict[str, int] = {}  # pool -> limit served (every Envoy gets it)
         self.shed: dict[str, dict[str, int]] = {}  # the control plane cannot see Envoys' refusals: stays empty
+        self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (served)
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
         self._admissions.forget(pool)
+        self._shares.forget(pool)
+        self.sheddable_share.pop(pool, None)
 
     def shedding(self, pool: str) -> bool:
         return self._admissions.shedding(pool)
@@ -75,13 +87,20 @@ class RtdsLimiter:
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
+        shares: dict[str, int] = {}
+        sheddable = set(self._sheddable())
         for pool, load in loads.items():
             previous = self._admissions.previous(pool)
             share = round(load.saturation.in_flight / ingresses) if load.saturation.fresh_capacity else None
             refused = (previous is not None and share is not None
                        and share >= previous.limit - max(1, previous.limit // 20))
             wanted[pool] = self._admissions.step(pool, load, share, refused, ingresses, now)
+            if pool in sheddable:
+                shares[pool] = self._shares.step(pool, shedding=self._admissions.shedding(pool), refused=refused,
+                                                 in_flight=share, limit=wanted[pool], now=now)
         values = {key: limit for pool, limit in wanted.items() for key in breaker_runtime_keys(pool)}
+        values.update({shed_runtime_key(pool): percent for pool, percent in shares.items()})
         if self._publisher.set_runtime(values):
-            log_event(_log, logging.INFO, "limit.served", limits=wanted, ingresses=ingresses)
+            log_event(_log, logging.INFO, "limit.served", limits=wanted, sheddable_share=shares, ingresses=ingresses)
         self.in_force = wanted
+        self.sheddable_share = shares

@@ -24,6 +24,7 @@ import grpc
 from confgen.envoy import Endpoint, ads, build_cla
 from confgen.errors import SecretError
 from confgen.model import Topology
+from confgen.plan import sheddable_pools
 from confgen.secrets import resolve as resolve_secrets
 from sidecar.fleet import XdsView
 from sidecar.logs import log_event
@@ -183,4 +184,6 @@ def build(wiring: Wiring) -> Built:
     publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock, tls=wiring.config.xds_tls,
                              max_nodes=wiring.config.xds_max_nodes)
     register_xds(wiring.registry, publisher.view)
-    return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation))
+    topology = wiring.topology
+    return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation,
+                                        sheddable=lambda: sheddable_pools(topology())))
