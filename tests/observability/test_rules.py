@@ -69,6 +69,8 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     panels = [p for p in board["panels"] if p["type"] != "row"]
     assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)), sorted(ids)  # Grafana keys panels (links, edits) by id
     titles = " | ".join(p["title"] for p in panels)
     for needed in ("Healthy workers", "weight", "Queue depth", "Saturation", "429", "P50 / P99", "EDS publishes"):
         assert needed in titles, needed
