@@ -12,6 +12,10 @@ This controller moves the share, once per cycle (at most every `min_interval_s`)
 the in-flight limiter saw in the same cycle:
 
 - the pool is not shedding (its limit is the safety cap): 0, at once;
+- the pool has just started shedding: `first` (100 %) at once, before the limit meets any
+  standard request: the backlog a surge builds before the limit acts is drained by
+  refusing, and the sheddable requests go first (with 50 % first, the 150 % surge's
+  standard traffic took refusals during the ramp);
 - this Envoy's in-flight count is unknown (stale or missing metrics, admin unreachable):
   unchanged, never raised;
 - the DEFAULT breaker refused requests since the last cycle: the excess is still meeting
@@ -38,7 +42,7 @@ __all__ = ["ShedShare", "ShedSharePolicy", "ShedShares", "next_share"]
 
 @dataclass(frozen=True, slots=True)
 class ShedSharePolicy:
-    first: int = 50  # percent on the first raise (then 100: a surge is rarely less than the sheddable share)
+    first: int = 100  # percent when the pool starts shedding (then lowered while the limit has room)
     factor: float = 2.0  # each further raise multiplies the share
     step_down: int = 10  # points removed per cycle while the limit has room
     room: float = 0.9  # "the limit has room": in flight below room x limit
@@ -70,6 +74,8 @@ def next_share(previous: ShedShare | None, *, shedding: bool, refused: bool, in_
         return previous if previous.percent == 0 and previous.refused_at is None else ShedShare(0, now)
     if in_flight is None:
         return previous
+    if previous.percent == 0 and previous.refused_at is None:  # the first cycle of a shedding episode
+        return ShedShare(policy.first, now, now if refused else None)
     if refused:
         previous = replace(previous, refused_at=now)
     if previous.changed_at is not None and now - previous.changed_at < policy.min_interval_s:

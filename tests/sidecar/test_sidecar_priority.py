@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.decide.priority import ShedShare, ShedSharePolicy, ShedShares, next_share
 
-POLICY = ShedSharePolicy()  # first 50, x2, -10, room 0.9, min interval 1 s
+POLICY = ShedSharePolicy()  # first 100, x2, -10, room 0.9, min interval 1 s
 
 
 def run(steps: list[tuple[bool, bool, int | None]], limit: int = 100, dt: float = 2.0,
@@ -22,42 +22,48 @@ def run(steps: list[tuple[bool, bool, int | None]], limit: int = 100, dt: float 
             for i, (s, r, f) in enumerate(steps)]
 
 
-def test_while_the_limit_refuses_the_share_rises_fast_to_all_sheddable_traffic() -> None:
-    assert run([(True, True, 100)] * 5) == [50, 100, 100, 100, 100]
+def test_a_shedding_pool_refuses_all_sheddable_traffic_at_once_a_smaller_first_step_doubles() -> None:
+    """From the first cycle of shedding, refused or not yet: the sheddable requests go before
+    the limit meets a standard one."""
+    assert run([(True, True, 100)] * 5) == [100] * 5
+    assert run([(True, False, 10)]) == [100]
     slow = ShedShares(ShedSharePolicy(first=25))
     assert run([(True, True, 100)] * 4, shares=slow) == [25, 50, 100, 100]
 
 
 def test_not_shedding_is_zero_at_once_whatever_came_before() -> None:
-    assert run([(True, True, 100), (True, True, 100), (False, True, 100), (False, False, 10)]) == [50, 100, 0, 0]
+    assert run([(True, True, 100), (True, True, 100), (False, True, 100), (False, False, 10)]) == [100, 100, 0, 0]
 
 
 def test_with_room_and_nothing_refused_for_the_quiet_time_the_share_falls_slowly() -> None:
     """Cycles 2 s apart: the last refusal at 4 s, quiet from 8 s on, then -10 per cycle."""
     steps = [(True, True, 100)] * 3 + [(True, False, 50)] * 5
-    assert run(steps) == [50, 100, 100, 100, 90, 80, 70, 60]
+    assert run(steps) == [100, 100, 100, 100, 90, 80, 70, 60]
 
 
 def test_refusals_every_other_cycle_keep_the_share_up() -> None:
     """At a small limit (5 of 6 in flight is 'room'), refusals on every other cycle: the share
     stays at 100 instead of a 100/90 sawtooth that lets sheddable requests in."""
     steps = [(True, True, 6)] * 2 + [(True, False, 5), (True, True, 6)] * 4
-    assert run(steps, limit=6) == [50, 100] + [100] * 8
+    assert run(steps, limit=6) == [100] * 10
 
 
 def test_a_binding_limit_that_refuses_nothing_holds_the_share() -> None:
     """In flight at the limit (no room) but nothing refused: the share is about the excess."""
-    assert run([(True, True, 100), (True, True, 100), (True, False, 95), (True, False, 100)]) == [50, 100, 100, 100]
+    assert run([(True, True, 100), (True, True, 100), (True, False, 95), (True, False, 100)]) == [100, 100, 100, 100]
 
 
 def test_stale_or_missing_in_flight_never_raises_it() -> None:
     assert run([(True, True, None)] * 3) == [0, 0, 0]
-    assert run([(True, True, 100), (True, True, None), (True, True, None)]) == [50, 50, 50]
+    assert run([(True, True, 100), (True, True, None), (True, True, None)]) == [100, 100, 100]
+    lowering = [(True, True, 100)] + [(True, False, 10)] * 4 + [(True, True, None)] * 2
+    assert run(lowering) == [100, 100, 90, 80, 70, 70, 70]  # neither raised nor lowered without the count
 
 
 def test_the_share_moves_at_most_once_per_min_interval() -> None:
     """Extra cycles (a reload, a fast publish) inside min_interval_s do not compound the raise."""
-    assert run([(True, True, 100)] * 4, dt=0.4) == [50, 50, 50, 100]
+    slow = ShedShares(ShedSharePolicy(first=25))
+    assert run([(True, True, 100)] * 4, dt=0.4, shares=slow) == [25, 25, 25, 50]
 
 
 def test_a_raise_after_lowering_starts_from_where_it_is() -> None:
@@ -69,7 +75,7 @@ def test_shares_are_per_pool_and_forgotten() -> None:
     shares = ShedShares(POLICY)
     shares.step("chat", shedding=True, refused=True, in_flight=9, limit=10, now=0.0)
     shares.step("code", shedding=True, refused=False, in_flight=1, limit=10, now=0.0)
-    assert (shares.percent("chat"), shares.percent("code")) == (50, 0)
+    assert (shares.percent("chat"), shares.percent("code")) == (100, 100)
     shares.forget("chat")
     assert shares.percent("chat") == 0
 
@@ -143,7 +149,7 @@ def test_the_rtds_limiter_serves_the_shed_share_of_sheddable_pools_only() -> Non
         asyncio.run(limiter.apply({"chat": load(True, 40.0), "code": load(True, 40.0)}, now=2.0 * i))
         shares.append(layer.values[shed_runtime_key("chat")])
     assert shed_runtime_key("code") not in layer.values
-    assert shares[-1] == 100 and shares == sorted(shares) and shares[0] <= 50, shares
+    assert shares == [100] * 6, shares
     assert limiter.sheddable_share == {"chat": 100}
     for i in range(6, 12):
         asyncio.run(limiter.apply({"chat": load(False, 2.0), "code": load(False, 2.0)}, now=2.0 * i))

@@ -22,10 +22,11 @@ Between probe cycles, `watch` reads this Envoy's in-flight count every
 next probe. `apply` and `watch` take turns (one lock), and a refusal seen by either counts
 for the next `apply` (the release rule needs every refusal).
 
-Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `apply` also
-sets `confgen.envoy.shed_runtime_key(pool)`, the percentage of the pool's sheddable requests
-Envoy refuses at once (`sidecar.decide.priority`: raised while this limit refuses requests,
-lowered while it has room, 0 once the pool stops shedding), in the same runtime call;
+Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `apply` (and
+`watch`, when it starts the shedding) also sets `confgen.envoy.shed_runtime_key(pool)`, the
+percentage of the pool's sheddable requests Envoy refuses at once (`sidecar.decide.priority`:
+100 from the start of shedding, lowered while this limit has room, raised again while it
+refuses, 0 once the pool stops shedding), in the same runtime call;
 `sheddable_share` is what Envoy confirmed. Envoy counts those refusals per pool
 (`<confgen.envoy.shed_stat_prefix(pool)>.http_local_rate_limit.rate_limited`, read in the same
 stats call as the breakers' counters): tallied in `shed` as reason "share".
@@ -137,6 +138,8 @@ class InflightLimiter:
             if counters is None:
                 return
             wanted: dict[str, int] = {}
+            shares: dict[str, int] = {}
+            sheddable = set(self._sheddable())
             for pool, load in self._loads.items():
                 active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
                 watch = self._watches.get(pool, InflightWatch()).observe(active, load.saturation, self._ingresses,
@@ -148,8 +151,10 @@ class InflightLimiter:
                 wanted[pool] = self._admissions.step(
                     pool, replace(load, saturation=saturation), active, False, self._ingresses, now, active=active,
                     signal=round(watch.signal or 0.0, 2), capacity=saturation.capacity, reason=saturation.reason)
+                if pool in sheddable:  # the sheddable requests go first from now on
+                    shares[pool] = self._share(pool, active, False, wanted[pool], now)
             if wanted:
-                await self._set(wanted, {p: self._loads[p] for p in wanted})
+                await self._set(wanted, {p: self._loads[p] for p in wanted}, shares)
 
     async def _set(self, wanted: Mapping[str, int], loads: Mapping[str, PoolLoad],
                    shares: Mapping[str, int] | None = None) -> None:
