@@ -384,6 +384,16 @@ class Daemon:
         if self._limiter is not None:
             await self._limiter.apply(loads, now)
 
+    def _saturated(self, pool: str) -> tuple[bool, str]:
+        """The pool's verdict as of the last cycle, and why: the engines' rules, else the
+        limiter's in-flight watch (which also runs between cycles)."""
+        verdict = self._verdicts.get(pool)
+        if verdict is not None and verdict.saturated:
+            return True, verdict.reason
+        if self._limiter is not None and self._limiter.inflight_saturated(pool):
+            return True, "inflight"
+        return False, ""
+
     def _pool_load(self, pool: Pool, now: float) -> PoolLoad:
         """The render's safety cap and the per-worker headroom verdict over the endpoints in
         rotation (the pool's standing queue, `QueueWatch`, is added once per cycle in `_publish`)."""
@@ -441,6 +451,7 @@ class Daemon:
                 for k, t in members
             )
             samples = {k: t.sample for k, t in members}
+            saturated, reason = self._saturated(pool.name)
             pools.append(PoolView(
                 name=pool.name,
                 engine=pool.engine,
@@ -452,8 +463,8 @@ class Daemon:
                 rejected=pool.name in self._publisher.rejected,
                 endpoints=views,
                 inflight_limit=self._limiter.in_force.get(pool.name) if self._limiter is not None else None,
-                saturated=verdict.saturated if (verdict := self._verdicts.get(pool.name)) is not None else False,
-                saturated_reason=verdict.reason if verdict is not None else "",
+                saturated=saturated,
+                saturated_reason=reason,
                 queue_per_slot=self._watches[pool.name].signal if pool.name in self._watches else None,
                 inflight_past_batch=self._limiter.inflight_signal(pool.name) if self._limiter is not None else None,
                 shed=dict(self._limiter.shed.get(pool.name, {})) if self._limiter is not None else {},

@@ -117,6 +117,10 @@ class Limiter(Protocol):
         """The watch's last signal for the pool (None: not watched, or no fresh metrics)."""
         ...
 
+    def inflight_saturated(self, pool: str) -> bool:
+        """The in-flight watch finds the pool saturated (False where there is no watch)."""
+        ...
+
     def forget(self, pool: str) -> None: ...
 
 

@@ -112,9 +112,10 @@ class SidecarCollector(Collector):
         limit = GaugeMetricFamily(_PREFIX + "inflight_limit", "Requests in flight to the pool before this Envoy "
                                   "answers 429 (circuit-breaker override Envoy confirmed): the safety cap "
                                   "unless the pool is saturated.", labels=["pool"])
-        saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the engines report the pool saturated "
-                                      "(sidecar.decide.saturation: the pool's standing queue per slot, or per-worker "
-                                      "queue, trend and KV use; fresh metrics only).", labels=["pool"])
+        saturated = GaugeMetricFamily(_PREFIX + "pool_saturated", "1 while the pool is saturated "
+                                      "(sidecar.decide.saturation: the pool's standing queue per slot, per-worker "
+                                      "queue, trend and KV use, or this Envoy's in-flight past the batch; fresh "
+                                      "metrics only).", labels=["pool"])
         shedding = GaugeMetricFamily(_PREFIX + "pool_shedding", "1 while this Envoy's limit for the pool follows "
                                      "the shedding controller (saturated, or releasing), 0 at the safety cap.",
                                      labels=["pool"])

@@ -85,6 +85,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "rejected": pool.rejected,
                 "inflight_limit": pool.inflight_limit,
                 "saturated": pool.saturated,
+                "saturated_reason": pool.saturated_reason,
                 "shedding": pool.shedding,
                 "sheddable_share": pool.sheddable_share,
                 "endpoints": [

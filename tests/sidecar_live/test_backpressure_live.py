@@ -165,6 +165,8 @@ def test_a_spike_through_envoy_is_refused_on_its_own_in_flight_count(tmp_path: P
             jobs = [spike.submit(http, "POST", rig.url, long_body, 60.0) for _ in range(30)]
             assert poll(lambda: _runtime(rig) == ["9", "9"], timeout=8.0), rig.sidecar.events()[-5:]
             took = time.monotonic() - t0
+            chat = rig.sidecar.state()["pools"]["chat"]
+            assert (chat["saturated"], chat["saturated_reason"], chat["shedding"]) == (True, "inflight", True), chat
             started = [e for e in rig.sidecar.events() if e.get("event") == "shed.start"]
             assert started and started[0]["reason"] == "inflight", started
             after = _burst(rig, 4)

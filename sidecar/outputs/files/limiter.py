@@ -101,6 +101,10 @@ class InflightLimiter:
         watch = self._watches.get(pool)
         return watch.signal if watch is not None else None
 
+    def inflight_saturated(self, pool: str) -> bool:
+        watch = self._watches.get(pool)
+        return watch is not None and watch.on
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         """Compute every pool's limit and set those Envoy does not hold yet."""
         if not loads:

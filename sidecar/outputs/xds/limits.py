@@ -84,6 +84,9 @@ class RtdsLimiter:
     def inflight_signal(self, pool: str) -> float | None:
         return None
 
+    def inflight_saturated(self, pool: str) -> bool:
+        return False
+
     async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
