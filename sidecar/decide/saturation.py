@@ -52,8 +52,10 @@ worker's declared slots, its running count when it runs more than that, or, when
 cache is full and requests wait (KV-bound), what it runs. Load the engines hold that did
 not come through the Envoys counted (their requests in flight, running + waiting, past
 this Envoy's in-flight x ingresses: clients that bypass the proxy, an Envoy not counted
-in `--ingresses`) is taken off first, so it is not buried; with several Envoys whose
-traffic is uneven this errs toward refusing the lighter one. In flight past the limit, Envoy
+in `--ingresses`) is taken off first, so it is not buried; critical requests ride the
+HIGH-priority breaker and are not in `active`, so they count here too: the DEFAULT limit
+makes room for them. With several Envoys whose traffic is uneven this errs toward
+refusing the lighter one. In flight past the limit, Envoy
 answers 429 at once (it overflows instead of queueing); the requests already in flight are
 never cancelled, so the backlog built before the limit acts drains at the fleet's full
 rate, then admission follows completions: throughput stays at the fleet's best while a new
@@ -124,10 +126,12 @@ class SaturationPolicy:
             raise ValueError("stale_after_s must be > 0 and target_queue >= 0")
         if not self.queue_exit < self.pool_enter <= self.pool_burst or self.pool_hold_s < 0:
             raise ValueError("need queue_exit < pool_enter <= pool_burst and pool_hold_s >= 0")
-        if not self.queue_exit < self.inflight_enter <= self.inflight_burst or self.inflight_hold_s < 0 \
-                or self.inflight_interval_s < 0:
-            raise ValueError("need queue_exit < inflight_enter <= inflight_burst, inflight_hold_s >= 0 and "
-                             "inflight_interval_s >= 0")
+        if self.inflight_interval_s < 0:
+            raise ValueError("inflight_interval_s must be >= 0 (0: no in-flight watch)")
+        if self.inflight_interval_s > 0 and (not self.queue_exit < self.inflight_enter <= self.inflight_burst
+                                             or self.inflight_hold_s < 0):
+            raise ValueError("with the in-flight watch on, need queue_exit < inflight_enter <= inflight_burst and "
+                             "inflight_hold_s >= 0 (inflight_interval_s=0 turns it off)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -370,6 +370,8 @@ def test_policy_refuses_inconsistent_thresholds() -> None:
                 {"inflight_enter": 3.0}, {"inflight_hold_s": -1.0}, {"inflight_interval_s": -0.5}):
         with pytest.raises(ValueError):
             SaturationPolicy(**bad)  # type: ignore[arg-type]
+    # the watch's levels are checked only while it is on: high queue levels can turn shedding off
+    SaturationPolicy(queue_enter=1000, queue_exit=999, pool_enter=1000, pool_burst=1000, inflight_interval_s=0)
 
 
 def test_runtime_keys_name_the_default_priority_thresholds() -> None:

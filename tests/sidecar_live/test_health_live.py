@@ -178,7 +178,7 @@ def test_weights_move_traffic_away_from_a_growing_queue(tmp_path: Path) -> None:
     queue_args = (*FAST_ARGS, "--weights", "waiting_penalty=2", "--weights", "queue_half_life_s=0",
                   "--saturation", "queue_enter=1000", "--saturation", "queue_exit=999",
                   "--saturation", "kv_threshold=1", "--saturation", "pool_enter=1000",
-                  "--saturation", "pool_burst=1000")
+                  "--saturation", "pool_burst=1000", "--saturation", "inflight_interval_s=0")
     with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=8, decode_ms=20.0), capacity=8,
                   sidecar_args=queue_args) as rig:
         pa, pb = rig.worker_port("a"), rig.worker_port("b")
