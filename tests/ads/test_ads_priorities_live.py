@@ -6,18 +6,13 @@ under overload and critical ones never."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.support.classes import load, post
 
 TOPOLOGY = """\
 version: 1
@@ -40,23 +35,7 @@ pools:
     workers:
 {workers}
 """
-BODY = {"model": "sim-model", "prompt": "hold a slot", "max_tokens": 40}  # ~1 s at decode_ms=20
-TIERS = {"sheddable": "bulk", "standard": "", "critical": "urgent"}
-CLIENTS = {"sheddable": 12, "standard": 5, "critical": 3}  # 20 closed-loop clients on 6 slots
 KEY = envoy.shed_runtime_key("chat")
-
-
-def _post(port: int, tier: str) -> int:
-    headers = {"content-type": "application/json", **({"x-tier": tier} if tier else {})}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(BODY).encode(),
-                                 method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30.0) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as err:
-        err.read()
-        return err.code
 
 
 def _share(proxy: EnvoyProcess) -> str | None:
@@ -71,9 +50,9 @@ def test_the_control_plane_serves_the_shed_share_and_sheddable_traffic_goes_firs
     """Three workers of 2 slots under 20 closed-loop clients for 14 s (12 sheddable, 5
     standard, 3 critical): the RTDS layer carries the share at 0 before the load, above 0
     during it (seen in Envoy's runtime), 0 again after; the sheddable clients' refused share
-    is above the standard clients'; the critical clients get no 429. Measured (two runs): sheddable
-    refused 0.98 / 0.97 per attempt, standard 0 / 0 (55 and 54 answered), critical 34 / 30
-    answered; shares seen in Envoy 0, 50, 100 (and 90 on the way down)."""
+    is above the standard clients'; the critical clients get no 429. Measured with the share at
+    100 % from the start of shedding (two runs): sheddable refused 0.98 / 0.98 per attempt,
+    standard 0 / 0 (58 answered each), critical 31 / 31 answered; shares seen in Envoy 0, 100."""
     specs = worker_specs(["a", "b", "c"], max_num_seqs=2, decode_ms=20.0)
     with run_fleet_in_thread(FleetSpec(workers=specs, seed=3)) as fleet:
         port, xds, listen = free_port(), free_port(), free_port()
@@ -90,31 +69,13 @@ def test_the_control_plane_serves_the_shed_share_and_sheddable_traffic_goes_firs
             out.mkdir()
             (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
             with EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", "envoy-0"]) as proxy:
-                assert poll(lambda: _share(proxy) == "0" and _post(port, "bulk") == 200, timeout=20), \
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                assert poll(lambda: _share(proxy) == "0" and post(url, "bulk")[0] == 200, timeout=20), \
                     sidecar.log_tail()
-                statuses: dict[str, Counter[int]] = {cls: Counter() for cls in CLIENTS}
                 seen: set[str | None] = set()
-                lock = threading.Lock()
-                deadline = time.monotonic() + 14.0
-
-                def client(cls: str) -> None:
-                    for _ in range(400):
-                        if time.monotonic() >= deadline:
-                            return
-                        status = _post(port, TIERS[cls])
-                        with lock:
-                            statuses[cls][status] += 1
-                        if status == 429:
-                            time.sleep(0.2)
-
-                with ThreadPoolExecutor(max_workers=sum(CLIENTS.values())) as pool:
-                    jobs = [pool.submit(client, cls) for cls, n in CLIENTS.items() for _ in range(n)]
-                    while time.monotonic() < deadline:
-                        seen.add(_share(proxy))
-                        time.sleep(0.25)  # sampling Envoy's runtime, not synchronisation
-                    for job in jobs:
-                        job.result(timeout=60)
-                refused = {cls: c[429] / max(1, sum(c.values())) for cls, c in statuses.items()}
+                outcome = load(url, 14.0, lambda: seen.add(_share(proxy)))
+                statuses = outcome.statuses
+                refused = outcome.refused()
                 print(f"statuses {({k: dict(v) for k, v in statuses.items()})}, refused share {refused}, "
                       f"shares seen in Envoy {sorted(str(s) for s in seen)}")
                 assert all(set(c) <= {200, 429} for c in statuses.values()), statuses
