@@ -120,6 +120,13 @@ async def _watch_limits(limiter: Limiter | None, stop: asyncio.Event, clock: Cal
         await _sleep_or_stop(stop, started + interval - clock())
 
 
+def _report_end(task: asyncio.Task[None]) -> None:
+    """A background task that ended other than by cancellation is logged (once, when it ends)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log_event(_log, logging.ERROR, "task.failed", task=task.get_name(), error=repr(error),
+                  note="the in-flight watch stopped; limits follow the probe cycle only")
+
+
 async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
               registry: CollectorRegistry | None = None) -> int:
     """Run until `stop` is set (or SIGTERM/SIGINT when on the main thread); the exit code."""
@@ -209,6 +216,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
         watcher.start()
         limits = asyncio.create_task(_watch_limits(built.limiter, stop, loop.time), name="limits-watch")
+        limits.add_done_callback(_report_end)
         xds = publisher.xds_view()
         serving = xds.listen if xds is not None else None
         log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
@@ -228,8 +236,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         finally:
             log_event(_log, logging.INFO, "shutdown.begin")
             limits.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await limits
+            await asyncio.gather(limits, return_exceptions=True)  # a failure was logged when it ended
             await watcher.stop()
             if grpc_server is not None:
                 await grpc_server.stop()

@@ -6,6 +6,7 @@ releases to the safety cap."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -410,3 +411,48 @@ def test_limiter_counts_refusals_by_reason_and_leaves_critical_requests_out_of_i
     assert limiter._read("chat", most, shedding, 96) == 24
     assert limiter._read("chat", None, shedding, 96) is None  # Envoy unreadable: unknown, never shed
     assert "chat" not in limiter._refused
+
+
+class _Failing:
+    """A limiter whose watch fails once after `ok` calls (a fault a real Envoy can't produce)."""
+
+    watch_interval_s = 0.01
+
+    def __init__(self, ok: int, stop_after: int = 0, stop: Any = None) -> None:
+        self.calls, self.ok, self.stop_after, self.stop = 0, ok, stop_after, stop
+
+    async def watch(self, now: float) -> None:
+        self.calls += 1
+        if self.stop is not None and self.calls == self.stop_after:
+            self.stop.set()  # the event the loop checks: no polling from the test
+        if self.calls > self.ok:
+            raise RuntimeError("boom")
+
+
+def test_the_watch_loop_runs_until_stopped_and_a_failure_is_logged_not_raised_at_shutdown(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """sidecar.main's loop calls the limiter's watch every interval until `stop`; if the watch
+    raises, the task ends, the failure is logged once, and gathering it at shutdown does
+    not raise (the rest of the shutdown still runs)."""
+    import asyncio
+
+    from sidecar.main import _report_end, _watch_limits
+
+    async def scenario() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        steady = _Failing(ok=10**6, stop_after=3, stop=stop)
+        await asyncio.wait_for(_watch_limits(steady, stop, loop.time), timeout=5)  # type: ignore[arg-type]
+        failing = _Failing(ok=2)
+        broken = asyncio.create_task(_watch_limits(failing, asyncio.Event(), loop.time),  # type: ignore[arg-type]
+                                     name="limits-watch")
+        broken.add_done_callback(_report_end)
+        done = await asyncio.wait_for(asyncio.gather(broken, return_exceptions=True), timeout=5)
+        assert isinstance(done[0], RuntimeError)
+        return steady.calls, failing.calls
+
+    with caplog.at_level("ERROR", logger="sidecar.main"):
+        steady_calls, failing_calls = asyncio.run(scenario())
+    assert steady_calls >= 3 and failing_calls == 3
+    failed = [r for r in caplog.records if "task.failed" in r.getMessage()]
+    assert len(failed) == 1, [r.getMessage() for r in caplog.records]
