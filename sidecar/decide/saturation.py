@@ -224,6 +224,16 @@ def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: Saturati
                           waiting=waiting, in_flight=in_flight, reason="headroom" if saturated else "", batch=batch)
 
 
+def _standing(since: float | None, on: bool, signal: float, now: float, enter: float, hold_s: float, burst: float,
+              leave: float) -> tuple[float | None, bool]:
+    """The rule both watches share: (since when the signal has been >= `enter` on every
+    read, on). On once held `hold_s` or at `burst` at once; off again at `leave` or below."""
+    since = (since if since is not None else now) if signal >= enter else None
+    if on:
+        return since, signal > leave
+    return since, signal >= burst or (since is not None and now - since >= hold_s - 1e-9)
+
+
 @dataclass(frozen=True, slots=True)
 class QueueWatch:
     """The pool's standing queue, CoDel's idea on the engines' waiting queues.
@@ -249,11 +259,8 @@ class QueueWatch:
         if pool.fresh_capacity < 1:
             return QueueWatch()
         signal = pool.waiting / pool.fresh_capacity
-        since = (self.since if self.since is not None else now) if signal >= policy.pool_enter else None
-        if self.on:
-            on = signal > policy.queue_exit
-        else:
-            on = signal >= policy.pool_burst or (since is not None and now - since >= policy.pool_hold_s - 1e-9)
+        since, on = _standing(self.since, self.on, signal, now, policy.pool_enter, policy.pool_hold_s,
+                              policy.pool_burst, policy.queue_exit)
         return QueueWatch(since=since, on=on, signal=signal)
 
     def apply(self, pool: PoolSaturation) -> PoolSaturation:
@@ -294,12 +301,8 @@ class InflightWatch:
         if batch <= 0:
             return InflightWatch()
         signal = in_flight * max(ingresses, 1) / batch - 1.0
-        since = (self.since if self.since is not None else now) if signal >= policy.inflight_enter else None
-        if self.on:
-            on = signal > policy.queue_exit
-        else:
-            on = signal >= policy.inflight_burst or (
-                since is not None and now - since >= policy.inflight_hold_s - 1e-9)
+        since, on = _standing(self.since, self.on, signal, now, policy.inflight_enter, policy.inflight_hold_s,
+                              policy.inflight_burst, policy.queue_exit)
         return InflightWatch(since=since, on=on, signal=signal)
 
     def apply(self, pool: PoolSaturation) -> PoolSaturation:
