@@ -1,12 +1,15 @@
 """The sidecar's own HTTP server: metrics, probes of the sidecar itself, state, drain calls.
 
+    GET  /           the status page for humans: read-only HTML, no script (sidecar.serve.status_page)
     GET  /metrics    Prometheus text from the registry passed in
     GET  /healthz    200 while the process serves (liveness)
     GET  /readyz     200 once the first probe cycle is done and the proxy got a whole config;
                      its body also lists `problems` (an update the proxy refused, a write
                      failing) and says when the running config is stale (a reload refused),
                      neither of which makes it 503 (see _readyz)
-    GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample
+    GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample; the
+                     picker's figures when it runs (`picker`, and per pool `pools.<p>.picker`)
+                     (strict JSON, see finite(): no Infinity or NaN)
     GET  /v1/models  the models with healthy capacity now (the proxies ask for it; sidecar.serve.models)
     POST /drain    {"pool": P, "worker": HOST:PORT}   planned drain (published DRAINING)
     POST /undrain  {"pool": P, "worker": HOST:PORT}   end it
@@ -18,6 +21,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,8 +38,11 @@ from sidecar.outputs.xds.cache import SHORT
 from sidecar.serve.bounds import errors_as_json
 from sidecar.serve.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
 from sidecar.serve.models import models_answer
+from sidecar.serve.picker_view import picker_status
+from sidecar.serve.status_page import HEADERS as PAGE_HEADERS
+from sidecar.serve.status_page import render as render_page
 
-__all__ = ["build_app", "state_json"]
+__all__ = ["build_app", "finite", "state_json", "strict_json"]
 
 _DAEMON = web.AppKey("daemon", Daemon)
 _REGISTRY = web.AppKey("registry", CollectorRegistry)
@@ -65,7 +73,33 @@ def _xds_json(view: XdsView) -> dict[str, Any]:
     }
 
 
-def state_json(snap: Snapshot) -> dict[str, Any]:
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced, so that it encodes as strict JSON (RFC 8259
+    has no Infinity or NaN; JavaScript's JSON.parse refuses them): +inf and -inf become the
+    strings "+Inf" and "-Inf" (Prometheus's spelling: a histogram's last bucket bound is "+Inf"),
+    NaN becomes null (no value). Tuples become lists; mappings keep their keys."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return value
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def strict_json(body: Any, status: int = 200) -> web.Response:
+    """A JSON answer that any strict parser reads (finite(); encoding refuses what slips past)."""
+    text = json.dumps(finite(body), allow_nan=False)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+def state_json(snap: Snapshot, picker: dict[str, Any] | None = None) -> dict[str, Any]:
+    """/state's body (before finite()); `picker` is sidecar.serve.picker_view's status or None."""
+    picker_pools = picker["pools"] if picker is not None else {}
     return {
         "xds": _xds_json(snap.xds) if snap.xds is not None else None,
         "topology": snap.topology,
@@ -75,6 +109,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
         "problems": list(snap.problems),
         "reloads": dict(snap.reloads),
         "last_reload_error": snap.last_reload_error,
+        "picker": {k: v for k, v in picker.items() if k != "pools"} if picker is not None else None,
         "pools": {
             pool.name: {
                 "engine": pool.engine,
@@ -88,6 +123,7 @@ def state_json(snap: Snapshot) -> dict[str, Any]:
                 "saturated_reason": pool.saturated_reason,
                 "shedding": pool.shedding,
                 "sheddable_share": pool.sheddable_share,
+                "picker": picker_pools.get(pool.name),
                 "endpoints": [
                     {
                         "worker": ep.key.worker,
@@ -130,11 +166,17 @@ async def _readyz(request: web.Request) -> web.Response:
     daemon = request.app[_DAEMON]
     reasons = daemon.not_ready()
     body = {"ready": not reasons, "not_ready": reasons, "problems": daemon.problems(), "stale": daemon.stale()}
-    return web.json_response(body, status=503 if reasons else 200)
+    return strict_json(body, status=503 if reasons else 200)
 
 
 async def _state(request: web.Request) -> web.Response:
-    return web.json_response(state_json(request.app[_DAEMON].view()))
+    return strict_json(state_json(request.app[_DAEMON].view(), picker_status(request.app[_REGISTRY])))
+
+
+async def _page(request: web.Request) -> web.Response:
+    daemon = request.app[_DAEMON]
+    text = render_page(daemon.view(), picker_status(request.app[_REGISTRY]), daemon.topology)
+    return web.Response(text=text, content_type="text/html", charset="utf-8", headers=PAGE_HEADERS)
 
 
 async def _set_drain(request: web.Request, drained: bool) -> web.Response:
@@ -174,6 +216,7 @@ def build_app(daemon: Daemon, registry: CollectorRegistry, *, guard: MutationGua
     app[_DAEMON] = daemon
     app[_REGISTRY] = registry
     app[GUARD] = guard
+    app.router.add_get("/", _page)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
