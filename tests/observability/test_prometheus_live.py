@@ -26,6 +26,8 @@ from confgen.runtime import free_port, stop_process
 from tests.observability.promtools import tool
 from tests.observability.test_rules import dashboard_exprs, grafana_free
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, live_rig, poll, worker_specs
+from tests.sidecar_live.test_envoy_relay_live import promtool_parses
+from tests.sidecar_live.test_picker_live import chat, conversation_system, picker_rig
 
 
 @contextlib.contextmanager
@@ -136,8 +138,9 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                 # topology has none of: token buckets, outlier detection (off), a fallback chain
                 # confgen_sidecar_ratelimit: no global limit in this rig (test_global_limits_live reads them)
                 # sheddable_refused_ratio: no sheddable traffic in this rig (test_priorities_live reads it)
+                # confgen_picker / ext_proc: no prefix_affinity pool here (the picker fleet test below reads them)
                 absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed",
-                          "confgen_sidecar_ratelimit", "sheddable_refused_ratio")
+                          "confgen_sidecar_ratelimit", "sheddable_refused_ratio", "confgen_picker_", "ext_proc")
                 empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
                          and not any(word in e for word in absent)]
                 assert empty == [], empty
@@ -159,3 +162,62 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                             assert all(float(r["value"][1]) > 0 for r in result), (title, result)
         finally:
             assert second.stop() == 0, second.log_tail()
+
+
+# Dashboard queries a picker fleet cannot answer cheaply, each with its reason (matched as words of the expression).
+PICKER_FLEET_ABSENT = {
+    "local_rate_limit": "no token bucket in this topology",
+    "outlier_detection": "outlier detection is off in the live rigs (the sidecar alone decides health)",
+    "failover_upstream_rq_completed": "no fallback chain in this topology",
+    "confgen_sidecar_ratelimit": "no global limit (tests/sidecar_live/test_global_limits_live.py reads them)",
+    "sheddable_refused_ratio": "no sheddable traffic (tests/sidecar_live/test_priorities_live.py reads it)",
+}
+
+
+def test_prometheus_answers_every_dashboard_panel_for_a_picker_fleet(tmp_path: Path) -> None:
+    """A prefix_affinity fleet (real Envoy, the sidecar's picker, the simulated engines): the sidecar's
+    /metrics and its relay of Envoy's stats pass promtool whole; a real Prometheus scraping both every
+    second has each job up on every scrape, and every query of every dashboard panel (the picker row
+    included: hit ratio, picks by reason, fallbacks, pick latency, in-flight) returns data, but for the
+    listed series this topology cannot have."""
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        for path in ("/metrics", "/envoy/stats"):
+            status, body = rig.sidecar.get(path)
+            assert status == 200, (path, body[:300])
+            ok, why = promtool_parses(body)
+            assert ok, (path, why)
+        side = rig.sidecar.url.removeprefix("http://")
+        jobs = {"sidecar": ("/metrics", [side]), "envoy": ("/envoy/stats", [side])}
+        with prometheus(tmp_path, jobs) as prom:
+            # one scrape of each job before the traffic, so that rates see it rise
+            assert poll(lambda: len(query(prom, "up == 1")) == 2, timeout=20, interval=0.2)
+            for i in range(3):  # conversations that come back: picks by prefix, matched blocks
+                messages = [{"role": "system", "content": conversation_system(i)}]
+                for turn in range(3):
+                    messages.append({"role": "user", "content": f"turn {turn}"})
+                    assert chat(rig, messages)[0] == 200
+            # a GET on the pool's route reaches the picker without a body: left to Envoy (unpicked no_body)
+            http("GET", f"http://127.0.0.1:{rig.port}/v1/chat/completions", timeout=10.0)
+            rig.fleet.worker("b").crash()  # probe errors and an unhealthy worker for their panels
+            exprs = [(panel["title"], grafana_free(t["expr"])) for panel in dashboard()["panels"]
+                     for t in panel.get("targets", [])]
+            wanted = [(title, e) for title, e in exprs if not any(word in e for word in PICKER_FLEET_ABSENT)]
+            assert any("confgen_picker_" in e for _, e in wanted)
+
+            def empty() -> list[tuple[str, str]]:
+                missing = [(title, e) for title, e in wanted if not query(prom, e)]
+                empty.seen = missing  # type: ignore[attr-defined]
+                return missing
+
+            assert poll(lambda: not empty(), timeout=30, interval=1.0), empty.seen  # type: ignore[attr-defined]
+            hit_ratio = grafana_free(next(e for t, e in exprs if t.startswith("Prefix-cache hit ratio")))
+
+            def ratio() -> list[float]:
+                ratio.seen = [float(r["value"][1]) for r in query(prom, hit_ratio)]  # type: ignore[attr-defined]
+                return ratio.seen  # type: ignore[attr-defined]
+
+            # turns 2 and 3 of each conversation go home: their earlier blocks match
+            assert poll(lambda: any(0 < v <= 1 for v in ratio()), timeout=10, interval=0.5), ratio.seen  # type: ignore[attr-defined]
+            scrapes = query(prom, "count_over_time(up[1m])")
+            down = query(prom, "min_over_time(up[1m]) < 1")
+            assert {r["metric"]["job"] for r in scrapes} == {"sidecar", "envoy"} and down == [], (scrapes, down)

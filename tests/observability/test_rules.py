@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 from confgen.deploy._observability import alert_rules, dashboard
+from sidecar.outputs.picker.metrics import PickerMetrics
 from sidecar.outputs.ratelimit.service import METRIC_NAMES as RATELIMIT_METRICS
 from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool
@@ -26,6 +29,17 @@ ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHe
 
 def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+
+
+def picker_metric_names() -> set[str]:
+    """Every series name the endpoint picker's metrics can export, from a real scrape of them."""
+    registry = CollectorRegistry()
+    metrics = PickerMetrics(registry, lambda: {})
+    metrics.picks.labels(pool="p", reason="load").inc()
+    metrics.unpicked.labels(reason="no_body").inc()
+    names = {f.name for f in registry.collect() if f.type in ("gauge", "unknown")}  # gauges: family = series name
+    text = generate_latest(registry).decode()
+    return names | {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
 
 
 def grafana_free(expr: str) -> str:
@@ -72,7 +86,8 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids)), sorted(ids)  # Grafana keys panels (links, edits) by id
     titles = " | ".join(p["title"] for p in panels)
-    for needed in ("Healthy workers", "weight", "Queue depth", "Saturation", "429", "P50 / P99", "EDS publishes"):
+    for needed in ("Healthy workers", "weight", "Queue depth", "Saturation", "429", "P50 / P99", "EDS publishes",
+                   "hit ratio", "Picks per second by pool and reason", "Fallbacks", "Pick latency"):
         assert needed in titles, needed
     exprs = dashboard_exprs()
     group: dict[str, Any] = {"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": grafana_free(e)}
@@ -82,7 +97,7 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     names = (*METRIC_NAMES, *RATELIMIT_METRICS)
-    ours = set(names) | {n + s for n in names for s in ("_bucket", "_count", "_sum")}
+    ours = set(names) | {n + s for n in names for s in ("_bucket", "_count", "_sum")} | picker_metric_names()
     words = {w for e in exprs for w in re.findall(r"\b(llm_[a-z_]+|confgen_[a-z_]+|envoy_[a-z_]+)\b", e)}
     assert {w for w in words if not w.startswith("envoy_")} <= ours
     assert json.loads(json.dumps(board)) == board
