@@ -27,7 +27,7 @@ from confgen import __version__
 from sidecar.decide.state import Status
 from sidecar.fleet import Snapshot
 
-__all__ = ["METRIC_NAMES", "SidecarCollector", "register"]
+__all__ = ["METRIC_NAMES", "SidecarCollector", "register", "without_created"]
 
 _EP = ["pool", "worker", "address"]
 _PREFIX = "confgen_sidecar_"
@@ -205,6 +205,31 @@ class SidecarCollector(Collector):
         yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
                     rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
                     ttft, tpot, output_tokens, shedding, signal, past, shed, share)
+
+class _WithoutCreated(Collector):
+    """`registry`'s families with their `<name>_created` samples left out."""
+
+    def __init__(self, registry: Collector) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            if not any(s.name == created for s in family.samples):
+                yield family
+                continue
+            copy = Metric(family.name, family.documentation, family.type, family.unit)
+            copy.samples = [s for s in family.samples if s.name != created]
+            yield copy
+
+
+def without_created(registry: Collector) -> Collector:
+    """What to expose of `registry`: every family without the `_created` series prometheus_client
+    writes for each Counter and Histogram child (one extra series per labelled child, a
+    timestamp no dashboard or alert reads). Per registry, unlike prometheus_client's
+    process-wide `disable_created_metrics()`; the collectors built from snapshots write none."""
+    return _WithoutCreated(registry)
+
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)

@@ -1,7 +1,9 @@
 """The sidecar's own HTTP server: metrics, probes of the sidecar itself, state, drain calls.
 
     GET  /           the status page for humans: read-only HTML, no script (sidecar.serve.status_page)
-    GET  /metrics    Prometheus text from the registry passed in
+    GET  /metrics    Prometheus text from the registry passed in, without the `_created` series
+                     prometheus_client adds to every Counter and Histogram (sidecar.serve.metrics.
+                     without_created: per registry, no process-wide switch)
     GET  /healthz    200 while the process serves (liveness)
     GET  /readyz     200 once the first probe cycle is done and the proxy got a whole config;
                      its body also lists `problems` (an update the proxy refused, a write
@@ -37,6 +39,7 @@ from sidecar.logs import LogBudget
 from sidecar.outputs.xds.cache import SHORT
 from sidecar.serve.bounds import errors_as_json
 from sidecar.serve.guard import GUARD, MAX_BODY, MutationGuard, guarded, json_object
+from sidecar.serve.metrics import without_created
 from sidecar.serve.models import models_answer
 from sidecar.serve.picker_view import picker_status
 from sidecar.serve.status_page import HEADERS as PAGE_HEADERS
@@ -147,7 +150,7 @@ def state_json(snap: Snapshot, picker: dict[str, Any] | None = None) -> dict[str
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[_REGISTRY])
+    body = generate_latest(without_created(request.app[_REGISTRY]))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.simulate import FleetHandle
@@ -91,3 +92,22 @@ def test_the_picker_figures_match_a_scrape_of_the_same_registry(tmp_path: Path, 
     picks = status["pools"]["chat"]["picks"]
     (reason, count), = picks.items()
     assert f'confgen_picker_picks_total{{pool="chat",reason="{reason}"}} {float(count)}' in text
+
+
+def test_metrics_have_no_created_series(tmp_path: Path, fleet: FleetHandle) -> None:
+    """/metrics leaves out the `_created` twin prometheus_client adds to each Counter and Histogram
+    child (the picker's here), for this registry only: the same registry scraped directly has them."""
+    async def scenario() -> tuple[bytes, str]:
+        async with serving(tmp_path, fleet, cycles=1) as served:
+            pick(served, "a prompt " * 40)
+            served.picker.metrics.unpicked.labels(reason="no_body").inc()
+            _, _, body = await get(served.base + "/metrics")
+            return body, generate_latest(served.registry).decode()
+
+    body, direct = asyncio.run(scenario())
+    text = body.decode()
+    assert "confgen_picker_picks_created" in direct  # prometheus_client's default, process-wide
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert not [n for n in names if n.endswith("_created")], sorted(n for n in names if n.endswith("_created"))
+    assert {"confgen_picker_picks_total", "confgen_picker_unpicked_total", "confgen_picker_pick_seconds_bucket",
+            "confgen_picker_pick_seconds_count", "llm_queue_depth"} <= names
