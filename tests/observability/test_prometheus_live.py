@@ -23,10 +23,9 @@ import yaml
 from confgen.deploy._observability import alert_rules, dashboard
 from confgen.deploy.kubernetes import queue_query
 from confgen.runtime import free_port, stop_process
-from tests.observability.promtools import tool
+from tests.observability.promtools import promtool_parses, tool
 from tests.observability.test_rules import dashboard_exprs, grafana_free
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, live_rig, poll, worker_specs
-from tests.sidecar_live.test_envoy_relay_live import promtool_parses
 from tests.sidecar_live.test_picker_live import chat, conversation_system, picker_rig
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +19,7 @@ from aiohttp import web
 
 from confgen.runtime import EnvoyProcess, free_port
 from sidecar.serve.envoy_relay import add_envoy_relay
-from tests.observability.promtools import tool
+from tests.observability.promtools import promtool_parses
 from tests.support.exposition import families
 
 CLUSTERS = 300
@@ -61,13 +60,6 @@ async def relay(admin_url: str, **options: Any) -> AsyncIterator[str]:
 async def get(url: str) -> tuple[int, str, bytes]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session, session.get(url) as resp:
         return resp.status, resp.headers.get("Content-Type", ""), await resp.read()
-
-
-def promtool_parses(body: bytes) -> tuple[bool, str]:
-    """Whether promtool parses `body` to its end (exit 0, or 3: lint remarks on Envoy's names only)."""
-    done = subprocess.run([tool("promtool"), "check", "metrics"], input=body, capture_output=True, timeout=60)
-    err = done.stderr.decode(errors="replace")
-    return done.returncode in (0, 3) and "error while linting" not in err, f"exit {done.returncode}: {err[-500:]}"
 
 
 def test_the_relayed_stats_of_300_clusters_are_envoys_whole_exposition(envoy: EnvoyProcess) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from confgen.runtime import free_port
 from tests.sidecar_live.rig import SidecarProcess, poll
+from tests.sidecar_live.rig import http as call
 
 TOPOLOGY = """\
 version: 1
@@ -199,6 +200,7 @@ def test_errors_are_json_answers(sidecar: SidecarProcess) -> None:
         ("POST", "/drain", {"Content-Type": "application/json"}, b"{not json", 400),
         ("GET", "/no-such-path", {}, b"", 404),
         ("DELETE", "/metrics", {}, b"", 405),
+        ("POST", "/", {"Content-Type": "application/json"}, b"{}", 405),  # the status page is read-only
     ]:
         with _conn(port) as sock:
             sock.sendall(_request(method, path, {**headers, "Content-Length": str(len(body))}, body))
@@ -206,6 +208,17 @@ def test_errors_are_json_answers(sidecar: SidecarProcess) -> None:
             assert status == expected, (path, status, answer)
             assert isinstance(answer, dict) and isinstance(answer.get("error"), str), (path, answer)
     assert _healthy(sidecar)
+
+
+def test_the_status_page_of_the_shipped_process_forbids_scripts(sidecar: SidecarProcess) -> None:
+    """GET / of `python -m sidecar.main` (control-plane mode): HTML under a CSP that allows no script,
+    no frame, no form; read-only (POST is 405 above); the same server, so the same bounds."""
+    status, headers, body = call("GET", sidecar.url + "/")
+    assert status == 200 and headers["content-type"].startswith("text/html"), (status, headers)
+    csp = headers["content-security-policy"]
+    assert csp.startswith("default-src 'none';") and "frame-ancestors 'none'" in csp and "script" not in csp
+    assert b"<script" not in body and b"bounds" in body  # the topology's name
+    assert b'data-pool="chat"' in body
 
 
 def test_json_depth() -> None:

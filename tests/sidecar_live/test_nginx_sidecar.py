@@ -23,6 +23,7 @@ from confgen.runtime import NginxProcess, free_port
 from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_thread
 from confgen.verify import loopback_ports
 from tests.nginx._support import write_files
+from tests.observability.promtools import promtool_parses
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, now, poll, topology_text, worker_specs
 from tests.sidecar_live.rig import http as call
 
@@ -387,6 +388,9 @@ def test_changes_within_the_interval_are_coalesced_into_one_reload(tmp_path: Pat
         assert second - first >= 3.0 - 0.25, second - first
         assert rig.down_ports() == {pc}  # both changes in the one reload
         assert poll(lambda: rig.metric("confgen_sidecar_nginx_reloads_total") == 2.0, timeout=3)
+        status, scrape = rig.sidecar.get("/metrics")  # nginx mode's exposition (its publisher's families too)
+        ok, why = promtool_parses(scrape)
+        assert status == 200 and ok, why
 
         # a flap within the interval: drained and undrained before the reload is due
         assert call("POST", f"{rig.sidecar.url}/undrain?pool=chat&worker=127.0.0.1:{pc}")[0] == 200
