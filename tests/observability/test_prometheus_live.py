@@ -89,7 +89,8 @@ def firing(url: str, name: str) -> list[dict[str, str]]:
 
 
 def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_worker_down(tmp_path: Path) -> None:
-    """Two sidecars (two proxy replicas) probe the same workers: the autoscaler's query gives
+    """Two sidecars (two proxy replicas) probe the same workers, each scraped for its metrics and its
+    relay of Envoy's stats, every target up on every scrape; the autoscaler's query gives
     the same pool queue as one sidecar's series alone, where a plain sum doubles it; every
     dashboard query has data (Envoy's stats come through the sidecar's /envoy/stats), the
     TTFT, time-per-output-token and tokens/s panels per pool and model with values above 0
@@ -104,7 +105,8 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
         one, two = rig.sidecar.url.removeprefix("http://"), second.url.removeprefix("http://")
         second.start()
         try:
-            jobs = {"sidecar": ("/metrics", [one, two]), "envoy": ("/envoy/stats", [one])}
+            # both sidecars relay Envoy's stats (one Envoy here: the rendered ServiceMonitor scrapes every pod's)
+            jobs = {"sidecar": ("/metrics", [one, two]), "envoy": ("/envoy/stats", [one, two])}
             with prometheus(tmp_path, jobs) as prom, ThreadPoolExecutor(max_workers=4) as pool:
                 for _ in range(6):  # Envoy's upstream histograms get data
                     assert rig.send()[0] == 200
@@ -144,6 +146,11 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                          and not any(word in e for word in absent)]
                 assert empty == [], empty
                 assert len(dashboard()["panels"]) > 10
+                # every target up on every scrape (the old relay's truncated text made the envoy job 0)
+                scrapes = query(prom, "count_over_time(up[1m])")
+                assert {(r["metric"]["job"], r["metric"]["instance"]) for r in scrapes} == {
+                    (job, target) for job, (_, targets) in jobs.items() for target in targets}, scrapes
+                assert query(prom, "min_over_time(up[1m]) < 1") == []
                 # the LLM panels: TTFT and TPOT quantiles, tokens/s and error ratios per pool and
                 # model, from the simulated engines' histograms re-exported by the sidecars
                 llm = {title: [grafana_free(t["expr"]) for t in panel["targets"]]
