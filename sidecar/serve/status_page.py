@@ -155,9 +155,12 @@ def _endpoint(ep: EndpointView, in_flight: Mapping[str, int]) -> str:
     address = f"[{ep.key.address}]:{ep.key.port}" if ":" in ep.key.address else f"{ep.key.address}:{ep.key.port}"
     errors = ", ".join(f"{kind} {n}" for kind, n in sorted(ep.errors.items())) or "0"
     latency = "-" if ep.probe_latency_s is None else f"{1000 * ep.probe_latency_s:.0f} ms"
+    reason = ep.reason or "-"
+    if not ep.serving and ep.status in ("HEALTHY", "DEGRADED"):
+        reason += " (failing: kept published by the ejection cap)"
     return _row([
         _cell(ep.key.worker, "l"), _cell(address, "l"), _cell(ep.status, f"s {ep.status}"),
-        _cell(ep.reason or "-", "w"),
+        _cell(reason, "w"),
         _cell(_num(ep.weight)), _cell(_num(s.running) if s else "-"), _cell(_num(s.waiting) if s else "-"),
         _cell(_pct(s.kv_usage) if s else "-"), _cell(_num(in_flight.get(address))), _cell(latency),
         _cell(ep.last_outcome or "-", "l"), _cell(ep.last_error or "", "err"), _cell(errors),

@@ -131,3 +131,10 @@ def test_every_value_is_escaped() -> None:
     text = render(snap, picker, None)
     assert "<script" not in text and "<img" not in text
     assert text.count("&lt;script&gt;") >= 9, text.count("&lt;script&gt;")
+
+
+def test_an_endpoint_kept_only_by_the_ejection_cap_says_so() -> None:
+    key = EndpointKey("chat", "w1:8000", "10.0.0.1", 8000)
+    kept = EndpointView(key, "HEALTHY", "ok", 1, None, None, "error", "refused", {}, serving=False)
+    snap = Snapshot("t", (PoolView("chat", "vllm", 0.0, 0.0, 1, 0, False, (kept,)),), {}, 1, (), (), None)
+    assert "kept published by the ejection cap" in render(snap, None, None)
