@@ -17,11 +17,17 @@ from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
 from .limits import needs_store
 from .model import (
+    GRPC_SOCKET,
+    MAX_SOCKET_PATH,
     LimitSet,
     Pool,
     RateLimit,
     Topology,
     grpc_service_hosts,
+    grpc_socket,
+    grpc_socket_dir,
+    grpc_tls,
+    grpc_transport,
     is_ip,
     is_loopback_host,
     limit_list,
@@ -193,14 +199,51 @@ def _xds(topo: Topology) -> Iterator[Finding]:
     if xds.mode == "ads":
         yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", ERROR)
                     for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
-    if xds.mode == "files" and xds.tls is not None:
-        yield "envoy.xds.tls", "tls is used only with mode: ads", WARNING
     if xds.tls is not None:
-        yield from ((f"envoy.xds.tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
-                    for i, n in enumerate(xds.tls.server_names) if n in xds.tls.server_names[:i])
+        if topo.sidecar.grpc_tls is None:
+            yield ("envoy.xds.tls", "deprecated: write it as sidecar.grpc_tls, the one TLS block of ADS, the picker "
+                   "and rate limits (read as that for one release)", WARNING)
+        elif topo.sidecar.grpc_tls != xds.tls:
+            yield ("envoy.xds.tls", "deprecated, and not the same as sidecar.grpc_tls: the sidecar serves every gRPC "
+                   "surface with one TLS setup; remove envoy.xds.tls", ERROR)
+        else:
+            yield "envoy.xds.tls", "deprecated: the same as sidecar.grpc_tls; remove it", WARNING
+    if xds.mode == "ads" and grpc_transport(topo) != "mtls":
+        remote = [(i, s) for i, s in enumerate(xds.servers)
+                  if (parts := split_address(s)) and not is_loopback_host(parts[0])]
+        if remote:
+            index, server = remote[0]
+            yield (f"envoy.xds.servers[{index}]", f"{server} is beyond loopback: ADS serves the API keys, so beyond "
+                   "loopback it needs mutual TLS (sidecar.grpc_tls); without it Envoy calls the control plane on "
+                   "its Unix socket (sidecar.grpc_socket_dir) or plaintext on loopback", ERROR)
     if xds.mode == "ads" and len(xds.servers) == 1:
         yield ("envoy.xds.servers", "one control-plane server: Envoys keep serving when it is down, but take no "
                "change until it is back; list two for high availability", WARNING)
+
+
+def _grpc_transport(topo: Topology) -> Iterator[Finding]:
+    """The one TLS block, the socket directory, the plaintext opt-in."""
+    side = topo.sidecar
+    tls = grpc_tls(topo)
+    if tls is not None:
+        path = "sidecar.grpc_tls" if side.grpc_tls is not None else "envoy.xds.tls"
+        yield from ((f"{path}.server_names[{i}]", f"{n!r} is listed twice", ERROR)
+                    for i, n in enumerate(tls.server_names) if n in tls.server_names[:i])
+        if side.grpc_plaintext_loopback:
+            yield "sidecar.grpc_plaintext_loopback", "unused: with grpc_tls the gRPC surfaces are mutual TLS", WARNING
+        return
+    if side.grpc_plaintext_loopback:
+        yield ("sidecar.grpc_plaintext_loopback", "plaintext gRPC on loopback: any local process can connect, read the "
+               "API keys over ADS and move the limits; the default (Unix sockets, 0600) lets only the sidecar's "
+               "user in", WARNING)
+        return
+    directory = grpc_socket_dir(topo)
+    if not directory.startswith("/"):
+        yield "sidecar.grpc_socket_dir", f"{directory!r} is not an absolute path", ERROR
+    longest = grpc_socket(topo, GRPC_SOCKET)
+    if len(longest.encode()) > MAX_SOCKET_PATH:
+        yield ("sidecar.grpc_socket_dir", f"{longest!r} is longer than {MAX_SOCKET_PATH} bytes, the most a Unix "
+               "socket's path may hold: choose a shorter directory", ERROR)
 
 
 def _grpc_services(topo: Topology) -> Iterator[Finding]:
@@ -208,20 +251,20 @@ def _grpc_services(topo: Topology) -> Iterator[Finding]:
     loopback only over mutual TLS (sidecar.grpc_tls): the sidecar serves plaintext on loopback alone, and
     plaintext beyond it would let anyone who reaches the port steer routing or spend the limits (and
     without TLS every call would fail: requests unpicked, limits failing open)."""
-    tls = topo.sidecar.grpc_tls
+    yield from _grpc_transport(topo)
+    tls = grpc_tls(topo)
     wanted = [f"the endpoint picker (pools[{i}].balancing.policy)" for i, p in enumerate(topo.pools)
               if uses_picker(p.balancing.policy)]
     if needs_store(topo):
         wanted.append("the rate limit service (scope: global limits)")
     if not wanted:
-        if tls is not None:
-            yield "sidecar.grpc_tls", "used only when Envoy calls the sidecar's gRPC services (a pool with policy " \
-                "prefix_affinity, or scope: global limits)", WARNING
+        if tls is not None and topo.envoy.xds.mode != "ads":
+            yield "sidecar.grpc_tls", "used only when Envoy calls the sidecar's gRPC services (ADS, a pool with " \
+                "policy prefix_affinity, or scope: global limits)", WARNING
         return
-    if tls is not None:
-        yield from ((f"sidecar.grpc_tls.server_names[{i}]", f"{n!r} is listed twice", ERROR)
-                    for i, n in enumerate(tls.server_names) if n in tls.server_names[:i])
-        return
+    transport = grpc_transport(topo)
+    if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
+        return  # mutual TLS anywhere; ADS's own check says where a socket cannot reach
     hosts = grpc_service_hosts(topo)
     remote = [h for h in hosts if not is_loopback_host(h)]
     if not remote:
@@ -234,7 +277,8 @@ def _grpc_services(topo: Topology) -> Iterator[Finding]:
         path, where = "sidecar.address", f"the sidecar at {remote[0]}"
     yield (path, f"Envoy calls {where}:{topo.sidecar.grpc_port} for {' and '.join(wanted)} beyond "
            "loopback: set sidecar.grpc_tls (mutual TLS: Envoy's client cert, key and the sidecar's CA; the "
-           "sidecar's --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca); plaintext gRPC is served on loopback only",
+           "sidecar's --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca); without it the sidecar serves them on a "
+           "Unix socket or plaintext on loopback, on its own host only",
            ERROR)
 
 

@@ -476,17 +476,17 @@ class Canned:
 
 
 @dataclass(frozen=True)
-class XdsTls:
-    cert: str = field(doc="Envoy's client certificate chain (PEM), as Envoy sees the path (cert-manager: tls.crt). "
-                      "The control plane accepts the Envoy's node id only when it is one of this certificate's "
-                      "names (SAN or CN), or <name>/<anything> for a certificate a group of Envoys shares.",
-                      pattern="file_path")
+class GrpcTls:
+    cert: str = field(doc="Envoy's client certificate chain (PEM), as Envoy sees the path (cert-manager: tls.crt); "
+                      "signed by the CA the sidecar's --grpc-client-ca names. Over ADS the control plane accepts "
+                      "the Envoy's node id only when it is one of this certificate's names (SAN or CN), or "
+                      "<name>/<anything> for a certificate a group of Envoys shares.", pattern="file_path")
     key: str = field(doc="Its private key (PEM; tls.key).", pattern="file_path")
-    ca: str = field(doc="CA that signs the control plane's certificate (PEM; ca.crt).", pattern="file_path")
+    ca: str = field(doc="CA that signs the sidecar's gRPC certificate (PEM; ca.crt).", pattern="file_path")
     server_names: list[str] = field(
         factory=list,
-        doc="Names the control plane's certificate must carry (a DNS or IP subjectAltName, any one of them); "
-        "default: the hosts of envoy.xds.servers.",
+        doc="Names the sidecar's gRPC certificate must carry (a DNS or IP subjectAltName, any one of them); "
+        "default: the hosts Envoy calls (sidecar.address, or with envoy.xds.mode ads the hosts of envoy.xds.servers).",
         pattern="host",
     )
 
@@ -510,11 +510,11 @@ class Xds:
         doc="ads: delta (DELTA_GRPC: only changed endpoints travel) or sotw (GRPC, state of the world). "
         "The sidecar serves both.",
     )
-    tls: XdsTls | None = field(
+    tls: GrpcTls | None = field(
         None,
-        doc="ads: mutual TLS to the control plane (its `--xds-tls-cert/--xds-tls-key/--xds-client-ca`; required by "
-        "--target kubernetes). "
-        "Without it the stream is plaintext, which the control plane serves on loopback only.",
+        doc="Deprecated (read for one release, with a warning): write sidecar.grpc_tls, the one TLS block of "
+        "every gRPC surface of the sidecar (ADS, the endpoint picker, rate limits). Read as sidecar.grpc_tls "
+        "when that is not set.",
     )
 
 
@@ -600,20 +600,6 @@ class Kubernetes:
 
 
 @dataclass(frozen=True)
-class GrpcTls:
-    cert: str = field(doc="Envoy's client certificate chain (PEM), as Envoy sees the path (cert-manager: tls.crt); "
-                      "signed by the CA the sidecar's --grpc-client-ca names.", pattern="file_path")
-    key: str = field(doc="Its private key (PEM; tls.key).", pattern="file_path")
-    ca: str = field(doc="CA that signs the sidecar's gRPC certificate (PEM; ca.crt).", pattern="file_path")
-    server_names: list[str] = field(
-        factory=list,
-        doc="Names the sidecar's gRPC certificate must carry (a DNS or IP subjectAltName, any one of them); "
-        "default: sidecar.address, or with envoy.xds.mode ads the hosts of envoy.xds.servers.",
-        pattern="host",
-    )
-
-
-@dataclass(frozen=True)
 class SidecarLink:
     address: str = field(
         "127.0.0.1", doc="IP address where the proxy reaches confgen-sidecar's HTTP server (its --listen)."
@@ -629,9 +615,25 @@ class SidecarLink:
     )
     grpc_tls: GrpcTls | None = field(
         None,
-        doc="Mutual TLS from Envoy to the sidecar's gRPC services (its `--grpc-tls-cert/--grpc-tls-key/"
-        "--grpc-client-ca`); required when Envoy reaches them beyond loopback. Without it the calls are "
-        "plaintext, which the sidecar serves on loopback only.",
+        doc="Mutual TLS from Envoy to every gRPC surface of the sidecar: ADS (envoy.xds.mode ads), the endpoint "
+        "picker, the rate limit service (the sidecar's `--grpc-tls-cert/--grpc-tls-key/--grpc-client-ca`); "
+        "required when Envoy reaches them beyond loopback. Without it Envoy calls them over Unix sockets in "
+        "grpc_socket_dir (only the sidecar's user can connect), or plaintext TCP on loopback when "
+        "grpc_plaintext_loopback says so.",
+    )
+    grpc_socket_dir: str | None = field(
+        None,
+        doc="Without grpc_tls: the directory of the sidecar's Unix sockets (grpc.sock: picker and rate limits; "
+        "xds.sock: ADS), as both Envoy and the sidecar see it. The sidecar creates it 0700 (or refuses one "
+        "another user owns) and its sockets 0600: Envoy must run as the sidecar's user. Default "
+        "/tmp/confgen-<name>.",
+        pattern="file_path",
+    )
+    grpc_plaintext_loopback: bool = field(
+        False,
+        doc="Without grpc_tls: plaintext gRPC over TCP on loopback (sidecar.grpc_port, envoy.xds.servers) instead "
+        "of the Unix sockets. Any local process can then connect, read the API keys over ADS and move the "
+        "limits; the sidecar must be started with --grpc-plaintext-loopback to agree. Off by default.",
     )
     models: bool = field(
         True,
@@ -735,3 +737,30 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+MAX_SOCKET_PATH = 107  # bytes: sockaddr_un.sun_path (108) with its terminating NUL, on Linux
+GRPC_SOCKET = "grpc.sock"  # the endpoint picker and the rate limit service
+XDS_SOCKET = "xds.sock"  # ADS
+
+
+def grpc_tls(topo: Topology) -> GrpcTls | None:
+    """The one TLS block of the sidecar's gRPC surfaces: sidecar.grpc_tls, else (deprecated) envoy.xds.tls."""
+    return topo.sidecar.grpc_tls or topo.envoy.xds.tls
+
+
+def grpc_socket_dir(topo: Topology) -> str:
+    """Where the sidecar's Unix sockets live (sidecar.grpc_socket_dir, default /tmp/confgen-<name>)."""
+    return (topo.sidecar.grpc_socket_dir or f"/tmp/confgen-{topo.name}").rstrip("/")  # noqa: S108 - checked 0700
+
+
+def grpc_transport(topo: Topology) -> str:
+    """How Envoy reaches the sidecar's gRPC surfaces: "mtls", "unix" (the default) or "plaintext" (loopback)."""
+    if grpc_tls(topo) is not None:
+        return "mtls"
+    return "plaintext" if topo.sidecar.grpc_plaintext_loopback else "unix"
+
+
+def grpc_socket(topo: Topology, name: str) -> str:
+    """The path of one of the sidecar's sockets (GRPC_SOCKET, XDS_SOCKET)."""
+    return f"{grpc_socket_dir(topo)}/{name}"

@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import ConfgenError, TopologyError
-from confgen.model import Topology
+from confgen.model import GRPC_SOCKET, Topology
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import (
@@ -33,6 +33,7 @@ from sidecar.config import (
     SidecarConfig,
     grpc_listen_for,
     grpc_listen_mismatch,
+    grpc_transport_for,
     listen_for,
     listen_mismatch,
     xds_dir_for,
@@ -43,7 +44,7 @@ from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
-from sidecar.outputs.grpc import GrpcServer, GrpcSettings
+from sidecar.outputs.grpc import GrpcServer, settings_for
 from sidecar.outputs.publisher import Limiter, Wiring
 from sidecar.outputs.publisher import build as build_publisher
 from sidecar.outputs.service import Service, ServiceWiring, wanted
@@ -79,7 +80,7 @@ def _warn_unused_service_flags(config: SidecarConfig, topo: Topology) -> None:
     if config.picker and "picker" not in needed:
         log_event(_log, logging.WARNING, "startup.picker_unused", note="--picker is set but no pool uses "
                   "policy prefix_affinity: the endpoint picker does not run")
-    if config.grpc_tls is not None and not needed:
+    if config.grpc_tls is not None and not needed and config.serve_xds is None:
         log_event(_log, logging.WARNING, "startup.grpc_tls_unused", note="--grpc-tls-cert is set but the "
                   "topology needs no gRPC service (no prefix_affinity pool, no global limit)")
     if needed and (problem := grpc_listen_mismatch(config, topo)) is not None:
@@ -93,7 +94,7 @@ async def _start_services(config: SidecarConfig, topo: Topology,
     A reload that adds the first prefix_affinity pool or global limit needs a restart to start
     them. ConfigError or OSError when a service or the server cannot start (nothing left running)."""
     services = [build_service(name, wiring) for name in wanted(topo)]
-    server = GrpcServer(GrpcSettings(*grpc_listen_for(config, topo), tls=config.grpc_tls))
+    server = GrpcServer(settings_for(grpc_transport_for(config, topo), grpc_listen_for(config, topo), GRPC_SOCKET))
     started: list[Service] = []
     try:
         for service in services:
@@ -147,6 +148,14 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
         return EXIT_USAGE
     config = listen_for(config, topo)
+    for note in config.deprecations:
+        log_event(_log, logging.WARNING, "startup.deprecated", note=note)
+    try:  # the gRPC surfaces' transport: the flags and the topology agree, or nothing starts
+        if config.serve_xds is not None or wanted(topo):
+            grpc_transport_for(config, topo)
+    except ConfigError as exc:
+        log_event(_log, logging.ERROR, "startup.grpc_transport", error=str(exc))
+        return EXIT_USAGE
     mismatch = listen_mismatch(config, topo)
     if mismatch is not None:
         log_event(_log, logging.ERROR, "startup.listen_mismatch", problem=mismatch,

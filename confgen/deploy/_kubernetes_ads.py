@@ -8,21 +8,20 @@
         replica should count the whole fleet).
     Deployment <base> (kubernetes.replicas Envoys, no sidecar) + Service on the listeners +
         PDB; an HPA scales it on CPU.
-    mTLS (envoy.xds.tls, required here: the control plane listens beyond loopback). The
+    mTLS (sidecar.grpc_tls, required here: the control plane listens beyond loopback). The
         certificates come from Secrets with cert-manager's entries (tls.crt, tls.key, ca.crt):
-        <base>-xds-tls for the control plane (mounted at XDS_TLS_DIR, its --xds-tls-* flags),
-        <base>-envoy-tls for the Envoys (mounted where envoy.xds.tls says). The Envoys share one
+        <base>-xds-tls for the control plane (mounted at XDS_TLS_DIR, its --grpc-tls-* flags),
+        <base>-envoy-tls for the Envoys (mounted where sidecar.grpc_tls says). The Envoys share one
         certificate whose name (SAN or CN) is <base>-envoy: each Envoy's node id is
-        <base>-envoy/<pod name>, which the control plane accepts only from that certificate.
+        <base>-envoy/<pod name>, which the control plane accepts only from that certificate, and
+        counts for the limits at most max(replicas, envoy_max_replicas) of (--xds-nodes-per-identity).
     The endpoint picker (a pool with policy prefix_affinity) runs in the control plane: one
         picker sees every Envoy's requests. It listens on sidecar.grpc_port beyond loopback, so
-        over mTLS too, from the same Secret as ADS (--grpc-tls-* = the --xds-tls-* files): the
+        over mTLS too, from the same Secret as ADS: the
         same pods, the same server names (the per-pod DNS names envoy.xds.servers lists, which
         the Envoys check for both clusters), the same clients (the Envoy pods' shared
-        certificate) and the same CA; a second Certificate would repeat all of that and add a
-        second renewal to watch, with nothing gained (both keys live in the same pod). The
-        Envoys' side is sidecar.grpc_tls, which must name envoy.xds.tls's files (the Envoys'
-        one certificate Secret).
+        certificate) and the same CA: the sidecar's one TLS setup (--grpc-tls-*), the Envoys'
+        one TLS block (sidecar.grpc_tls).
     NetworkPolicy <base>-xds: the control plane's pods accept the gRPC ports (ADS, and the
         picker's when it runs) only from this topology's Envoy pods and /metrics only from pods
         labelled app.kubernetes.io/name=prometheus (any namespace); nothing else.
@@ -37,7 +36,7 @@ from __future__ import annotations
 import posixpath
 
 from ..balancing import uses_picker
-from ..model import split_address
+from ..model import grpc_tls, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
 
@@ -55,26 +54,17 @@ def envoy_identity(plan: k8s_mod._Plan) -> str:
 
 def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
     """What the ADS manifests cannot express (field path, reason)."""
-    tls = plan.topo.envoy.xds.tls
+    tls = grpc_tls(plan.topo)  # sidecar.grpc_tls, or the deprecated envoy.xds.tls
+    where = "sidecar.grpc_tls" if plan.topo.sidecar.grpc_tls is not None or tls is None else "envoy.xds.tls"
     if tls is None:
-        return [("envoy.xds.tls", "the control plane listens beyond loopback in Kubernetes: ADS serves the API "
+        return [(where, "the control plane listens beyond loopback in Kubernetes: ADS serves the API "
                  "keys, so it needs mutual TLS (cert, key, ca; docs/ads.md)")]
     names = [posixpath.basename(p) for p in (tls.cert, tls.key, tls.ca)]
     if len(set(names)) < 3:
-        return [("envoy.xds.tls", f"cert, key and ca need distinct file names to come from one Secret, got {names}")]
-    grpc_tls = plan.topo.sidecar.grpc_tls
-    if serves_picker(plan):
-        if plan.topo.sidecar.grpc_port in (xds_port(plan), k8s_mod.SIDECAR_PORT):
-            return [("sidecar.grpc_port", f"port {plan.topo.sidecar.grpc_port} is also the control plane's ADS or "
-                     "metrics port")]
-        if grpc_tls is None:
-            return [("sidecar.grpc_tls", "the control plane serves the endpoint picker (prefix_affinity) to the "
-                     "Envoy pods beyond loopback: set sidecar.grpc_tls (mutual TLS) to envoy.xds.tls's cert, key "
-                     "and ca")]
-        if (grpc_tls.cert, grpc_tls.key, grpc_tls.ca) != (tls.cert, tls.key, tls.ca):
-            return [("sidecar.grpc_tls", "in Kubernetes the Envoys have one client certificate (the Secret "
-                     f"{plan.base}-envoy-tls, mounted where envoy.xds.tls says): give sidecar.grpc_tls the same "
-                     "cert, key and ca as envoy.xds.tls")]
+        return [(where, f"cert, key and ca need distinct file names to come from one Secret, got {names}")]
+    if serves_picker(plan) and plan.topo.sidecar.grpc_port in (xds_port(plan), k8s_mod.SIDECAR_PORT):
+        return [("sidecar.grpc_port", f"port {plan.topo.sidecar.grpc_port} is also the control plane's ADS or "
+                 "metrics port")]
     return []
 
 
@@ -112,20 +102,20 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     topology_file = f"{k8s_mod.TOPOLOGY_DIR}/topology.yaml"
     grpc_port = topo.sidecar.grpc_port
     picker = serves_picker(plan)
-    # the picker for every Envoy, over mTLS from the xds Secret (the module's docstring says why)
-    grpc_args = ["--grpc-listen", f"0.0.0.0:{grpc_port}",
-                 "--grpc-tls-cert", f"{XDS_TLS_DIR}/tls.crt", "--grpc-tls-key", f"{XDS_TLS_DIR}/tls.key",
-                 "--grpc-client-ca", f"{XDS_TLS_DIR}/ca.crt"] if picker else []
+    # the picker for every Envoy, on the same mTLS setup as ADS (the module's docstring says why)
+    grpc_args = ["--grpc-listen", f"0.0.0.0:{grpc_port}"] if picker else []
+    replicas = max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas)
     grpc_ports = [{"name": "grpc", "containerPort": grpc_port}] if picker else []
     container = {
         "name": "control-plane",
         "image": topo.kubernetes.sidecar_image,
         "command": ["confgen-sidecar"],
         "args": ["--topology", topology_file, "--serve-xds", f"0.0.0.0:{port}",
-                 "--xds-tls-cert", f"{XDS_TLS_DIR}/tls.crt", "--xds-tls-key", f"{XDS_TLS_DIR}/tls.key",
-                 "--xds-client-ca", f"{XDS_TLS_DIR}/ca.crt",
-                 # a replica counts (and the limits are divided by) at most this many Envoys
-                 "--xds-max-nodes", str(max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas) + 2),
+                 "--grpc-tls-cert", f"{XDS_TLS_DIR}/tls.crt", "--grpc-tls-key", f"{XDS_TLS_DIR}/tls.key",
+                 "--grpc-client-ca", f"{XDS_TLS_DIR}/ca.crt",
+                 # a replica serves at most this many Envoys; the Envoy pods share one certificate, which
+                 # counts (and the limits are divided by) at most as many Envoys as the HPA may run
+                 "--xds-max-nodes", str(replicas + 2), "--xds-nodes-per-identity", str(replicas),
                  "--listen", f"0.0.0.0:{k8s_mod.SIDECAR_PORT}", *grpc_args],
         "workingDir": k8s_mod.WORK_DIR,
         "ports": [{"name": "xds", "containerPort": port}, *grpc_ports,
@@ -214,9 +204,9 @@ def _network_policy(plan: k8s_mod._Plan, name: str, ports: list[int]) -> Obj:
 
 
 def _envoy_tls_mounts(plan: k8s_mod._Plan) -> tuple[list[Obj], list[Obj]]:
-    """The Envoys' certificate Secret: one volume whose entries take the file names envoy.xds.tls gives,
+    """The Envoys' certificate Secret: one volume whose entries take the file names sidecar.grpc_tls gives,
     mounted at each directory it names; (volumes, mounts)."""
-    tls = plan.topo.envoy.xds.tls
+    tls = grpc_tls(plan.topo)
     assert tls is not None  # ads_problems
     items = [{"key": key, "path": posixpath.basename(path)}
              for key, path in (("tls.crt", tls.cert), ("tls.key", tls.key), ("ca.crt", tls.ca))]

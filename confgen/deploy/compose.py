@@ -8,8 +8,10 @@ tests/deploy/test_compose_run.py resolves each service as Docker does and runs t
 
 from __future__ import annotations
 
+from ..balancing import uses_picker
 from ..errors import DeployError
-from ..model import Topology, is_ip, split_address
+from ..limits import needs_store
+from ..model import Topology, grpc_socket_dir, grpc_transport, is_ip, split_address
 from ._canonical import dump, topology_yaml
 
 XDS_DIR = "/var/run/confgen/envoy"
@@ -20,6 +22,11 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
     key_env = [k.env for k in (topo.auth.api_keys if topo.auth else []) if k.env is not None]
     topology_file = "/etc/confgen/topology.yaml"
     shared = ["./topology.yaml:/etc/confgen/topology.yaml:ro", "xds:" + XDS_DIR]
+    # Envoy calls the sidecar's gRPC services on its Unix socket: one volume at the socket directory's
+    # parent in both (the sidecar makes its 0700 directory there; both images run as uid 101)
+    wanted = needs_store(topo) or any(uses_picker(p.balancing.policy) for p in topo.pools)
+    sockets = [f"grpc-sockets:{grpc_socket_dir(topo).rsplit('/', 1)[0] or '/'}"] \
+        if wanted and grpc_transport(topo) == "unix" else []
     services = {
         "render": {
             "image": k8s.sidecar_image,
@@ -34,7 +41,7 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             "entrypoint": ["confgen-sidecar"],
             "command": ["--topology", topology_file, "--xds-dir", XDS_DIR,
                         "--listen", f"127.0.0.1:{topo.sidecar.port}"],
-            "volumes": shared,
+            "volumes": [*shared, *sockets],
             "environment": key_env,
             # host networking: it reaches Envoy's admin on loopback and the workers as Envoy
             # does; it listens on loopback only, so nothing of it is reachable from outside
@@ -48,16 +55,17 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             # --disable-hot-restart: on the host's network, Envoys of two projects would share
             # hot restart's domain socket (base id 0) and the second would not start.
             "command": ["envoy", "-c", f"{XDS_DIR}/bootstrap.json", "--disable-hot-restart"],
-            "volumes": [f"xds:{XDS_DIR}:ro"],
+            "volumes": [f"xds:{XDS_DIR}:ro", *sockets],
             # host networking: workers and the admin interface stay on the host's addresses
             "network_mode": "host",
             "depends_on": {"render": {"condition": "service_completed_successfully"}},
             "restart": "unless-stopped",
         },
     }
+    volumes: dict[str, object] = {"xds": {}, **({"grpc-sockets": {}} if sockets else {})}
     if k8s.redis:
         services["redis"] = _redis_service(topo)
-    doc = {"name": f"confgen-{topo.name}", "services": services, "volumes": {"xds": {}}}
+    doc = {"name": f"confgen-{topo.name}", "services": services, "volumes": volumes}
     return {
         "compose.yaml": dump(doc).encode(),
         "topology.yaml": topology_yaml(topo).encode(),

@@ -21,9 +21,10 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
+from ..balancing import uses_picker
 from ..errors import DeployError
 from ..limits import needs_store
-from ..model import Pool, Topology
+from ..model import Pool, Topology, grpc_socket_dir, grpc_transport
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems
@@ -142,6 +143,24 @@ def _sidecar_resources(topo: Topology) -> Obj:
     return {"requests": {**RESOURCES["sidecar"]["requests"], "cpu": "500m"}, "limits": RESOURCES["sidecar"]["limits"]}
 
 
+def _share_grpc_socket(topo: Topology, envoy: Obj, sidecar: Obj, volumes: list[Obj]) -> None:
+    """Envoy calls the sidecar's gRPC services (picker, rate limits) on its Unix socket
+    (sidecar.grpc_socket_dir) unless sidecar.grpc_tls says mTLS: both containers then mount one
+    emptyDir at the socket directory's parent (the pod's tmp volume for the default /tmp/...), where
+    the sidecar makes its 0700 directory; both run as the pod's user (runAsUser), so Envoy may enter."""
+    wanted = needs_store(topo) or any(uses_picker(p.balancing.policy) for p in topo.pools)
+    if not wanted or grpc_transport(topo) != "unix":
+        return
+    parent = grpc_socket_dir(topo).rsplit("/", 1)[0] or "/"
+    mounted = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    name = mounted.get(parent)
+    if name is None:
+        name = "grpc-sockets"
+        volumes.append({"name": name, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+        sidecar["volumeMounts"].append({"name": name, "mountPath": parent})
+    envoy["volumeMounts"].append({"name": name, "mountPath": parent})
+
+
 def _deployment(plan: _Plan) -> Obj:
     topo = plan.topo
     k8s = topo.kubernetes
@@ -161,6 +180,9 @@ def _deployment(plan: _Plan) -> Obj:
     ]
     if _key_files(plan):
         volumes.append({"name": "api-keys", "secret": {"secretName": plan.keys_secret, "defaultMode": 0o400}})
+    envoy = _envoy_container(plan, f"{XDS_DIR}/bootstrap.json")
+    sidecar = _sidecar_container(plan, topology_file, mounts)
+    _share_grpc_socket(topo, envoy, sidecar, volumes)
     init = {
         "name": "render",
         "image": k8s.sidecar_image,
@@ -194,8 +216,7 @@ def _deployment(plan: _Plan) -> Obj:
                     "automountServiceAccountToken": False,
                     "topologySpreadConstraints": spread(plan.selector),
                     "initContainers": [init],
-                    "containers": [_envoy_container(plan, f"{XDS_DIR}/bootstrap.json"),
-                                   _sidecar_container(plan, topology_file, mounts)],
+                    "containers": [envoy, sidecar],
                     "volumes": volumes,
                     "terminationGracePeriodSeconds": _grace_s(topo),
                 },

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from ..balancing import POLICIES, uses_picker
 from ..limits import needs_store
-from ..model import ENVOY_CAP_MAX, Pool, Topology, grpc_service_hosts, is_ip, split_address
+from ..model import (
+    ENVOY_CAP_MAX,
+    GRPC_SOCKET,
+    Pool,
+    Topology,
+    grpc_service_hosts,
+    grpc_socket,
+    grpc_tls,
+    grpc_transport,
+    is_ip,
+    split_address,
+)
 from ..plan import Plan
 from . import layout
 from ._proto import Json, dur, extension, typed
@@ -239,16 +250,25 @@ def picker_wanted(topo: Topology) -> bool:
     return any(uses_picker(p.balancing.policy) for p in topo.pools)
 
 
+def pipe(path: str) -> Json:
+    """An endpoint address on a Unix socket (Envoy's `pipe`)."""
+    return {"pipe": {"path": path}}
+
+
 def picker_cluster(topo: Topology) -> Json:
-    """confgen-sidecar's gRPC services: the sidecar beside Envoy (sidecar.address), or with envoy.xds.mode ads
-    the control plane (each server's host, one priority each in the order listed, like confgen_xds: every
-    Envoy asks the first healthy one, so one picker sees the whole fleet's requests); mutual TLS with
-    sidecar.grpc_tls."""
+    """confgen-sidecar's gRPC services: by default its Unix socket (sidecar.grpc_socket_dir/grpc.sock, on this
+    host); with sidecar.grpc_tls (mutual TLS) or sidecar.grpc_plaintext_loopback over TCP: the sidecar beside
+    Envoy (sidecar.address), or with envoy.xds.mode ads the control plane (each server's host, one priority
+    each in the order listed, like confgen_xds: every Envoy asks the first healthy one, so one picker sees
+    the whole fleet's requests)."""
     port = topo.sidecar.grpc_port
-    hosts = grpc_service_hosts(topo)
+    unix = grpc_transport(topo) == "unix"
+    hosts = [] if unix else grpc_service_hosts(topo)
     resolve = not all(is_ip(host) for host in hosts)
     groups: list[Json] = [{"lb_endpoints": [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]} for host in hosts]
+    if unix:
+        groups = [{"lb_endpoints": [{"endpoint": {"address": pipe(grpc_socket(topo, GRPC_SOCKET))}}]}]
     if len(groups) > 1:
         for priority, group in enumerate(groups):
             group["priority"] = priority
@@ -273,7 +293,7 @@ def picker_cluster(topo: Topology) -> Json:
                                      "unhealthy_threshold": 1, "healthy_threshold": 1, "tcp_health_check": {}}]
     if resolve:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
-    tls = topo.sidecar.grpc_tls
+    tls = grpc_tls(topo)
     if tls is not None:
         cluster["transport_socket"] = upstream_mtls(tls.cert, tls.key, tls.ca, tls.server_names or hosts)
     return typed("config.cluster.v3.Cluster", cluster)

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..model import Topology, is_ip, split_address
+from ..model import XDS_SOCKET, Topology, grpc_socket, grpc_tls, grpc_transport, is_ip, split_address
 from ..plan import plan
-from ._clusters import assignments, clusters, upstream_mtls
+from ._clusters import assignments, clusters, pipe, upstream_mtls
 from ._listener import listeners
 from ._proto import Json, typed
 
@@ -113,6 +113,17 @@ def _ads_source() -> Json:
 
 
 def _server_cluster(topo: Topology) -> Json:
+    """The control plane: its Unix socket by default (sidecar.grpc_socket_dir/xds.sock, on this host), or over
+    TCP (mutual TLS with sidecar.grpc_tls, or plaintext on loopback) envoy.xds.servers."""
+    if grpc_transport(topo) == "unix":
+        return {
+            "name": ADS_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": _http2_keepalive(),
+            "load_assignment": {"cluster_name": ADS_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": pipe(grpc_socket(topo, XDS_SOCKET))}}]}]},
+        }
     groups: list[Json] = []
     resolve = False
     for priority, server in enumerate(topo.envoy.xds.servers):
@@ -130,15 +141,7 @@ def _server_cluster(topo: Topology) -> Json:
         "type": "STRICT_DNS" if resolve else "STATIC",
         "connect_timeout": "1s",
         "lb_policy": "ROUND_ROBIN",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
-                "extensions.upstreams.http.v3.HttpProtocolOptions",
-                # gRPC needs HTTP/2; keepalive pings find a control plane that vanished
-                # without closing its connection (a lost node), so Envoy moves to the other.
-                {"explicit_http_config": {"http2_protocol_options": {
-                    "connection_keepalive": {"interval": "10s", "timeout": "5s"}}}},
-            ),
-        },
+        "typed_extension_protocol_options": _http2_keepalive(),
         "load_assignment": {"cluster_name": ADS_CLUSTER, "endpoints": groups,
                             # a failing server hands all of its share to the next one at once
                             "policy": {"overprovisioning_factor": 100}},
@@ -150,15 +153,25 @@ def _server_cluster(topo: Topology) -> Json:
     }
     if resolve:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
-    if topo.envoy.xds.tls is not None:
+    if grpc_tls(topo) is not None:
         cluster["transport_socket"] = _upstream_tls(topo)
     return cluster
 
 
+def _http2_keepalive() -> Json:
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
+        "extensions.upstreams.http.v3.HttpProtocolOptions",
+        # gRPC needs HTTP/2; keepalive pings find a control plane that vanished
+        # without closing its connection (a lost node), so Envoy moves to the other.
+        {"explicit_http_config": {"http2_protocol_options": {
+            "connection_keepalive": {"interval": "10s", "timeout": "5s"}}}},
+    )}
+
+
 def _upstream_tls(topo: Topology) -> Json:
     """mTLS to the control plane: Envoy's client certificate, and the server's checked against the CA and
-    one of the expected names (envoy.xds.tls.server_names, else the servers' hosts)."""
-    tls = topo.envoy.xds.tls
+    one of the expected names (sidecar.grpc_tls.server_names, else the servers' hosts)."""
+    tls = grpc_tls(topo)
     assert tls is not None
     names = list(tls.server_names)
     if not names:

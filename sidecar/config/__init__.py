@@ -14,18 +14,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from confgen.errors import ConfgenError
-from confgen.model import Topology, grpc_service_hosts
+from confgen.model import Topology, grpc_service_hosts, grpc_socket_dir, grpc_transport
 from sidecar.config.nginx import NginxSettings
 from sidecar.config.nginx import add_arguments as add_nginx_arguments
 from sidecar.config.nginx import from_args as nginx_from_args
-from sidecar.config.tls import TlsFiles, is_loopback
+from sidecar.config.tls import TlsFiles, Transport, is_loopback
 from sidecar.decide.hysteresis import HysteresisPolicy
 from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
 from sidecar.decide.weights import WeightPolicy
 
-__all__ = ["ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for", "grpc_listen_mismatch",
-           "listen_for",
+__all__ = ["UNIX", "ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for",
+           "grpc_listen_mismatch", "grpc_transport_for", "listen_for",
            "listen_mismatch", "parser", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
@@ -34,6 +34,9 @@ _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolic
 
 class ConfigError(ConfgenError, ValueError):
     """The command line asks for something impossible."""
+
+
+UNIX = ("unix", 0)  # --serve-xds unix: ADS on its Unix socket (the transport's socket directory)
 
 
 @dataclass(frozen=True)
@@ -65,15 +68,24 @@ class SidecarConfig:
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
-    serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port)
-    xds_tls: TlsFiles | None = None  # --xds-tls-cert/-key/--xds-client-ca: mTLS (None: plaintext, loopback only)
+    serve_xds: tuple[str, int] | None = None  # --serve-xds: ADS over gRPC instead of files (host, port; or UNIX)
     xds_max_nodes: int = 1000  # --xds-max-nodes: distinct Envoys served at once (and the limits' count cap)
+    xds_nodes_per_identity: int = 1  # --xds-nodes-per-identity: Envoys counted per credential (a shared cert)
     admin_token_file: Path | None = None  # bearer token for POST /drain, /undrain (sidecar.serve.guard)
     admin_token_env: str | None = None  # ... or the environment variable holding it
     drains_file: Path | None = None  # --drains-file; default: next to the files the sidecar writes (none for ADS)
     grpc_listen: tuple[str, int] | None = None  # gRPC services (picker); None: 127.0.0.1:<sidecar.grpc_port>
-    grpc_tls: TlsFiles | None = None  # --grpc-tls-cert/-key/--grpc-client-ca: mTLS (None: plaintext, loopback only)
+    # --grpc-tls-cert/-key/--grpc-client-ca: mTLS for every gRPC surface (ADS, picker, rate limits);
+    # None: Unix sockets, or plaintext TCP on loopback with grpc_plaintext_loopback
+    grpc_tls: TlsFiles | None = None
+    grpc_plaintext_loopback: bool = False  # --grpc-plaintext-loopback: the explicit opt-in to plaintext TCP
     picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
+    deprecations: tuple[str, ...] = ()  # deprecated flags given (logged at startup)
+
+    @property
+    def xds_tls(self) -> TlsFiles | None:
+        """Deprecated name of `grpc_tls` (one TLS setup for every gRPC surface)."""
+        return self.grpc_tls
 
     @property
     def publisher(self) -> str:
@@ -99,13 +111,19 @@ class SidecarConfig:
             raise ConfigError("--serve-xds serves Envoys; it cannot be combined with --target nginx")
         if self.serve_xds is not None and not 0 <= self.serve_xds[1] <= 65535:
             raise ConfigError(f"--serve-xds port {self.serve_xds[1]} out of range")
-        if self.serve_xds is not None and self.xds_tls is None and not is_loopback(self.serve_xds[0]):
+        if (self.serve_xds not in (None, UNIX) and self.grpc_tls is None
+                and not is_loopback(self.serve_xds[0])):
             raise ConfigError(f"--serve-xds {self.serve_xds[0]}: plaintext ADS serves the API keys to anyone who "
-                              "connects; beyond loopback give --xds-tls-cert, --xds-tls-key and --xds-client-ca")
-        if self.xds_tls is not None and self.serve_xds is None:
-            raise ConfigError("--xds-tls-cert/--xds-tls-key/--xds-client-ca need --serve-xds")
+                              "connects; beyond loopback give --grpc-tls-cert, --grpc-tls-key and --grpc-client-ca")
+        if self.serve_xds == UNIX and (self.grpc_tls is not None or self.grpc_plaintext_loopback):
+            raise ConfigError("--serve-xds unix: ADS on the Unix socket; with TLS or --grpc-plaintext-loopback "
+                              "give --serve-xds HOST:PORT")
+        if self.grpc_tls is not None and self.grpc_plaintext_loopback:
+            raise ConfigError("--grpc-plaintext-loopback and --grpc-tls-*: choose one transport")
         if self.xds_max_nodes < 1:
             raise ConfigError(f"--xds-max-nodes must be >= 1, got {self.xds_max_nodes}")
+        if self.xds_nodes_per_identity < 1:
+            raise ConfigError(f"--xds-nodes-per-identity must be >= 1, got {self.xds_nodes_per_identity}")
         if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
             raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
         if self.grpc_listen is not None and self.grpc_tls is None and not is_loopback(self.grpc_listen[0]):
@@ -163,18 +181,23 @@ def parser() -> argparse.ArgumentParser:
                    "characters). Without a token they answer only on a loopback --listen")
     p.add_argument("--admin-token-env", metavar="NAME",
                    help="environment variable holding that token (instead of --admin-token-file)")
-    p.add_argument("--serve-xds", metavar="HOST:PORT",
+    p.add_argument("--serve-xds", metavar="HOST:PORT|unix",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
                    "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
-                   "the number of connected Envoys. Beyond loopback it needs mTLS (the three flags below)")
-    p.add_argument("--xds-tls-cert", type=Path, metavar="PATH", help="--serve-xds: the control plane's certificate "
-                   "chain (PEM; cert-manager's tls.crt); with --xds-tls-key and --xds-client-ca, ADS is served over "
-                   "mTLS and each Envoy's node id must be a name of its client certificate. Re-read when it changes")
-    p.add_argument("--xds-tls-key", type=Path, metavar="PATH", help="--serve-xds: its private key (PEM; tls.key)")
-    p.add_argument("--xds-client-ca", type=Path, metavar="PATH",
-                   help="--serve-xds: the CA that signs the Envoys' client certificates (PEM; ca.crt)")
+                   "the number of connected Envoys. Without --grpc-tls-* ADS is served on the Unix socket "
+                   "<sidecar.grpc_socket_dir>/xds.sock (HOST:PORT unused; `unix` says so), or plaintext on a "
+                   "loopback HOST:PORT with --grpc-plaintext-loopback; with them, over mTLS on HOST:PORT, and each "
+                   "Envoy's node id must be a name of its client certificate")
+    for old, new in (("--xds-tls-cert", "--grpc-tls-cert"), ("--xds-tls-key", "--grpc-tls-key"),
+                     ("--xds-client-ca", "--grpc-client-ca")):
+        p.add_argument(old, type=Path, metavar="PATH", help=f"deprecated: {new} (one TLS setup for every gRPC surface)")
     p.add_argument("--xds-max-nodes", type=int, default=1000, help="--serve-xds: most distinct Envoys served at "
                    "once; also the most the in-flight limits are divided by (default 1000)")
+    p.add_argument("--xds-nodes-per-identity", type=int, default=1, metavar="N",
+                   help="--serve-xds: most Envoys counted for the in-flight limits per credential: per client "
+                   "certificate identity (give the replicas that share one certificate, as a Deployment's pods do), "
+                   "and for the local Unix socket or plaintext loopback as a whole. Node ids beyond it are served "
+                   "but move no limit (default 1)")
     p.add_argument("--drains-file", type=Path, metavar="PATH", help="where drains set by POST /drain are kept "
                    "across restarts (default: .confgen-drains.json next to the xDS or nginx files; with --serve-xds "
                    "none unless given: give a path on a persistent volume)")
@@ -184,15 +207,20 @@ def parser() -> argparse.ArgumentParser:
                    "fallbacks, e.g. --picker prefix=2")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
-                   "pool uses policy prefix_affinity); default 127.0.0.1:<the topology's sidecar.grpc_port>. "
-                   "Plaintext: a loopback address only; beyond it mTLS (the three flags below)")
-    p.add_argument("--grpc-tls-cert", type=Path, metavar="PATH", help="the gRPC services' certificate chain (PEM; "
-                   "cert-manager's tls.crt; may be --xds-tls-cert's); with --grpc-tls-key and --grpc-client-ca they "
-                   "are served over mTLS: a client without a certificate signed by that CA is refused at the "
+                   "pool uses policy prefix_affinity, the rate limit service for global limits) over TCP, with "
+                   "mTLS or --grpc-plaintext-loopback; default 127.0.0.1:<the topology's sidecar.grpc_port>. "
+                   "Without either they are served on the Unix socket <sidecar.grpc_socket_dir>/grpc.sock")
+    p.add_argument("--grpc-tls-cert", type=Path, metavar="PATH", help="the certificate chain of every gRPC surface "
+                   "(ADS, picker, rate limits; PEM; cert-manager's tls.crt); with --grpc-tls-key and --grpc-client-ca "
+                   "they are served over mTLS: a client without a certificate signed by that CA is refused at the "
                    "handshake. Re-read when it changes")
     p.add_argument("--grpc-tls-key", type=Path, metavar="PATH", help="its private key (PEM; tls.key)")
     p.add_argument("--grpc-client-ca", type=Path, metavar="PATH",
-                   help="the CA that signs the Envoys' client certificates for the gRPC services (PEM; ca.crt)")
+                   help="the CA that signs the Envoys' client certificates (PEM; ca.crt)")
+    p.add_argument("--grpc-plaintext-loopback", action="store_true",
+                   help="serve the gRPC surfaces as plaintext TCP on loopback instead of Unix sockets (the topology's "
+                   "sidecar.grpc_plaintext_loopback must say so too): any local process can then connect, read the "
+                   "API keys over ADS and move the limits. Logged as a warning")
     add_nginx_arguments(p)
     return p
 
@@ -239,6 +267,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
     stale = SaturationPolicy(stale_after_s=2.5 * args.interval) if args.interval > 0 else SaturationPolicy()
     saturation = _override(stale, args.saturation, "--saturation")
     deadline = args.probe_deadline if args.probe_deadline is not None else 0.75 * args.interval
+    tls, deprecations = _one_tls(args)
     return SidecarConfig(
         topology=args.topology,
         xds_dir=args.xds_dir,
@@ -262,16 +291,38 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         log_format=args.log_format,
         log_level=args.log_level,
         nginx=nginx,
-        serve_xds=_split_listen(args.serve_xds, "--serve-xds") if args.serve_xds else None,
+        serve_xds=_serve_xds(args.serve_xds),
         admin_token_file=args.admin_token_file,
         admin_token_env=args.admin_token_env,
-        xds_tls=_tls_files(args, "xds-tls-cert", "xds-tls-key", "xds-client-ca"),
         drains_file=args.drains_file.absolute() if args.drains_file else None,
         xds_max_nodes=args.xds_max_nodes,
+        xds_nodes_per_identity=args.xds_nodes_per_identity,
         grpc_listen=_split_listen(args.grpc_listen, "--grpc-listen") if args.grpc_listen else None,
-        grpc_tls=_tls_files(args, "grpc-tls-cert", "grpc-tls-key", "grpc-client-ca"),
+        grpc_tls=tls,
+        grpc_plaintext_loopback=args.grpc_plaintext_loopback,
         picker=tuple(args.picker),
+        deprecations=deprecations,
     )
+
+
+def _serve_xds(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    return UNIX if text == "unix" else _split_listen(text, "--serve-xds")
+
+
+def _one_tls(args: argparse.Namespace) -> tuple[TlsFiles | None, tuple[str, ...]]:
+    """The one TLS setup: --grpc-tls-*, or the deprecated --xds-tls-* (the same files if both)."""
+    tls = _tls_files(args, "grpc-tls-cert", "grpc-tls-key", "grpc-client-ca")
+    old = _tls_files(args, "xds-tls-cert", "xds-tls-key", "xds-client-ca")
+    if old is None:
+        return tls, ()
+    if tls is not None and tls != old:
+        raise ConfigError("--xds-tls-* (deprecated) and --grpc-tls-* name different files: every gRPC surface is "
+                          "served with one TLS setup; give --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca only")
+    return old, ("--xds-tls-cert/--xds-tls-key/--xds-client-ca are deprecated (removed in the next release): "
+                 "give --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca, the one TLS setup of ADS, the picker and "
+                 "rate limits",)
 
 
 def _tls_files(args: argparse.Namespace, cert: str, key: str, ca: str) -> TlsFiles | None:
@@ -304,11 +355,40 @@ def grpc_listen_for(config: SidecarConfig, topo: Topology) -> tuple[str, int]:
     return config.grpc_listen or ("127.0.0.1", topo.sidecar.grpc_port)
 
 
+def grpc_transport_for(config: SidecarConfig, topo: Topology) -> Transport:
+    """How the gRPC surfaces are served, agreed between the flags and the topology (which says where
+    Envoy calls: `confgen.model.grpc_transport`). ConfigError when they disagree: Envoy would call a
+    socket or port nobody serves."""
+    rendered = grpc_transport(topo)
+    if config.grpc_tls is not None:
+        if rendered != "mtls":
+            raise ConfigError("--grpc-tls-* is given but the topology has no sidecar.grpc_tls: Envoy calls the "
+                              f"sidecar over {'plaintext TCP' if rendered == 'plaintext' else 'its Unix sockets'}; "
+                              "set sidecar.grpc_tls (Envoy's client certificate) or drop the flags")
+        return Transport(tls=config.grpc_tls)
+    if rendered == "mtls":
+        raise ConfigError("the topology's sidecar.grpc_tls has Envoy call the sidecar over mutual TLS: give "
+                          "--grpc-tls-cert, --grpc-tls-key and --grpc-client-ca")
+    if config.grpc_plaintext_loopback != (rendered == "plaintext"):
+        if config.grpc_plaintext_loopback:
+            raise ConfigError("--grpc-plaintext-loopback, but the topology has Envoy call the sidecar's Unix "
+                              "sockets: set sidecar.grpc_plaintext_loopback: true as well, or drop the flag")
+        raise ConfigError("the topology's sidecar.grpc_plaintext_loopback has Envoy call plaintext TCP on loopback: "
+                          "start the sidecar with --grpc-plaintext-loopback to agree (any local process can "
+                          "then connect), or remove it from the topology to use the Unix sockets")
+    if config.grpc_plaintext_loopback:
+        return Transport()
+    return Transport(socket_dir=Path(grpc_socket_dir(topo)))
+
+
 def grpc_listen_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
     """Why Envoy cannot reach the gRPC services where the rendered cluster sends it; None when it can.
 
     confgen_sidecar_grpc goes to sidecar.address (with ADS: the servers' hosts) at sidecar.grpc_port;
-    a loopback bind serves only an Envoy on this machine at a loopback address."""
+    a loopback bind serves only an Envoy on this machine at a loopback address. Over the Unix socket
+    there is no address to miss."""
+    if grpc_transport(topo) == "unix":
+        return None
     host, port = grpc_listen_for(config, topo)
     remote = [h for h in grpc_service_hosts(topo) if not is_loopback(h)]
     if remote and is_loopback(host):

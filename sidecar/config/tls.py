@@ -1,7 +1,8 @@
-"""The settings of a TLS listener (file paths) and what counts as a loopback bind.
+"""The transport of the sidecar's gRPC surfaces (TLS file paths, or the Unix sockets' directory)
+and what counts as a loopback bind.
 
-Plain data for `SidecarConfig`; what builds the credentials from them is
-`sidecar.outputs.tls`."""
+Plain data for `SidecarConfig`; what builds the credentials and binds is `sidecar.outputs.tls`,
+the servers `sidecar.outputs.grpc`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from confgen.model import is_loopback_host
 
-__all__ = ["TlsFiles", "is_loopback"]
+__all__ = ["TlsFiles", "Transport", "is_loopback"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,23 @@ class TlsFiles:
 
     def paths(self) -> tuple[Path, Path, Path]:
         return self.cert, self.key, self.client_ca
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """How every gRPC surface (ADS, the picker, rate limits) is served: mutual TLS on host:port (`tls`),
+    Unix sockets in `socket_dir` (the default), or, neither given, plaintext TCP on loopback."""
+
+    tls: TlsFiles | None = None
+    socket_dir: Path | None = None
+
+    @property
+    def kind(self) -> str:
+        return "mtls" if self.tls is not None else "unix" if self.socket_dir is not None else "plaintext"
+
+    def socket(self, name: str) -> Path | None:
+        """The path of the socket `name` (confgen.model.GRPC_SOCKET, XDS_SOCKET); None over TCP."""
+        return self.socket_dir / name if self.socket_dir is not None and self.tls is None else None
 
 
 def is_loopback(host: str) -> bool:

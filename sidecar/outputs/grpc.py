@@ -1,34 +1,45 @@
-"""The one place that builds a gRPC server (the endpoint picker, the rate-limit service).
+"""The one place that builds a gRPC server: ADS, the endpoint picker, the rate limit service.
 
-    server = GrpcServer(GrpcSettings(host, port))
+    server = GrpcServer(GrpcSettings(host, port, tls=files))         mTLS over TCP
+    server = GrpcServer(GrpcSettings(socket=Path(".../grpc.sock")))  a Unix socket, 0600
     server.add(service.add_to, service.name)   # one line per service (sidecar.outputs.service)
     port = await server.start()
     ...
     await server.stop()
 
-Bounded: receive/send message size, concurrent streams per connection, keepalive pings
-(and the pace it accepts from clients), idle connections closed, connection age capped
-(with a grace for the streams in flight). The transport is ADS's (`sidecar.outputs.tls`):
-mutual TLS from `TlsFiles` (certificate, key, the CA that signs client certificates; the
-client's certificate names in `peer_identities(context)`), or plaintext on a loopback bind
-only, said loudly in the log; any other bind without TLS is refused.
+Bounded (`GrpcLimits`): receive/send message size, concurrent streams per connection,
+keepalive pings (and the pace it accepts from clients), idle connections closed, connection
+age capped (with a grace for the streams in flight); optionally connections, handshake time,
+RPCs in flight on the server and a fixed HTTP/2 window (ADS's profile, `ADS_LIMITS` in
+`sidecar.outputs.xds.server`). grpc's caps are per server, so ADS (8 streams a connection, one
+per Envoy) and the services (one stream per request in flight, thousands a connection) are two
+servers from this one builder, on one transport (`sidecar.outputs.tls`):
+- mutual TLS from `TlsFiles` (certificate, key, the CA that signs client certificates; the
+  client's certificate names in `peer_identities(context)`), on any address;
+- a Unix socket (`socket`): created 0600 in a directory only the sidecar's user may enter
+  (`sidecar.outputs.tls.prepare_socket`): only a process of that user (the local Envoy) connects;
+- plaintext TCP on a loopback bind only, said loudly in the log; any other bind without TLS is
+  refused. Whether plaintext TCP is wanted at all is the configuration's explicit choice
+  (`SidecarConfig.grpc_plaintext_loopback`), never a default.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from sidecar.config import ConfigError
-from sidecar.config.tls import TlsFiles, is_loopback
+from sidecar.config.tls import TlsFiles, Transport, is_loopback
 from sidecar.logs import log_event
-from sidecar.outputs.tls import InsecureBindError, TlsError, bind
+from sidecar.outputs.tls import InsecureBindError, TlsError, bind, bind_unix, prepare_socket
 
-__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsFiles", "is_loopback"]
+__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsFiles", "Transport", "is_loopback", "settings_for"]
 
 _log = logging.getLogger("sidecar.grpc")
 
@@ -36,24 +47,32 @@ _log = logging.getLogger("sidecar.grpc")
 @dataclass(frozen=True, slots=True)
 class GrpcLimits:
     """Caps every server gets. Envoy's ext_proc messages carry a request body: the
-    listener's own body cap (max_request_bytes, default 1 MiB) plus headers fits in 4 MiB."""
+    listener's own body cap plus headers fits in 4 MiB."""
 
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024  # received (and sent, unless max_send_bytes says otherwise)
+    max_send_bytes: int | None = None
     max_concurrent_streams: int = 4096  # per connection: Envoy multiplexes every request on a few
     keepalive_time_s: float = 30.0  # ping an idle connection this often
     keepalive_timeout_s: float = 10.0  # ... and drop it when the ping is not answered in this long
     min_client_ping_s: float = 10.0  # refuse clients that ping faster
     max_connection_idle_s: float = 600.0
-    max_connection_age_s: float = 3600.0  # connections are re-made (spreads load after restarts)
+    max_connection_age_s: float | None = 3600.0  # connections are re-made (spreads load after restarts)
     max_connection_age_grace_s: float = 600.0  # streams in flight may finish (a generation's length)
+    max_connections: int | None = None  # connections accepted at once (None: grpc's default)
+    handshake_timeout_s: float | None = None  # TCP + TLS handshake, then the HTTP/2 preface
+    max_concurrent_rpcs: int | None = None  # on the whole server (RESOURCE_EXHAUSTED beyond)
+    # What a client may send ahead of what the server reads, per stream: a fixed window (no
+    # BDP growth), so a stream that is not read holds at most that much. None: grpc's BDP.
+    fixed_window_bytes: int | None = None
 
     def options(self) -> list[tuple[str, Any]]:
         def ms(seconds: float) -> int:
             return int(seconds * 1000)
 
-        return [
+        send = self.max_send_bytes if self.max_send_bytes is not None else self.max_message_bytes
+        out: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", send),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
@@ -61,33 +80,71 @@ class GrpcLimits:
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_client_ping_s)),
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)),
-            ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
-            ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
             ("grpc.so_reuseport", 0),  # a second sidecar on the same port must fail, not share it
         ]
+        if self.max_connection_age_s is not None:
+            out += [("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+                    ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s))]
+        if self.max_connections is not None:
+            out.append(("grpc.max_allowed_incoming_connections", self.max_connections))
+        if self.handshake_timeout_s is not None:
+            out.append(("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)))
+        if self.fixed_window_bytes is not None:
+            out += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", self.fixed_window_bytes)]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class GrpcSettings:
-    host: str
-    port: int  # 0: the OS picks (tests)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks (tests)
     limits: GrpcLimits = GrpcLimits()
-    tls: TlsFiles | None = None  # mutual TLS (sidecar.outputs.tls); None: plaintext, loopback only
+    tls: TlsFiles | None = None  # mutual TLS (sidecar.outputs.tls) on host:port
+    socket: Path | None = None  # without tls: this Unix socket (host and port unused)
+
+    @property
+    def address(self) -> str:
+        if self.socket is not None:
+            return f"unix:{self.socket}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def transport(self) -> str:
+        return "mtls" if self.tls is not None else "unix" if self.socket is not None else "plaintext"
+
+
+def settings_for(transport: Transport, listen: tuple[str, int], socket: str) -> GrpcSettings:
+    """One server's settings on the sidecar's one transport: its Unix socket `socket` (a name in the
+    socket directory), or host:port `listen` with mTLS (or plaintext on loopback)."""
+    path = transport.socket(socket)
+    if path is not None:
+        return GrpcSettings(socket=path)
+    return GrpcSettings(listen[0], listen[1], tls=transport.tls)
 
 
 class GrpcServer:
     """A grpc.aio server with the caps above; services are added before `start`."""
 
     def __init__(self, settings: GrpcSettings) -> None:
-        if settings.tls is None and not is_loopback(settings.host):
+        if settings.tls is not None and settings.socket is not None:
+            raise ConfigError("gRPC: a server is either mutual TLS on host:port or a Unix socket, not both")
+        if settings.transport == "plaintext" and not is_loopback(settings.host):
             raise ConfigError(
-                f"gRPC listen {settings.host}:{settings.port}: plaintext gRPC is allowed only on a loopback "
-                "address (anyone who reaches the port could steer routing); bind 127.0.0.1 or configure TLS")
+                f"gRPC listen {settings.address}: plaintext gRPC is allowed only on a loopback "
+                "address (anyone who reaches the port could steer routing); use a Unix socket or configure TLS")
         self.settings = settings
         self._server: grpc.aio.Server | None = None  # made in start(), on the loop that will run it
         self._services: list[Callable[[grpc.aio.Server], None]] = []
         self._names: list[str] = []
         self.port: int | None = None
+
+    @property
+    def listen(self) -> str:
+        """Where it serves: host:port (the bound port once started) or unix:<path>."""
+        s = self.settings
+        if s.socket is not None:
+            return s.address
+        return f"{s.host}:{self.port if self.port is not None else s.port}"
 
     def add(self, register: Callable[[grpc.aio.Server], None], name: str) -> None:
         """Add one service: `register` puts its servicers on the server (a Service's `add_to`, or
@@ -98,24 +155,38 @@ class GrpcServer:
         self._names.append(name)
 
     async def start(self) -> int:
-        """Bind and start; the bound port. ConfigError when the address cannot be bound."""
+        """Bind and start; the bound port (0 for a Unix socket). ConfigError when the address cannot
+        be bound, the certificates are unusable or the socket's directory is not private."""
         s = self.settings
-        self._server = grpc.aio.server(options=s.limits.options())
+        what = f"grpc ({', '.join(self._names)})"
+        try:
+            if s.socket is not None:
+                await prepare_socket(s.socket)
+        except (InsecureBindError, OSError) as exc:
+            raise ConfigError(f"gRPC listen {s.address}: {exc}") from exc
+        opts = s.limits
+        self._server = grpc.aio.server(options=opts.options(), maximum_concurrent_rpcs=opts.max_concurrent_rpcs)
         for register in self._services:
             register(self._server)
-        address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
-        try:  # the transport ADS uses too: mTLS, or plaintext on loopback (logged loudly there)
-            bound = bind(self._server, s.host, s.port, s.tls, what=f"grpc ({', '.join(self._names)})")
+        try:
+            if s.socket is not None:
+                bound = bind_unix(self._server, s.socket, what=what)
+            else:  # mTLS, or plaintext on loopback (logged loudly there)
+                bound = bind(self._server, s.host, s.port, s.tls, what=what)
         except (TlsError, InsecureBindError) as exc:
-            raise ConfigError(f"gRPC listen {address}: {exc}") from exc
+            raise ConfigError(f"gRPC listen {s.address}: {exc}") from exc
         except (RuntimeError, OSError) as exc:  # grpc raises RuntimeError when it cannot bind
-            raise ConfigError(f"gRPC listen {address}: {exc}") from exc
+            raise ConfigError(f"gRPC listen {s.address}: {exc}") from exc
         await self._server.start()
         self.port = bound
-        log_event(_log, logging.INFO, "grpc.listening", listen=f"{s.host}:{bound}", services=self._names,
-                  tls="mutual" if s.tls is not None else "plaintext (loopback)")
+        log_event(_log, logging.INFO, "grpc.listening", listen=self.listen, services=self._names,
+                  transport=s.transport)
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
             await self._server.stop(grace_s)
+            self._server = None
+        if self.settings.socket is not None and self.port is not None:
+            self.port = None  # ours (checked at start): the next start finds no stale one
+            await asyncio.to_thread(self.settings.socket.unlink, missing_ok=True)

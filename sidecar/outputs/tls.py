@@ -1,8 +1,10 @@
-"""The transport of every gRPC surface the sidecar serves: mutual TLS, or plaintext on loopback.
+"""The transport of every gRPC surface the sidecar serves: mutual TLS, a Unix socket, or plaintext on loopback.
 
     files = TlsFiles(cert, key, client_ca)        (None: plaintext)
     port = bind(server, host, port, files, what="xds")   mTLS, or plaintext on loopback only
+    await prepare_socket(path); bind_unix(server, path, what="xds")   a 0600 socket in a 0700 directory
     names = peer_identities(context)              the client certificate's SANs and CN
+    key = credential_of(names, context.peer())    what the connection proved (nodes are counted per key)
 
 One module so that ADS and the shared gRPC builder (`sidecar.outputs.grpc`) build the same
 thing. Rules:
@@ -13,13 +15,21 @@ thing. Rules:
 - Without files: plaintext, allowed only on a loopback bind and logged at warning level on
   every start; a non-loopback bind without TLS raises `InsecureBindError` (the daemon refuses
   to start).
+- A Unix socket: its directory is created 0700 (or, when it exists, must be a real directory
+  owned by the sidecar's user: its mode is then tightened to 0700; anything else refuses the
+  start), the socket is made 0600; a socket left by a sidecar that died is removed, one that
+  answers (another sidecar running) refuses the start, and what is not a socket is never
+  removed. Only the sidecar's user (the local Envoy runs as it) can connect.
 - A client's identity is what its verified certificate says: every subjectAltName (DNS, URI,
   IP, email) and the subject's CN. `peer_identities` is None on a plaintext connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import stat
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +38,7 @@ from typing import Any
 import grpc
 
 from confgen.errors import ConfgenError
+from confgen.model import MAX_SOCKET_PATH
 from sidecar.config.tls import TlsFiles, is_loopback
 from sidecar.logs import log_event
 
@@ -36,9 +47,12 @@ __all__ = [
     "TlsError",
     "TlsFiles",
     "bind",
+    "bind_unix",
+    "credential_of",
     "is_loopback",
     "node_bound",
     "peer_identities",
+    "prepare_socket",
     "server_credentials",
 ]
 
@@ -137,6 +151,69 @@ def bind(server: grpc.aio.Server, host: str, port: int, files: TlsFiles | None, 
     return bound
 
 
+def _private_dir(directory: Path) -> None:
+    """`directory` exists, is a directory (not a link) owned by this user, mode 0700."""
+    try:
+        directory.mkdir(mode=0o700)
+        created = True
+    except FileExistsError:
+        created = False
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise InsecureBindError(f"socket directory {directory} is not a directory (a link or a file): refusing it")
+    if st.st_uid != os.geteuid():
+        raise InsecureBindError(f"socket directory {directory} is owned by uid {st.st_uid}, not this user "
+                                f"({os.geteuid()}): another user could read or replace the socket; remove it "
+                                "or choose another directory")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        directory.chmod(0o700)  # ours: others lose access before any socket is made in it
+        if not created:
+            log_event(_log, logging.WARNING, "tls.socket_dir_tightened", directory=str(directory),
+                      mode_was=oct(stat.S_IMODE(st.st_mode)))
+
+
+async def prepare_socket(path: Path) -> None:
+    """Make `path` bindable safely: its directory private (0700, ours), no stale socket in the way.
+
+    InsecureBindError for a path that is not safe (too long, relative, a foreign or linked
+    directory, a non-socket file in the way); OSError when another server answers on it or the
+    directory cannot be made."""
+    text = str(path)
+    if not path.is_absolute():
+        raise InsecureBindError(f"socket path {text!r} is not absolute")
+    if len(text.encode()) > MAX_SOCKET_PATH:
+        raise InsecureBindError(f"socket path {text!r} is longer than {MAX_SOCKET_PATH} bytes (the kernel's limit)")
+    await asyncio.to_thread(_private_dir, path.parent)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InsecureBindError(f"{path} exists and is not a socket: refusing to remove it")
+    try:
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_unix_connection(text)
+    except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
+        await asyncio.to_thread(path.unlink, missing_ok=True)  # left by a server that is gone
+        log_event(_log, logging.INFO, "tls.stale_socket_removed", socket=text)
+        return
+    writer.close()
+    await writer.wait_closed()
+    raise OSError(f"{path}: another server is listening on it")
+
+
+def bind_unix(server: grpc.aio.Server, path: Path, *, what: str) -> int:
+    """Add the Unix socket `path` to `server` (after `prepare_socket`), mode 0600; 0 (no port).
+
+    OSError when it cannot be bound."""
+    if not server.add_insecure_port(f"unix:{path}"):
+        raise OSError(f"{what}: cannot listen on unix:{path}")
+    path.chmod(0o600)  # the directory (0700) already keeps other users out; this says so twice
+    log_event(_log, logging.INFO, "tls.serving", service=what, listen=f"unix:{path}", transport="unix",
+              mode="0600", note="only this user's processes (the local Envoy) can connect")
+    return 0
+
+
 _IDENTITY_KEYS = ("x509_subject_alternative_name", "x509_common_name")
 
 
@@ -158,6 +235,16 @@ def peer_identities(context: Any) -> frozenset[str] | None:
     An empty set on TLS never happens with `require_client_auth` (no certificate, no handshake)."""
     auth = context.auth_context()
     return identities_of(auth if isinstance(auth, Mapping) else {})
+
+
+def credential_of(identities: frozenset[str] | None, peer: str) -> str:
+    """What a connection proved about its client, as one key (nodes are counted per key):
+    `cert:<its names>` for a verified client certificate, `unix` for a Unix socket (only the
+    socket's owner can connect: the local Envoy), `plaintext` for plaintext TCP on loopback
+    (any local process: proves nothing beyond that)."""
+    if identities is not None:
+        return "cert:" + ",".join(sorted(identities))
+    return "unix" if peer.startswith("unix:") else "plaintext"
 
 
 def node_bound(node: str, identities: frozenset[str] | None) -> bool:

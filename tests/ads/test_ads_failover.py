@@ -33,6 +33,8 @@ def _text(fleet: FleetHandle, xds: list[int], port: int, *, admin: int = 9901, p
         pools += POOL.format(name="extra", workers=w["w3"])
     return (f"version: 1\nname: ha\nadmin: {{address: 127.0.0.1, port: {admin}}}\n"
             f"listeners:\n  - {{name: public, address: 127.0.0.1, port: {port}}}\n"
+            # two control planes on one host: TCP on loopback, by the explicit opt-in (one socket is one server)
+            "sidecar: {grpc_plaintext_loopback: true}\n"
             f"envoy:\n  xds: {{mode: ads, servers: [{servers}], protocol: {protocol}}}\npools:\n{pools}")
 
 
@@ -54,7 +56,7 @@ def _running(tmp: Path) -> Iterator[tuple[FleetHandle, list[SidecarProcess], lis
             for i, grpc_port in enumerate(xds):
                 listen = free_port()
                 sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{grpc_port}",
-                                          "--listen", f"127.0.0.1:{listen}", *FAST_ARGS],
+                                          "--grpc-plaintext-loopback", "--listen", f"127.0.0.1:{listen}", *FAST_ARGS],
                                          tmp / f"sidecar-{i}.log", listen)
                 sidecar.start()
                 sidecars.append(sidecar)

@@ -35,6 +35,7 @@ listeners:
 auth:
   api_keys:
 {keys}
+sidecar: {{grpc_socket_dir: {sockets}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"], protocol: delta}}
 pools:
@@ -108,7 +109,8 @@ def test_key_rotation_under_load_fails_no_request_and_rewrites_no_listener(tmp_p
 
         def text(*entries: tuple[str, Path]) -> str:
             keys = "\n".join(f"    - {{client: {client}, file: {path}}}" for client, path in entries)
-            return TOPOLOGY.format(admin=free_port(), port=port, keys=keys, xds=xds, workers=workers)
+            return TOPOLOGY.format(admin=free_port(), port=port, keys=keys, xds=xds, workers=workers,
+                                   sockets=tmp_path / "sockets")  # ADS over its Unix socket
 
         topology = tmp_path / "topology.yaml"
         topology.write_text(text(("team", old_file)))

@@ -107,11 +107,14 @@ def test_ads_manifests_serve_over_mtls_behind_a_network_policy() -> None:
 
 
 def test_ads_manifests_need_mtls() -> None:
+    """Servers beyond loopback without TLS: validate refuses it (ADS serves the API keys) before any render."""
+    from confgen.errors import TopologyError
+
     text = TOPOLOGY.replace("    tls: {cert: /etc/envoy/xds-tls/tls.crt, key: /etc/envoy/xds-tls/tls.key, "
                             "ca: /etc/envoy/xds-ca/ca.crt}\n", "")
-    topo, _ = parse_topology(text.encode())
-    with pytest.raises(DeployError, match=r"envoy\.xds\.tls"):
-        render_kubernetes(topo)
+    with pytest.raises(TopologyError) as err:
+        parse_topology(text.encode())
+    assert any(d.path == "envoy.xds.servers[0]" and "sidecar.grpc_tls" in d.message for d in err.value.diagnostics)
     same = TOPOLOGY.replace("/etc/envoy/xds-ca/ca.crt", "/etc/envoy/xds-ca/tls.crt")
     topo, _ = parse_topology(same.encode())
     with pytest.raises(DeployError, match="distinct file names"):
@@ -170,28 +173,35 @@ def test_without_the_picker_the_control_plane_has_no_grpc_port() -> None:
     docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     (container,) = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["template"]["spec"]["containers"]
-    assert "--grpc-listen" not in container["args"] and "--grpc-tls-cert" not in container["args"]
+    assert "--grpc-listen" not in container["args"]
+    assert container["args"].count("--grpc-tls-cert") == 1  # one TLS setup (ADS's), no deprecated --xds-tls-*
+    assert not [a for a in container["args"] if a.startswith("--xds-tls") or a == "--xds-client-ca"]
+    # the Envoy pods share one certificate: it counts for the limits as many Envoys as the HPA may run
+    assert container["args"][container["args"].index("--xds-nodes-per-identity") + 1] == "12"
     assert [p["port"] for p in by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"][0]["ports"]] == [18000]
 
 
 def test_the_picker_in_kubernetes_needs_the_envoys_certificate(tmp_path: Path) -> None:
-    """Without sidecar.grpc_tls validate refuses it where the Envoys are sent beyond loopback; with other files
-    than envoy.xds.tls's the render says the Envoys have one certificate Secret."""
+    """One TLS block: the deprecated envoy.xds.tls alone is read as sidecar.grpc_tls (a warning), for ADS and the
+    picker alike; both given with other files is an error at envoy.xds.tls (the sidecar has one TLS setup)."""
+    from confgen import envoy as envoy_render
     from confgen.errors import TopologyError
     from confgen.topology import load
 
     bare = PICKER.split("  grpc_tls:")[0]
     path = tmp_path / "topology.yaml"
     path.write_text(bare)
-    with pytest.raises(TopologyError) as err:
-        load(path)
-    assert any(d.path == "envoy.xds.servers[0]" and "sidecar.grpc_tls" in d.message and d.line == 9
-               for d in err.value.diagnostics), err.value.diagnostics
+    topo, warnings = load(path)
+    assert any(w.path == "envoy.xds.tls" and "deprecated" in w.message for w in warnings), warnings
+    clusters = {c["name"]: c for c in envoy_render.ads_static_bootstrap(topo)["static_resources"]["clusters"]}
+    ctx = clusters["confgen_sidecar_grpc"]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert ctx["tls_certificates"][0]["certificate_chain"]["filename"] == "/etc/envoy/xds-tls/tls.crt"
     head, _, tail = PICKER.rpartition("/etc/envoy/xds-ca/ca.crt")  # the last one: grpc_tls's
     other = head + "/etc/envoy/grpc-ca/ca.crt" + tail
-    topo, _ = parse_topology(other.encode())
-    with pytest.raises(DeployError, match=r"sidecar\.grpc_tls"):
-        render_kubernetes(topo)
+    with pytest.raises(TopologyError) as err:
+        parse_topology(other.encode())
+    assert any(d.path == "envoy.xds.tls" and "not the same as sidecar.grpc_tls" in d.message
+               for d in err.value.diagnostics), err.value.diagnostics
     clash = PICKER.replace("grpc_port: 9300", "grpc_port: 18000")
     topo, _ = parse_topology(clash.encode())
     with pytest.raises(DeployError, match=r"sidecar\.grpc_port"):

@@ -33,6 +33,7 @@ name: fleet
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: {address}, port: {port}}}
+sidecar: {{grpc_socket_dir: {sockets}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"], protocol: {protocol}}}
 pools:
@@ -61,7 +62,7 @@ class AdsRig:
     def text(self, *, admin: int = 9901, protocol: str = "delta", address: str = "127.0.0.1") -> str:
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in self.fleet.workers)
         return TOPOLOGY.format(admin=admin, address=address, port=self.port, xds=self.xds, protocol=protocol,
-                               workers=workers)
+                               workers=workers, sockets=self.tmp / "sockets")  # ADS over its Unix socket
 
     def start_envoy(self, index: int) -> EnvoyProcess:
         """Envoy `envoy-<index>` from the rendered bootstrap, with its own admin port and node id."""

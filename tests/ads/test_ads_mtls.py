@@ -1,6 +1,7 @@
 """ADS over mutual TLS, with real Envoys: who gets the configuration (and the API keys in it).
 
-One sidecar (`python -m sidecar.main --serve-xds ... --xds-tls-cert/-key --xds-client-ca`)
+One sidecar (`python -m sidecar.main --serve-xds ... --xds-tls-cert/-key --xds-client-ca`: the
+deprecated names of --grpc-tls-*, kept working for one release, and tested so here)
 and certificates from a throwaway CA (openssl CLI). Envoys start from `confgen render` of a
 topology with `envoy.xds.tls`:
 - envoy-0 with its own certificate: connected, served, traffic with the API key -> 200;
@@ -179,6 +180,9 @@ def test_only_the_envoy_holding_its_certificate_is_served(tmp_path: Path, pki: P
         try:
             sidecar.wait_ready()
             assert sidecar.state()["xds"]["transport"] == "mtls"
+            # the deprecated names (--xds-tls-*, envoy.xds.tls) still work for one release, with a warning
+            assert any(e.get("event") == "startup.deprecated" and "--grpc-tls-cert" in str(e.get("note"))
+                       for e in sidecar.events()), sidecar.log_tail()
             _check_envoys(sidecar, pki, tmp_path, text, port)
             _check_grpc_clients(sidecar, pki, xds)
             log = sidecar.log_path.read_text(errors="replace")

@@ -4,6 +4,8 @@ every request of both, so a conversation goes back to its worker whichever Envoy
 from __future__ import annotations
 
 import json
+import socket
+import stat
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -26,8 +28,8 @@ admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
 envoy:
-  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]{xds_tls}}}
-sidecar: {{grpc_port: {grpc}{grpc_tls}}}
+  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}
+sidecar: {{grpc_port: {grpc}, grpc_socket_dir: {sockets}{grpc_tls}}}
 pools:
   - name: chat
     engine: vllm
@@ -57,28 +59,29 @@ def _picks(sidecar: SidecarProcess) -> float:
                if line.startswith("confgen_picker_picks_total{"))
 
 
-@pytest.mark.parametrize("mtls", [False, True], ids=["loopback", "mtls"])
+@pytest.mark.parametrize("mtls", [False, True], ids=["unix", "mtls"])
 def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls: bool) -> None:
-    """mtls: ADS and the picker both over mutual TLS from one certificate pair (what the Kubernetes render
-    mounts: the control plane's xds Secret serves both ports), the Envoys sharing one client certificate
-    whose name prefixes their node ids; the cluster to the picker arrives over ADS with its TLS context."""
+    """unix (the default): ADS and the picker on the control plane's Unix sockets (the real Envoy's clusters
+    are `pipe` addresses), no TCP port for either. mtls: ADS and the picker both over mutual TLS from the one
+    TLS setup (--grpc-tls-*, sidecar.grpc_tls; what the Kubernetes render mounts: the control plane's xds
+    Secret serves both ports), the Envoys sharing one client certificate whose name prefixes their node ids;
+    the cluster to the picker arrives over ADS with its TLS context."""
     tls_args: list[str] = []
-    xds_tls = grpc_tls = ""
+    grpc_tls = ""
+    sockets = tmp_path / "sockets"
     if mtls:
         ca = CertAuthority.create(tmp_path / "pki")
         server = ca.issue("control-plane", ["IP:127.0.0.1"])
         client = ca.issue("fleet-envoy", ["DNS:fleet-envoy"])
-        files = f"{{cert: {client.cert}, key: {client.key}, ca: {ca.cert}}}"
-        xds_tls, grpc_tls = f", tls: {files}", f", grpc_tls: {files}"
-        for flag in ("xds", "grpc"):
-            tls_args += [f"--{flag}-tls-cert", str(server.cert), f"--{flag}-tls-key", str(server.key),
-                         f"--{flag}-client-ca", str(ca.cert)]
+        grpc_tls = f", grpc_tls: {{cert: {client.cert}, key: {client.key}, ca: {ca.cert}}}"
+        tls_args += ["--grpc-tls-cert", str(server.cert), "--grpc-tls-key", str(server.key),
+                     "--grpc-client-ca", str(ca.cert), "--xds-nodes-per-identity", "2"]
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["a", "b", "c"]), seed=4)) as fleet:
         port, xds, grpc, listen = free_port(), free_port(), free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
 
         def text(admin: int) -> str:
-            return TOPOLOGY.format(admin=admin, port=port, xds=xds, grpc=grpc, workers=workers, xds_tls=xds_tls,
+            return TOPOLOGY.format(admin=admin, port=port, xds=xds, grpc=grpc, workers=workers, sockets=sockets,
                                    grpc_tls=grpc_tls)
 
         topo_path = tmp_path / "topology.yaml"
@@ -121,9 +124,21 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
             if mtls:  # the picker's cluster came over ADS with its TLS context, and both ports are mTLS
                 assert all(int(p.stats().get("cluster.confgen_sidecar_grpc.ssl.handshake", 0)) >= 1 for p in envoys)
                 assert all(int(p.stats().get("cluster.confgen_xds.ssl.handshake", 0)) >= 1 for p in envoys)
-                services = {str(e.get("service")) for e in sidecar.events() if e.get("event") == "tls.serving"}
-                assert "xds" in services and any("picker" in s for s in services), services
-                assert not [e for e in sidecar.events() if e.get("event") == "tls.plaintext"]
+            serving = {str(e.get("service")): e for e in sidecar.events() if e.get("event") == "tls.serving"}
+            assert any("ads" in s for s in serving) and any("picker" in s for s in serving), serving
+            assert not [e for e in sidecar.events() if e.get("event") == "tls.plaintext"]
+            if not mtls:  # both on their 0600 sockets in the 0700 directory; nothing on the TCP ports
+                assert {str(e["listen"]) for e in serving.values()} == {f"unix:{sockets}/xds.sock",
+                                                                         f"unix:{sockets}/grpc.sock"}, serving
+                assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+                assert {stat.S_IMODE((sockets / n).stat().st_mode) for n in ("xds.sock", "grpc.sock")} == {0o600}
+                for tcp in (xds, grpc):
+                    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", tcp), timeout=2):
+                        pass
+            # both Envoys count as Envoys of the fleet: two node ids on one local socket (or one shared
+            # certificate) count once unless the flag says how many share it (mtls: 2)
+            assert poll(lambda: sidecar.state()["xds"]["counted_envoys"] == (2 if mtls else 1), timeout=15), \
+                sidecar.state()["xds"]
         finally:
             for proxy in envoys:
                 proxy.stop()

@@ -20,6 +20,7 @@ name: fleet
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
+sidecar: {{grpc_socket_dir: {sockets}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}
 routes:
@@ -58,13 +59,15 @@ def test_the_control_plane_serves_the_shed_share_and_sheddable_traffic_goes_firs
         port, xds, listen = free_port(), free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
         topology = tmp_path / "topology.yaml"
-        topology.write_text(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers))
+        sockets = tmp_path / "sockets"  # ADS over its Unix socket
+        topology.write_text(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers, sockets=sockets))
         sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
                                   "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
         sidecar.start()
         try:
             sidecar.wait_ready()
-            topo, _ = parse_topology(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers).encode())
+            topo, _ = parse_topology(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers,
+                                                     sockets=sockets).encode())
             out = tmp_path / "envoy"
             out.mkdir()
             (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])

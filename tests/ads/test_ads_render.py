@@ -27,7 +27,9 @@ pools:
     fallback: chat
     workers: ["10.0.1.1:8000"]
 """
-ADS = BASE + 'envoy:\n  xds: {mode: ads, servers: ["10.1.0.1:18000", "cp.example.internal:18000"]%s}\n'
+# TCP to the servers: plaintext on loopback, by the explicit opt-in (the default is a Unix socket)
+ADS = BASE + ('sidecar: {grpc_plaintext_loopback: true}\n'
+              'envoy:\n  xds: {mode: ads, servers: ["127.0.0.1:18000", "localhost:18000"]%s}\n')
 
 
 def _walk(node: Any) -> Any:
@@ -57,8 +59,8 @@ def test_ads_bootstrap_takes_everything_over_ads_and_nothing_from_files() -> Non
     hosts = [(g["priority"], g["lb_endpoints"][0]["endpoint"]["address"]["socket_address"])
              for g in cluster["load_assignment"]["endpoints"]]
     # primary and standby: every Envoy follows the first healthy server
-    assert hosts == [(0, {"address": "10.1.0.1", "port_value": 18000}),
-                     (1, {"address": "cp.example.internal", "port_value": 18000})]
+    assert hosts == [(0, {"address": "127.0.0.1", "port_value": 18000}),
+                     (1, {"address": "localhost", "port_value": 18000})]
     http2 = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in http2["explicit_http_config"]
     rtds = [layer for layer in boot["layered_runtime"]["layers"] if "rtds_layer" in layer]
@@ -112,3 +114,21 @@ def test_pool_named_like_the_control_plane_cluster_is_refused_in_ads_mode() -> N
     with pytest.raises(TopologyError) as info:
         parse_topology(text.encode())
     assert "confgen_xds" in "\n".join(str(d) for d in info.value.diagnostics)
+
+
+def test_ads_defaults_to_the_control_planes_unix_socket() -> None:
+    """Without sidecar.grpc_tls or the plaintext opt-in, the bootstrap's control plane is a pipe to
+    <sidecar.grpc_socket_dir>/xds.sock (the real Envoy accepts it); servers beyond loopback then need TLS."""
+    text = BASE + ('sidecar: {grpc_socket_dir: /run/confgen-fleet}\n'
+                   'envoy:\n  xds: {mode: ads, servers: ["127.0.0.1:18000"]}\n')
+    topo, _ = parse_topology(text.encode())
+    boot = json.loads(envoy.render(topo, config_dir="/etc/envoy")["bootstrap.json"])
+    (cluster,) = boot["static_resources"]["clusters"]
+    (group,) = cluster["load_assignment"]["endpoints"]
+    assert group["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": "/run/confgen-fleet/xds.sock"}}
+    assert "transport_socket" not in cluster
+    assert validate_envoy_static(boot) == []
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text.replace("127.0.0.1:18000", "10.1.0.1:18000").encode())
+    found = "\n".join(str(d) for d in info.value.diagnostics)
+    assert "envoy.xds.servers[0]: 10.1.0.1:18000 is beyond loopback" in found

@@ -292,6 +292,7 @@ def test_a_mistyped_control_plane_address_is_warned_about(tmp_path: Path) -> Non
     naming the right ones; the right names pass --strict."""
     text = ("version: 1\nname: fleet\nlisteners: [{name: l, port: 8080}]\nkubernetes: {namespace: inference}\n"
             "pools: [{name: p, engine: vllm, models: [m], workers: ['10.0.0.1:8000']}]\n"
+            "sidecar: {grpc_tls: {cert: /etc/t/e.crt, key: /etc/t/e.key, ca: /etc/t/ca.crt}}\n"  # beyond loopback
             "envoy: {xds: {mode: ads, servers: [%s]}}\n")
     right = ["confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000",
              "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc.cluster.local:18000"]

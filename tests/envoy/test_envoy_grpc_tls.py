@@ -69,14 +69,19 @@ def test_file_render_has_mtls_to_the_sidecar() -> None:
     assert ctx["alpn_protocols"] == ["h2"]
 
 
-def test_without_grpc_tls_the_loopback_cluster_is_unchanged() -> None:
+def test_without_grpc_tls_the_cluster_is_the_sidecars_unix_socket() -> None:
     cluster = _grpc_cluster(TOPO.format(policy="prefix_affinity", extra=""))
     assert "transport_socket" not in cluster and cluster["type"] == "STATIC"
+    (group,) = cluster["load_assignment"]["endpoints"]
+    assert group["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": "/tmp/confgen-pa/grpc.sock"}}
+    plain = _grpc_cluster(TOPO.format(policy="prefix_affinity", extra="sidecar: {grpc_plaintext_loopback: true}\n"))
+    (group,) = plain["load_assignment"]["endpoints"]  # the explicit opt-in: plaintext TCP on loopback
+    assert group["lb_endpoints"][0]["endpoint"]["address"] == {
+        "socket_address": {"address": "127.0.0.1", "port_value": 9110}}
 
 
 def test_ads_mode_calls_the_control_plane_with_mtls() -> None:
     extra = ("envoy:\n  xds:\n    mode: ads\n    servers: ['cp-0.cp.ns.svc:18000', 'cp-1.cp.ns.svc:18000']\n"
-             "    tls: {cert: /etc/tls/envoy.crt, key: /etc/tls/envoy.key, ca: /etc/tls/ca.crt}\n"
              "sidecar:\n  grpc_port: 9200\n" + TLS.replace("ca.crt}", "ca.crt, server_names: [cp.ns.svc]}"))
     topo, _ = parse_topology(TOPO.format(policy="prefix_affinity", extra=extra).encode())
     clusters = {c["name"]: c for c in envoy.ads_static_bootstrap(topo)["static_resources"]["clusters"]}
@@ -98,7 +103,8 @@ def test_validate_refuses_a_remote_picker_without_tls(tmp_path: Path) -> None:
     ads = TOPO.format(policy="prefix_affinity", extra="envoy:\n  xds:\n    mode: ads\n"
                       "    servers: ['127.0.0.1:18000', '10.0.0.7:18000']\n")
     errors = _findings(tmp_path, ads)
-    assert any(":13:34: envoy.xds.servers[1]: " in e and "10.0.0.7:9110" in e for e in errors), errors
+    assert any(":13:34: envoy.xds.servers[1]: " in e and "10.0.0.7:18000" in e and "sidecar.grpc_tls" in e
+               for e in errors), errors
     # loopback (the default) needs no TLS; with grpc_tls a remote picker is fine
     assert not [e for e in _findings(tmp_path, TOPO.format(policy="prefix_affinity", extra="")) if "grpc" in e]
     ok = _findings(tmp_path, TOPO.format(policy="prefix_affinity", extra="sidecar:\n  address: 10.0.0.9\n" + TLS))

@@ -50,7 +50,7 @@ def test_the_pool_uses_override_host_with_least_request_as_fallback() -> None:
     assert fallback["typed_config"]["choice_count"] == 3
     grpc = clusters["confgen_sidecar_grpc"]
     assert grpc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == {
-        "socket_address": {"address": "127.0.0.1", "port_value": 9110}}
+        "pipe": {"path": "/tmp/confgen-pa/grpc.sock"}}  # the sidecar's Unix socket (the default transport)
     filters = lds[0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     names = [f["name"] for f in filters]
     assert names[-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]

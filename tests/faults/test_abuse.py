@@ -1,7 +1,8 @@
 """The abuse campaign (#19) against the ADS control plane: hostile gRPC clients beside a real Envoy.
 
-The sidecar runs as shipped (`python -m sidecar.main --serve-xds` on loopback, where plaintext
-is allowed: the hostile clients need no certificate, the worst case for the bounds); one real
+The sidecar runs as shipped (`python -m sidecar.main --serve-xds` on loopback, plaintext by the
+explicit opt-in `--grpc-plaintext-loopback`: the hostile clients need no certificate, the worst
+case for the bounds; the default Unix socket admits only the sidecar's user); one real
 Envoy (`envoy-0`) is connected and served throughout. Each case measures the sidecar's
 resident memory from /proc/<pid>/status (VmRSS, sampled every 50 ms) against its idle size,
 the growth of its log, and checks the real Envoy still routes and that no traceback was
@@ -49,6 +50,7 @@ name: fleet
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
+sidecar: {{grpc_plaintext_loopback: true}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"], protocol: delta}}
 pools:
@@ -244,6 +246,7 @@ def test_hostile_ads_clients(tmp_path: Path, campaign: Campaign) -> None:
         topology = tmp_path / "topology.yaml"
         topology.write_text(text)
         sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
+                                  "--grpc-plaintext-loopback",
                                   "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
         sidecar.start()
         try:
@@ -383,7 +386,8 @@ def test_hostile_http_clients(tmp_path: Path, campaign: Campaign) -> None:
     topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds,
                                         workers=f"      - 127.0.0.1:{free_port()}"))
     sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                              "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"], tmp_path / "sidecar.log",
+                              "--grpc-plaintext-loopback", "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"],
+                             tmp_path / "sidecar.log",
                              listen)
     sidecar.start()
     try:

@@ -49,8 +49,9 @@ class RealRig:
 
 
 def topology(workers: Sequence[str], *, port: int, admin: int, sidecar_port: int, capacity: int,
-             policy: str = "least_request", grpc_port: int | None = None) -> str:
+             policy: str = "least_request", grpc_port: int | None = None, sockets: Path | None = None) -> str:
     link = f"port: {sidecar_port}" + (f", grpc_port: {grpc_port}" if grpc_port is not None else "")
+    link += f", grpc_socket_dir: {sockets}" if sockets is not None else ""
     return fleet_topology(
         name="real", admin=admin, port=port, workers=workers, models=[MODEL_ALIAS], capacity=capacity,
         engine="llamacpp",
@@ -67,7 +68,7 @@ def real_rig(tmp: Path, servers: list[LlamaServer], *, capacity: int = 4, policy
     port, admin, sidecar_port = free_port(), free_port(), free_port()
     grpc_port = free_port() if policy == "prefix_affinity" else None
     text = topology([s.address for s in servers], port=port, admin=admin, sidecar_port=sidecar_port,
-                    capacity=capacity, policy=policy, grpc_port=grpc_port)
+                    capacity=capacity, policy=policy, grpc_port=grpc_port, sockets=tmp / "sockets")
     topo_path = tmp / "topology.yaml"
     topo_path.write_text(text)
     xds = tmp / "envoy"

@@ -143,7 +143,7 @@ def test_grpc_tls_flags(tmp_path: Path) -> None:
     config = from_argv(["--topology", topo, "--grpc-listen", "0.0.0.0:9110", "--grpc-tls-cert", "c.crt",
                         "--grpc-tls-key", "c.key", "--grpc-client-ca", "ca.crt"])
     assert config.grpc_tls == TlsFiles(Path("c.crt").absolute(), Path("c.key").absolute(), Path("ca.crt").absolute())
-    assert config.xds_tls is None  # the two listeners' files are apart
+    assert config.xds_tls == config.grpc_tls  # one TLS setup for every gRPC surface (the old name reads it)
     with pytest.raises(ConfigError, match="--grpc-tls-cert, --grpc-tls-key and --grpc-client-ca"):
         from_argv(["--topology", topo, "--grpc-tls-cert", "c.crt", "--grpc-tls-key", "c.key"])
     for host in ("0.0.0.0", "10.0.0.7", "[::]"):
@@ -203,7 +203,11 @@ def test_grpc_listen_mismatch_names_what_envoy_cannot_reach(tmp_path: Path) -> N
     assert problem is not None and "10.0.0.5:9110" in problem and "--grpc-listen" in problem
     assert grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "0.0.0.0:9110", *tls]),
                                 topo) is None
-    local, _ = load(_topology_file(tmp_path))
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(base + "sidecar: {grpc_plaintext_loopback: true}\n")
+    local, _ = load(plain)
     assert grpc_listen_mismatch(from_argv(["--topology", str(remote)]), local) is None
     wrong = grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "127.0.0.1:9999"]), local)
     assert wrong is not None and "sidecar.grpc_port 9110" in wrong
+    unix, _ = load(_topology_file(tmp_path))  # the default: a Unix socket, no address to miss
+    assert grpc_listen_mismatch(from_argv(["--topology", str(remote), "--grpc-listen", "127.0.0.1:9999"]), unix) is None

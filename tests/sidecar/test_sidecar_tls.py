@@ -122,3 +122,75 @@ def test_certificates_without_openssl_fail_rather_than_skip(tmp_path: Path, monk
     with pytest.raises(pytest.fail.Exception, match=r"openssl CLI, not found on PATH: install Debian's openssl"):
         CertAuthority.create(tmp_path / "pki")
     assert not (tmp_path / "pki" / "confgen-test-ca.crt").exists()
+
+
+def test_one_tls_setup_and_the_deprecated_flags(tmp_path: Path) -> None:
+    """--xds-tls-* are the deprecated names of --grpc-tls-*: read as them (a deprecation noted for the startup
+    log), the same files given both ways are fine, other files refused (one TLS setup for every surface)."""
+    topo = str(tmp_path / "t.yaml")
+    new = ["--grpc-tls-cert", "/a", "--grpc-tls-key", "/b", "--grpc-client-ca", "/c"]
+    old = ["--xds-tls-cert", "/a", "--xds-tls-key", "/b", "--xds-client-ca", "/c"]
+    assert from_argv(["--topology", topo, *new]).deprecations == ()
+    config = from_argv(["--topology", topo, *old])
+    assert config.grpc_tls == TlsFiles(Path("/a"), Path("/b"), Path("/c")) and "deprecated" in config.deprecations[0]
+    assert from_argv(["--topology", topo, *old, *new]).grpc_tls == config.grpc_tls
+    with pytest.raises(ConfigError, match="different files"):
+        from_argv(["--topology", topo, *old, "--grpc-tls-cert", "/z", "--grpc-tls-key", "/b", "--grpc-client-ca", "/c"])
+    with pytest.raises(ConfigError, match="choose one transport"):
+        from_argv(["--topology", topo, *new, "--grpc-plaintext-loopback"])
+    with pytest.raises(ConfigError, match="unix"):
+        from_argv(["--topology", topo, "--serve-xds", "unix", *new])
+    assert from_argv(["--topology", topo, "--serve-xds", "unix"]).serve_xds == ("unix", 0)
+
+
+def test_the_socket_directory_is_private_and_stale_sockets_go(tmp_path: Path) -> None:
+    """prepare_socket: the directory made 0700 (a loose one of ours tightened), a link or a file refused, a
+    stale socket removed, a live one (another server) refused, a non-socket never removed, a path too long for
+    the kernel refused."""
+    import socket
+    import stat
+
+    from sidecar.outputs.tls import prepare_socket
+
+    sockets = tmp_path / "s"
+    path = sockets / "grpc.sock"
+    asyncio.run(prepare_socket(path))
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+    sockets.chmod(0o755)
+    asyncio.run(prepare_socket(path))
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # bound, never listening, closed: what a killed server leaves
+    asyncio.run(prepare_socket(path))
+    assert not path.exists()
+
+    async def live() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+            await writer.wait_closed()
+
+        server = await asyncio.start_unix_server(answer, str(path))
+        try:
+            with pytest.raises(OSError, match="another server"):
+                await prepare_socket(path)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(live())
+    path.unlink(missing_ok=True)
+    path.write_text("not a socket")
+    with pytest.raises(InsecureBindError, match="not a socket"):
+        asyncio.run(prepare_socket(path))
+    assert path.read_text() == "not a socket"
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InsecureBindError, match="not a directory"):
+        asyncio.run(prepare_socket(tmp_path / "link" / "grpc.sock"))
+    with pytest.raises(InsecureBindError, match="longer than 107"):
+        asyncio.run(prepare_socket(tmp_path / ("x" * 120) / "grpc.sock"))
+    with pytest.raises(InsecureBindError, match="not absolute"):
+        asyncio.run(prepare_socket(Path("relative/grpc.sock")))

@@ -44,8 +44,9 @@ KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
-                  clients: dict[str, str | None] | None = None) -> str:
-    """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit."""
+                  clients: dict[str, str | None] | None = None, sockets: Path | None = None) -> str:
+    """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
+    `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>)."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -55,7 +56,8 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             f"  store: {{redis: '{redis}'"
             + (f", timeout: {store_timeout}" if store_timeout else "")
             + (f", check_timeout: {check_timeout}" if check_timeout else "") + "}",
-            f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}}}"]
+            f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}"
+            + (f", grpc_socket_dir: {sockets}" if sockets is not None else "") + "}"]
     return fleet_topology(name=NAME, admin=admin, port=port, workers=workers, models=["sim-model"], capacity=64,
                           pool=["health: {enabled: false}", "outlier_detection: {enabled: false}"], tail=tail)
 
@@ -158,10 +160,11 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
             for i in range(envoys):
                 port, admin, listen = free_port(), free_port(), free_port()
                 grpc = grpc_ports[i] if grpc_ports else free_port()
+                directory = tmp / f"pair{i}"
                 text = topology_text([f"127.0.0.1:{w.port}" for w in fleet.workers], admin=admin, port=port,
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
-                                     store_timeout=store_timeout, clients=clients[i] if clients else None)
-                directory = tmp / f"pair{i}"
+                                     store_timeout=store_timeout, clients=clients[i] if clients else None,
+                                     sockets=directory / "sockets")
                 directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
                 topo_path.write_text(text)

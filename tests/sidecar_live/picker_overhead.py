@@ -74,7 +74,7 @@ def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
         text = fleet_topology(name="overhead", admin=admin, port=port,
                               workers=[f"127.0.0.1:{w.port}" for w in fleet.workers], models=["sim-model"],
                               capacity=64, pool=[f"balancing: {{policy: {policy}}}"],
-                              tail=[f"sidecar: {{grpc_port: {grpc_port}}}"])
+                              tail=[f"sidecar: {{grpc_port: {grpc_port}, grpc_socket_dir: {tmp / 's'}}}"])
         (tmp / "t.yaml").write_text(text)
         topo, _ = parse_topology(text.encode())
         xds = tmp / "envoy"

@@ -92,7 +92,7 @@ def run(workload: str, policy: str, seed: int) -> dict[str, Any]:
         text = fleet_topology(name="wl", admin=admin, port=port, models=["sim-model"], capacity=8,
                               workers=[f"127.0.0.1:{w.port}" for w in fleet.workers],
                               pool=[f"balancing: {{policy: {policy}}}"],
-                              tail=[f"sidecar: {{grpc_port: {grpc_port}}}"])
+                              tail=[f"sidecar: {{grpc_port: {grpc_port}, grpc_socket_dir: {tmp / 's'}}}"])
         (tmp / "t.yaml").write_text(text)
         topo, _ = parse_topology(text.encode())
         xds = tmp / "envoy"

@@ -26,6 +26,7 @@ name: bounds
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
+sidecar: {{grpc_socket_dir: {sockets}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}
 pools:
@@ -42,7 +43,8 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess
     tmp = tmp_path_factory.mktemp("bounds")
     xds, listen = free_port(), free_port()
     topology = tmp / "topology.yaml"
-    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, worker=free_port()))
+    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, worker=free_port(),
+                                        sockets=tmp / "sockets"))
     proc = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
                            "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"], tmp / "sidecar.log", listen)
     proc.start()

@@ -155,7 +155,8 @@ def test_ads_sidecar_without_keys_stays_up_and_says_why(tmp_path: Path) -> None:
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["a"]), seed=3)) as fleet:
         listen, xds = free_port(), free_port()
         text = topology_text([f"127.0.0.1:{fleet.workers[0].port}"], admin=free_port(), port=free_port())
-        text = text.replace("pools:\n", f'envoy:\n  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}\npools:\n')
+        text = text.replace("pools:\n", f'envoy:\n  xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}\n'
+                            f'sidecar: {{grpc_socket_dir: {tmp_path / "sockets"}}}\npools:\n')
         topology = tmp_path / "topology.yaml"
         topology.write_text(text + AUTH)
         args = ["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}", "--listen", f"127.0.0.1:{listen}",

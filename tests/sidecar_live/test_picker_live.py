@@ -39,7 +39,7 @@ def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
             models=["sim-model"], capacity=capacity,
             pool=["balancing: {policy: prefix_affinity}", "health: {enabled: false}",
                   "outlier_detection: {enabled: false}"],
-            tail=[f"sidecar: {{port: {listen}, grpc_port: {grpc_port}}}"])
+            tail=[f"sidecar: {{port: {listen}, grpc_port: {grpc_port}, grpc_socket_dir: {tmp / 'sockets'}}}"])
         topo_path = tmp / "topology.yaml"
         topo_path.write_text(text)
         xds = tmp / "envoy"
@@ -52,7 +52,8 @@ def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
             sidecar.start()
             try:
                 sidecar.wait_ready()
-                rig = Rig(fleet, proxy, sidecar, topo_path, xds, port, admin, extra={"grpc_port": grpc_port})
+                rig = Rig(fleet, proxy, sidecar, topo_path, xds, port, admin,
+                          extra={"grpc_port": grpc_port, "socket": str(tmp / "sockets" / "grpc.sock")})
                 assert poll(lambda: _picker_ready(rig), timeout=30), sidecar.log_tail()
                 yield rig
             finally:
@@ -219,7 +220,7 @@ def test_picker_down_costs_no_request_and_routing_resumes_when_it_returns(tmp_pa
         assert len(results) > 100 and set(results) == {200}, Counter(results)
 
 
-def _plain_envoy_bootstrap(listen: int, admin: int, picker: int) -> dict[str, Any]:
+def _plain_envoy_bootstrap(listen: int, admin: int, picker: str) -> dict[str, Any]:
     """Envoy as the inference extension's standalone chart configures it for an EPP:
     ext_proc in FULL_DUPLEX_STREAMED mode, an ORIGINAL_DST cluster routed by the header."""
     ext_proc = {
@@ -261,7 +262,7 @@ def _plain_envoy_bootstrap(listen: int, admin: int, picker: int) -> dict[str, An
                      "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                      "explicit_http_config": {"http2_protocol_options": {}}}},
                  "load_assignment": {"cluster_name": "ext_proc", "endpoints": [{"lb_endpoints": [{"endpoint": {
-                     "address": {"socket_address": {"address": "127.0.0.1", "port_value": picker}}}}]}]}},
+                     "address": {"pipe": {"path": picker}}}}]}]}},
             ],
         },
     }
@@ -270,7 +271,7 @@ def _plain_envoy_bootstrap(listen: int, admin: int, picker: int) -> dict[str, An
 def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_picker(tmp_path: Path) -> None:
     with picker_rig(tmp_path, worker_specs(["a", "b", "c"])) as rig:
         listen = free_port()
-        boot = _plain_envoy_bootstrap(listen, free_port(), rig.extra["grpc_port"])
+        boot = _plain_envoy_bootstrap(listen, free_port(), rig.extra["socket"])  # the picker's Unix socket
         with EnvoyProcess(boot):
             plain = Rig(rig.fleet, rig.envoy, rig.sidecar, rig.topology_path, rig.xds_dir, listen, rig.admin)
             before = picks(rig.sidecar)
@@ -299,7 +300,7 @@ def test_a_bad_picker_override_stops_the_sidecar_at_startup(tmp_path: Path) -> N
     topo = tmp_path / "t.yaml"
     topo.write_text(fleet_topology(name="bad", admin=free_port(), port=free_port(), workers=["127.0.0.1:9"],
                                    models=["m"], capacity=4, pool=["balancing: {policy: prefix_affinity}"],
-                                   tail=[f"sidecar: {{grpc_port: {free_port()}}}"]))
+                                   tail=[f"sidecar: {{grpc_port: {free_port()}, grpc_socket_dir: {tmp_path / 's'}}}"]))
     proc = subprocess.run([sys.executable, "-m", "sidecar.main", "--topology", str(topo), "--xds-dir",
                            str(tmp_path / "x"), "--listen", f"127.0.0.1:{free_port()}", "--picker", "prefix=lots"],
                           capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -19,22 +19,21 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import grpc
-
 from confgen.envoy import Endpoint, ads, build_cla
 from confgen.errors import SecretError
-from confgen.model import Topology
+from confgen.model import XDS_SOCKET, Topology
 from confgen.plan import sheddable_pools
 from confgen.secrets import resolve as resolve_secrets
+from sidecar.config import grpc_transport_for
 from sidecar.fleet import XdsView
 from sidecar.logs import log_event
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings, settings_for
 from sidecar.outputs.publisher import Built, Wiring
-from sidecar.outputs.tls import TlsFiles
 from sidecar.outputs.xds.cache import CDS, ECDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.outputs.xds.limits import RtdsLimiter
 from sidecar.outputs.xds.metrics import register_xds
 from sidecar.outputs.xds.nodes import Nodes
-from sidecar.outputs.xds.server import AdsBounds, AdsServicer, serve
+from sidecar.outputs.xds.server import AdsBounds, AdsServicer, ads_server
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
@@ -44,15 +43,14 @@ _log = logging.getLogger("sidecar.outputs.xds")
 class AdsPublisher:
     """Serves the fleet's resources to every connected Envoy over ADS."""
 
-    def __init__(self, host: str, port: int, *, clock: Callable[[], float],
-                 on_nodes_changed: Callable[[], None] | None = None, tls: TlsFiles | None = None,
-                 max_nodes: int = 1000, bounds: AdsBounds | None = None) -> None:
-        self._host, self._port = host, port
-        self._tls = tls
+    def __init__(self, settings: GrpcSettings, *, clock: Callable[[], float],
+                 on_nodes_changed: Callable[[], None] | None = None, max_nodes: int = 1000,
+                 per_credential: int = 1, bounds: AdsBounds | None = None) -> None:
+        self._settings = settings
         self.cache = XdsCache()
-        self.nodes = Nodes(clock, on_nodes_changed, max_nodes=max_nodes)
+        self.nodes = Nodes(clock, on_nodes_changed, max_nodes=max_nodes, per_credential=per_credential)
         self.servicer = AdsServicer(self.cache, self.nodes, bounds, clock)
-        self._server: grpc.aio.Server | None = None
+        self._server: GrpcServer | None = None
         self.bound_port: int | None = None
         self.publishes: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
@@ -63,13 +61,17 @@ class AdsPublisher:
         self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
     async def start(self) -> None:
-        """Serve ADS on the configured address; OSError when it cannot be bound, TlsError /
-        InsecureBindError (ConfgenError) for unusable certificates or plaintext beyond loopback."""
-        try:
-            self._server, self.bound_port = await serve(self.servicer, self._host, self._port, self._tls)
-        except RuntimeError as exc:  # grpc reports a port it could not bind this way
-            raise OSError(str(exc)) from exc
-        log_event(_log, logging.INFO, "xds.serving", listen=f"{self._host}:{self.bound_port}")
+        """Serve ADS where the settings say (the one gRPC builder, `sidecar.outputs.grpc`);
+        ConfigError (a ConfgenError) when it cannot bind, the certificates are unusable, the
+        socket's directory is not private or plaintext is asked for beyond loopback."""
+        server = ads_server(self.servicer, self._settings)
+        self.bound_port = await server.start()
+        self._server = server
+        log_event(_log, logging.INFO, "xds.serving", listen=self.listen, transport=self._settings.transport)
+
+    @property
+    def listen(self) -> str:
+        return self._server.listen if self._server is not None else self._settings.address
 
     async def close(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -164,14 +166,14 @@ class AdsPublisher:
 
     def view(self) -> XdsView:
         return XdsView(
-            listen=f"{self._host}:{self.bound_port}",
+            listen=self.listen,
             versions={SHORT[t]: self.cache.version(t) for t in SHORT},
             resources={SHORT[t]: len(self.cache.resources(t)) for t in SHORT},
             updates={SHORT[t]: n for t, n in self.cache.updates.items()},
             responses={SHORT[t]: n for t, n in self.servicer.sent.items()},
             nodes=self.nodes.view(),
             nacks_total=self.nodes.nacks_total,
-            transport="mtls" if self._tls is not None else "plaintext",
+            transport=self._settings.transport,
             counted=self.nodes.counted(),
             refused=dict(self.servicer.refused),
             logs_suppressed=self.servicer.logs_suppressed,
@@ -180,9 +182,11 @@ class AdsPublisher:
 
 def build(wiring: Wiring) -> Built:
     """The ADS publisher (`sidecar.outputs.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
-    assert wiring.config.serve_xds is not None  # SidecarConfig.publisher named "ads"
-    publisher = AdsPublisher(*wiring.config.serve_xds, clock=wiring.clock, tls=wiring.config.xds_tls,
-                             max_nodes=wiring.config.xds_max_nodes)
+    config = wiring.config
+    assert config.serve_xds is not None  # SidecarConfig.publisher named "ads"
+    settings = settings_for(grpc_transport_for(config, wiring.topo), config.serve_xds, XDS_SOCKET)
+    publisher = AdsPublisher(settings, clock=wiring.clock, max_nodes=config.xds_max_nodes,
+                             per_credential=config.xds_nodes_per_identity)
     register_xds(wiring.registry, publisher.view)
     topology = wiring.topology
     return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation,

@@ -1,4 +1,4 @@
-"""Aggregated Discovery over gRPC: state of the world and delta, one grpc.aio server.
+"""Aggregated Discovery over gRPC: state of the world and delta, on a server of the one builder.
 
 Nothing is answered before the first whole configuration is in the cache (an Envoy
 connecting to a control plane that is still starting waits, rather than starting empty).
@@ -21,16 +21,20 @@ repeated ACK/NACK of it is stale too.
 Bounded (`AdsBounds`): each request is applied to the stream's per-type state as it arrives
 (nothing queues: a client that sends and never reads holds one state per type, not its
 requests); subscriptions, node ids and the NACK text kept are capped; the server caps
-message size, streams, connections and handshake time. Who may speak for which node: with
-mTLS the node id must be bound to the client certificate (`sidecar.outputs.tls.node_bound`),
-checked on the first request; refused streams end with PERMISSION_DENIED, and what clients
-make the server log is rate-limited per client (`sidecar.logs.LogBudget`).
+message size, streams, connections and handshake time (`ads_limits`). Who may speak for which
+node: with mTLS the node id must be bound to the client certificate
+(`sidecar.outputs.tls.node_bound`), checked on the first request; refused streams end with
+PERMISSION_DENIED, and what clients make the server log is rate-limited per client
+(`sidecar.logs.LogBudget`). Each node is recorded with what its connection proved
+(`sidecar.outputs.tls.credential_of`): the limits count Envoys per credential, not per node id
+(`Nodes.counted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,11 +44,12 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from sidecar.logs import LogBudget, clip
-from sidecar.outputs.tls import TlsFiles, bind, node_bound, peer_identities
+from sidecar.outputs.grpc import GrpcLimits, GrpcServer, GrpcSettings
+from sidecar.outputs.tls import credential_of, node_bound, peer_identities
 from sidecar.outputs.xds.cache import CDS, LDS, SHORT, TYPE_ORDER, XdsCache
 from sidecar.outputs.xds.nodes import Nodes
 
-__all__ = ["AdsBounds", "AdsServicer", "serve"]
+__all__ = ["AdsBounds", "AdsServicer", "ads_limits", "ads_server"]
 
 _log = logging.getLogger("sidecar.outputs.xds")
 _WILDCARD_TYPES = (CDS, LDS)
@@ -122,6 +127,7 @@ class _Stream:
         self.protocol = protocol
         self.identities = peer_identities(context)  # None: plaintext (loopback only)
         self.peer = _peer_host(context)
+        self.credential = credential_of(self.identities, str(context.peer() or ""))
         self.node: str | None = None
         self.wake = asyncio.Event()
         self.closed = False
@@ -167,7 +173,8 @@ class _Stream:
             raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
                            f"node.id {clip(node, 64)!r} is not a name of the client certificate "
                            "(its SAN or CN, or <name>/<anything>)")
-        if not self.servicer.nodes.connect(node, clip(str(request.node.cluster), 128), self.protocol):
+        if not self.servicer.nodes.connect(node, clip(str(request.node.cluster), 128), self.protocol,
+                                           self.credential):
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"serving the most Envoys allowed ({self.servicer.nodes.max_nodes})")
         self.node = node
@@ -411,28 +418,25 @@ def _monotonic() -> float:
     return asyncio.get_running_loop().time()
 
 
-async def serve(servicer: AdsServicer, host: str, port: int,
-                tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
-    """A started grpc.aio server with the ADS service on host:port; (server, bound port).
+def ads_limits(bounds: AdsBounds) -> GrpcLimits:
+    """ADS's profile of the one builder's caps (`sidecar.outputs.grpc`): one stream per Envoy."""
+    return GrpcLimits(
+        max_message_bytes=bounds.max_receive_bytes,
+        max_send_bytes=256 * 1024 * 1024,  # a whole tree to one Envoy (thousands of clusters)
+        max_concurrent_streams=bounds.max_streams_per_connection,
+        min_client_ping_s=5.0,  # Envoy pings over idle streams (the bootstrap's keepalive); let it
+        max_connection_idle_s=bounds.idle_timeout_s,
+        max_connection_age_s=None,  # an Envoy's stream lives as long as it can: no forced re-connect
+        max_connections=bounds.max_connections,
+        handshake_timeout_s=bounds.handshake_timeout_s,
+        max_concurrent_rpcs=bounds.max_streams,
+        fixed_window_bytes=64 * 1024,
+    )
 
-    mTLS with `tls`; without it plaintext, refused beyond loopback (`sidecar.outputs.tls.bind`)."""
-    bounds = servicer.bounds
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", 256 * 1024 * 1024),
-        ("grpc.max_receive_message_length", bounds.max_receive_bytes),
-        ("grpc.max_concurrent_streams", bounds.max_streams_per_connection),
-        ("grpc.max_allowed_incoming_connections", bounds.max_connections),
-        ("grpc.server_handshake_timeout_ms", int(bounds.handshake_timeout_s * 1000)),
-        ("grpc.max_connection_idle_ms", int(bounds.idle_timeout_s * 1000)),
-        # What a client may send ahead of what the server reads: a fixed window per stream
-        # (no BDP growth), so a stream that is not read (paced) holds at most that much.
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", 64 * 1024),
-        # Envoy pings over idle streams (the bootstrap's keepalive); let it.
-        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ], maximum_concurrent_rpcs=bounds.max_streams)
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
-    bound = bind(server, host, port, tls, what="xds")
-    await server.start()
-    return server, bound
+
+def ads_server(servicer: AdsServicer, settings: GrpcSettings) -> GrpcServer:
+    """The ADS service on a server of the one builder, with ADS's caps (`ads_limits`), over the
+    transport `settings` names (mTLS, a Unix socket, or plaintext on loopback); not started."""
+    server = GrpcServer(dataclasses.replace(settings, limits=ads_limits(servicer.bounds)))
+    server.add(lambda s: ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, s), "ads")
+    return server
