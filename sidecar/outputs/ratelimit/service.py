@@ -431,9 +431,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         request_id = entries.get(REQUEST_ID_KEY, "")[:128]
         reservations = f"{base}:r"
         if cost > 0:  # the answer's tokens, at stream end: counted, the reservation released
-            return budget, Op(key, "f", cost, budget.amount, ttl, request_id, reservations=reservations)
+            return budget, Op(key, "f", cost, budget.amount, ttl, request_id, reservations=reservations,
+                              charge_id=f"{request_id}:f" if request_id else "")
         if entries.get(PHASE_KEY) == PHASE_DONE:  # the answer ended: settles a reservation still held
-            return budget, Op(key, "d", 0, budget.amount, ttl, request_id, reservations=reservations)
+            return budget, Op(key, "d", 0, budget.amount, ttl, request_id, reservations=reservations,
+                              charge_id=f"{request_id}:d" if request_id else "")
         if not request_id:
             return budget, Op(key, "c", 0, budget.amount, ttl)
         hold = _number(entries.get(HOLD_KEY))

@@ -17,6 +17,8 @@ The script decides every descriptor of one request at once, atomically:
                                 request's estimate is reserved under its id until its answer
     mode f  (charge: tokens at stream end, the answer's usage)   counted (the tokens were
                                 spent), the request's reservation released
+    (modes f and d with a charge id: applied once; a replay of a call that timed out after
+    Redis ran it finds the id's mark, kept CHARGE_MARK_S, and changes nothing)
     mode d  (done: tokens at stream end, after mode f in the same call)   the reservation
                                 still there means the answer had no usage (a stream without
                                 include_usage, an error, a cancel): its estimate is counted
@@ -69,7 +71,7 @@ end
 local cur, held = {}, {}
 local over = 0
 for i = 1, n do
-  local b = 1 + 8 * (i - 1)
+  local b = 1 + 9 * (i - 1)
   local mode, add, lim, rkey = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 7]
   local c = tonumber(redis.call('GET', KEYS[i]) or '0')
   local h = 0
@@ -81,9 +83,14 @@ for i = 1, n do
 end
 local out = {}
 for i = 1, n do
-  local b = 1 + 8 * (i - 1)
+  local b = 1 + 9 * (i - 1)
   local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
-  local est, rkey, hold = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8])
+  local est, rkey, hold, cid = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9]
+  if cid ~= '' and (mode == 'f' or mode == 'd') then
+    if not redis.call('SET', 'confgen-charged:' .. rkey .. ':' .. cid, '1', 'NX', 'EX', CHARGE_MARK_S) then
+      mode, add = 'x', 0  -- this charge was applied already (a call that timed out, then replayed)
+    end
+  end
   if mode == 'd' and rid ~= '' then
     local had = redis.call('HGET', rkey, rid)
     if had then
@@ -112,6 +119,10 @@ return out
 """
 
 
+CHARGE_MARK_S = 300  # how long a charge's id is remembered: a replay later than this may count it twice
+_SCRIPT = _SCRIPT.replace("CHARGE_MARK_S", str(CHARGE_MARK_S))
+
+
 class StoreUnavailable(ConfgenError):
     """Redis did not answer in time or refused (translated at the edge; the service fails open)."""
 
@@ -127,6 +138,7 @@ class Op:
     estimate: int = 0  # mode r: the tokens reserved until the answer's usage replaces them
     reservations: str = ""  # modes r, f, d: the hash of the budget's reservations
     hold_s: int = 0  # mode r: how long a reservation may wait for its answer
+    charge_id: str = ""  # modes f, d: applied at most once (a replayed charge Redis already ran is skipped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +168,8 @@ class RedisCounter:
         wall clock (reservation deadlines)."""
         args: list[str | int] = [int(now)]
         for op in ops:
-            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s]
+            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s,
+                     op.charge_id]
         try:
             async with asyncio.timeout(self.timeout_s):
                 raw = await self._script(keys=[op.key for op in ops], args=args)
