@@ -37,6 +37,9 @@ CLIENTS: dict[str, str | None] = {
     "sec": "{scope: global, requests: 5, window: second}",
     "closed": "{scope: global, requests: 100000, window: minute, fail_closed: true}",
     "big": "{scope: global, requests: 10000000, window: minute}",  # never refused: the check's cost alone
+    # hour windows: a test that must stay in one window does not wait for a minute's start
+    "tok10k": "{scope: global, unit: total_tokens, tokens: 10000, window: hour}",
+    "reqh": "{scope: global, requests: 60, window: hour}",
     "free": None,
 }
 KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
@@ -44,8 +47,10 @@ KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
-                  clients: dict[str, str | None] | None = None) -> str:
-    """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit."""
+                  clients: dict[str, str | None] | None = None, envoys: int | None = None,
+                  pool_extra: Sequence[str] = ()) -> str:
+    """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
+    `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -54,10 +59,12 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             "limits:",
             f"  store: {{redis: '{redis}'"
             + (f", timeout: {store_timeout}" if store_timeout else "")
-            + (f", check_timeout: {check_timeout}" if check_timeout else "") + "}",
+            + (f", check_timeout: {check_timeout}" if check_timeout else "")
+            + (f", envoys: {envoys}" if envoys else "") + "}",
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}}}"]
     return fleet_topology(name=NAME, admin=admin, port=port, workers=workers, models=["sim-model"], capacity=64,
-                          pool=["health: {enabled: false}", "outlier_detection: {enabled: false}"], tail=tail)
+                          pool=["health: {enabled: false}", "outlier_detection: {enabled: false}", *pool_extra],
+                          tail=tail)
 
 
 @dataclass
@@ -99,7 +106,7 @@ class GlobalRig:
         """Tokens still reserved by requests of one budget whose answer has not been charged."""
         client = self.store()
         try:
-            return sum(int(v) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
+            return sum(int(v.split(b":")[0]) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
                        for v in client.hvals(key))
         finally:
             client.close()
@@ -140,7 +147,9 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                decode_ms: float = 2.0, check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                grpc_ports: Sequence[int] | None = None, sidecar_args: Sequence[str] = FAST_ARGS,
                envoy_concurrency: int = 1,
-               clients: Sequence[dict[str, str | None] | None] | None = None) -> Iterator[GlobalRig]:
+               clients: Sequence[dict[str, str | None] | None] | None = None,
+               default_max_tokens: int = 64, pool_extra: Sequence[str] = (),
+               envoys_in_store: int | None = None) -> Iterator[GlobalRig]:
     """`envoys` pairs (Envoy + sidecar) on one fleet and one Redis; `sidecars=False` starts
     no sidecar (the rate limit service is unreachable); `clients[i]`: pair i's clients. The
     tests give the store and Envoy generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
@@ -148,7 +157,7 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
     import os
 
     specs = worker_specs([f"w{i}" for i in range(workers)], decode_ms=decode_ms, max_num_seqs=64,
-                         prefill_ms_per_1k=5.0)
+                         prefill_ms_per_1k=5.0, default_max_tokens=default_max_tokens)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONFGEN_")}
     with RedisProcess() as store, run_fleet_in_thread(FleetSpec(workers=specs, seed=5)) as fleet, \
             contextlib.ExitStack() as stack:
@@ -160,7 +169,8 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                 grpc = grpc_ports[i] if grpc_ports else free_port()
                 text = topology_text([f"127.0.0.1:{w.port}" for w in fleet.workers], admin=admin, port=port,
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
-                                     store_timeout=store_timeout, clients=clients[i] if clients else None)
+                                     store_timeout=store_timeout, clients=clients[i] if clients else None,
+                                     envoys=envoys_in_store, pool_extra=pool_extra)
                 directory = tmp / f"pair{i}"
                 directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
