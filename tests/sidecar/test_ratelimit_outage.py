@@ -84,6 +84,8 @@ def _held(redis: RedisProcess) -> dict[str, tuple[int, int]]:
         out = {}
         for key in client.scan_iter(match="confgen:*:r"):
             for rid, value in client.hgetall(key).items():
+                if rid == b"#total":
+                    continue
                 est, deadline = value.decode().split(":")
                 out[rid.decode()] = (int(est), int(deadline))
         return out
@@ -240,3 +242,35 @@ def test_local_counter_mirrors_the_script() -> None:
     assert local.decide([op("d", rid="y")], now).counts == [8]  # y had no usage: its estimate
     assert local.decide([op("r", rid="z", est=1)], now).refused is False  # 8 < 10
     assert local.decide([op("c")], now + 61).counts == [0]  # the window expired
+
+
+def test_a_reservation_past_its_hold_leaves_the_running_total(redis: RedisProcess) -> None:
+    """The total held beside a budget drops a reservation once its hold (+30 s) has passed: the
+    budget it blocked admits again, and the hash keeps only what is still in flight."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> list[int]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            codes = [(await service.ShouldRateLimit(check("stuck", max_output="2990", body_bytes="40", hold_s="1"),
+                                                    None)).overall_code]
+            codes.append((await service.ShouldRateLimit(check("next", max_output="5", body_bytes="0", hold_s="1"),
+                                                        None)).overall_code)  # 3000 held of 3000
+            clock.wall += 32  # past the stuck one's hold (1 s + 30 s)
+            codes.append((await service.ShouldRateLimit(check("later", max_output="5", body_bytes="0",
+                                                              hold_s="60"), None)).overall_code)
+            return codes
+        finally:
+            await service.close()
+
+    assert asyncio.run(run()) == [OK, OVER, OK]
+    assert _held(redis) == {"later": (5, (1_700_000_080 + 32) + 90)}
+    client = redis_client(redis)
+    try:
+        key = next(iter(client.scan_iter(match="confgen:*:r")))
+        assert int(client.hget(key, "#total")) == 5
+        assert client.zcard(key + b":z") == 1
+    finally:
+        client.close()

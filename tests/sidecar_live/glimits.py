@@ -95,7 +95,7 @@ class GlobalRig:
         try:
             total = 0
             for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*", count=1000):
-                if not key.endswith(b":r"):  # the reservations beside a token counter
+                if not key.endswith((b":r", b":r:z")):  # the reservations beside a token counter
                     total += int(client.get(key) or 0)
             return total
         finally:
@@ -107,7 +107,7 @@ class GlobalRig:
         client = self.store()
         try:
             return sum(int(v.split(b":")[0]) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
-                       for v in client.hvals(key))
+                       for rid, v in client.hgetall(key).items() if rid != b"#total")
         finally:
             client.close()
 

@@ -30,8 +30,10 @@ the tokens spent plus those reserved by the requests in flight stay under the bu
 estimate (max_tokens, plus the body's length / 4 for prompt tokens) bounds what it spends. A
 request refused by any budget reserves nothing, so its end charges nothing. Reservations live
 in a hash per budget (and client, model), not per window (a request admitted in one window
-may end in the next), as request id -> "estimate:deadline"; one past its deadline (its answer
-never came) is dropped when the hash is next read. (The keys are passed in ARGV, fine for one
+may end in the next), as request id -> "estimate:deadline", with their running total (field
+"#total") and a sorted set of deadlines beside it (<hash>:z); one past its deadline (its answer
+never came) is dropped from the total when the budget is next checked. A check costs O(log n)
+in the reservations held, not a scan of them. (The keys are passed in ARGV, fine for one
 Redis, not for Redis Cluster.) Returned: each counter after the script, the tokens reserved
 beside it, and whether the request was refused.
 """
@@ -57,16 +59,31 @@ _SCRIPT = """
 local now = tonumber(ARGV[1])
 local n = #KEYS
 local function held_in(rkey)
-  local total, flat = 0, redis.call('HGETALL', rkey)
-  for j = 1, #flat, 2 do
-    local est, deadline = string.match(flat[j + 1], '^(%d+):(%d+)$')
-    if est == nil or tonumber(deadline) < now then
-      redis.call('HDEL', rkey, flat[j])
-    else
-      total = total + tonumber(est)
+  -- the running total of the reservations held, after dropping those past their deadline
+  -- (the deadlines' sorted set finds them: O(log n) a check, not a scan of every reservation)
+  local zkey = rkey .. ':z'
+  local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', '(' .. now, 'LIMIT', 0, 256)
+  for _, rid in ipairs(expired) do
+    local had = redis.call('HGET', rkey, rid)
+    if had then
+      local est = string.match(had, '^(%d+):')
+      if est then redis.call('HINCRBY', rkey, '#total', -tonumber(est)) end
+      redis.call('HDEL', rkey, rid)
     end
+    redis.call('ZREM', zkey, rid)
   end
-  return total
+  return math.max(0, tonumber(redis.call('HGET', rkey, '#total') or '0'))
+end
+local function release(rkey, rid)
+  -- drop a reservation; its estimate and deadline, or nil when it was not held
+  local had = redis.call('HGET', rkey, rid)
+  if not had then return nil, nil end
+  redis.call('HDEL', rkey, rid)
+  redis.call('ZREM', rkey .. ':z', rid)
+  local e, deadline = string.match(had, '^(%d+):(%d+)$')
+  if e == nil then return nil, nil end
+  redis.call('HINCRBY', rkey, '#total', -tonumber(e))
+  return tonumber(e), tonumber(deadline)
 end
 local cur, held = {}, {}
 local over = 0
@@ -92,12 +109,8 @@ for i = 1, n do
     end
   end
   if mode == 'd' and rid ~= '' then
-    local had = redis.call('HGET', rkey, rid)
-    if had then
-      local e, deadline = string.match(had, '^(%d+):(%d+)$')
-      if e ~= nil and tonumber(deadline) >= now then add = tonumber(e) end
-      redis.call('HDEL', rkey, rid)
-    end
+    local e, deadline = release(rkey, rid)
+    if e ~= nil and deadline >= now then add = e end
   end
   local v = cur[i]
   if add > 0 and (mode == 'f' or mode == 'd' or (mode == 'a' and over == 0)) then
@@ -105,11 +118,18 @@ for i = 1, n do
     if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
   end
   if mode == 'r' and over == 0 and est > 0 then
+    local before = release(rkey, rid)  -- the same request checked again: one reservation
+    if before ~= nil then held[i] = held[i] - before end
     redis.call('HSET', rkey, rid, est .. ':' .. (now + hold))
-    redis.call('EXPIRE', rkey, hold)
+    redis.call('ZADD', rkey .. ':z', now + hold, rid)
+    redis.call('HINCRBY', rkey, '#total', est)
+    if redis.call('TTL', rkey) < hold then  -- the longest hold keeps the hash (never shortened)
+      redis.call('EXPIRE', rkey, hold)
+      redis.call('EXPIRE', rkey .. ':z', hold)
+    end
     held[i] = held[i] + est
   elseif mode == 'f' and rid ~= '' then
-    redis.call('HDEL', rkey, rid)
+    release(rkey, rid)
   end
   out[2 * i - 1] = v
   out[2 * i] = held[i]
