@@ -15,7 +15,16 @@ from ._fields import COMPILED
 from ._names import dns_label
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
-from .limits import needs_store
+from .limits import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    budgets,
+    clients_losing_per_key,
+    envoys,
+    floor_amount,
+    local_client_limits,
+    local_listener_limit,
+    needs_store,
+)
 from .model import (
     GRPC_SOCKET,
     MAX_SOCKET_PATH,
@@ -56,6 +65,9 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         _routes,
         _classes,
         _auth_and_limits,
+        _limit_floors,
+        _per_key_replaced,
+        _token_reservations,
         _canned,
     ):
         found.extend(checker(topo))
@@ -571,6 +583,58 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
     if store is not None and store.check_timeout <= store.timeout:
         yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
             f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _limit_floors(topo: Topology) -> Iterator[Finding]:
+    """A global limit with no local limit beside it: what a client gets while the store is away."""
+    if topo.limits.store is None:
+        return
+    count = envoys(topo)
+    locals_by_place: dict[str, bool] = {}
+    for budget in budgets(topo):
+        if budget.limit.fail_closed:
+            continue
+        place = budget.path.rsplit("[", 1)[0] if budget.path.endswith("]") else budget.path
+        if place not in locals_by_place:
+            if place == "limits.global":
+                locals_by_place[place] = local_listener_limit(topo) is not None
+            elif place == "limits.per_key":
+                locals_by_place[place] = any(lim.scope == "local" for lim in limit_list(topo.limits.per_key))
+            else:
+                client = budget.clients[0] if budget.clients else ""
+                locals_by_place[place] = any(c == client for c, _ in local_client_limits(topo))
+        if locals_by_place[place]:
+            continue
+        share = floor_amount(budget, count)
+        what = "requests" if not budget.tokens else budget.limit.unit.replace("_", " ")
+        window = budget.limit.window or "second"
+        yield budget.path, (
+            f"no local limit beside this global one: while limits.store cannot be reached each of the "
+            f"{count} Envoys (limits.store.envoys) admits {share} {what} a {window} on its own, so a client can get "
+            f"{share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
+            f"{window} it starts (the store's count before it plus the floors); add a local limit to "
+            f"bound each proxy, or fail_closed: true to refuse instead"), WARNING
+
+
+def _per_key_replaced(topo: Topology) -> Iterator[Finding]:
+    """A client's own rate_limit replaces limits.per_key whole: say which per-key limits it drops."""
+    for ki, client, lost in clients_losing_per_key(topo):
+        yield f"auth.api_keys[{ki}].rate_limit", (
+            f"client {client}'s own rate_limit replaces limits.per_key: it is not limited by "
+            f"{', '.join(lost)} from limits.per_key (repeat them here to keep them)"), WARNING
+
+
+def _token_reservations(topo: Topology) -> Iterator[Finding]:
+    """A token budget reserves a request's worst case: a pool without max_output_tokens
+    reserves the default for requests without max_tokens."""
+    if not any(b.tokens for b in budgets(topo)):
+        return
+    for pi, pool in enumerate(topo.pools):
+        if pool.max_output_tokens is None:
+            yield f"pools[{pi}].max_output_tokens", (
+                f"token budgets reserve what a request can generate; a request to {pool.name} without "
+                f"max_tokens reserves {DEFAULT_MAX_OUTPUT_TOKENS} tokens (the default): set the engine's own "
+                "limit here"), WARNING
 
 
 def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:

@@ -6,7 +6,7 @@ descriptor Envoy sends and the limit the service applies come from one place:
 
     descriptor  [("confgen_limit", budget.id), ("client", <client>)?, ("model", <model>)?,
                  token budgets: ("request_id", <x-request-id>), and when the request is checked
-                 ("max_output", <tokens>), ("body_bytes", <content-length>)?]
+                 ("max_output", <tokens>), ("body_bytes", <content-length>)?, ("hold_s", <seconds>)]
     Redis key   confgen:<domain>:<budget.id>:<client>:<model>:<window start>
 
 A budget id is its place in the topology ("global/0", "per_key/1", "client/alice/0"), so a
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import WINDOW_SECONDS, RateLimit, Topology, limit_list
+from .model import WINDOW_SECONDS, Pool, RateLimit, Topology, limit_list
 
 # Descriptor entry keys (Envoy -> the rate limit service); every descriptor starts with the budget.
 LIMIT_KEY = "confgen_limit"
@@ -26,18 +26,24 @@ MODEL_KEY = "model"
 ANY_MODEL = "*"  # the model entry of a per_model budget on a route that names no model
 # Token budgets only: the request's id (Envoy's x-request-id, which it sets itself for outside
 # requests) ties a request's reservation to its charge; the reservation is the request's
-# max output (max_completion_tokens, max_tokens or ESTIMATE_OUTPUT_TOKENS) plus, for prompt
-# tokens, its body's length / BYTES_PER_TOKEN.
+# max output (max_completion_tokens, max_tokens, else its pool's max_output_tokens or
+# DEFAULT_MAX_OUTPUT_TOKENS) plus, for prompt tokens, its body's length / BYTES_PER_TOKEN.
 REQUEST_ID_KEY = "request_id"
 MAX_OUTPUT_KEY = "max_output"
 BODY_BYTES_KEY = "body_bytes"
-ESTIMATE_OUTPUT_TOKENS = 256
+DEFAULT_MAX_OUTPUT_TOKENS = 4096  # a pool without max_output_tokens: what a request without max_tokens reserves
 BYTES_PER_TOKEN = 4
+# The route's own bound on how long its answer may take (its pool's timeouts.request, or
+# RESERVATION_HOLD_S when that is 0s: no timeout): a reservation whose answer has not come by
+# then, plus RESERVATION_MARGIN_S, is dropped. A body without content-length (chunked) reserves
+# the largest body the listener accepts (max_request_bytes / BYTES_PER_TOKEN prompt tokens).
+HOLD_KEY = "hold_s"
 # At stream end a second descriptor per token budget ("phase": "done", cost 0) settles a
 # reservation the answer's usage did not (no usage: its estimate is charged).
 PHASE_KEY = "phase"
 PHASE_DONE = "done"
-RESERVATION_HOLD_S = 600  # a reservation whose answer has not come after this (or its window) is dropped
+RESERVATION_HOLD_S = 600  # the hold of a route whose pool has no request timeout
+RESERVATION_MARGIN_S = 30  # past the request's own timeout: the stream-done call's own delay
 
 # Dynamic metadata the response's usage is written to (json_to_metadata for JSON bodies,
 # sse_to_metadata for streams), read by the stream-done descriptors' hits_addend.
@@ -131,3 +137,50 @@ def _place(path: str, value: object, index: int) -> str:
 
 def needs_store(topo: Topology) -> bool:
     return bool(budgets(topo))
+
+
+def max_output_tokens(pool: Pool | None) -> int:
+    """What a request without max_tokens may generate on `pool` (reserved until its answer ends)."""
+    if pool is None or pool.max_output_tokens is None:
+        return DEFAULT_MAX_OUTPUT_TOKENS
+    return pool.max_output_tokens
+
+
+def hold_seconds(pool: Pool | None) -> int:
+    """How long a reservation of a request to `pool` waits for its answer: the request's own timeout."""
+    if pool is None or pool.timeouts.request.ms <= 0:
+        return RESERVATION_HOLD_S
+    return max(1, -(-pool.timeouts.request.ms // 1000))
+
+
+def envoys(topo: Topology) -> int:
+    """The Envoys counting in the store (limits.store.envoys, else kubernetes.replicas)."""
+    store = topo.limits.store
+    if store is not None and store.envoys is not None:
+        return store.envoys
+    return topo.kubernetes.replicas
+
+
+def floor_amount(budget: Budget, count: int) -> int:
+    """What one of `count` Envoys admits of `budget` per window while the store is away: its
+    share, at least 1 (never unlimited, never nothing: a client keeps a trickle)."""
+    return max(1, budget.amount // max(1, count))
+
+
+def clients_losing_per_key(topo: Topology) -> list[tuple[int, str, list[str]]]:
+    """(api_keys index, client, the limits.per_key scopes it loses) for every client whose own
+    rate_limit replaces limits.per_key while naming fewer kinds of limit than it."""
+    if topo.auth is None:
+        return []
+    default = limit_list(topo.limits.per_key)
+    if not default:
+        return []
+    out = []
+    for ki, key in enumerate(topo.auth.api_keys):
+        if key.rate_limit is None:
+            continue
+        own = {(lim.scope, lim.unit) for lim in limit_list(key.rate_limit)}
+        lost = [f"{lim.scope} {lim.unit}" for lim in default if (lim.scope, lim.unit) not in own]
+        if lost:
+            out.append((ki, key.client, lost))
+    return out

@@ -230,6 +230,14 @@ class Pool:
     autoscale: Autoscale | None = field(
         None, doc="Kubernetes target: an HPA that scales the workers on the sidecar's llm_queue_depth."
     )
+    max_output_tokens: int | None = field(
+        None,
+        doc="Most tokens one answer of this pool can generate (the engine's limit, e.g. vLLM's max_model_len "
+        "less the prompt). A request without max_tokens reserves this many output tokens of a token budget "
+        "until its answer ends (default: 4096).",
+        minimum=1,
+        maximum=10_000_000,
+    )
 
     @property
     def health_path(self) -> str:
@@ -405,6 +413,14 @@ class LimitStore:
         "for fail_closed limits). Longer than `timeout`, so the sidecar answers first.",
         minimum=_d("1ms"),
         maximum=_d("10s"),
+    )
+    envoys: int | None = field(
+        None,
+        doc="Envoys counting in this store. While the store cannot be reached, each sidecar admits a global "
+        "budget's amount / envoys per window on its own (the local floor; never unlimited). Default: "
+        "kubernetes.replicas.",
+        minimum=1,
+        maximum=10_000,
     )
 
 

@@ -270,7 +270,7 @@ def _route(topo: Topology, plan: Plan, name: str, planned: PlannedRoute, match: 
     per_filter: Json = {}
     if planned.clients is not None:
         per_filter["envoy.filters.http.rbac"] = _rbac_only(topo, planned.clients)
-    per_filter.update(_ratelimit.per_route(topo, model))
+    per_filter.update(_ratelimit.per_route(topo, model, planned.pool))
     if per_filter:
         route["typed_per_filter_config"] = per_filter
     return route

@@ -14,9 +14,10 @@ RateLimitPerRoute, the only place Envoy honours per-descriptor `hits_addend` and
 
 The usage keys come from the answer: a JSON body's usage (json_to_metadata response rules) or
 a stream's usage chunk (sse_to_metadata, when the client asked stream_options.include_usage).
-The request writes only confgen.usage:max_output (max_completion_tokens, else max_tokens, else
-ESTIMATE_OUTPUT_TOKENS), sent with the check: the service reserves the request's estimate until
-its end. At stream end, a descriptor charges the usage (Envoy drops it when there is none: a
+The request writes only confgen.usage:max_output (max_completion_tokens, else max_tokens; absent,
+the route's descriptor says its pool's max_output_tokens), sent with the check with the route's
+hold (its pool's request timeout): the service reserves the request's estimate until its end,
+or until the hold has passed. At stream end, a descriptor charges the usage (Envoy drops it when there is none: a
 refused request, a stream without usage, an error) and a second one (phase: done, cost 0)
 settles what is left: a reservation still held is charged its estimate, none charges nothing,
 so a stream without usage is charged its estimate. Budgets with fail_closed go through a
@@ -29,7 +30,7 @@ from ..limits import (
     ANY_MODEL,
     BODY_BYTES_KEY,
     CLIENT_KEY,
-    ESTIMATE_OUTPUT_TOKENS,
+    HOLD_KEY,
     LIMIT_KEY,
     MAX_OUTPUT_KEY,
     MODEL_KEY,
@@ -41,8 +42,10 @@ from ..limits import (
     Budget,
     budgets,
     domain,
+    hold_seconds,
+    max_output_tokens,
 )
-from ..model import Topology
+from ..model import Pool, Topology
 from ._clusters import SIDECAR_GRPC_CLUSTER
 from ._proto import Json, dur, extension, typed
 
@@ -86,11 +89,10 @@ def usage_request_rules() -> list[Json]:
     STRING: Envoy's metadata rate limit action takes string values only (a NUMBER was
     measured to fall back to the action's default)."""
     rules: list[Json] = []
-    # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens over the default
+    # later rules overwrite earlier ones: max_completion_tokens wins over max_tokens; neither
+    # there, the route's descriptor default (its pool's max_output_tokens) applies
     rules.append({"selectors": [{"key": "max_tokens"}],
-                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"},
-                  "on_missing": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY,
-                                 "value": str(ESTIMATE_OUTPUT_TOKENS), "type": "STRING"}})
+                  "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"}})
     rules.append({"selectors": [{"key": "max_completion_tokens"}],
                   "on_present": {"metadata_namespace": USAGE_NS, "key": MAX_OUTPUT_KEY, "type": "STRING"}})
     return rules
@@ -138,8 +140,9 @@ def _selector(topo: Topology, budget: Budget) -> list[Json]:
     return [first, {"request_headers": {"header_name": header, "descriptor_key": CLIENT_KEY}}]
 
 
-def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
+def _entries(topo: Topology, budget: Budget, model: str | None, pool: Pool | None) -> list[Json]:
     actions = _selector(topo, budget)
+    chain: list[Pool | None] = [*_chain(topo, pool)] or [None]
     if budget.limit.per_model:
         actions.append({"generic_key": {"descriptor_key": MODEL_KEY, "descriptor_value": model or ANY_MODEL}})
     if not budget.tokens:
@@ -147,12 +150,14 @@ def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
     # Envoy sets x-request-id itself on outside requests (use_remote_address, ids not preserved):
     # it ties the request's reservation to its charge, and no client can choose it.
     request_id = {"request_headers": {"header_name": "x-request-id", "descriptor_key": REQUEST_ID_KEY}}
+    hold = max(hold_seconds(p) for p in chain)
     check = [*actions, request_id,
              {"metadata": {"descriptor_key": MAX_OUTPUT_KEY, "source": "DYNAMIC",
                            "metadata_key": {"key": USAGE_NS, "path": [{"key": MAX_OUTPUT_KEY}]},
-                           "default_value": str(ESTIMATE_OUTPUT_TOKENS)}},
+                           "default_value": str(max(max_output_tokens(p) for p in chain))}},
              {"request_headers": {"header_name": "content-length", "descriptor_key": BODY_BYTES_KEY,
-                                  "skip_if_absent": True}}]
+                                  "skip_if_absent": True}},
+             {"generic_key": {"descriptor_key": HOLD_KEY, "descriptor_value": str(hold)}}]
     return [
         # checked (cost 0) and the request's estimate reserved: refused once spent + reserved reach the budget
         {"actions": check, "hits_addend": {"number": 0}},
@@ -167,13 +172,24 @@ def _entries(topo: Topology, budget: Budget, model: str | None) -> list[Json]:
     ]
 
 
-def per_route(topo: Topology, model: str | None) -> Json:
-    """typed_per_filter_config entries of one route (model: the one it serves, if exactly one)."""
+def _chain(topo: Topology, pool: Pool | None) -> list[Pool]:
+    """The pool and the fallbacks its traffic may move to (an answer may come from any of them)."""
+    by_name = {p.name: p for p in topo.pools}
+    out: list[Pool] = []
+    while pool is not None and pool not in out:
+        out.append(pool)
+        pool = by_name.get(pool.fallback) if pool.fallback is not None else None
+    return out
+
+
+def per_route(topo: Topology, model: str | None, pool: Pool | None = None) -> Json:
+    """typed_per_filter_config entries of one route (model: the one it serves, if exactly one;
+    pool: the pool it sends to, whose max_output_tokens and request timeout bound a reservation)."""
     found = budgets(topo)
     out: Json = {}
     for name, closed in ((FILTER_OPEN, False), (FILTER_CLOSED, True)):
         chosen = [b for b in found if b.limit.fail_closed == closed]
         if chosen:
             out[name] = typed("extensions.filters.http.ratelimit.v3.RateLimitPerRoute", {
-                "rate_limits": [entry for b in chosen for entry in _entries(topo, b, model)]})
+                "rate_limits": [entry for b in chosen for entry in _entries(topo, b, model, pool)]})
     return out

@@ -24,7 +24,7 @@ ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHe
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent", "ConfgenXdsNack", "ConfgenTopologyEditRefused", "ConfgenWriteFailures",
           "ConfgenErrorBudgetBurnFast", "ConfgenErrorBudgetBurnSlow", "ConfgenTtftBudgetBurnFast",
-          "ConfgenSustainedShedding", "ConfgenRateLimitStoreDown"}
+          "ConfgenSustainedShedding", "ConfgenRateLimitStoreDown", "ConfgenRateLimitFailingOpen"}
 
 
 def dashboard_exprs() -> list[str]:

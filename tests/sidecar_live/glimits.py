@@ -37,6 +37,9 @@ CLIENTS: dict[str, str | None] = {
     "sec": "{scope: global, requests: 5, window: second}",
     "closed": "{scope: global, requests: 100000, window: minute, fail_closed: true}",
     "big": "{scope: global, requests: 10000000, window: minute}",  # never refused: the check's cost alone
+    # hour windows: a test that must stay in one window does not wait for a minute's start
+    "tok10k": "{scope: global, unit: total_tokens, tokens: 10000, window: hour}",
+    "reqh": "{scope: global, requests: 60, window: hour}",
     "free": None,
 }
 KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
@@ -44,9 +47,11 @@ KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
-                  clients: dict[str, str | None] | None = None, sockets: Path | None = None) -> str:
+                  clients: dict[str, str | None] | None = None, sockets: Path | None = None, envoys: int | None = None,
+                  pool_extra: Sequence[str] = ()) -> str:
     """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
-    `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>)."""
+    `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>);
+    `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -55,11 +60,13 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             "limits:",
             f"  store: {{redis: '{redis}'"
             + (f", timeout: {store_timeout}" if store_timeout else "")
-            + (f", check_timeout: {check_timeout}" if check_timeout else "") + "}",
+            + (f", check_timeout: {check_timeout}" if check_timeout else "")
+            + (f", envoys: {envoys}" if envoys else "") + "}",
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}"
             + (f", grpc_socket_dir: {sockets}" if sockets is not None else "") + "}"]
     return fleet_topology(name=NAME, admin=admin, port=port, workers=workers, models=["sim-model"], capacity=64,
-                          pool=["health: {enabled: false}", "outlier_detection: {enabled: false}"], tail=tail)
+                          pool=["health: {enabled: false}", "outlier_detection: {enabled: false}", *pool_extra],
+                          tail=tail)
 
 
 @dataclass
@@ -90,7 +97,7 @@ class GlobalRig:
         try:
             total = 0
             for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*", count=1000):
-                if not key.endswith(b":r"):  # the reservations beside a token counter
+                if not key.endswith((b":r", b":r:z")):  # the reservations beside a token counter
                     total += int(client.get(key) or 0)
             return total
         finally:
@@ -101,8 +108,8 @@ class GlobalRig:
         """Tokens still reserved by requests of one budget whose answer has not been charged."""
         client = self.store()
         try:
-            return sum(int(v) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
-                       for v in client.hvals(key))
+            return sum(int(v.split(b":")[0]) for key in client.scan_iter(match=f"confgen:confgen.{NAME}:{budget}:*:r")
+                       for rid, v in client.hgetall(key).items() if rid != b"#total")
         finally:
             client.close()
 
@@ -142,7 +149,9 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                decode_ms: float = 2.0, check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                grpc_ports: Sequence[int] | None = None, sidecar_args: Sequence[str] = FAST_ARGS,
                envoy_concurrency: int = 1,
-               clients: Sequence[dict[str, str | None] | None] | None = None) -> Iterator[GlobalRig]:
+               clients: Sequence[dict[str, str | None] | None] | None = None,
+               default_max_tokens: int = 64, pool_extra: Sequence[str] = (),
+               envoys_in_store: int | None = None) -> Iterator[GlobalRig]:
     """`envoys` pairs (Envoy + sidecar) on one fleet and one Redis; `sidecars=False` starts
     no sidecar (the rate limit service is unreachable); `clients[i]`: pair i's clients. The
     tests give the store and Envoy generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
@@ -150,7 +159,7 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
     import os
 
     specs = worker_specs([f"w{i}" for i in range(workers)], decode_ms=decode_ms, max_num_seqs=64,
-                         prefill_ms_per_1k=5.0)
+                         prefill_ms_per_1k=5.0, default_max_tokens=default_max_tokens)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONFGEN_")}
     with RedisProcess() as store, run_fleet_in_thread(FleetSpec(workers=specs, seed=5)) as fleet, \
             contextlib.ExitStack() as stack:
@@ -164,7 +173,7 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                 text = topology_text([f"127.0.0.1:{w.port}" for w in fleet.workers], admin=admin, port=port,
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
                                      store_timeout=store_timeout, clients=clients[i] if clients else None,
-                                     sockets=directory / "sockets")
+                                     sockets=directory / "sockets", envoys=envoys_in_store, pool_extra=pool_extra)
                 directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
                 topo_path.write_text(text)

@@ -11,8 +11,8 @@ real redis-server, a simulated fleet.
 - 429 answers carry the OpenAI-style body, retry-after and x-ratelimit-* headers.
 - The rate limit service unreachable with request-time and stream-done limits on the same
   route (CVE-2026-26330's case): every request is served, Envoy stays up.
-- Redis killed mid-run: no request fails, the store metric says so, fail_closed refuses,
-  the budget holds again within 2 s of Redis's return.
+- Redis killed mid-run: no request fails, the store metric says so, fail_closed refuses, the
+  local floor (the budget's share per Envoy) admits, the budget holds again within 2 s of Redis's return.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_tokens_are_charged_from_usage_streaming_or_not(tmp_path: Path) -> None:
         assert _charged(rig, "client/tok/0", expected) == expected
         # 4. a refused request is charged nothing (it reserved nothing): spend the budget, then ask
         rig.store().incrby(next(k for k in rig.store().scan_iter(match="confgen:*client/tok/0:*")
-                                if not k.endswith(b":r")), 5000)
+                                if not k.endswith((b":r", b":r:z"))), 5000)
         status, _, _ = call(url, "tok", _body(50))
         assert status == 429
         time.sleep(0.5)  # the stream-done calls are fire-and-forget: give a wrong charge time to land
@@ -224,7 +224,11 @@ def check_outage(result: dict[str, Any], limit_per_s: int = 5) -> None:
     statuses = [s for _, s in out]
     assert set(statuses) <= {200, 429}, sorted(set(statuses))  # nothing failed because of the outage
     during = [s for at, s in out if result["killed"] + 0.5 <= at < back]
-    assert during and during.count(429) == 0  # fail open: uncounted while Redis is away
+    # the local floor while Redis is away: 5 a second over kubernetes.replicas (2) = 2 a second per
+    # Envoy, 3 Envoys: at most 6 a second admitted (+1 for a second boundary), never the whole load
+    floor_per_s = 3 * (limit_per_s // 2)
+    seconds = back - (result["killed"] + 0.5)
+    assert during and 0 < during.count(200) <= floor_per_s * (seconds + 1), (during.count(200), seconds)
     assert result["store_up_during"] < 3 and result["store_up_after"] == 3
     assert result["failures"] >= 1
     assert result["closed_during"] == 429  # fail_closed refuses while the store is away
@@ -234,8 +238,9 @@ def check_outage(result: dict[str, Any], limit_per_s: int = 5) -> None:
     settled = [s for at, s in out if back + 2.0 <= at < back + 4.0]
     per_second = settled.count(200) / 2.0
     assert per_second <= limit_per_s * 1.5, (per_second, limit_per_s)
-    print(f"\noutage: {len(during)} requests admitted uncounted, budget enforced {refused_after:.2f} s after "
-          f"Redis returned, {per_second:.1f} admitted/s after (limit {limit_per_s}/s)")
+    print(f"\noutage: {during.count(200)} of {len(during)} requests admitted on the local floors, budget "
+          f"enforced {refused_after:.2f} s after Redis returned, {per_second:.1f} admitted/s after "
+          f"(limit {limit_per_s}/s)")
 
 
 def test_redis_killed_mid_run_fails_open_and_counting_resumes(tmp_path: Path) -> None:

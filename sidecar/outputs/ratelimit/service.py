@@ -11,19 +11,31 @@ request arrives (refused once the window's tokens are spent) and charged the res
 usage when the stream ends (Envoy's apply_on_stream_done, fire-and-forget).
 
 Failure: every Redis call is bounded (limits.store.timeout). When Redis is down or slow the
-request is admitted uncounted (refused for fail_closed budgets), the store is marked down
-and left alone for a short backoff so that a dead store costs nothing per request; the
-first call after it counts again. Envoy's own timeout (check_timeout) and fail-open cover a
-sidecar that does not answer at all.
+store is marked down and left alone for a short backoff, so that a dead store costs nothing
+per request; the first call after it counts again. Meanwhile:
+
+- a request is decided on this sidecar's local floor (local.py): each budget cut to
+  amount / limits.store.envoys per window, counted per key in memory (fail_closed budgets
+  refuse instead); every such decision is counted per budget and client
+  (confgen_sidecar_ratelimit_fail_open_total), never unlimited;
+- a charge that cannot reach Redis (an answer's usage or estimate at stream end, a request
+  the floor admitted) is kept in the journal (journal.py, on disk) and replayed when Redis
+  answers again, so no admitted token goes uncharged.
+
+Envoy's own timeout (check_timeout) and fail-open cover a sidecar that does not answer at all.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
+import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,7 +50,8 @@ from confgen.limits import (
     BODY_BYTES_KEY,
     BYTES_PER_TOKEN,
     CLIENT_KEY,
-    ESTIMATE_OUTPUT_TOKENS,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    HOLD_KEY,
     LIMIT_KEY,
     MAX_OUTPUT_KEY,
     MODEL_KEY,
@@ -46,13 +59,18 @@ from confgen.limits import (
     PHASE_KEY,
     REQUEST_ID_KEY,
     RESERVATION_HOLD_S,
+    RESERVATION_MARGIN_S,
     Budget,
     budgets,
     domain,
+    envoys,
+    floor_amount,
 )
 from confgen.model import LimitStore, Topology, split_address
 from sidecar.fleet import Snapshot
 from sidecar.logs import log_event
+from sidecar.outputs.ratelimit.journal import Journal
+from sidecar.outputs.ratelimit.local import LocalCounter
 from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
 
 __all__ = ["METRIC_NAMES", "RateLimitService"]
@@ -62,6 +80,10 @@ METRIC_NAMES = (
     "confgen_sidecar_ratelimit_store_up",
     "confgen_sidecar_ratelimit_store_failures_total",
     "confgen_sidecar_ratelimit_store_seconds",
+    "confgen_sidecar_ratelimit_fail_open_total",
+    "confgen_sidecar_ratelimit_journal_entries",
+    "confgen_sidecar_ratelimit_charges_replayed_total",
+    "confgen_sidecar_ratelimit_charges_dropped_total",
 )
 
 _log = logging.getLogger("sidecar.ratelimit")
@@ -72,6 +94,8 @@ _OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 _UINT32_MAX = 2**32 - 1
 _MAX_DESCRIPTORS = 64  # a request carries one per budget that applies; more is not Envoy
 _MAX_ESTIMATE = 10**9  # Envoy's own bound on a hits_addend
+_MAX_HOLD_S = 86400
+_MAX_PENDING_APPENDS = 10_000  # journal writes queued for its thread; past it a charge is dropped (counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +108,16 @@ class _Table:
     clients: frozenset[str]
     models: frozenset[str]
     store: LimitStore | None
+    envoys: int  # the local floor: each budget / this, per window, while the store is away
+    max_body: int  # the largest request body a listener accepts (a chunked body's estimate)
 
 
 def _table(topo: Topology) -> _Table:
     clients = frozenset(k.client for k in topo.auth.api_keys) if topo.auth is not None else frozenset()
     models = frozenset(name for pool in topo.pools for name in pool.served_names) | {ANY_MODEL}
-    return _Table(topo, domain(topo), {b.id: b for b in budgets(topo)}, clients, models, topo.limits.store)
+    max_body = max((lst.max_request_bytes for lst in topo.listeners), default=0)
+    return _Table(topo, domain(topo), {b.id: b for b in budgets(topo)}, clients, models, topo.limits.store,
+                  envoys(topo), max_body)
 
 
 class _Metrics:
@@ -108,6 +136,20 @@ class _Metrics:
         self.latency = Histogram(
             "confgen_sidecar_ratelimit_store_seconds", "Time of one decision script in the store",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25), registry=registry)
+        self.fail_open = Counter(
+            "confgen_sidecar_ratelimit_fail_open_total",
+            "Decisions made on the sidecar's local floor (the store unreachable or slow), by budget, client "
+            "and code (ok, over_limit)", ["budget", "client", "code"], registry=registry)
+        self.journal = Gauge(
+            "confgen_sidecar_ratelimit_journal_entries",
+            "Charges kept on disk for the store, waiting for it to answer", registry=registry)
+        self.replayed = Counter(
+            "confgen_sidecar_ratelimit_charges_replayed_total",
+            "Journal entries applied to the store once it answered again", registry=registry)
+        self.dropped = Counter(
+            "confgen_sidecar_ratelimit_charges_dropped_total",
+            "Charges that could reach neither the store nor the journal (full, or its file failing)",
+            registry=registry)
         self.store_up.set(1)
 
 
@@ -118,12 +160,21 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     def __init__(self, topology: Callable[[], Topology], registry: CollectorRegistry,
                  clock: Callable[[], float], wall: Callable[[], float] = time.time,
-                 backoff_s: float = 0.25) -> None:
+                 backoff_s: float = 0.25, journal: Path | None = None, flush_interval_s: float = 1.0,
+                 journal_entries: int = 20_000) -> None:
         self._topology = topology
         self._clock = clock  # monotonic: the backoff
         self._wall = wall  # the windows: every sidecar of the fleet must agree on them (NTP)
         self._backoff_s = backoff_s
+        self._flush_interval_s = flush_interval_s  # journal: how often a replay is tried while it holds charges
         self._metrics = _Metrics(registry)
+        self._local = LocalCounter()
+        self._journal = Journal(journal, journal_entries)
+        self._pending_appends = 0
+        self._appends: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_lock = asyncio.Lock()
         self._current: _Table | None = None
         self._counter: RedisCounter | None = None
         self._counter_for: LimitStore | None = None
@@ -146,12 +197,104 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     async def start(self) -> None:
         self._table_now()  # connects lazily: a store that is down at start is not an error
+        try:
+            kept = await self._journal.open()
+        except (sqlite3.Error, OSError) as exc:  # unreadable: charges are kept in memory instead
+            log_event(_log, logging.ERROR, "ratelimit.journal_unusable", path=str(self._journal.path), error=str(exc))
+            await self._journal.close()
+            self._journal = Journal(None, self._journal.max_entries)
+            kept = await self._journal.open()
+        self._metrics.journal.set(kept)
+        if kept:
+            log_event(_log, logging.INFO, "ratelimit.journal_kept", entries=kept, path=str(self._journal.path))
+            self._wake.set()
+        self._flusher = asyncio.create_task(self._flush_loop(), name="ratelimit-journal-flush")
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        if self._appends:
+            await asyncio.gather(*self._appends, return_exceptions=True)
+        await self._journal.close()
         for counter in [*self._retired, *([self._counter] if self._counter else [])]:
             await counter.close()
         self._retired.clear()
         self._counter = None
+
+    # -- the journal: charges the store could not take, replayed when it answers ---------------
+    def _keep(self, at: float, ops: list[Op]) -> None:
+        """Journal ops that happened at `at` without blocking the caller (bounded queue)."""
+        if not ops:
+            return
+        if self._pending_appends >= _MAX_PENDING_APPENDS:
+            self._metrics.dropped.inc()
+            return
+        self._pending_appends += 1
+        task = asyncio.create_task(self._append(at, ops))
+        self._appends.add(task)
+        task.add_done_callback(self._appends.discard)
+
+    async def _append(self, at: float, ops: list[Op]) -> None:
+        try:
+            kept = await self._journal.append(at, ops)
+        except (sqlite3.Error, OSError) as exc:
+            kept = False
+            log_event(_log, logging.ERROR, "ratelimit.journal_write_failed", error=str(exc))
+        finally:
+            self._pending_appends -= 1
+        if not kept:
+            self._metrics.dropped.inc()
+        self._metrics.journal.set(self._journal.size)
+
+    async def settled(self) -> None:
+        """Wait for the journal writes queued so far (tests; close)."""
+        if self._appends:
+            await asyncio.gather(*list(self._appends), return_exceptions=True)
+
+    async def flush(self) -> int:
+        """Replay the journal into the store, oldest first; the entries applied. Stops at the
+        first store failure (the rest stay for the next try)."""
+        async with self._flush_lock:
+            counter = self._counter
+            applied = 0
+            while counter is not None and self._journal.size:
+                batch = await self._journal.oldest()
+                done: list[int] = []
+                try:
+                    for row_id, at, ops in batch:
+                        if ops:
+                            late = max(0, int(self._wall() - at))
+                            await counter.decide([replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops], at)
+                        done.append(row_id)
+                except StoreUnavailable as exc:
+                    self._store_failed(counter, exc)
+                    await self._journal.remove(done)
+                    applied += len(done)
+                    break
+                await self._journal.remove(done)
+                applied += len(done)
+                if not batch:
+                    break
+            if applied:
+                self._metrics.replayed.inc(applied)
+                log_event(_log, logging.INFO, "ratelimit.journal_replayed", entries=applied,
+                          left=self._journal.size)
+            self._metrics.journal.set(self._journal.size)
+            return applied
+
+    async def _flush_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._flush_interval_s)
+            self._wake.clear()
+            if self._journal.size and self._clock() >= self._down_until:
+                try:
+                    await self.flush()
+                except (sqlite3.Error, OSError) as exc:
+                    log_event(_log, logging.ERROR, "ratelimit.journal_read_failed", error=str(exc))
 
     # -- the table and the store follow topology reloads ----------------------------------
     def _table_now(self) -> _Table:
@@ -189,16 +332,59 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             ops.append(found[1])
         if not ops:
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=[_status(None) for _ in plan])
+        if all(op.mode in ("f", "d") for op in ops):  # an answer's end: charged now, or journaled
+            ops = self._settle_local(ops, now)
+            if await self._decide(ops) is None:
+                self._keep(now, ops)
+            return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=[_status(None) for _ in plan])
         counts = await self._decide(ops)
-        if counts is None:  # store unreachable: fail open, except fail_closed budgets
+        if counts is None:  # store unreachable: the local floor, except fail_closed budgets
             closed = any(entry is not None and entry[0].limit.fail_closed for entry in plan)
-            self._metrics.decisions.labels("over_limit" if closed else "ok",
-                                           "fail_closed" if closed else "fail_open").inc()
-            return rls_pb2.RateLimitResponse(
-                overall_code=_OVER if closed else _OK,
-                statuses=[_status(None) if entry is None else
-                          _status(entry[0], code=_OVER if entry[0].limit.fail_closed else _OK, now=now)
-                          for entry in plan])
+            if closed:
+                self._metrics.decisions.labels("over_limit", "fail_closed").inc()
+                return rls_pb2.RateLimitResponse(
+                    overall_code=_OVER,
+                    statuses=[_status(None) if entry is None else
+                              _status(entry[0], code=_OVER if entry[0].limit.fail_closed else _OK, now=now)
+                              for entry in plan])
+            return self._on_floor(table, plan, ops, now)
+        return self._answer(plan, ops, counts, now, "counted")
+
+    def _settle_local(self, ops: list[Op], now: float) -> list[Op]:
+        """An answer's end ops for the store: a reservation this sidecar's floor held (the
+        request was admitted while the store was away) is released here, and its estimate
+        charged to the store when no usage charged it (mode d becomes a plain charge)."""
+        out = []
+        for op in ops:
+            if op.request_id and self._local.holds(op.reservations, op.request_id, now):
+                estimate = self._local.release(op.reservations, op.request_id, now) or 0
+                if op.mode == "d":
+                    self._local.decide([replace(op, mode="f", cost=estimate, request_id="")], now)
+                    op = replace(op, mode="f", cost=estimate, request_id="")
+                else:
+                    self._local.decide([replace(op, request_id="")], now)
+            out.append(op)
+        return out
+
+    def _on_floor(self, table: _Table, plan: list[tuple[Budget, int] | None], ops: list[Op], now: float) -> Any:
+        """The decision on this sidecar's share of each budget (the store is away)."""
+        budget_of = {index: entry[0] for entry in plan if entry is not None for index in (entry[1],)}
+        floors = [floor_amount(budget_of[i], table.envoys) for i in range(len(ops))]
+        counts = self._local.decide([replace(op, limit=f) for op, f in zip(ops, floors, strict=True)], now)
+        code = "over_limit" if counts.refused else "ok"
+        for index, op in enumerate(ops):
+            budget = budget_of[index]
+            self._metrics.fail_open.labels(budget.id, _client_of(op, budget), code).inc()
+        if not counts.refused:  # the store counts them too once it answers
+            self._keep(now, [Op(op.key, "f", op.cost, op.limit, op.ttl_s) for op in ops if op.mode == "a"])
+        # the answer's remaining amounts are this sidecar's share's
+        shifted = Decision([c + budget_of[i].amount - floors[i] for i, c in enumerate(counts.counts)],
+                           counts.reserved, counts.refused)
+        return self._answer(plan, [replace(op, limit=budget_of[i].amount) for i, op in enumerate(ops)], shifted,
+                            now, "floor")
+
+    def _answer(self, plan: list[tuple[Budget, int] | None], ops: list[Op], counts: Decision, now: float,
+                store: str) -> Any:
         statuses = []
         for entry in plan:
             if entry is None:
@@ -210,7 +396,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 (op.mode == "c" and count >= op.limit) or \
                 (op.mode == "r" and count + held - (0 if counts.refused else op.estimate) >= op.limit)
             statuses.append(_status(budget, code=_OVER if over else _OK, count=count + held, now=now))
-        self._metrics.decisions.labels("over_limit" if counts.refused else "ok", "counted").inc()
+        self._metrics.decisions.labels("over_limit" if counts.refused else "ok", store).inc()
         if not counts.refused:
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=statuses)
         # retry-after: when the last refusing window resets (Envoy's 429 keeps it)
@@ -245,13 +431,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         request_id = entries.get(REQUEST_ID_KEY, "")[:128]
         reservations = f"{base}:r"
         if cost > 0:  # the answer's tokens, at stream end: counted, the reservation released
-            return budget, Op(key, "f", cost, budget.amount, ttl, request_id, reservations=reservations)
+            return budget, Op(key, "f", cost, budget.amount, ttl, request_id, reservations=reservations,
+                              charge_id=f"{request_id}:f" if request_id else "")
         if entries.get(PHASE_KEY) == PHASE_DONE:  # the answer ended: settles a reservation still held
-            return budget, Op(key, "d", 0, budget.amount, ttl, request_id, reservations=reservations)
+            return budget, Op(key, "d", 0, budget.amount, ttl, request_id, reservations=reservations,
+                              charge_id=f"{request_id}:d" if request_id else "")
         if not request_id:
             return budget, Op(key, "c", 0, budget.amount, ttl)
-        return budget, Op(key, "r", 0, budget.amount, ttl, request_id, _estimate(budget, entries), reservations,
-                          max(window, RESERVATION_HOLD_S))
+        hold = _number(entries.get(HOLD_KEY))
+        hold = min(hold, _MAX_HOLD_S) if hold else RESERVATION_HOLD_S
+        return budget, Op(key, "r", 0, budget.amount, ttl, request_id, _estimate(budget, entries, table.max_body),
+                          reservations, hold + RESERVATION_MARGIN_S)
 
     async def _decide(self, ops: list[Op]) -> Decision | None:
         counter = self._counter
@@ -263,13 +453,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         try:
             result = await counter.decide(ops, self._wall())
         except StoreUnavailable as exc:
-            self._metrics.store_failures.inc()
-            if self._up:
-                log_event(_log, logging.WARNING, "ratelimit.store_down", redis=counter.address, error=str(exc),
-                          backoff_s=self._backoff_s)
-            self._up = False
-            self._metrics.store_up.set(0)
-            self._down_until = self._clock() + self._backoff_s
+            self._store_failed(counter, exc)
             return None
         self._metrics.latency.observe(self._clock() - started)
         if not self._up:
@@ -277,7 +461,18 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._up = True
         self._metrics.store_up.set(1)
         self._down_until = 0.0
+        if self._journal.size:
+            self._wake.set()  # the store answers: replay what it missed
         return result
+
+    def _store_failed(self, counter: RedisCounter, exc: StoreUnavailable) -> None:
+        self._metrics.store_failures.inc()
+        if self._up:
+            log_event(_log, logging.WARNING, "ratelimit.store_down", redis=counter.address, error=str(exc),
+                      backoff_s=self._backoff_s)
+        self._up = False
+        self._metrics.store_up.set(0)
+        self._down_until = self._clock() + self._backoff_s
 
 
 def _number(text: str | None) -> int | None:
@@ -291,11 +486,21 @@ def _number(text: str | None) -> int | None:
     return int(value) if 0 <= value <= _MAX_ESTIMATE else None
 
 
-def _estimate(budget: Budget, entries: dict[str, str]) -> int:
-    """The tokens a request is expected to spend at most, reserved until its answer ends."""
+def _client_of(op: Op, budget: Budget) -> str:
+    """The client part of an op's key (confgen:<domain>:<budget id>:<client>:...), "" for a shared budget."""
+    if not budget.per_client:
+        return ""
+    return op.key.split(f":{budget.id}:", 1)[1].split(":", 1)[0]
+
+
+def _estimate(budget: Budget, entries: dict[str, str], max_body: int) -> int:
+    """The tokens a request can spend at most, reserved until its answer ends: its max output
+    (the route's pool's max_output_tokens when it named none), and its body's prompt tokens (a
+    body of unknown length, chunked: the largest one the listener accepts)."""
     output = _number(entries.get(MAX_OUTPUT_KEY))
-    output = ESTIMATE_OUTPUT_TOKENS if output is None else output
-    body = _number(entries.get(BODY_BYTES_KEY)) or 0
+    output = DEFAULT_MAX_OUTPUT_TOKENS if output is None else output
+    body = _number(entries.get(BODY_BYTES_KEY))
+    body = max_body if body is None else body
     prompt = -(-body // BYTES_PER_TOKEN)
     unit = budget.limit.unit
     estimate = output if unit == "output_tokens" else prompt if unit == "input_tokens" else output + prompt

@@ -17,6 +17,8 @@ The script decides every descriptor of one request at once, atomically:
                                 request's estimate is reserved under its id until its answer
     mode f  (charge: tokens at stream end, the answer's usage)   counted (the tokens were
                                 spent), the request's reservation released
+    (modes f and d with a charge id: applied once; a replay of a call that timed out after
+    Redis ran it finds the id's mark, kept CHARGE_MARK_S, and changes nothing)
     mode d  (done: tokens at stream end, after mode f in the same call)   the reservation
                                 still there means the answer had no usage (a stream without
                                 include_usage, an error, a cancel): its estimate is counted
@@ -28,8 +30,10 @@ the tokens spent plus those reserved by the requests in flight stay under the bu
 estimate (max_tokens, plus the body's length / 4 for prompt tokens) bounds what it spends. A
 request refused by any budget reserves nothing, so its end charges nothing. Reservations live
 in a hash per budget (and client, model), not per window (a request admitted in one window
-may end in the next), as request id -> "estimate:deadline"; one past its deadline (its answer
-never came) is dropped when the hash is next read. (The keys are passed in ARGV, fine for one
+may end in the next), as request id -> "estimate:deadline", with their running total (field
+"#total") and a sorted set of deadlines beside it (<hash>:z); one past its deadline (its answer
+never came) is dropped from the total when the budget is next checked. A check costs O(log n)
+in the reservations held, not a scan of them. (The keys are passed in ARGV, fine for one
 Redis, not for Redis Cluster.) Returned: each counter after the script, the tokens reserved
 beside it, and whether the request was refused.
 """
@@ -55,21 +59,36 @@ _SCRIPT = """
 local now = tonumber(ARGV[1])
 local n = #KEYS
 local function held_in(rkey)
-  local total, flat = 0, redis.call('HGETALL', rkey)
-  for j = 1, #flat, 2 do
-    local est, deadline = string.match(flat[j + 1], '^(%d+):(%d+)$')
-    if est == nil or tonumber(deadline) < now then
-      redis.call('HDEL', rkey, flat[j])
-    else
-      total = total + tonumber(est)
+  -- the running total of the reservations held, after dropping those past their deadline
+  -- (the deadlines' sorted set finds them: O(log n) a check, not a scan of every reservation)
+  local zkey = rkey .. ':z'
+  local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', '(' .. now, 'LIMIT', 0, 256)
+  for _, rid in ipairs(expired) do
+    local had = redis.call('HGET', rkey, rid)
+    if had then
+      local est = string.match(had, '^(%d+):')
+      if est then redis.call('HINCRBY', rkey, '#total', -tonumber(est)) end
+      redis.call('HDEL', rkey, rid)
     end
+    redis.call('ZREM', zkey, rid)
   end
-  return total
+  return math.max(0, tonumber(redis.call('HGET', rkey, '#total') or '0'))
+end
+local function release(rkey, rid)
+  -- drop a reservation; its estimate and deadline, or nil when it was not held
+  local had = redis.call('HGET', rkey, rid)
+  if not had then return nil, nil end
+  redis.call('HDEL', rkey, rid)
+  redis.call('ZREM', rkey .. ':z', rid)
+  local e, deadline = string.match(had, '^(%d+):(%d+)$')
+  if e == nil then return nil, nil end
+  redis.call('HINCRBY', rkey, '#total', -tonumber(e))
+  return tonumber(e), tonumber(deadline)
 end
 local cur, held = {}, {}
 local over = 0
 for i = 1, n do
-  local b = 1 + 8 * (i - 1)
+  local b = 1 + 9 * (i - 1)
   local mode, add, lim, rkey = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), ARGV[b + 7]
   local c = tonumber(redis.call('GET', KEYS[i]) or '0')
   local h = 0
@@ -81,16 +100,17 @@ for i = 1, n do
 end
 local out = {}
 for i = 1, n do
-  local b = 1 + 8 * (i - 1)
+  local b = 1 + 9 * (i - 1)
   local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
-  local est, rkey, hold = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8])
-  if mode == 'd' and rid ~= '' then
-    local had = redis.call('HGET', rkey, rid)
-    if had then
-      local e, deadline = string.match(had, '^(%d+):(%d+)$')
-      if e ~= nil and tonumber(deadline) >= now then add = tonumber(e) end
-      redis.call('HDEL', rkey, rid)
+  local est, rkey, hold, cid = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9]
+  if cid ~= '' and (mode == 'f' or mode == 'd') then
+    if not redis.call('SET', 'confgen-charged:' .. rkey .. ':' .. cid, '1', 'NX', 'EX', CHARGE_MARK_S) then
+      mode, add = 'x', 0  -- this charge was applied already (a call that timed out, then replayed)
     end
+  end
+  if mode == 'd' and rid ~= '' then
+    local e, deadline = release(rkey, rid)
+    if e ~= nil and deadline >= now then add = e end
   end
   local v = cur[i]
   if add > 0 and (mode == 'f' or mode == 'd' or (mode == 'a' and over == 0)) then
@@ -98,11 +118,18 @@ for i = 1, n do
     if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
   end
   if mode == 'r' and over == 0 and est > 0 then
+    local before = release(rkey, rid)  -- the same request checked again: one reservation
+    if before ~= nil then held[i] = held[i] - before end
     redis.call('HSET', rkey, rid, est .. ':' .. (now + hold))
-    redis.call('EXPIRE', rkey, hold)
+    redis.call('ZADD', rkey .. ':z', now + hold, rid)
+    redis.call('HINCRBY', rkey, '#total', est)
+    if redis.call('TTL', rkey) < hold then  -- the longest hold keeps the hash (never shortened)
+      redis.call('EXPIRE', rkey, hold)
+      redis.call('EXPIRE', rkey .. ':z', hold)
+    end
     held[i] = held[i] + est
   elseif mode == 'f' and rid ~= '' then
-    redis.call('HDEL', rkey, rid)
+    release(rkey, rid)
   end
   out[2 * i - 1] = v
   out[2 * i] = held[i]
@@ -110,6 +137,10 @@ end
 out[2 * n + 1] = over
 return out
 """
+
+
+CHARGE_MARK_S = 300  # how long a charge's id is remembered: a replay later than this may count it twice
+_SCRIPT = _SCRIPT.replace("CHARGE_MARK_S", str(CHARGE_MARK_S))
 
 
 class StoreUnavailable(ConfgenError):
@@ -127,6 +158,7 @@ class Op:
     estimate: int = 0  # mode r: the tokens reserved until the answer's usage replaces them
     reservations: str = ""  # modes r, f, d: the hash of the budget's reservations
     hold_s: int = 0  # mode r: how long a reservation may wait for its answer
+    charge_id: str = ""  # modes f, d: applied at most once (a replayed charge Redis already ran is skipped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +188,8 @@ class RedisCounter:
         wall clock (reservation deadlines)."""
         args: list[str | int] = [int(now)]
         for op in ops:
-            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s]
+            args += [op.mode, op.cost, op.limit, op.ttl_s, op.request_id, op.estimate, op.reservations, op.hold_s,
+                     op.charge_id]
         try:
             async with asyncio.timeout(self.timeout_s):
                 raw = await self._script(keys=[op.key for op in ops], args=args)

@@ -1,0 +1,276 @@
+"""The rate limit service when its store fails, against a real redis-server killed and
+restarted: the local floor (never unlimited), the journal of charges (replayed when Redis
+returns, kept across a sidecar restart), reservations bounded by the request's own timeout,
+and estimates that match what a request can cost. Fake clocks; replays triggered explicitly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.registry import CollectorRegistry
+
+from confgen.runtime import RedisProcess
+from confgen.topology import parse
+from sidecar.outputs.ratelimit import RateLimitService
+from sidecar.outputs.ratelimit.local import LocalCounter
+from sidecar.outputs.ratelimit.store import Op
+from tests.sidecar.test_ratelimit_service import OK, OVER, Clock, _descriptor, _flush, _request, _spent, redis_client
+
+
+def _pause(redis: RedisProcess, resume: bool = False) -> None:
+    """SIGSTOP/SIGCONT the test's own redis-server (by its pid): unreachable, its memory kept."""
+    os.kill(redis.pid, signal.SIGCONT if resume else signal.SIGSTOP)
+
+
+def _topology(redis: str, envoys: int = 3) -> Any:
+    text = f"""\
+version: 1
+name: rl
+listeners: [{{name: public, port: 8080, max_request_bytes: 4096}}]
+pools:
+  - name: p
+    engine: vllm
+    models: [m1]
+    workers: ["127.0.0.1:8000"]
+    max_output_tokens: 700
+    timeouts: {{request: 120s}}
+auth:
+  api_keys:
+    - {{client: alice, env: A}}
+    - client: bob
+      env: B
+      rate_limit: {{scope: global, unit: total_tokens, tokens: 3000, window: minute}}
+limits:
+  store: {{redis: "{redis}", timeout: 200ms, check_timeout: 400ms, envoys: {envoys}}}
+  per_key: {{scope: global, requests: 30, window: minute}}
+"""
+    topo, _ = parse(text.encode(), "rl.yaml")
+    return topo
+
+
+@pytest.fixture()
+def redis() -> Iterator[RedisProcess]:
+    with RedisProcess() as proc:
+        yield proc
+
+
+def _service(redis: RedisProcess, clock: Clock, registry: CollectorRegistry, journal: Path | None = None,
+             envoys: int = 3) -> RateLimitService:
+    topo = _topology(redis.address, envoys)
+    return RateLimitService(lambda: topo, registry, clock.monotonic, wall=clock.time, backoff_s=0.25,
+                            journal=journal, flush_interval_s=3600)
+
+
+def check(rid: str, **extra: str) -> Any:
+    return _request(_descriptor("client/bob/0", "bob", hits=0, request_id=rid, **extra))
+
+
+def end(rid: str, usage: int | None) -> Any:
+    done = _descriptor("client/bob/0", "bob", hits=0, request_id=rid, phase="done")
+    if usage is None:
+        return _request(done)
+    return _request(_descriptor("client/bob/0", "bob", hits=usage, request_id=rid), done)
+
+
+def _held(redis: RedisProcess) -> dict[str, tuple[int, int]]:
+    client = redis_client(redis)
+    try:
+        out = {}
+        for key in client.scan_iter(match="confgen:*:r"):
+            for rid, value in client.hgetall(key).items():
+                if rid == b"#total":
+                    continue
+                est, deadline = value.decode().split(":")
+                out[rid.decode()] = (int(est), int(deadline))
+        return out
+    finally:
+        client.close()
+
+
+def test_a_dead_store_falls_back_to_the_floor_per_key_never_unlimited(redis: RedisProcess) -> None:
+    """30 requests a minute over 3 Envoys: 10 on this sidecar's floor while Redis is dead, the
+    rest refused, every floor decision counted per budget and client."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> list[int]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            redis.kill()
+            return [(await service.ShouldRateLimit(_request(_descriptor("per_key/0", "alice")), None)).overall_code
+                    for _ in range(50)]
+        finally:
+            await service.close()
+
+    codes = asyncio.run(run())
+    assert codes == [OK] * 10 + [OVER] * 40
+    sample = registry.get_sample_value
+    assert sample("confgen_sidecar_ratelimit_fail_open_total",
+                  {"budget": "per_key/0", "client": "alice", "code": "ok"}) == 10
+    assert sample("confgen_sidecar_ratelimit_fail_open_total",
+                  {"budget": "per_key/0", "client": "alice", "code": "over_limit"}) == 40
+
+
+def test_charges_the_store_missed_are_replayed_when_it_returns(redis: RedisProcess) -> None:
+    """Reservations made while Redis answered, answers ending while it is dead (with usage, and
+    without: the estimate), a request admitted on the floor: once Redis is back and the journal
+    replayed, the counter is every token spent and no reservation is left."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> dict[str, Any]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        out: dict[str, Any] = {}
+        try:
+            for rid in ("a", "b"):
+                assert (await service.ShouldRateLimit(check(rid, max_output="50", body_bytes="40"), None)
+                        ).overall_code == OK
+            redis.kill()
+            await service.ShouldRateLimit(end("a", 37), None)  # usage 37
+            await service.ShouldRateLimit(end("b", None), None)  # no usage: its estimate, 50 + 40/4
+            # admitted on the floor (3000 / 3): its estimate is held here, then charged at its end
+            assert (await service.ShouldRateLimit(check("c", max_output="20", body_bytes="0"), None)
+                    ).overall_code == OK
+            await service.ShouldRateLimit(end("c", None), None)
+            await service.settled()
+            out["journal"] = registry.get_sample_value("confgen_sidecar_ratelimit_journal_entries")
+            await asyncio.to_thread(redis.restart)
+            # the store restarted empty: put back what it held before (reservations a and b were
+            # in the killed process); a real outage without a restart keeps them
+            clock.mono += 0.3
+            out["replayed"] = await service.flush()
+            out["spent"] = await _spent(redis)
+        finally:
+            await service.close()
+        return out
+
+    out = asyncio.run(run())
+    assert out["journal"] == 3
+    assert out["replayed"] == 3
+    # a: 37 (its usage); b: the estimate's charge needed b's reservation, lost with the killed
+    # store's memory, so nothing (see the next test for an outage without a restart); c: 20
+    assert out["spent"] == 37 + 20
+    assert _held(redis) == {}
+
+
+def test_an_unreachable_store_that_comes_back_gets_every_charge(redis: RedisProcess, tmp_path: Path) -> None:
+    """The store paused (SIGSTOP: unreachable, its memory kept) while answers end, and the
+    sidecar restarted in between: the journal on disk is replayed by the new process and
+    the counter equals the tokens spent, reservations settled."""
+    _flush(redis)
+    clock = Clock()
+    path = tmp_path / "journal.sqlite"
+
+    async def first() -> None:
+        service = _service(redis, clock, CollectorRegistry(), journal=path)
+        await service.start()
+        try:
+            for rid in ("a", "b"):
+                await service.ShouldRateLimit(check(rid, max_output="50", body_bytes="40"), None)
+            _pause(redis)
+            await service.ShouldRateLimit(end("a", 37), None)
+            await service.ShouldRateLimit(end("b", None), None)  # the estimate: 60
+            await service.settled()
+        finally:
+            await service.close()
+
+    async def second() -> tuple[int, int]:
+        registry = CollectorRegistry()
+        service = _service(redis, clock, registry, journal=path)
+        await service.start()
+        try:
+            kept = int(registry.get_sample_value("confgen_sidecar_ratelimit_journal_entries") or 0)
+            return kept, await service.flush()
+        finally:
+            await service.close()
+
+    asyncio.run(first())
+    assert path.exists()
+    _pause(redis, resume=True)
+    kept, replayed = asyncio.run(second())
+    assert (kept, replayed) == (2, 2)
+    assert asyncio.run(_spent(redis)) == 37 + 60
+    assert _held(redis) == {}
+
+
+def test_reservations_hold_for_the_request_timeout_and_match_the_worst_case(redis: RedisProcess) -> None:
+    """The route's hold (its pool's request timeout) + 30 s, not the window; without max_tokens the
+    route's max output is reserved (the descriptor's default, rendered from max_output_tokens);
+    a body without content-length reserves the listener's largest body."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> None:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            await service.ShouldRateLimit(check("timed", max_output="700", body_bytes="400", hold_s="120"), None)
+            await service.ShouldRateLimit(check("chunked", max_output="10", hold_s="120"), None)
+        finally:
+            await service.close()
+
+    asyncio.run(run())
+    held = _held(redis)
+    now = int(clock.wall)
+    assert held["timed"] == (700 + 100, now + 120 + 30)
+    assert held["chunked"] == (10 + 4096 // 4, now + 150)
+
+
+def test_local_counter_mirrors_the_script() -> None:
+    """The floor's modes: a admits within the limit, r reserves and refuses past spent + reserved,
+    f charges and releases, d charges a reservation still held, and windows expire."""
+    local = LocalCounter()
+    now = 100.0
+
+    def op(mode: str, cost: int = 0, rid: str = "", est: int = 0) -> Op:
+        return Op("k", mode, cost, 10, 60, rid, est, "k:r", 30)  # type: ignore[arg-type]
+
+    assert [local.decide([op("a", 4)], now).refused for _ in range(3)] == [False, False, True]  # 8 of 10
+    local = LocalCounter()
+    assert not local.decide([op("r", rid="x", est=6)], now).refused
+    assert not local.decide([op("r", rid="y", est=6)], now).refused  # 0 + 6 < 10
+    assert local.decide([op("r", rid="z", est=6)], now).refused  # 0 + 12 >= 10
+    local.decide([op("f", 2, rid="x")], now)  # usage 2, x released
+    assert local.decide([op("d", rid="y")], now).counts == [8]  # y had no usage: its estimate
+    assert local.decide([op("r", rid="z", est=1)], now).refused is False  # 8 < 10
+    assert local.decide([op("c")], now + 61).counts == [0]  # the window expired
+
+
+def test_a_reservation_past_its_hold_leaves_the_running_total(redis: RedisProcess) -> None:
+    """The total held beside a budget drops a reservation once its hold (+30 s) has passed: the
+    budget it blocked admits again, and the hash keeps only what is still in flight."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> list[int]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            codes = [(await service.ShouldRateLimit(check("stuck", max_output="2990", body_bytes="40", hold_s="1"),
+                                                    None)).overall_code]
+            codes.append((await service.ShouldRateLimit(check("next", max_output="5", body_bytes="0", hold_s="1"),
+                                                        None)).overall_code)  # 3000 held of 3000
+            clock.wall += 32  # past the stuck one's hold (1 s + 30 s)
+            codes.append((await service.ShouldRateLimit(check("later", max_output="5", body_bytes="0",
+                                                              hold_s="60"), None)).overall_code)
+            return codes
+        finally:
+            await service.close()
+
+    assert asyncio.run(run()) == [OK, OVER, OK]
+    assert _held(redis) == {"later": (5, (1_700_000_080 + 32) + 90)}
+    client = redis_client(redis)
+    try:
+        key = next(iter(client.scan_iter(match="confgen:*:r")))
+        assert int(client.hget(key, "#total")) == 5
+        assert client.zcard(key + b":z") == 1
+    finally:
+        client.close()
