@@ -74,6 +74,12 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 kv_usage=s.kv_usage if s else None,
                 token_latency_s=ev.token_latency_s,
                 kv_blocks=int(s.kv_blocks) if s and s.kv_blocks else None,
+                itl_sum=s.token_latency_s if s else None,
+                itl_count=s.token_latency_n if s else None,
+                prefill_seconds=s.prefill_seconds if s else None,
+                prefill_tokens=s.prefill_tokens if s else None,
+                finished=s.finished if s else None,
+                finished_tokens=s.finished_tokens if s else None,
             ))
         out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints)))
     return out
@@ -112,7 +118,8 @@ class PickerService:
 def build(wiring: ServiceWiring) -> PickerService:
     """The picker with the sidecar's --picker overrides; ConfigError when one is bad."""
     try:
-        policy = PickerPolicy().with_overrides(wiring.config.picker)
+        # Each Envoy of a file-mode fleet has its own sidecar, so its own picker: --ingresses of them.
+        policy = PickerPolicy(replicas=wiring.config.ingresses).with_overrides(wiring.config.picker)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PickerService(wiring, policy)

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .predict import CostPolicy, Learner
+
 __all__ = ["BlockLRU", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
 
 
@@ -72,6 +74,13 @@ class EndpointFacts:
     kv_usage: float | None = None  # 0..1
     token_latency_s: float | None = None  # measured time per output token (smoothed)
     kv_blocks: int | None = None  # the engine's KV cache in blocks, when reported
+    # the engine's cumulative counters the picker learns this endpoint's costs from (predict.Learner)
+    itl_sum: float | None = None  # inter-token latency histogram: seconds
+    itl_count: float | None = None  # ... and tokens
+    prefill_seconds: float | None = None
+    prefill_tokens: float | None = None  # prompt tokens prefilled, cached ones excluded
+    finished: float | None = None  # requests finished
+    finished_tokens: float | None = None  # tokens they generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,7 @@ class Endpoint:
     facts: EndpointFacts
     index: BlockLRU
     in_flight: int = 0  # requests this picker sent here that have not ended
+    learner: Learner = field(default_factory=Learner)  # its costs, learned from its engine's counters
 
     @property
     def address(self) -> str:
@@ -99,7 +109,9 @@ class _Pool:
 
 
 class Datastore:
-    def __init__(self, *, default_blocks: int = 31_250, total_blocks: int = 1_000_000) -> None:
+    def __init__(self, *, default_blocks: int = 31_250, total_blocks: int = 1_000_000,
+                 cost: CostPolicy | None = None) -> None:
+        self.cost = cost or CostPolicy()
         self.default_blocks = default_blocks
         self.total_blocks = total_blocks
         self._pools: dict[str, _Pool] = {}
@@ -125,6 +137,10 @@ class Datastore:
                     kept.facts = facts
                     if kept.index.capacity != cap:
                         kept.index.resize(cap)
+                kept.learner.observe(running=facts.running, itl_sum=facts.itl_sum, itl_count=facts.itl_count,
+                                     prefill_s=facts.prefill_seconds, prefill_tokens=facts.prefill_tokens,
+                                     finished=facts.finished, finished_tokens=facts.finished_tokens,
+                                     policy=self.cost)
                 entry.endpoints[facts.address] = kept
             fresh[pool.name] = entry
         self._pools = fresh
