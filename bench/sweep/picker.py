@@ -77,6 +77,8 @@ class Turn:
     turn: int = 0
     home_key: int | None = None
     history_tokens: int = 0
+    home_tokens: int = 0
+    traffic_class: str = "standard"
 
 
 @dataclass
@@ -97,6 +99,8 @@ class Result:
     hits: float
     shares: list[float]
     err: float | None  # median |predicted - observed| / observed
+    # (arrival, latency or None: refused, class)
+    records: list[tuple[float, float | None, str]] = field(default_factory=list)
 
     def q(self, values: Sequence[float], p: float) -> float:
         s = sorted(values)
@@ -177,8 +181,8 @@ class _Sim:
 
     # -- routing --------------------------------------------------------------------------
 
-    def route(self, t: Turn) -> tuple[int, int | None, Prediction | None]:
-        """(worker, picker index, predicted seconds)."""
+    def route(self, t: Turn) -> tuple[int | None, int | None, Prediction | None]:
+        """(worker or None: refused, picker index, the prediction)."""
         n = len(self.engines)
         if self.router == "lr":
             return self.envoy.pick(self.active), None, None
@@ -189,9 +193,11 @@ class _Sim:
         store, picker = self.stores[k], self.pickers[k]
         tokens = len(t.blocks) * BLOCK
         prompt = PromptInfo("m", "x" * (tokens * CHARS_PER_TOKEN), t.output, t.home_key,
-                            t.history_tokens * CHARS_PER_TOKEN)
+                            t.history_tokens * CHARS_PER_TOKEN, t.home_tokens * CHARS_PER_TOKEN)
         hashes = [_hash(b) for b in t.blocks]
-        pick = picker.pick(PickRequest("pool", prompt, hashes), store.endpoints("pool"))
+        pick = picker.pick(PickRequest("pool", prompt, hashes, traffic_class=t.traffic_class), store.endpoints("pool"))
+        if pick.refused_for_s is not None:
+            return None, k, pick.predicted
         chosen = pick.endpoints[0]
         chosen.in_flight += 1
         chosen.index.add(hashes)
@@ -210,21 +216,20 @@ def _oneshot(rng: random.Random, mix: str, t: float, i: int) -> Turn:
 
 
 def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.8, requests: int = 2400,
-        policy: PickerPolicy | None = None, mix: str = "chat") -> Result:
+        policy: PickerPolicy | None = None, mix: str = "chat",
+        surge: tuple[float, float, float] | None = None, classes: tuple[float, float] = (0.0, 0.0)) -> Result:
+    """`surge`: (start s, seconds, load) of a one-shot surge over `load`; `classes`: the shares
+    of critical and sheddable requests (the rest standard)."""
     sim = _Sim(fleet, router, seed, policy or PickerPolicy())
     rng = random.Random(seed)
     n = len(fleet.speeds)
     # capacity: requests/s a worker sustains with full batches (as bench.sweep's Shape estimates)
-    if workload == "oneshot":
-        shape = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms)
-        rate = load * shape.capacity_rps()
-    else:
-        out_mean, prompt_mean = 32.0, 3500.0 * 0.5  # half the prompt tokens cached (the bench's HIT_REF)
-        rate = 0.0
-        for s in fleet.speeds:
-            step = fleet.decode_ms * (1 + DECODE_GROWTH * (fleet.seqs - 1)) / 1000
-            rate += s * fleet.seqs / (out_mean * step + fleet.seqs * PREFILL_MS_PER_1K * prompt_mean / 1e6)
-        rate *= load
+    shot_capacity = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms).capacity_rps()
+    out_mean, prompt_mean = 32.0, 3500.0 * 0.5  # half the prompt tokens cached (the bench's HIT_REF)
+    conv_capacity = 0.0
+    for s in fleet.speeds:
+        step = fleet.decode_ms * (1 + DECODE_GROWTH * (fleet.seqs - 1)) / 1000
+        conv_capacity += s * fleet.seqs / (out_mean * step + fleet.seqs * PREFILL_MS_PER_1K * prompt_mean / 1e6)
     events: list[tuple[float, int, int, object]] = []
     seq = 0
 
@@ -234,6 +239,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
         heapq.heappush(events, (t, kind, seq, payload))
 
     conv_share = {"chat": 1.0, "hot": 1.0, "oneshot": 0.0, "mix": 0.5}[workload]
+    rate = load / (conv_share / conv_capacity + (1 - conv_share) / shot_capacity)
     mean_turns = 12.0
     conv_rate = rate * conv_share / mean_turns
     shot_rate = rate * (1 - conv_share)
@@ -253,8 +259,13 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
     shots = 0
     if shot_rate > 0:
         while shots < requests * (1 - conv_share):
-            t += rng.expovariate(shot_rate)
-            push(t, 2, _oneshot(rng, mix, t, shots))
+            factor = surge[2] / load if surge is not None and surge[0] <= t < surge[0] + surge[1] else 1.0
+            t += rng.expovariate(shot_rate * factor)
+            turn = _oneshot(rng, mix, t, shots)
+            u = rng.random()
+            turn.traffic_class = ("critical" if u < classes[0] else
+                                  "sheddable" if u < classes[0] + classes[1] else "standard")
+            push(t, 2, turn)
             shots += 1
     shared = _blocks("sys", 2000 // BLOCK)  # "hot": one system prompt shared by every conversation
     scheduled = [-1.0] * n
@@ -269,11 +280,17 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
             scheduled[i] = nt
             push(nt, 0, i)
 
+    records: list[tuple[float, float | None, str]] = []
+
     def submit(turn: Turn, now: float) -> None:
         worker, k, predicted = sim.route(turn)
+        if worker is None:
+            records.append((now, None, turn.traffic_class))
+            return
         req = EngineRequest(f"r{len(pending)}-{now}", prompt_tokens=len(turn.blocks) * BLOCK, max_tokens=turn.output,
                             arrival=now, cache_key=turn.blocks)
         pending[id(req)] = (turn, worker, k, predicted)
+        classes_by_id[id(req)] = turn.traffic_class
         sim.active[worker] += 1
         sim.routed[worker] += 1
         sim.engines[worker].submit(req, now)
@@ -281,6 +298,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
         requests_by_id[id(req)] = req
 
     requests_by_id: dict[int, EngineRequest] = {}
+    classes_by_id: dict[int, str] = {}
     push(1.0, 3, None)
     measured_from = 0.0
     while events:
@@ -299,6 +317,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
                 sim.release(worker, k)
                 if now >= measured_from:
                     lat.append(now - r.arrival)
+                    records.append((r.arrival, now - r.arrival, classes_by_id.pop(id(r), "standard")))
                     ttft.append((r.first_token_at or now) - r.arrival)
                     if predicted is not None:
                         sim.errors.append(abs(predicted.own_s - (now - r.arrival)) / max(1e-3, now - r.arrival))
@@ -323,7 +342,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
                 c.blocks.extend(_blocks(f"c{ci}.u{c.done_turns}", rng.randint(2, 15)))
             blocks = tuple(system + c.blocks)
             turn = Turn(blocks, rng.randint(16, 48), now, ci, c.done_turns, home_key=_hash(f"c{ci}"),
-                        history_tokens=history * BLOCK)
+                        history_tokens=history * BLOCK, home_tokens=(len(system) + c.first_user) * BLOCK)
             c.done_turns += 1
             submit(turn, now)
         elif kind == 2:
@@ -343,13 +362,15 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
               f"{m([d[0].decode_s for d in diag])} | actual {m([d[1] for d in diag])} {m([d[2] for d in diag])} "
               f"{m([d[3] for d in diag])}", file=sys.stderr)
     return Result(lat, ttft, hits, [r / routed for r in sim.routed],
-                  statistics.median(sim.errors) if sim.errors else None)
+                  statistics.median(sim.errors) if sim.errors else None, records)
 
 
+# KV caches that hold a run's conversations (the prefix bench's regime: the fleet's caches hold
+# about every distinct block a run sends), so hits measure routing, not eviction.
 CHAT_FLEETS = (
-    Fleet("4 equal, seqs 8", (1.0,) * 4, 8),
-    Fleet("4 (1, 1, 0.6, 0.6), seqs 8", (1.0, 1.0, 0.6, 0.6), 8),
-    Fleet("8 equal, seqs 16", (1.0,) * 8, 16),
+    Fleet("4 equal, seqs 8", (1.0,) * 4, 8, kv_tokens=163_840),
+    Fleet("4 (1, 1, 0.6, 0.6), seqs 8", (1.0, 1.0, 0.6, 0.6), 8, kv_tokens=163_840),
+    Fleet("8 equal, seqs 16", (1.0,) * 8, 16, kv_tokens=163_840),
 )
 
 
@@ -360,6 +381,62 @@ def _fleets_oneshot() -> list[tuple[Fleet, str]]:
             continue
         out.append((Fleet(s.name, s.speeds, s.max_num_seqs, s.decode_ms, KV_CACHE_TOKENS), s.mix))
     return out
+
+
+OVERLOAD_FLEETS = (
+    Fleet("uneven (1, 1, 0.5), seqs 8", (1.0, 1.0, 0.5), 8, 30.0, KV_CACHE_TOKENS),
+    Fleet("4 equal, seqs 8", (1.0,) * 4, 8, 30.0, KV_CACHE_TOKENS),
+    Fleet("12 mixed (6x1, 3x0.75, 3x0.5), seqs 4", (1.0,) * 6 + (0.75,) * 3 + (0.5,) * 3, 4, 30.0, KV_CACHE_TOKENS),
+)
+SURGES = ((1.18, 30.0), (1.5, 15.0), (3.0, 5.0))
+BASE = 0.78
+SURGE_AT = 60.0
+
+
+def _q(values: Sequence[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(p * len(s) + 0.5) - 1))] if s else math.nan
+
+
+def overload(seeds: Sequence[int], policy: PickerPolicy) -> list[str]:
+    """Per fleet: the steady run at 78 % (its refusals, its P99), then each surge: the share refused
+    from the surge's 5th second on against the excess, the admitted P99 against the steady one;
+    then three classes at 150 % (20 % critical, 30 % sheddable)."""
+    lines = ["| fleet | surge | shed (excess) | admitted P99 / own at 78 % | classes: critical / sheddable / "
+             "standard shed "
+             "(standard's share of the excess not absorbed by sheddable) |", "|---|---|---|---|---|"]
+    for fleet in OVERLOAD_FLEETS:
+        cap = Shape("x", fleet.speeds, fleet.seqs, decode_ms=fleet.decode_ms).capacity_rps()
+        steady = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=int(cap * BASE * 120), policy=policy)
+                  for s in seeds]
+        own = statistics.median(_q([lat for at, lat, _c in r.records if lat is not None and at > SURGE_AT], 0.99)
+                                for r in steady)
+        refused78 = sum(1 for r in steady for _, lat, _ in r.records if lat is None)
+        total78 = sum(len(r.records) for r in steady)
+        lines.append(f"| {fleet.name} | 78 % steady | {refused78} of {total78} | P99 {own:.2f} s | |")
+        print(lines[-1], file=sys.stderr, flush=True)
+        for load, dur in (*SURGES, (1.5, 15.0)):
+            with_classes = (load, dur) == (1.5, 15.0) and lines[-1].startswith(f"| {fleet.name} | 300")
+            count = int(cap * BASE * (SURGE_AT + dur + 30) + cap * (load - BASE) * dur)
+            runs = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=count, policy=policy,
+                        surge=(SURGE_AT, dur, load), classes=(0.2, 0.3) if with_classes else (0.0, 0.0))
+                    for s in seeds]
+            window = [rec for r in runs for rec in r.records if SURGE_AT + min(5.0, dur / 2) <= rec[0] < SURGE_AT + dur]
+            shed = sum(1 for rec in window if rec[1] is None) / max(1, len(window))
+            p99 = _q([rec[1] for rec in window if rec[1] is not None], 0.99)
+            excess = 1 - 1 / load
+            cls = ""
+            if with_classes:
+                def share(c: str, window: list[tuple[float, float | None, str]] = window) -> float:
+                    rows = [rec for rec in window if rec[2] == c]
+                    return sum(1 for rec in rows if rec[1] is None) / max(1, len(rows))
+                left = max(0.0, excess - 0.3) / 0.5  # the excess sheddable traffic cannot absorb, over standard
+                cls = (f"{share('critical') * 100:.1f} % / {share('sheddable') * 100:.1f} % / "
+                       f"{share('standard') * 100:.1f} % ({left * 100:.1f} %)")
+            lines.append(f"| {fleet.name} | {load * 100:.0f} % {dur:.0f} s{' classes' if with_classes else ''} | "
+                         f"{shed * 100:.1f} % ({excess * 100:.1f} %) | {p99 / own:.2f}x | {cls} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return lines
 
 
 def _row(name: str, r: Result, fair: float) -> str:
@@ -380,12 +457,19 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--set", action="append", default=[], help="a --picker KEY=VALUE override")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--overload", action="store_true", help="the admission table instead of the routing tables")
     args = ap.parse_args(argv)
     global DIAGNOSE
     DIAGNOSE = args.diagnose
     policy = PickerPolicy().with_overrides(args.set)
     seeds = [int(s) for s in args.seeds.split(",")]
     lines: list[str] = []
+    if args.overload:
+        text = "\n".join(overload(seeds, policy)) + "\n"
+        if args.out:
+            args.out.write_text(text)
+        print(text)
+        return 0
     for workload in args.workloads.split(","):
         cases: list[tuple[Fleet, str]] = ([(f, "chat") for f in CHAT_FLEETS] if workload != "oneshot"
                                           else _fleets_oneshot())

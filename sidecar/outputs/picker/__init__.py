@@ -23,7 +23,7 @@ from confgen.model import Topology
 from confgen.plan import plan
 from sidecar.config import ConfigError
 
-from .datastore import Datastore, EndpointFacts, PoolFacts
+from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
 from .scheduling import Picker, PickerPolicy
@@ -50,6 +50,21 @@ def routes(topo: Topology) -> dict[str | None, str]:
             for model in planned.models:
                 out.setdefault(model, planned.pool.name)
     return out
+
+
+def classes(topo: Topology) -> Classes:
+    """What decides a request's class where the picker sees it: the authenticated client (the header
+    the proxy's api_key_auth sets after removing any client-sent copy) and the route its model takes
+    (routes matched on models alone; a route matched on a header or a path is not knowable here)."""
+    by_model: dict[str | None, str] = {}
+    for planned in plan(topo).routes:
+        if planned.kind == "default":
+            by_model.setdefault(None, planned.traffic_class)
+        elif planned.models and not planned.headers and (planned.path_prefix or "/") == "/":
+            for model in planned.models:
+                by_model.setdefault(model, planned.traffic_class)
+    clients = {k.client: k.class_ for k in topo.auth.api_keys} if topo.auth is not None else {}
+    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model)
 
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
@@ -106,7 +121,7 @@ class PickerService:
 
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
-        self.store.update(facts(fleet, topo), routes(topo))
+        self.store.update(facts(fleet, topo), routes(topo), classes(topo))
 
     def problems(self) -> list[str]:
         return []  # before the first fleet view every request is left to Envoy's own balancer

@@ -20,7 +20,25 @@ from dataclasses import dataclass, field
 
 from .predict import CostPolicy, Learner
 
-__all__ = ["BlockLRU", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
+__all__ = ["BlockLRU", "Classes", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
+
+
+
+@dataclass(frozen=True, slots=True)
+class Classes:
+    """A request's traffic class: critical if its client or its route says so, else sheddable if
+    either does, else standard (the topology's rule)."""
+
+    client_header: str | None = None  # None: no API keys
+    clients: Mapping[str, str] = field(default_factory=dict)
+    routes: Mapping[str | None, str] = field(default_factory=dict)
+
+    def of(self, client: str | None, model: str | None) -> str:
+        route = self.routes.get(model, self.routes.get(None, "standard"))
+        own = self.clients.get(client, "standard") if client is not None else "standard"
+        if "critical" in (route, own):
+            return "critical"
+        return "sheddable" if "sheddable" in (route, own) else "standard"
 
 
 class BlockLRU:
@@ -116,8 +134,10 @@ class Datastore:
         self.total_blocks = total_blocks
         self._pools: dict[str, _Pool] = {}
         self._routes: dict[str | None, str] = {}
+        self.classes = Classes()
 
-    def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None) -> None:
+    def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None,
+               classes: Classes | None = None) -> None:
         """Replace the fleet facts; keep the in-flight counts and indexes of endpoints that stay.
 
         `routes`: the pool each model goes to (None: requests naming no model), every pool of
@@ -144,6 +164,8 @@ class Datastore:
                 entry.endpoints[facts.address] = kept
             fresh[pool.name] = entry
         self._pools = fresh
+        if classes is not None:
+            self.classes = classes
         self._routes = dict(routes) if routes is not None else {m: p.name for p in pools for m in p.models}
 
     def pools(self) -> Mapping[str, Sequence[Endpoint]]:

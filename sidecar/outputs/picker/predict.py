@@ -55,6 +55,7 @@ class CostPolicy:
     default_output: int = 256  # prior output tokens per request
     forget: float = 0.9  # per cycle, for the latency fit
     alpha: float = 0.3  # smoothing of the prefill speed and the output length
+    evidence_tokens: float = 500.0  # an endpoint's own speed counts half once this many tokens measured it
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class Learner:
     `observe` takes the counters of one scrape (None where the engine does not report one); a
     counter that goes down (an engine restart) restarts that coefficient's deltas."""
 
-    __slots__ = ("_fit", "_last", "_n", "batch", "itl", "k", "out", "prompt")
+    __slots__ = ("_fit", "_last", "_n", "_tokens", "batch", "itl", "k", "out", "prompt")
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
@@ -122,8 +123,9 @@ class Learner:
         self.k: float | None = None
         self.out: float | None = None
         self.prompt: float | None = None
-        self.itl: float | None = None  # the recent time per token (smoothed), at ...
-        self.batch = 0.0  # ... this recent batch (smoothed)
+        self.itl: float | None = None  # the recent time per token (token-weighted, forgetting), at ...
+        self.batch = 0.0  # ... this recent batch (the same weights)
+        self._tokens = 0.0  # the tokens behind them (forgetting): how much to trust them
 
     def _delta(self, name: str, value: float | None) -> float | None:
         if value is None or not math.isfinite(value):
@@ -142,11 +144,15 @@ class Learner:
         if d_sum is not None and d_n is not None and d_n >= 1:
             itl = d_sum / d_n
             self._add_point(running, itl, weight=min(d_n, 1000.0), forget=policy.forget)
+            # token-weighted: a cycle of three tokens says little against one of three hundred
+            kept = self._tokens * 0.5
+            self._tokens = kept + d_n
+            share = d_n / self._tokens
             if self.itl is None:
                 self.itl, self.batch = itl, running
             else:
-                self.itl += 0.5 * (itl - self.itl)
-                self.batch += 0.5 * (running - self.batch)
+                self.itl += share * (itl - self.itl)
+                self.batch += share * (running - self.batch)
         d_prefill, d_tokens = self._delta("prefill_s", prefill_s), self._delta("prefill_tokens", prefill_tokens)
         d_done, d_done_tokens = self._delta("finished", finished), self._delta("finished_tokens", finished_tokens)
         if d_done is not None and d_done_tokens is not None and d_done >= 1:
@@ -202,6 +208,11 @@ class Learner:
         base = my / (1.0 + growth * max(1.0, mx))
         return base, growth * base
 
+    @property
+    def evidence(self) -> float:
+        """Tokens behind the measured level (with forgetting)."""
+        return self._tokens
+
     def tpot_fit(self, batch: float) -> float | None:
         fit = self.fit(0.03)
         return None if fit is None else fit[0] + fit[1] * max(1.0, batch)
@@ -213,8 +224,10 @@ def pool_estimates(learned: Sequence[Learner | None], token_latency: Sequence[fl
     is the fleet view's smoothed time per token, used where an engine has no latency histogram
     deltas yet. None when no endpoint of the pool has any measured token latency."""
     fits: list[tuple[float, float] | None] = []
+    own: list[bool] = []  # the fit is the endpoint's own (else the fleet view's smoothed latency)
     for learner, tl in zip(learned, token_latency, strict=True):
         fit = learner.fit(policy.growth) if learner is not None else None
+        own.append(fit is not None)
         if fit is None and tl:
             base = tl / (1.0 + policy.growth)
             fit = (base, policy.growth * base)
@@ -230,8 +243,12 @@ def pool_estimates(learned: Sequence[Learner | None], token_latency: Sequence[fl
     prompts = [lr.prompt for lr in learned if lr is not None and lr.prompt is not None]
     median_prompt = statistics.median(prompts) if prompts else 0.0
     out = []
-    for learner, fit in zip(learned, fits, strict=True):
+    for learner, fit, mine in zip(learned, fits, own, strict=True):
         a, s = fit if fit is not None else median_fit
+        if mine and learner is not None:
+            # shrunk toward the pool's level while little traffic stands behind the endpoint's own
+            trust = learner.evidence / (learner.evidence + policy.evidence_tokens)
+            a = trust * a + (1.0 - trust) * median_fit[0]
         k = learner.k if learner is not None and learner.k is not None else median_k
         if k is None:
             k = policy.prefill_ratio * (a + s)

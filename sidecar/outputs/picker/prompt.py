@@ -37,6 +37,7 @@ class PromptInfo:
     # characters of `text` through the last assistant message: what a conversation's earlier
     # turns left in some engine's cache (0 for a first turn or a one-shot request)
     history_chars: int = 0
+    home_chars: int = 0  # characters of `text` `home` covers
 
     @property
     def prompt_tokens(self) -> int:
@@ -91,7 +92,7 @@ def parse_body(raw: bytes) -> PromptInfo | None:
                     history = size
         text = "".join(chunks)
         home = _home(model, text[:home_chars]) if home_chars else None
-        return PromptInfo(model, text, _max_tokens(body), home, history)
+        return PromptInfo(model, text, _max_tokens(body), home, history, home_chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]

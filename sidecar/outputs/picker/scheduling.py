@@ -53,9 +53,16 @@ class PickerPolicy:
     rule: str = "predicted"  # RULES
     cost: CostPolicy = field(default_factory=CostPolicy)
     tie_s: float = 0.005  # candidates this close to the cheapest (seconds) are equal ...
-    tie_share: float = 0.005  # ... or this close, as a share of its cost
+    tie_share: float = 0.05  # ... or this close, as a share of its cost (speeds measured within ~5 % are noise)
     block_tokens: int = 16  # prompt tokens one hashed block stands for (64 characters)
     replicas: int = 1  # pickers that share the fleet (each sees only the requests through it)
+    # Admission (predicted rule only): a request whose earliest predicted start on any candidate
+    # is further away than its class's budget is refused at once. The budget is this many times
+    # the pool's mean service time (what one request holds a slot for), at least `budget_floor_s`;
+    # critical traffic is never refused by the picker.
+    budget_standard: float = 0.5
+    budget_sheddable: float = 0.125
+    budget_floor_s: float = 0.0
     weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("load", 2.0), ("kv", 1.0), ("cost", 2.0))
     spill_min: float = 2.0  # requests
     spill_fraction: float = 0.25  # of the endpoint's capacity
@@ -73,7 +80,8 @@ class PickerPolicy:
         cost: dict[str, float | int] = {}
         numeric = {"spill_min": float, "spill_fraction": float, "prompt_share": float,
                    "long_tokens": int, "default_max_tokens": int, "fallbacks": int, "tie_s": float,
-                   "tie_share": float, "replicas": int}
+                   "tie_share": float, "replicas": int, "budget_standard": float, "budget_sheddable": float,
+                   "budget_floor_s": float}
         cost_keys = {"externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
                      "default_output": int}
         rule = self.rule
@@ -118,6 +126,7 @@ class PickRequest:
     prompt: PromptInfo | None
     hashes: Sequence[int]
     subset: frozenset[str] | None = None
+    traffic_class: str = "standard"  # critical | standard | sheddable
     # filled in while scoring, read by the metrics
     matched: dict[str, int] = field(default_factory=dict)
 
@@ -213,10 +222,19 @@ FILTERS: dict[str, Filter] = {"subset": filter_subset, "serving": filter_serving
 @dataclass(frozen=True, slots=True)
 class Pick:
     endpoints: tuple[Endpoint, ...]  # best first; empty: none eligible
-    reason: str  # prefix | spill | load | home | only | none
+    reason: str  # prefix | spill | load | home | only | none | refused
     matched_blocks: int  # of the chosen endpoint
     prompt_blocks: int
     predicted: Prediction | None = None  # of the chosen endpoint, by the predicted rule
+    refused_for_s: float | None = None  # admission: refused, the earliest start this far past its budget
+
+
+def _budget(policy: PickerPolicy, traffic_class: str, service_s: float) -> float | None:
+    """Seconds a request of this class may wait to start; None: never refused."""
+    if traffic_class == "critical":
+        return None
+    share = policy.budget_sheddable if traffic_class == "sheddable" else policy.budget_standard
+    return max(policy.budget_floor_s, share * service_s)
 
 
 def rendezvous(home: int, address: str) -> int:
@@ -273,9 +291,19 @@ class Picker:
         assumed = -1
         if ranks is not None and prompt is not None and prompt.history_chars:
             history = min(prompt_tokens - 1, prompt.history_chars // CHARS_PER_TOKEN)
-            if history > max(cached):  # this picker has no record of where the earlier turns went
-                assumed = max(range(len(cands)), key=ranks.__getitem__)
-                cached[assumed] = history
+            known = max(cached)
+            h = max(range(len(cands)), key=ranks.__getitem__)
+            home_tokens = prompt.home_chars // CHARS_PER_TOKEN
+            # (the index counts whole blocks: the block the first turn ended in never matches a later turn)
+            if known + 2 * policy.block_tokens < home_tokens <= history:
+                # this replica holds no record of the conversation past what all share (its
+                # earlier turns went through another replica): they went to its home
+                assumed = h
+                cached[h] = history
+            elif policy.replicas > 1 and cached[h] < history:
+                # the turns through the other replicas went home too, as often as they came
+                # through them
+                cached[h] = history
         preds = [predict(Workload(prompt_tokens, output, c), est, load_of(e), _slots(e), policy.cost)
                  for e, est, c in zip(cands, estimates, cached, strict=True)]
         costs = [p.cost_s for p in preds]
@@ -290,6 +318,9 @@ class Picker:
         best = min(costs)
         margin = max(policy.tie_s, policy.tie_share * best)
         equal = [i for i, c in enumerate(costs) if c <= best + margin]
+        if len(equal) > 1:  # among equals: the most of the prompt held, then the rendezvous home
+            most = max(cached[i] for i in equal)
+            equal = [i for i in equal if cached[i] == most]
         if len(equal) == 1:
             first = equal[0]
         elif ranks is not None:
@@ -299,6 +330,18 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
+        budget = _budget(policy, req.traffic_class,
+                         statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
+                                           for e, est in zip(cands, estimates, strict=True)))
+        if budget is not None and preds[first].wait_s > budget:
+            # admitted where it can start within its budget, the cheapest of those; refused when nowhere
+            admissible = [i for i, p in enumerate(preds) if p.wait_s <= budget]
+            if not admissible:
+                return Pick((), "refused", 0, len(req.hashes), preds[first],
+                            min(p.wait_s for p in preds) - budget)
+            first = min(admissible, key=costs.__getitem__)
+            rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
+            order = [first, *rest[: policy.fallbacks]]
         chosen = cands[first]
         matched = req.matched[chosen.address]
         top = max(req.matched.values())
