@@ -166,3 +166,30 @@ def test_engine_counters_the_picker_learns_from() -> None:
     assert vllm.prefill_tokens is not None and vllm.prefill_tokens > 0
     cpp = extract("llamacpp", (FIXTURES / "llamacpp.prom").read_bytes())
     assert cpp is not None and cpp.prefill_seconds is not None and cpp.prefill_tokens is not None
+
+
+def test_admission_refuses_what_cannot_start_within_its_class_budget_never_critical() -> None:
+    # two endpoints of 2 slots, each with 6 requests queued past them: a start is 4 services away
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2)))
+    picker = Picker(rng=random.Random(1))
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    for cls, refused in (("critical", False), ("standard", True), ("sheddable", True)):
+        req = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class=cls)
+        pick = picker.pick(req, store.endpoints("chat"))
+        assert (pick.refused_for_s is not None) is refused, (cls, pick)
+        assert refused or pick.endpoints
+    # one endpoint with a free slot: admitted there, whatever the cost rule preferred
+    store = _store(_facts("busy:1", token_latency_s=0.01, capacity=2, running=2.0, waiting=6.0),
+                   _facts("free:1", token_latency_s=0.02, capacity=2, running=1.0))
+    pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable"), store.endpoints("chat"))
+    assert pick.refused_for_s is None and pick.endpoints[0].address == "free:1"
+
+
+def test_a_refused_request_is_a_429_with_retry_after_and_holds_nothing() -> None:
+    from sidecar.outputs.picker.extproc import _overloaded
+
+    out = _overloaded(2.2)
+    assert out.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}
+    assert headers["retry-after"] == b"3"
+    assert json.loads(out.immediate_response.body)["error"]["code"] == "overloaded"
