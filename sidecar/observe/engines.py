@@ -97,6 +97,11 @@ class LoadSample:
     tpot: HistogramSample | None = None  # time per output token (inter-token latency; TGI's per-request mean)
     output_tokens: float | None = None  # generated tokens counter, for tokens/s (moves on completion for some)
     kv_blocks: float | None = None  # KV cache size in blocks (vLLM's cache_config_info num_gpu_blocks), summed
+    # Cumulative counters the endpoint picker learns a worker's costs from (deltas between scrapes):
+    prefill_seconds: float | None = None  # time spent prefilling (vLLM: the prefill-phase histogram's sum)
+    prefill_tokens: float | None = None  # prompt tokens prefilled, the cached ones excluded
+    finished: float | None = None  # requests finished (the generated-tokens-per-request histogram's count)
+    finished_tokens: float | None = None  # tokens those requests generated (that histogram's sum)
 
 
 _Combine = Literal["sum", "mean"]
@@ -130,6 +135,13 @@ class _Engine:
     output_tokens: _Field | None = None
     # (info metric, label) giving the KV cache's size in blocks (the endpoint picker sizes its index).
     kv_blocks: tuple[str, str] | None = None
+    # What the picker learns costs from: seconds spent prefilling (a counter, or a histogram's
+    # `_sum`), prompt tokens processed (all of them: the cached ones are subtracted when
+    # `prompt_includes_cached`), and a per-request generated-tokens histogram (base name).
+    prefill_seconds: _Field | None = None
+    prompt_tokens: _Field | None = None
+    prompt_includes_cached: bool = True
+    generation_hist: tuple[str, ...] = ()
 
 
 _ENGINES: Final[dict[str, _Engine | None]] = {
@@ -151,6 +163,9 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         tpot=("inter_token_latency_seconds", "time_per_output_token_seconds"),
         output_tokens=_Field(("generation_tokens_total",)),
         kv_blocks=("cache_config_info", "num_gpu_blocks"),
+        prefill_seconds=_Field(("request_prefill_time_seconds_sum",)),
+        prompt_tokens=_Field(("prompt_tokens_total",)),
+        generation_hist=("request_generation_tokens",),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
@@ -169,6 +184,7 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         kv_ratio=("batch_current_max_tokens", "batch_max_total_tokens"),
         tpot=("request_mean_time_per_token_duration",),
         output_tokens=_Field(("request_generated_tokens_sum",)),
+        generation_hist=("request_generated_tokens",),
     ),
     # llama-server --metrics (checked against the real server, tests/realengine): busy slots
     # and deferred requests; no KV gauge at all (KV use is None); the prompt cache as tokens
@@ -182,6 +198,9 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         prefix_misses=_Field(("prompt_tokens_total",)),
         generated_tokens=_Field(("n_decode_total",)),
         output_tokens=_Field(("tokens_predicted_total",)),
+        prefill_seconds=_Field(("prompt_seconds_total",)),
+        prompt_tokens=_Field(("prompt_tokens_total",)),
+        prompt_includes_cached=False,
     ),
     "openai": None,  # generic OpenAI-compatible server: health only
 }
@@ -261,6 +280,15 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
         numbers = [float(b) for b in blocks if b.isascii() and b.isdigit()]
         kv_blocks = sum(numbers) if numbers else None
+    prefill_tokens = field(spec.prompt_tokens)
+    if prefill_tokens is not None and spec.prompt_includes_cached:
+        prefill_tokens = None if hits is None else max(0.0, prefill_tokens - hits)
+    finished = finished_tokens = None
+    for base in spec.generation_hist:
+        finished_tokens = _aggregate((_find_series(text, prefix + base + "_sum"), "sum"))[0]
+        finished = _aggregate((_find_series(text, prefix + base + "_count"), "sum"))[0]
+        if finished is not None and finished_tokens is not None:
+            break
     return LoadSample(
         running=running[0],
         waiting=waiting[0],
@@ -275,6 +303,10 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         tpot=_histogram(text, prefix, spec.tpot),
         output_tokens=field(spec.output_tokens),
         kv_blocks=kv_blocks,
+        prefill_seconds=field(spec.prefill_seconds),
+        prefill_tokens=prefill_tokens,
+        finished=finished,
+        finished_tokens=finished_tokens,
     )
 
 
@@ -344,6 +376,8 @@ def _wanted_lines(spec: _Engine | None) -> re.Pattern[str]:
                 names.update(value.names)
             elif f.name in ("ttft", "tpot"):
                 names.update(base + suffix for base in value for suffix in ("_bucket", "_sum", "_count"))
+            elif f.name == "generation_hist":
+                names.update(base + suffix for base in value for suffix in ("_sum", "_count"))
             elif f.name != "prefixes" and isinstance(value, tuple):
                 names.update(_flatten(value))
     prefixes = "|".join(re.escape(p) for p in (spec.prefixes if spec is not None else ())) or "(?!)"

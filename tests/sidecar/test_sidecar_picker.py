@@ -121,12 +121,13 @@ def test_engine_queue_counts_when_it_exceeds_the_pickers_own_count() -> None:
     assert _pick(store, PROMPT)[0] == "b:1"
 
 
-def test_long_generations_go_where_they_finish_soonest_short_ones_follow_the_prefix() -> None:
-    # a holds the prefix but decodes 3x slower than b.
+def test_weighted_rule_long_generations_go_where_they_finish_soonest_short_ones_follow_the_prefix() -> None:
+    # a holds the prefix but decodes 3x slower than b (the earlier, weighted rule).
+    weighted = PickerPolicy(rule="weighted")
     store = _store(_facts("a:1", token_latency_s=0.06), _facts("b:1", token_latency_s=0.02))
     store.endpoints("chat")[0].index.add(block_hashes(PROMPT, "m"))
-    assert _pick(store, PROMPT, max_tokens=8)[0] == "a:1"
-    assert _pick(store, PROMPT + "x", max_tokens=2000)[0] == "b:1"
+    assert _pick(store, PROMPT, max_tokens=8, policy=weighted)[0] == "a:1"
+    assert _pick(store, PROMPT + "x", max_tokens=2000, policy=weighted)[0] == "b:1"
 
 
 def test_filters_subset_and_serving() -> None:

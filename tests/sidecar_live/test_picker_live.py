@@ -162,7 +162,7 @@ def test_client_sent_destination_header_is_ignored(tmp_path: Path) -> None:
         # The client named the other worker every time; the picker kept the prompt at home
         # (but for requests Envoy routed itself because the picker's answer came too late).
         assert seen[home] >= 10 - (picker_fallbacks(rig) - fallbacks), seen
-        headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_headers"].items()}
+        headers = {k.lower(): v for k, v in rig.fleet.worker(home).stats()["last_inference_headers"].items()}
         named = headers.get("x-gateway-destination-endpoint")
         assert named is None or forged not in named  # the client's value never reaches a worker
         if picker_fallbacks(rig) == fallbacks:  # every answer in time: the last one named home

@@ -23,7 +23,7 @@ from confgen.model import Topology
 from confgen.plan import plan
 from sidecar.config import ConfigError
 
-from .datastore import Datastore, EndpointFacts, PoolFacts
+from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
 from .scheduling import Picker, PickerPolicy
@@ -52,6 +52,21 @@ def routes(topo: Topology) -> dict[str | None, str]:
     return out
 
 
+def classes(topo: Topology) -> Classes:
+    """What decides a request's class where the picker sees it: the authenticated client (the header
+    the proxy's api_key_auth sets after removing any client-sent copy) and the route its model takes
+    (routes matched on models alone; a route matched on a header or a path is not knowable here)."""
+    by_model: dict[str | None, str] = {}
+    for planned in plan(topo).routes:
+        if planned.kind == "default":
+            by_model.setdefault(None, planned.traffic_class)
+        elif planned.models and not planned.headers and (planned.path_prefix or "/") == "/":
+            for model in planned.models:
+                by_model.setdefault(model, planned.traffic_class)
+    clients = {k.client: k.class_ for k in topo.auth.api_keys} if topo.auth is not None else {}
+    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model)
+
+
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
     """The picker's pools (policy prefix_affinity), from the daemon's fleet view."""
     pools = {p.name: p for p in topo.pools if uses_picker(p.balancing.policy)}
@@ -74,6 +89,12 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 kv_usage=s.kv_usage if s else None,
                 token_latency_s=ev.token_latency_s,
                 kv_blocks=int(s.kv_blocks) if s and s.kv_blocks else None,
+                itl_sum=s.token_latency_s if s else None,
+                itl_count=s.token_latency_n if s else None,
+                prefill_seconds=s.prefill_seconds if s else None,
+                prefill_tokens=s.prefill_tokens if s else None,
+                finished=s.finished if s else None,
+                finished_tokens=s.finished_tokens if s else None,
             ))
         out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints)))
     return out
@@ -100,7 +121,7 @@ class PickerService:
 
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
-        self.store.update(facts(fleet, topo), routes(topo))
+        self.store.update(facts(fleet, topo), routes(topo), classes(topo))
 
     def problems(self) -> list[str]:
         return []  # before the first fleet view every request is left to Envoy's own balancer
@@ -112,7 +133,8 @@ class PickerService:
 def build(wiring: ServiceWiring) -> PickerService:
     """The picker with the sidecar's --picker overrides; ConfigError when one is bad."""
     try:
-        policy = PickerPolicy().with_overrides(wiring.config.picker)
+        # Each Envoy of a file-mode fleet has its own sidecar, so its own picker: --ingresses of them.
+        policy = PickerPolicy(replicas=wiring.config.ingresses).with_overrides(wiring.config.picker)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PickerService(wiring, policy)

@@ -18,7 +18,27 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockLRU", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
+from .predict import CostPolicy, Learner
+
+__all__ = ["BlockLRU", "Classes", "Datastore", "Endpoint", "EndpointFacts", "PoolFacts"]
+
+
+
+@dataclass(frozen=True, slots=True)
+class Classes:
+    """A request's traffic class: critical if its client or its route says so, else sheddable if
+    either does, else standard (the topology's rule)."""
+
+    client_header: str | None = None  # None: no API keys
+    clients: Mapping[str, str] = field(default_factory=dict)
+    routes: Mapping[str | None, str] = field(default_factory=dict)
+
+    def of(self, client: str | None, model: str | None) -> str:
+        route = self.routes.get(model, self.routes.get(None, "standard"))
+        own = self.clients.get(client, "standard") if client is not None else "standard"
+        if "critical" in (route, own):
+            return "critical"
+        return "sheddable" if "sheddable" in (route, own) else "standard"
 
 
 class BlockLRU:
@@ -72,6 +92,13 @@ class EndpointFacts:
     kv_usage: float | None = None  # 0..1
     token_latency_s: float | None = None  # measured time per output token (smoothed)
     kv_blocks: int | None = None  # the engine's KV cache in blocks, when reported
+    # the engine's cumulative counters the picker learns this endpoint's costs from (predict.Learner)
+    itl_sum: float | None = None  # inter-token latency histogram: seconds
+    itl_count: float | None = None  # ... and tokens
+    prefill_seconds: float | None = None
+    prefill_tokens: float | None = None  # prompt tokens prefilled, cached ones excluded
+    finished: float | None = None  # requests finished
+    finished_tokens: float | None = None  # tokens they generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +113,7 @@ class Endpoint:
     facts: EndpointFacts
     index: BlockLRU
     in_flight: int = 0  # requests this picker sent here that have not ended
+    learner: Learner = field(default_factory=Learner)  # its costs, learned from its engine's counters
 
     @property
     def address(self) -> str:
@@ -99,13 +127,17 @@ class _Pool:
 
 
 class Datastore:
-    def __init__(self, *, default_blocks: int = 31_250, total_blocks: int = 1_000_000) -> None:
+    def __init__(self, *, default_blocks: int = 31_250, total_blocks: int = 1_000_000,
+                 cost: CostPolicy | None = None) -> None:
+        self.cost = cost or CostPolicy()
         self.default_blocks = default_blocks
         self.total_blocks = total_blocks
         self._pools: dict[str, _Pool] = {}
         self._routes: dict[str | None, str] = {}
+        self.classes = Classes()
 
-    def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None) -> None:
+    def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None,
+               classes: Classes | None = None) -> None:
         """Replace the fleet facts; keep the in-flight counts and indexes of endpoints that stay.
 
         `routes`: the pool each model goes to (None: requests naming no model), every pool of
@@ -125,9 +157,15 @@ class Datastore:
                     kept.facts = facts
                     if kept.index.capacity != cap:
                         kept.index.resize(cap)
+                kept.learner.observe(running=facts.running, itl_sum=facts.itl_sum, itl_count=facts.itl_count,
+                                     prefill_s=facts.prefill_seconds, prefill_tokens=facts.prefill_tokens,
+                                     finished=facts.finished, finished_tokens=facts.finished_tokens,
+                                     policy=self.cost)
                 entry.endpoints[facts.address] = kept
             fresh[pool.name] = entry
         self._pools = fresh
+        if classes is not None:
+            self.classes = classes
         self._routes = dict(routes) if routes is not None else {m: p.name for p in pools for m in p.models}
 
     def pools(self) -> Mapping[str, Sequence[Endpoint]]:

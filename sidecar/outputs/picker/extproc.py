@@ -27,7 +27,9 @@ request released.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+
+from confgen._openai import error_body
 
 from .datastore import Datastore, Endpoint
 from .metrics import PickerMetrics
@@ -71,8 +75,8 @@ class ExtProcLimits:
 class _Stream:
     """One request's passage through the picker."""
 
-    __slots__ = ("body", "decided", "endpoint", "expired", "headers_held", "oversize", "pool", "streamed",
-                 "streamed_response", "subset", "task")
+    __slots__ = ("body", "client", "decided", "endpoint", "expired", "headers_held", "oversize", "picked_at", "pool",
+                 "predicted", "streamed", "streamed_response", "subset", "task")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -86,6 +90,9 @@ class _Stream:
         self.decided = False  # picked, or left to the proxy
         self.expired = False
         self.task: asyncio.Task[Any] | None = None  # the RPC's, to end it when past its bound
+        self.client: str | None = None  # the authenticated client id the proxy forwarded
+        self.picked_at = 0.0
+        self.predicted: float | None = None  # seconds to finish, as predicted at the pick
 
 
 def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -98,6 +105,22 @@ def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
     if value.HasField("list_value"):
         return frozenset(v.string_value for v in value.list_value.values if v.string_value)
     return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
+
+
+_OVERLOADED = json.dumps(error_body("overloaded"), separators=(",", ":")).encode()
+
+
+def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
+    """429 at once: the earliest predicted start is `past_budget_s` beyond the class's budget."""
+    retry = str(max(1, min(60, math.ceil(past_budget_s))))
+    headers = pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=retry.encode()),
+                                   append_action=_OVERWRITE),
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+                                   append_action=_OVERWRITE)])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests), headers=headers,
+        body=_OVERLOADED, details="confgen picker: predicted wait past the class's budget"))
 
 
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -124,7 +147,11 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return None, None
         hashes = block_hashes(prompt.text, prompt.model, block_chars=self.limits.block_chars,
                               max_blocks=self.limits.max_blocks) if prompt else []
-        pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset), self.store.endpoints(pool))
+        traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None)
+        pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class), self.store.endpoints(pool))
+        if pick.refused_for_s is not None:
+            self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
+            return _overloaded(pick.refused_for_s)
         if not pick.endpoints:
             if st.subset is not None:
                 self.metrics.picks.labels(pool=pool, reason="unavailable").inc()
@@ -137,15 +164,22 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         chosen = pick.endpoints[0]
         chosen.in_flight += 1
         st.endpoint = chosen
+        st.pool = pool
+        st.picked_at = self._clock()
+        st.predicted = pick.predicted.own_s if pick.predicted is not None else None
         if hashes:
             chosen.index.add(hashes)
         self.metrics.observe_pick(pool, pick, self._clock() - started)
         header = base_pb2.HeaderValue(key=DESTINATION, raw_value=chosen.address.encode())
         return base_pb2.HeaderValueOption(header=header, append_action=_OVERWRITE), pick
 
-    def release(self, st: _Stream) -> None:
+    def release(self, st: _Stream, *, finished: bool = False) -> None:
+        """The request's in-flight count ends; `finished`: its response ended normally, so its
+        time is compared with the prediction."""
         if st.endpoint is not None:
             st.endpoint.in_flight = max(0, st.endpoint.in_flight - 1)
+            if finished and st.predicted is not None and st.pool is not None:
+                self.metrics.observe_finish(st.pool, st.predicted, self._clock() - st.picked_at)
             st.endpoint = None
 
     @staticmethod
@@ -189,6 +223,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if st.decided and not was_decided:
                     timer.cancel()
                     timer = loop.call_at(loop.time() + self.limits.max_stream_s, self._expire, st, context)
+            self.release(st, finished=True)  # the proxy closed the stream: the response has ended
         except asyncio.CancelledError:
             if not st.expired:
                 raise
@@ -215,6 +250,10 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 st.subset = subset
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
+            header = self.store.classes.client_header
+            if header is not None:
+                st.client = next((h.raw_value.decode("utf-8", "replace") or h.value
+                                  for h in msg.request_headers.headers.headers if h.key == header), None)
             if msg.request_headers.end_of_stream:
                 # No body: not an inference request (GET /v1/models, /health). Leave it to the proxy,
                 # unless it came with a subset hint, which the protocol says must be honoured.
@@ -237,19 +276,19 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
-                self.release(st)
+                self.release(st, finished=True)
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         if kind == "response_body":
             body = msg.response_body
             if body.end_of_stream:
-                self.release(st)
+                self.release(st, finished=True)
             if st.streamed_response:
                 return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                         body=body.body, end_of_stream=body.end_of_stream)))))]
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if kind == "response_trailers":
-            self.release(st)
+            self.release(st, finished=True)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 

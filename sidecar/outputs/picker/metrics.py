@@ -9,6 +9,13 @@
     confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
                                                 matched/requested estimates the prefix-cache hit ratio
     confgen_picker_pick_seconds                 time to choose (parse, hash, score), histogram
+    confgen_picker_refused_total{pool,class}    requests answered 429 at once: their earliest predicted start
+                                                was past their class's budget (never critical)
+    confgen_picker_predicted_seconds_total{pool} / confgen_picker_observed_seconds_total{pool}
+                                                predicted and observed time from the pick to the response's
+                                                end, summed over the requests that ended normally; their
+                                                ratio (rate over rate) is the predictor's bias
+    confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
 
@@ -29,6 +36,7 @@ from .scheduling import Pick
 
 __all__ = ["PickerMetrics"]
 
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -62,6 +70,14 @@ class PickerMetrics:
                               "endpoint", ["kind"], registry=reg)
         self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
                                  registry=reg)
+        self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted start past their "
+                               "class's budget", ["pool", "class"], registry=reg)
+        self.predicted = Counter("confgen_picker_predicted_seconds", "Predicted seconds from pick to response end, "
+                                 "requests that ended normally", ["pool"], registry=reg)
+        self.observed = Counter("confgen_picker_observed_seconds", "Observed seconds from pick to response end, "
+                                "the same requests", ["pool"], registry=reg)
+        self.ratio = Histogram("confgen_picker_prediction_ratio", "Observed / predicted time per request",
+                               ["pool"], buckets=_RATIO_BUCKETS, registry=reg)
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
@@ -72,3 +88,9 @@ class PickerMetrics:
         self._requested.inc(pick.prompt_blocks)
         self._matched.inc(pick.matched_blocks)
         self.latency.observe(seconds)
+
+    def observe_finish(self, pool: str, predicted_s: float, observed_s: float) -> None:
+        self.predicted.labels(pool=pool).inc(predicted_s)
+        self.observed.labels(pool=pool).inc(observed_s)
+        if predicted_s > 0:
+            self.ratio.labels(pool=pool).observe(observed_s / predicted_s)

@@ -31,6 +31,13 @@ class PromptInfo:
     model: str | None
     text: str  # what is hashed (chat messages canonicalised, or the prompt)
     max_tokens: int | None
+    # A conversation's identity that every turn shares: the hash of its text through the first
+    # message after the system ones (None: no such message, e.g. a completions prompt).
+    home: int | None = None
+    # characters of `text` through the last assistant message: what a conversation's earlier
+    # turns left in some engine's cache (0 for a first turn or a one-shot request)
+    history_chars: int = 0
+    home_chars: int = 0  # characters of `text` `home` covers
 
     @property
     def prompt_tokens(self) -> int:
@@ -72,10 +79,20 @@ def parse_body(raw: bytes) -> PromptInfo | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         chunks = []
+        home_chars = history = size = 0
         for message in messages:
             if isinstance(message, Mapping):
-                chunks.append(f"<{message.get('role', '')}>{_content(message.get('content'))}\x1e")
-        return PromptInfo(model, "".join(chunks), _max_tokens(body))
+                role = message.get("role", "")
+                chunk = f"<{role}>{_content(message.get('content'))}\x1e"
+                chunks.append(chunk)
+                size += len(chunk)
+                if not home_chars and role not in ("system", "developer"):
+                    home_chars = size
+                if role == "assistant":
+                    history = size
+        text = "".join(chunks)
+        home = _home(model, text[:home_chars]) if home_chars else None
+        return PromptInfo(model, text, _max_tokens(body), home, history, home_chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
@@ -84,6 +101,11 @@ def parse_body(raw: bytes) -> PromptInfo | None:
     if isinstance(prompt, list):  # token ids
         return PromptInfo(model, ",".join(str(t) for t in prompt), _max_tokens(body))
     return None
+
+
+def _home(model: str | None, head: str) -> int:
+    digest = blake2b(head.encode("utf-8", "surrogatepass"), digest_size=8, key=(model or "").encode()[:64])
+    return int.from_bytes(digest.digest(), "little")
 
 
 def block_hashes(text: str, model: str | None, *, block_chars: int = 64, max_blocks: int = 256) -> list[int]:

@@ -1,48 +1,68 @@
 """Filters, scorers and the picker: how one endpoint is chosen for one request.
 
-The shape of the inference extension's scheduler (filters narrow the candidates, scorers
-each give every candidate a score in [0, 1], the picker takes the best weighted sum), with
-our own rule:
+The shape of the inference extension's scheduler: filters narrow the candidates, a scorer
+values each, the picker takes the best. Two rules (`PickerPolicy.rule`):
+
+`predicted` (the default): each candidate's value is a predicted cost in seconds
+(predict.py): when this request would finish there (the queue ahead of it, the prefill of
+the prompt blocks the endpoint probably does not hold, the decode of its tokens at the
+endpoint's speed under its batch) plus what its admission costs the requests already
+running there. The cheapest wins; candidates within `tie_s` / `tie_share` of it are equal,
+and among equals a conversation goes to its rendezvous home (the highest hash of its
+identity and the endpoint's address: every picker replica computes the same one) and any
+other request to a random one. A follow-up turn this picker has no record of (its earlier
+turns went through another replica, or before a restart) is assumed to be cached at its
+rendezvous home, so two pickers send one conversation to one place. A pool in which no
+endpoint has a measured time per token falls back to the weighted rule.
+
+`weighted` (the earlier rule, kept as the fallback): a weighted sum of four scores in [0, 1]:
 
     load(e)   = max(in_flight(e), running(e) + waiting(e))          requests
-                (the picker's own count is fresh and sees every request through it; the
-                 engine's count, a probe cycle old, also sees other clients)
     spill(e)  = max(spill_min, spill_fraction * capacity(e))        requests
-    excess(e) = load(e) - min over candidates of load
+    prefix(e) = matched blocks / prompt blocks * min(1, prompt tokens / (prompt_share * max_tokens)),
+                0 once load(e) - min load > spill(e)
+    load(e)   = 1 - min(1, (slow(e) load(e) - min of the same) / capacity(e))
+    kv(e)     = 1 - KV cache use
+    cost(e)   = 1 - f * (1 - t_min / t(e)),  t(e) = time per token(e) * (1 + load(e) / capacity(e))
+    score(e)  = 3 prefix + 2 load + 1 kv + 2 cost
 
-    prefix(e) = matched blocks / prompt blocks * a, and 0 once excess(e) > spill(e)
-                (a hot prefix spills instead of piling up: balance wins when queues diverge),
-                a = min(1, prompt tokens / (prompt_share * max_tokens)): a cached prefix saves
-                prefill, worth little beside a generation many times longer than the prompt
-    load(e)   = 1 - min(1, (slow(e) load(e) - min of the same) / capacity(e)),
-                slow(e) = time per token(e) / the fastest's (a request in flight on a worker
-                half as fast holds it twice as long)
-    kv(e)     = 1 - KV cache use (1 when not reported)
-    cost(e)   = 1 - f * (1 - t_min / t(e)),  t(e) = time per token(e) * (1 + load(e) / capacity(e)),
-                f = min(1, max_tokens / long_tokens)
-                (a long generation goes where it finishes soonest; a short one barely cares)
-
-    score(e)  = 3 prefix + 2 load + 1 kv + 2 cost            (weights: PickerPolicy)
-
-Ties go to a random one of the best (no hot spot on the first endpoint). The answer is the
-best endpoint then `fallbacks` more in score order, for the proxy's retries.
+The answer is the best endpoint then `fallbacks` more in order, for the proxy's retries.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from hashlib import blake2b
 from typing import Protocol
 
 from .datastore import Endpoint
-from .prompt import PromptInfo
+from .predict import CostPolicy, Prediction, Workload, pool_estimates, predict
+from .prompt import CHARS_PER_TOKEN, PromptInfo
 
 __all__ = ["FILTERS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy", "Scorer"]
 
 
+RULES = ("predicted", "weighted")
+
+
 @dataclass(frozen=True, slots=True)
 class PickerPolicy:
+    rule: str = "predicted"  # RULES
+    cost: CostPolicy = field(default_factory=CostPolicy)
+    tie_s: float = 0.005  # candidates this close to the cheapest (seconds) are equal ...
+    tie_share: float = 0.05  # ... or this close, as a share of its cost (speeds measured within ~5 % are noise)
+    block_tokens: int = 16  # prompt tokens one hashed block stands for (64 characters)
+    replicas: int = 1  # pickers that share the fleet (each sees only the requests through it)
+    # Admission (predicted rule only): a request whose earliest predicted start on any candidate
+    # is further away than its class's budget is refused at once. The budget is this many times
+    # the pool's mean service time (what one request holds a slot for), at least `budget_floor_s`;
+    # critical traffic is never refused by the picker.
+    budget_standard: float = 0.5
+    budget_sheddable: float = 0.125
+    budget_floor_s: float = 0.0
     weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("load", 2.0), ("kv", 1.0), ("cost", 2.0))
     spill_min: float = 2.0  # requests
     spill_fraction: float = 0.25  # of the endpoint's capacity
@@ -57,10 +77,30 @@ class PickerPolicy:
         naming the pair when one is unknown or out of range."""
         weights = dict(self.weights)
         fields: dict[str, float | int] = {}
+        cost: dict[str, float | int] = {}
         numeric = {"spill_min": float, "spill_fraction": float, "prompt_share": float,
-                   "long_tokens": int, "default_max_tokens": int, "fallbacks": int}
+                   "long_tokens": int, "default_max_tokens": int, "fallbacks": int, "tie_s": float,
+                   "tie_share": float, "replicas": int, "budget_standard": float, "budget_sheddable": float,
+                   "budget_floor_s": float}
+        cost_keys = {"externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
+                     "default_output": int}
+        rule = self.rule
         for pair in pairs:
             key, sep, raw = pair.partition("=")
+            if key == "rule" and sep:
+                if raw not in RULES:
+                    raise ValueError(f"--picker rule: {raw!r} is not one of {list(RULES)}")
+                rule = raw
+                continue
+            if key in cost_keys and sep:
+                try:
+                    number = cost_keys[key](raw)
+                except ValueError as exc:
+                    raise ValueError(f"--picker {key}: {raw!r} is not a {cost_keys[key].__name__}") from exc
+                if not (0 <= number <= 1e6) or (key == "default_output" and number <= 0):
+                    raise ValueError(f"--picker {key}: {raw} is out of range")
+                cost[key] = number
+                continue
             kind = float if key in SCORERS else numeric.get(key)
             if not sep or kind is None:
                 raise ValueError(f"--picker {pair!r}: expected KEY=VALUE with KEY one of "
@@ -76,7 +116,8 @@ class PickerPolicy:
                 weights[key] = float(value)
             else:
                 fields[key] = value
-        return PickerPolicy(weights=tuple(weights.items()), **fields)  # type: ignore[arg-type]
+        return PickerPolicy(rule=rule, cost=replace(self.cost, **cost),  # type: ignore[arg-type]
+                            weights=tuple(weights.items()), **fields)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -85,13 +126,27 @@ class PickRequest:
     prompt: PromptInfo | None
     hashes: Sequence[int]
     subset: frozenset[str] | None = None
+    traffic_class: str = "standard"  # critical | standard | sheddable
     # filled in while scoring, read by the metrics
     matched: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def home(self) -> int | None:
+        return self.prompt.home if self.prompt is not None else None
 
 
 def load_of(e: Endpoint) -> float:
     f = e.facts
     return max(float(e.in_flight), f.running + f.waiting)
+
+
+def _slots(e: Endpoint) -> int:
+    """The sequences the endpoint runs at once: its capacity, or what its engine runs while
+    requests wait beside free slots (bound by its KV cache)."""
+    f = e.facts
+    if f.waiting >= 1 and 1 <= f.running < f.capacity:
+        return max(1, int(f.running))
+    return max(1, f.capacity)
 
 
 class Scorer(Protocol):
@@ -167,9 +222,25 @@ FILTERS: dict[str, Filter] = {"subset": filter_subset, "serving": filter_serving
 @dataclass(frozen=True, slots=True)
 class Pick:
     endpoints: tuple[Endpoint, ...]  # best first; empty: none eligible
-    reason: str  # prefix | spill | load | only | none
+    reason: str  # prefix | spill | load | home | only | none | refused
     matched_blocks: int  # of the chosen endpoint
     prompt_blocks: int
+    predicted: Prediction | None = None  # of the chosen endpoint, by the predicted rule
+    refused_for_s: float | None = None  # admission: refused, the earliest start this far past its budget
+
+
+def _budget(policy: PickerPolicy, traffic_class: str, service_s: float) -> float | None:
+    """Seconds a request of this class may wait to start; None: never refused."""
+    if traffic_class == "critical":
+        return None
+    share = policy.budget_sheddable if traffic_class == "sheddable" else policy.budget_standard
+    return max(policy.budget_floor_s, share * service_s)
+
+
+def rendezvous(home: int, address: str) -> int:
+    """The endpoint's rank for a conversation (highest wins): the same in every picker replica."""
+    digest = blake2b(address.encode(), digest_size=8, key=home.to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "little")
 
 
 class Picker:
@@ -195,6 +266,95 @@ class Picker:
         if len(cands) == 1:
             e = cands[0]
             return Pick((e,), "only", e.index.match(req.hashes), blocks)
+        if self.policy.rule == "predicted":
+            predicted = self._predicted(req, cands)
+            if predicted is not None:
+                return predicted
+        return self._weighted(req, cands)
+
+    def _predicted(self, req: PickRequest, cands: list[Endpoint]) -> Pick | None:
+        policy = self.policy
+        estimates = pool_estimates([e.learner for e in cands], [e.facts.token_latency_s for e in cands], policy.cost)
+        if estimates is None:
+            return None
+        prompt = req.prompt
+        prompt_tokens = prompt.prompt_tokens if prompt is not None else 1
+        wanted = prompt.max_tokens if prompt is not None and prompt.max_tokens else None
+        output = float(wanted) if wanted else statistics.median(est.out for est in estimates)
+        cached = []
+        for e in cands:
+            n = e.index.match(req.hashes) if req.hashes else 0
+            req.matched[e.address] = n
+            cached.append(min(prompt_tokens - 1, n * policy.block_tokens))
+        home = req.home
+        ranks = [rendezvous(home, e.address) for e in cands] if home is not None else None
+        assumed = -1
+        if ranks is not None and prompt is not None and prompt.history_chars:
+            history = min(prompt_tokens - 1, prompt.history_chars // CHARS_PER_TOKEN)
+            known = max(cached)
+            h = max(range(len(cands)), key=ranks.__getitem__)
+            home_tokens = prompt.home_chars // CHARS_PER_TOKEN
+            # (the index counts whole blocks: the block the first turn ended in never matches a later turn)
+            if known + 2 * policy.block_tokens < home_tokens <= history:
+                # this replica holds no record of the conversation past what all share (its
+                # earlier turns went through another replica): they went to its home
+                assumed = h
+                cached[h] = history
+            elif policy.replicas > 1 and cached[h] < history:
+                # the turns through the other replicas went home too, as often as they came
+                # through them
+                cached[h] = history
+        preds = [predict(Workload(prompt_tokens, output, c), est, load_of(e), _slots(e), policy.cost)
+                 for e, est, c in zip(cands, estimates, cached, strict=True)]
+        costs = [p.cost_s for p in preds]
+        if ranks is not None and policy.replicas > 1 and prompt is not None and not prompt.history_chars:
+            # A first turn: its next turns may come through another replica, which sends them to
+            # the rendezvous home. Going home is worth the prefill they would then not repeat,
+            # as often as they come through another replica.
+            h = max(range(len(cands)), key=ranks.__getitem__)
+            e, est = cands[h], estimates[h]
+            saved = est.k * prompt_tokens * (1.0 + policy.cost.externality * min(load_of(e), _slots(e)))
+            costs[h] -= saved * (policy.replicas - 1) / policy.replicas
+        best = min(costs)
+        margin = max(policy.tie_s, policy.tie_share * best)
+        equal = [i for i, c in enumerate(costs) if c <= best + margin]
+        if len(equal) > 1:  # among equals: the most of the prompt held, then the rendezvous home
+            most = max(cached[i] for i in equal)
+            equal = [i for i in equal if cached[i] == most]
+        if len(equal) == 1:
+            first = equal[0]
+        elif ranks is not None:
+            first = max(equal, key=ranks.__getitem__)
+        else:
+            first = self._rng.choice(equal)
+        rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
+        costs = [p.cost_s for p in preds]
+        order = [first, *rest[: policy.fallbacks]]
+        budget = _budget(policy, req.traffic_class,
+                         statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
+                                           for e, est in zip(cands, estimates, strict=True)))
+        if budget is not None and preds[first].wait_s > budget:
+            # admitted where it can start within its budget, the cheapest of those; refused when nowhere
+            admissible = [i for i, p in enumerate(preds) if p.wait_s <= budget]
+            if not admissible:
+                return Pick((), "refused", 0, len(req.hashes), preds[first],
+                            min(p.wait_s for p in preds) - budget)
+            first = min(admissible, key=costs.__getitem__)
+            rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
+            order = [first, *rest[: policy.fallbacks]]
+        chosen = cands[first]
+        matched = req.matched[chosen.address]
+        top = max(req.matched.values())
+        if first == assumed:
+            reason = "home"
+        elif top == 0:
+            reason = "load"
+        else:
+            reason = "prefix" if matched == top else "spill"
+        return Pick(tuple(cands[i] for i in order), reason, matched, len(req.hashes), preds[first])
+
+    def _weighted(self, req: PickRequest, cands: list[Endpoint]) -> Pick:
+        blocks = len(req.hashes)
         totals = [0.0] * len(cands)
         for scorer, weight in self._scorers:
             for i, s in enumerate(scorer(req, cands, self.policy)):

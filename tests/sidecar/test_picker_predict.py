@@ -1,0 +1,195 @@
+"""The predicted-latency rule of the endpoint picker: coefficients learned from engine counters,
+costs in seconds, and the choices that follow from them."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from sidecar.observe.engines import extract
+from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.predict import CostPolicy, Estimate, Learner, Workload, pool_estimates, predict
+from sidecar.outputs.picker.prompt import block_hashes, parse_body
+from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, rendezvous
+
+FIXTURES = Path(__file__).parent / "fixtures"
+POLICY = CostPolicy()
+
+
+def _feed(learner: Learner, cycles: int, *, itl: callable, runs: list[float], prefill_k: float = 1e-4,
+          out: float = 40.0, prompt: float = 1000.0) -> None:  # type: ignore[valid-type]
+    """Cumulative counters of an engine whose time per token is itl(running), whose prefill
+    costs prefill_k s/token and whose requests generate `out` tokens from `prompt` prefilled."""
+    s = n = pre_s = pre_t = done = done_t = 0.0
+    for i in range(cycles):
+        running = runs[i % len(runs)]
+        tokens = 50.0 * running
+        s += tokens * itl(running)  # type: ignore[misc]
+        n += tokens
+        finished = 2.0
+        done += finished
+        done_t += finished * out
+        pre_t += finished * prompt
+        pre_s += finished * prompt * prefill_k + finished * itl(running)  # type: ignore[misc]  # + one step each
+        learner.observe(running=running, itl_sum=s, itl_count=n, prefill_s=pre_s, prefill_tokens=pre_t,
+                        finished=done, finished_tokens=done_t, policy=POLICY)
+
+
+def test_the_learner_fits_time_per_token_against_the_batch_and_the_prefill_speed() -> None:
+    learner = Learner()
+    _feed(learner, 40, itl=lambda b: 0.020 + 0.002 * b, runs=[2.0, 4.0, 6.0, 8.0])
+    fit = learner.fit(POLICY.growth)
+    assert fit is not None
+    a, s = fit
+    assert s == pytest.approx(0.002, rel=0.15)
+    assert a + s * 8 == pytest.approx(0.036, rel=0.1)
+    assert learner.k == pytest.approx(1e-4, rel=0.2)
+    assert learner.out == pytest.approx(40.0) and learner.prompt == pytest.approx(1000.0)
+
+
+def test_a_batch_that_never_moves_takes_the_prior_slope_at_the_measured_level() -> None:
+    learner = Learner()
+    _feed(learner, 10, itl=lambda b: 0.030, runs=[4.0])
+    fit = learner.fit(POLICY.growth)
+    assert fit is not None
+    a, s = fit
+    assert s == pytest.approx(POLICY.growth * a)
+    assert a + s * 4 == pytest.approx(0.030, rel=1e-6)
+
+
+def test_an_engine_restart_restarts_the_deltas_instead_of_learning_negative_costs() -> None:
+    learner = Learner()
+    _feed(learner, 5, itl=lambda b: 0.02, runs=[4.0])
+    k = learner.k
+    learner.observe(running=1, itl_sum=0.0, itl_count=0.0, prefill_s=0.0, prefill_tokens=0.0, finished=0.0,
+                    finished_tokens=0.0, policy=POLICY)
+    assert learner.k == k and learner.k is not None and learner.k > 0
+
+
+def test_costs_are_seconds_a_cached_prefix_saves_its_prefill_a_queue_adds_its_wait() -> None:
+    e = Estimate(a=0.02, s=0.001, k=1e-4, out=40.0, prompt=1000.0)
+    cold = predict(Workload(3000, 40, 0), e, load=0, capacity=8, policy=POLICY)
+    warm = predict(Workload(3000, 40, 2000), e, load=0, capacity=8, policy=POLICY)
+    assert cold.prefill_s - warm.prefill_s == pytest.approx(0.2)  # 2,000 tokens x 0.1 ms
+    assert cold.wait_s == 0 and cold.decode_s == pytest.approx(40 * 0.021)
+    queued = predict(Workload(3000, 40, 0), e, load=10, capacity=8, policy=POLICY)
+    service = 40 * e.tpot(8) + 1e-4 * 1000
+    assert queued.wait_s == pytest.approx(3 * service / 8)  # 3 ahead of a free slot, 8 slots draining
+    assert queued.cost_s > queued.own_s  # it delays the 8 running and those queued behind it
+
+
+def _facts(addr: str, **kw: object) -> EndpointFacts:
+    return EndpointFacts(address=addr, serving=True, capacity=int(kw.pop("capacity", 8)), **kw)  # type: ignore[arg-type]
+
+
+def _store(*facts: EndpointFacts) -> Datastore:
+    store = Datastore()
+    store.update([PoolFacts("chat", ("m",), facts)])
+    return store
+
+
+def _chat(messages: list[dict[str, str]], max_tokens: int | None = 32) -> PickRequest:
+    prompt = parse_body(json.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}).encode())
+    assert prompt is not None
+    return PickRequest("chat", prompt, block_hashes(prompt.text, "m"))
+
+
+SYSTEM = {"role": "system", "content": "you are a careful assistant " * 100}
+
+
+def test_a_prefix_hit_is_worth_its_prefill_against_a_slower_worker_in_seconds() -> None:
+    # a: 2.2x slower per token; b holds nothing. A long shared prompt cached on a.
+    store = _store(_facts("a:1", token_latency_s=0.044), _facts("b:1", token_latency_s=0.020))
+    req = _chat([SYSTEM, {"role": "user", "content": "hi"}], max_tokens=1)
+    store.endpoints("chat")[0].index.add(req.hashes)
+    picker = Picker(rng=random.Random(1))
+    short = picker.pick(req, store.endpoints("chat"))
+    assert short.predicted is not None
+    # one token: b would prefill ~700 tokens (at the prior 0.004 x its time per token: ~56 ms)
+    # then decode one (20 ms); a decodes one in 44 ms with the prompt cached
+    long = picker.pick(_chat([SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2000), store.endpoints("chat"))
+    assert long.endpoints[0].address == "b:1"  # 2,000 tokens decode 2.2x faster on b: seconds, not blocks
+    assert short.endpoints[0].address == "a:1" and short.reason == "prefix"
+
+
+def test_a_hot_prefix_every_worker_holds_spreads_by_load() -> None:
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02) for i in range(4)))
+    picker = Picker(rng=random.Random(3))
+    for e in store.endpoints("chat"):
+        e.index.add(_chat([SYSTEM]).hashes)
+    for k in range(40):
+        pick = picker.pick(_chat([SYSTEM, {"role": "user", "content": f"question {k}"}]), store.endpoints("chat"))
+        pick.endpoints[0].in_flight += 1
+    counts = sorted(e.in_flight for e in store.endpoints("chat"))
+    assert counts[-1] - counts[0] <= 1
+
+
+def test_a_follow_up_this_replica_never_saw_goes_to_the_conversations_rendezvous_home() -> None:
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02) for i in range(4)))
+    turn2 = _chat([SYSTEM, {"role": "user", "content": "first"}, {"role": "assistant", "content": "answer " * 50},
+                   {"role": "user", "content": "second"}])
+    home = turn2.home
+    assert home is not None
+    expected = max(store.endpoints("chat"), key=lambda e: rendezvous(home, e.address)).address
+    pick = Picker(rng=random.Random(5)).pick(turn2, store.endpoints("chat"))
+    assert pick.endpoints[0].address == expected and pick.reason == "home"
+    # the first turn has the same home: with two replicas it goes there while costs are close
+    turn1 = _chat([SYSTEM, {"role": "user", "content": "first"}])
+    assert turn1.home == home
+    two = Picker(PickerPolicy(replicas=2), rng=random.Random(5))
+    assert two.pick(turn1, store.endpoints("chat")).endpoints[0].address == expected
+
+
+def test_without_a_measured_token_latency_the_weighted_rule_decides() -> None:
+    store = _store(_facts("a:1"), _facts("b:1"))
+    pick = Picker(rng=random.Random(1)).pick(_chat([SYSTEM]), store.endpoints("chat"))
+    assert pick.predicted is None and pick.endpoints
+    estimates = pool_estimates([None, None], [None, None], POLICY)
+    assert estimates is None
+
+
+def test_overrides_name_the_rule_and_the_cost_weights() -> None:
+    policy = PickerPolicy().with_overrides(["rule=weighted", "externality=0.5", "replicas=2"])
+    assert policy.rule == "weighted" and policy.cost.externality == 0.5 and policy.replicas == 2
+    with pytest.raises(ValueError, match="rule"):
+        PickerPolicy().with_overrides(["rule=fastest"])
+    with pytest.raises(ValueError, match="externality"):
+        PickerPolicy().with_overrides(["externality=-1"])
+
+
+def test_engine_counters_the_picker_learns_from() -> None:
+    vllm = extract("vllm", (FIXTURES / "vllm_0.10_both_names.prom").read_bytes())
+    assert vllm is not None and vllm.prefill_seconds and vllm.finished and vllm.finished_tokens
+    assert vllm.prefill_tokens is not None and vllm.prefill_tokens > 0
+    cpp = extract("llamacpp", (FIXTURES / "llamacpp.prom").read_bytes())
+    assert cpp is not None and cpp.prefill_seconds is not None and cpp.prefill_tokens is not None
+
+
+def test_admission_refuses_what_cannot_start_within_its_class_budget_never_critical() -> None:
+    # two endpoints of 2 slots, each with 6 requests queued past them: a start is 4 services away
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2)))
+    picker = Picker(rng=random.Random(1))
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    for cls, refused in (("critical", False), ("standard", True), ("sheddable", True)):
+        req = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class=cls)
+        pick = picker.pick(req, store.endpoints("chat"))
+        assert (pick.refused_for_s is not None) is refused, (cls, pick)
+        assert refused or pick.endpoints
+    # one endpoint with a free slot: admitted there, whatever the cost rule preferred
+    store = _store(_facts("busy:1", token_latency_s=0.01, capacity=2, running=2.0, waiting=6.0),
+                   _facts("free:1", token_latency_s=0.02, capacity=2, running=1.0))
+    pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable"), store.endpoints("chat"))
+    assert pick.refused_for_s is None and pick.endpoints[0].address == "free:1"
+
+
+def test_a_refused_request_is_a_429_with_retry_after_and_holds_nothing() -> None:
+    from sidecar.outputs.picker.extproc import _overloaded
+
+    out = _overloaded(2.2)
+    assert out.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}
+    assert headers["retry-after"] == b"3"
+    assert json.loads(out.immediate_response.body)["error"]["code"] == "overloaded"
