@@ -181,7 +181,8 @@ def test_admission_refuses_what_cannot_start_within_its_class_budget_never_criti
     # one endpoint with a free slot: admitted there, whatever the cost rule preferred
     store = _store(_facts("busy:1", token_latency_s=0.01, capacity=2, running=2.0, waiting=6.0),
                    _facts("free:1", token_latency_s=0.02, capacity=2, running=1.0))
-    pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable"), store.endpoints("chat"))
+    sheddable = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable")
+    pick = picker.pick(sheddable, store.endpoints("chat"))
     assert pick.refused_for_s is None and pick.endpoints[0].address == "free:1"
 
 
