@@ -442,9 +442,10 @@ def overload(seeds: Sequence[int], policy: PickerPolicy) -> list[str]:
 def _row(name: str, r: Result, fair: float) -> str:
     lat, tt = r.lat, r.ttft
     err = f"{r.err * 100:.0f} %" if r.err is not None else "-"
+    refused = sum(1 for rec in r.records if rec[1] is None)
     return (f"| {name} | {r.q(lat, .5):.2f} | {r.q(lat, .9):.2f} | {r.q(lat, .99):.2f} | {statistics.fmean(lat):.2f} "
             f"| {r.q(tt, .5):.3f} | {r.q(tt, .99):.2f} | {r.hits * 100:.1f} % | {max(r.shares) * 100 - fair:+.1f} / "
-            f"{min(r.shares) * 100 - fair:+.1f} | {err} |")
+            f"{min(r.shares) * 100 - fair:+.1f} | {err} | {refused} |")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -478,8 +479,8 @@ def main(argv: Sequence[str]) -> int:
                 continue
             lines.append(f"\n### {workload} on {fleet.name}" + (f" ({mix} mix)" if workload == "oneshot" else ""))
             lines.append("| router | P50 s | P90 s | P99 s | mean s | TTFT P50 s | TTFT P99 s | hits | "
-                         "busiest / idlest share vs fair (points) | predictor error (median) |")
-            lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                         "busiest / idlest share vs fair (points) | predictor error (median) | refused |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
             for router in args.routers.split(","):
                 results = [run(fleet, workload, router, s, requests=args.requests, policy=policy, mix=mix)
                            for s in seeds]
@@ -487,7 +488,8 @@ def main(argv: Sequence[str]) -> int:
                                 statistics.fmean(r.hits for r in results),
                                 [max(r.shares) for r in results] + [min(r.shares) for r in results],
                                 statistics.median(r.err for r in results if r.err is not None)
-                                if any(r.err is not None for r in results) else None)
+                                if any(r.err is not None for r in results) else None,
+                                [rec for r in results for rec in r.records])
                 merged.shares = [statistics.fmean(max(r.shares) for r in results),
                                  statistics.fmean(min(r.shares) for r in results)]
                 lines.append(_row(router, merged, 100 / len(fleet.speeds)))
