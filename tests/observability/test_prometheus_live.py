@@ -177,6 +177,7 @@ PICKER_FLEET_ABSENT = {
     "failover_upstream_rq_completed": "no fallback chain in this topology",
     "confgen_sidecar_ratelimit": "no global limit (tests/sidecar_live/test_global_limits_live.py reads them)",
     "sheddable_refused_ratio": "no sheddable traffic (tests/sidecar_live/test_priorities_live.py reads it)",
+    "confgen_picker_refused": "no overload here (tests/sidecar/test_picker_predict.py pins the picker's refusals)",
 }
 
 
@@ -202,6 +203,14 @@ def test_prometheus_answers_every_dashboard_panel_for_a_picker_fleet(tmp_path: P
                 for turn in range(3):
                     messages.append({"role": "user", "content": f"turn {turn}"})
                     assert chat(rig, messages)[0] == 200
+            # until the engines' latencies are learned, picks use the weighted rule; then a prediction
+            # is compared with each finished request (the predictor panel)
+
+            def predicted() -> bool:
+                assert chat(rig, [{"role": "user", "content": "one more"}])[0] == 200
+                return "confgen_picker_predicted_seconds_total{" in str(rig.sidecar.get("/metrics")[1])
+
+            assert poll(predicted, timeout=30, interval=0.5), rig.sidecar.log_tail()
             # a GET on the pool's route reaches the picker without a body: left to Envoy (unpicked no_body)
             http("GET", f"http://127.0.0.1:{rig.port}/v1/chat/completions", timeout=10.0)
             rig.fleet.worker("b").crash()  # probe errors and an unhealthy worker for their panels
