@@ -376,3 +376,27 @@ def test_a_request_without_a_body_is_left_to_the_proxy() -> None:
     hinted.subset = frozenset({"10.0.0.1:8000"})
     (out,) = svc._step(hinted, _headers(end=True))
     assert _destination(out, "request_headers") == "10.0.0.1:8000"
+
+
+def test_the_prefix_index_costs_what_its_docstring_says() -> None:
+    """Issue 26, attack 10: a flood of distinct prompts fills the index to its cap; the
+    docstring said ~100 MB for 1,000,000 blocks, RSS grew by 202 MiB (an OrderedDict at
+    ~220 bytes a block, hash ints included). A dict in recency order: ~155 bytes a block."""
+    import tracemalloc
+
+    rng = random.Random(1)
+    tracemalloc.start()
+    try:
+        lru = BlockLRU(200_000)
+        for _ in range(1600):  # 409,600 distinct blocks through a 200,000-block index
+            lru.add([rng.getrandbits(64) for _ in range(256)])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 200_000 - 200_000 // 8 <= len(lru) <= 200_000
+    assert held / len(lru) < 175, held / len(lru)  # bytes a block: ~130 MiB per million blocks
+    hot = [rng.getrandbits(64) for _ in range(256)]
+    lru.add(hot)
+    for _ in range(100):  # a hot prefix stays while the cold ones go
+        lru.add(hot[:8] + [rng.getrandbits(64) for _ in range(248)])
+    assert lru.match(hot) >= 8
