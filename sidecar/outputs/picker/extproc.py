@@ -67,6 +67,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from confgen.errors import ConfgenError
+
 from .datastore import Datastore, Endpoint
 from .metrics import PickerMetrics
 from .prompt import MAX_ITEMS, block_hashes, parse_body
@@ -114,7 +116,7 @@ _MODES = {_MODE.BUFFERED: BodyMode.BUFFERED, _MODE.BUFFERED_PARTIAL: BodyMode.BU
           _MODE.FULL_DUPLEX_STREAMED: BodyMode.DUPLEX}
 
 
-class ProtocolError(Exception):
+class ProtocolError(ConfgenError):
     """A message out of order for the stream's phase and mode: the stream ends."""
 
     def __init__(self, kind: str, detail: str) -> None:
