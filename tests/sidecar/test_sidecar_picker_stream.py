@@ -18,6 +18,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
@@ -60,6 +61,10 @@ def _message(kind: str, eos: bool, arg: str) -> pb.ProcessingRequest:
         if arg in _MODES:
             msg.protocol_config.request_body_mode = _MODES[arg]
             msg.protocol_config.response_body_mode = _MODES[arg]
+        if arg in ("hint", "bad_hint"):  # one endpoint of the pool, or none (a 503)
+            hint = struct_pb2.Struct()
+            hint.update({"x-gateway-destination-endpoint-subset": [ADDRESSES[1] if arg == "hint" else "10.9.9.9:1"]})
+            msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
         return msg
     if kind == "body":
         data = b"x" * 5000 if arg == "big" else _chat(f"hello {arg}")
@@ -163,7 +168,7 @@ _MESSAGE = hs.tuples(
     hs.sampled_from(["headers", "headers", "body", "body", "body", "request_trailers",
                      "response_headers", "response_body", "response_trailers"]),
     hs.booleans(),
-    hs.sampled_from(["", "buffered", "duplex", "streamed", "big", "a", "b"]),
+    hs.sampled_from(["", "buffered", "duplex", "streamed", "big", "a", "b", "hint", "bad_hint"]),
 )
 _ACTION = hs.one_of(
     hs.tuples(hs.just("msg"), hs.integers(0, 3), _MESSAGE),
@@ -174,7 +179,8 @@ _ACTION = hs.one_of(
 
 def _run_sequence(actions: list[tuple[str, int, Any]]) -> None:
     store = _store()
-    svc = PickerServicer(store, Picker(rng=random.Random(0)), PickerMetrics(None, store.pools), limits=LIMITS)
+    svc = PickerServicer(store, Picker(rng=random.Random(0)), PickerMetrics(None, store.pools), limits=LIMITS,
+                         honour_subset_hint=True)
     loop = _FakeTimeLoop()
 
     async def main() -> None:
@@ -236,6 +242,8 @@ def test_the_known_sequences() -> None:
     _run_sequence([("msg", 0, h), ("msg", 0, b), ("cancel", 0, None)])
     _run_sequence([("msg", 0, ("headers", False, "duplex")), ("msg", 0, ("body", False, "big")),
                    ("msg", 0, ("body", False, "a")), ("msg", 0, ("body", True, "a")), ("close", 0, None)])
+    _run_sequence([("msg", 0, ("headers", False, "bad_hint")), ("msg", 0, b), ("msg", 0, b)])  # 503, then closed
+    _run_sequence([("msg", 0, ("headers", False, "hint")), ("msg", 0, b), ("advance", 0, 1.0)])
 
 
 # -- attack 1 over real gRPC: headers, 2,000 body messages, close -------------------------------
