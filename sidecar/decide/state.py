@@ -38,6 +38,8 @@ Policy, and why:
   taking traffic is weighed at most `quiet_metrics_probes - 1` intervals later. A busy engine is scraped every
   probe (its speed is what the weights follow), and the two skips never combine: a
   probe always asks at least one of /health and /metrics.
+- A probe that timed out while the sidecar's own event loop ran late (Outcome.LOOP_LATE,
+  see sidecar.observe.probe) says nothing of the worker: it changes no state.
 - A new endpoint starts UNHEALTHY until its first ok probe (one is enough: it has no
   failure history). Returning to service (new, recovered, undrained) starts a linear
   slow-start ramp over `slow_start_s`.
@@ -231,7 +233,7 @@ class EndpointState:
     def observe(self, result: ProbeResult, policy: HealthPolicy) -> EndpointState:
         """Take one probe result into account; results older than the last one are ignored."""
         at = result.at
-        if self.last_at is not None and at < self.last_at:
+        if (self.last_at is not None and at < self.last_at) or result.outcome is Outcome.LOOP_LATE:
             return self
         failed, slow, threshold, what = _classify(result, policy)
         stall_streak, progress_at, last_tokens = self._track_progress(result.sample, at)

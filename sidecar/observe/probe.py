@@ -28,6 +28,14 @@ nothing to weigh): one request, awaited directly (no task per request). An ok an
 is reported with `metrics_checked=False` so the caller keeps its last sample; a failure
 is reported exactly as above.
 
+The sidecar's own event loop: a picker, a publish or anything else that holds the loop
+makes every deadline pass without the worker being at fault. A `LoopLag` monitor (a timer
+every 50 ms) sums how late the loop ran its callbacks; a probe that timed out while the
+loop lost at least half of its deadline is reported as LOOP_LATE ("loop_late"), which
+the state machine does not count, and the loop's lateness is taken out of a successful
+probe's health latency (a late loop must not make a worker look slow). A stalled loop can
+delay verdicts, never make a healthy worker UNHEALTHY or DEGRADED.
+
 Cost (1,000 endpoints a second): bodies are asked for uncompressed (`Accept-Encoding:
 identity`: no inflate here, no gzip on the engine; a server that compresses anyway is
 still decoded), and the session has no per-request timer of its own: the probe's
@@ -49,7 +57,7 @@ from yarl import URL
 from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics
 from sidecar.observe.result import Outcome, ProbeResult
 
-__all__ = ["ProbeReport", "Prober", "Target"]
+__all__ = ["LoopLag", "ProbeReport", "Prober", "Target"]
 
 _ACCEPT_METRICS = "text/plain;version=0.0.4"  # OpenMetrics makes prometheus_client mangle ':'
 _HEADERS = {"Accept-Encoding": "identity"}
@@ -77,9 +85,47 @@ class ProbeReport:
     """A ProbeResult for the state machine plus what the metrics and logs want to know."""
 
     result: ProbeResult
-    error: str | None  # error kind label (refused, reset, timeout, unreachable, http_status, bad_metrics)
+    error: str | None  # error kind label (refused, reset, timeout, unreachable, http_status, bad_metrics, loop_late)
     detail: str
     duration_s: float  # the whole probe, health and metrics
+
+
+class LoopLag:
+    """How late the running event loop has run its callbacks, summed since `start`.
+
+    One timer every `interval_s`; each firing adds how far past its due time it ran."""
+
+    __slots__ = ("_due", "_handle", "_interval", "_late", "_loop")
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self._interval = interval_s
+        self._late = 0.0
+        self._due = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + self._interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        self._late += max(0.0, now - self._due)
+        self._due = now + self._interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def late_s(self) -> float:
+        """Seconds late so far, the pending timer's lateness included (it may not have run yet)."""
+        if self._loop is None:
+            return 0.0
+        return self._late + max(0.0, self._loop.time() - self._due)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class _TooLarge(Exception):
@@ -109,6 +155,7 @@ class Prober:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._max_concurrency = max_concurrency
         self._session: aiohttp.ClientSession | None = None
+        self._lag = LoopLag()
         self._urls: dict[tuple[str, int, str], URL] = {}  # parsed once, not on every request
 
     async def __aenter__(self) -> Self:
@@ -118,11 +165,13 @@ class Prober:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._deadline_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True,
                                               headers=_HEADERS)
+        self._lag.start()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._lag.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -137,6 +186,7 @@ class Prober:
         async with self._slots:
             loop = asyncio.get_running_loop()
             started = self._clock()
+            lag_at_start = self._lag.late_s()
             has = has_metrics(target.engine)
             wants_metrics = has and (metrics or not health)
             if not health and wants_metrics:
@@ -150,12 +200,20 @@ class Prober:
                     return ProbeReport(ProbeResult(at, Outcome.OK, sample=sample, health_checked=False),
                                        None, "", at - started)
             deadline = loop.time() + self._deadline_s
+            lag_at_health = self._lag.late_s()
             try:
                 status, latency = await self._health(target, deadline)
             except (TimeoutError, _TooLarge, aiohttp.ClientError, ConnectionError) as exc:
                 at = self._clock()
                 outcome, kind, detail = _health_failure(exc)
+                lost = self._lag.late_s() - lag_at_start
+                if outcome is Outcome.TIMEOUT and lost >= self._deadline_s / 2:
+                    # the deadline passed because the sidecar's loop was held, not because of the worker
+                    return ProbeReport(ProbeResult(at, Outcome.LOOP_LATE, health_checked=False, metrics_checked=False),
+                                       "loop_late", f"the sidecar's event loop ran {lost:.2f} s late during the probe",
+                                       at - started)
                 return ProbeReport(ProbeResult(at, outcome), kind, detail, at - started)
+            latency = max(0.0, latency - (self._lag.late_s() - lag_at_health))  # the worker's part of it
             if not 200 <= status < 300:
                 at = self._clock()
                 result = ProbeResult(at, Outcome.HTTP_STATUS, health_latency_s=latency, http_status=status)

@@ -19,6 +19,7 @@ class Outcome(StrEnum):
     REFUSED = "refused"
     RESET = "reset"
     BAD_METRICS = "bad_metrics"  # health 2xx, metrics body unusable: alive, no load info
+    LOOP_LATE = "loop_late"  # deadline missed while the sidecar's own event loop ran late: nothing learnt
 
 
 @dataclass(frozen=True, slots=True)

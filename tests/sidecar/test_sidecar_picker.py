@@ -149,9 +149,10 @@ def test_ties_are_broken_at_random_not_on_the_first() -> None:
 # -- the ext_proc protocol, message by message ---------------------------------------------
 
 
-def _servicer(*facts: EndpointFacts) -> PickerServicer:
+def _servicer(*facts: EndpointFacts, hint: bool = False) -> PickerServicer:
     store = _store(*facts)
-    return PickerServicer(store, Picker(rng=random.Random(3)), PickerMetrics(None, store.pools))
+    return PickerServicer(store, Picker(rng=random.Random(3)), PickerMetrics(None, store.pools),
+                          honour_subset_hint=hint)
 
 
 def _headers(end: bool = False, **headers: str) -> pb.ProcessingRequest:
@@ -212,14 +213,18 @@ def test_full_duplex_mode_holds_the_headers_and_sends_the_body_back() -> None:
     assert st.endpoint is None  # released at the response's end
 
 
-def test_a_subset_with_nothing_ready_is_a_503_and_no_pool_leaves_it_to_the_proxy() -> None:
-    svc = _servicer(_facts("10.0.0.1:8000"))
-    st = _Stream(None)
+def _hinted_headers(*addresses: str) -> pb.ProcessingRequest:
     hint = struct_pb2.Struct()
-    hint.update({"x-gateway-destination-endpoint-subset": ["10.9.9.9:1"]})
+    hint.update({"x-gateway-destination-endpoint-subset": list(addresses)})
     msg = _headers()
     msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
-    svc._step(st, msg)
+    return msg
+
+
+def test_a_subset_with_nothing_ready_is_a_503_and_no_pool_leaves_it_to_the_proxy() -> None:
+    svc = _servicer(_facts("10.0.0.1:8000"), hint=True)
+    st = _Stream(None)
+    svc._step(st, _hinted_headers("10.9.9.9:1"))
     (out,) = svc._step(st, _body(_chat([SYSTEM])))
     assert out.immediate_response.status.code == 503
     st2 = _Stream(None)
@@ -227,15 +232,50 @@ def test_a_subset_with_nothing_ready_is_a_503_and_no_pool_leaves_it_to_the_proxy
     assert _destination(out2, "request_body") is None
 
 
-def test_a_body_over_the_cap_is_picked_on_load_alone() -> None:
+def test_a_subset_hint_is_ignored_unless_configured() -> None:
+    """Attack 8's hint: confgen's render never has Envoy send one, so a client's is not obeyed."""
+    for hint, expected in ((False, {"10.0.0.1:8000", "10.0.0.2:8000"}), (True, {"10.0.0.2:8000"})):
+        svc = _servicer(_facts("10.0.0.1:8000"), _facts("10.0.0.2:8000"), hint=hint)
+        seen = set()
+        for i in range(40):
+            st = svc.open(None)
+            svc._step(st, _hinted_headers("10.0.0.2:8000"))
+            (out,) = svc._step(st, _body(_chat([{"role": "user", "content": f"question {i}"}])))
+            value = _destination(out, "request_body")
+            assert value is not None
+            seen.add(value.split(",")[0])
+            svc.finish(st)
+        assert seen == expected
+        assert sum(e.in_flight for e in svc.store.endpoints("chat")) == 0
+
+
+def test_a_body_over_the_cap_is_left_to_the_proxy_and_not_held() -> None:
     from sidecar.outputs.picker.extproc import ExtProcLimits
 
     store = _store(_facts("10.0.0.1:8000"), _facts("10.0.0.2:8000"))
-    svc = PickerServicer(store, Picker(), PickerMetrics(None), limits=ExtProcLimits(body_cap=1024))
-    st = _Stream("chat")
+    metrics = PickerMetrics(None)
+    svc = PickerServicer(store, Picker(), metrics, limits=ExtProcLimits(body_cap=1024))
+    st = svc.open("chat")
+    svc._step(st, _headers())
     (out,) = svc._step(st, _body(_chat([{"role": "user", "content": "x" * 5000}])))
-    assert _destination(out, "request_body") is not None
+    assert _destination(out, "request_body") is None and st.endpoint is None
     assert store.index_size() == 0  # nothing hashed
+    assert metrics.unpicked.labels(reason="body_too_large")._value.get() == 1
+    # full duplex: the cap counts every message; past it the held body goes back, the rest passes unread
+    duplex = svc.open("chat")
+    svc._step(duplex, pb.ProcessingRequest(request_headers=pb.HttpHeaders(), protocol_config=pb.ProtocolConfiguration(
+        request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED)))
+    assert svc._step(duplex, _body(b"a" * 600, end=False)) == []
+    headers, held, chunk = svc._step(duplex, _body(b"b" * 600, end=False))
+    assert _destination(headers, "request_headers") is None
+    assert held.request_body.response.body_mutation.streamed_response.body == b"a" * 600
+    assert chunk.request_body.response.body_mutation.streamed_response.body == b"b" * 600
+    for _ in range(10):
+        (passed,) = svc._step(duplex, _body(b"c" * 600, end=False))
+        assert passed.request_body.response.body_mutation.streamed_response.body == b"c" * 600
+        assert len(duplex.body) == 0
+    svc.finish(duplex)
+    assert metrics.unpicked.labels(reason="body_too_large")._value.get() == 2
 
 
 # -- over real gRPC: the stream's bounds and its end ---------------------------------------
@@ -337,3 +377,27 @@ def test_a_request_without_a_body_is_left_to_the_proxy() -> None:
     hinted.subset = frozenset({"10.0.0.1:8000"})
     (out,) = svc._step(hinted, _headers(end=True))
     assert _destination(out, "request_headers") == "10.0.0.1:8000"
+
+
+def test_the_prefix_index_costs_what_its_docstring_says() -> None:
+    """Issue 26, attack 10: a flood of distinct prompts fills the index to its cap; the
+    docstring said ~100 MB for 1,000,000 blocks, RSS grew by 202 MiB (an OrderedDict at
+    ~220 bytes a block, hash ints included). A dict in recency order: ~155 bytes a block."""
+    import tracemalloc
+
+    rng = random.Random(1)
+    tracemalloc.start()
+    try:
+        lru = BlockLRU(200_000)
+        for _ in range(1600):  # 409,600 distinct blocks through a 200,000-block index
+            lru.add([rng.getrandbits(64) for _ in range(256)])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 200_000 - 200_000 // 8 <= len(lru) <= 200_000
+    assert held / len(lru) < 175, held / len(lru)  # bytes a block: ~130 MiB per million blocks
+    hot = [rng.getrandbits(64) for _ in range(256)]
+    lru.add(hot)
+    for _ in range(100):  # a hot prefix stays while the cold ones go
+        lru.add(hot[:8] + [rng.getrandbits(64) for _ in range(248)])
+    assert lru.match(hot) >= 8

@@ -68,3 +68,38 @@ def test_health_only_probe_keeps_the_sample_and_classifies_failures() -> None:
     assert live.result.health_checked and live.result.health_latency_s is not None
     assert dead.result.outcome is Outcome.REFUSED and dead.error == "refused"
     assert dead.result.metrics_checked
+
+
+def test_a_blocked_event_loop_changes_no_verdict() -> None:
+    """Issue 26, attack 2's second half: a picker held the sidecar's loop and every probe
+    missed its deadline, so four healthy workers were marked UNHEALTHY. Here the loop is
+    blocked for 3 s (a deliberate blocking call) while two probes of a healthy worker are in
+    flight: one whose 1 s deadline passes during the block (before: TIMEOUT, and with fall=1
+    UNHEALTHY), one whose 5 s deadline does not (before: a 3 s health latency, DEGRADED).
+    Neither changes the worker's state."""
+    import time
+
+    from sidecar.decide.state import EndpointState, HealthPolicy, Status
+
+    policy = HealthPolicy(fall=1, degraded_probes=1, degraded_latency_s=1.0)
+
+    async def go(port: int) -> tuple[ProbeReport, ProbeReport]:
+        target = Target("127.0.0.1", port, "vllm", "/health", "/metrics")
+        async with Prober(max_concurrency=4, deadline_s=1.0, body_cap=1 << 20) as short, \
+                Prober(max_concurrency=4, deadline_s=5.0, body_cap=1 << 20) as long:
+            await short.probe(target)  # connections warm, as in a running sidecar
+            await long.probe(target)
+            probes = asyncio.gather(short.probe(target), long.probe(target))
+            await asyncio.sleep(0)  # both probes started: their deadlines are set
+            time.sleep(3.0)  # noqa: ASYNC251 - the point: the loop held (a blocking parse, a stuck callback)
+            first, second = await probes
+            return first, second
+
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a"),), seed=1)) as fleet:
+        late, slow = asyncio.run(go(fleet.workers[0].port))
+    assert late.result.outcome is Outcome.LOOP_LATE and late.error == "loop_late", late
+    assert slow.result.outcome is Outcome.OK, slow
+    assert slow.result.health_latency_s is not None and slow.result.health_latency_s < 1.0
+    for report in (late, slow):
+        state = EndpointState.adopt(Status.HEALTHY, report.result.at - 1)
+        assert state.observe(report.result, policy).published is Status.HEALTHY

@@ -8,15 +8,15 @@ and its prefix index; one that leaves takes both with it.
 
 Index memory is capped: each endpoint's LRU holds at most the engine's reported KV blocks
 (else `default_blocks`, 31,250: the inference extension's default, ~500k tokens), and all
-of them together at most `total_blocks` (1,000,000 hashes, ~100 MB at worst), shared
-evenly when the fleet is large.
+of them together at most `total_blocks` (1,000,000 hashes: ~130 MiB of RSS at worst,
+measured on CPython 3.11, see BlockLRU), shared evenly when the fleet is large.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .predict import CostPolicy, Learner
 
@@ -42,13 +42,21 @@ class Classes:
 
 
 class BlockLRU:
-    """The block hashes last sent to one endpoint, least recently used evicted first."""
+    """The block hashes last sent to one endpoint, least recently used evicted first.
+
+    A plain dict in recency order (a re-sent block is deleted and appended), not an
+    OrderedDict, whose linked list costs a node per block (measured, CPython 3.11, 1,000,000
+    64-bit hashes held over 1 or 32 endpoints after 5,000,000 added: OrderedDict +192..220
+    MiB RSS, this +127 MiB, the hash ints included). The
+    oldest are evicted from the front in batches of up to capacity/8 (the size held stays
+    within capacity - capacity/8 .. capacity), so the holes a dict keeps at its front are
+    scanned once per batch, not once per block."""
 
     __slots__ = ("_blocks", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: dict[int, None] = {}
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain are held (chained: the first miss ends it)."""
@@ -63,8 +71,8 @@ class BlockLRU:
     def add(self, hashes: Iterable[int]) -> None:
         blocks = self._blocks
         for h in hashes:
+            blocks.pop(h, None)  # to the end: the most recent
             blocks[h] = None
-            blocks.move_to_end(h)
         self._trim()
 
     def resize(self, capacity: int) -> None:
@@ -73,8 +81,11 @@ class BlockLRU:
 
     def _trim(self) -> None:
         blocks = self._blocks
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+        over = len(blocks) - self.capacity
+        if over <= 0:
+            return
+        for h in list(islice(blocks, over + self.capacity // 8)):
+            del blocks[h]
 
     def __len__(self) -> int:
         return len(self._blocks)

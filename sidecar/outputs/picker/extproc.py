@@ -5,23 +5,48 @@ One gRPC stream per HTTP request. What it answers:
   metadata `envoy.lb` -> `x-gateway-destination-endpoint` the best then the fallbacks for
   retries, `ip:port,ip:port,...` (the extension's EPP does the same: an ORIGINAL_DST
   cluster reads the header and takes exactly one address; the list starts with it);
-- no pick (no pool, no eligible endpoint without a subset hint, a body it cannot read):
-  the header removed and nothing else, so the proxy's own balancer decides;
-- a subset hint (`envoy.lb.subset_hint` -> `x-gateway-destination-endpoint-subset`) with
-  nothing eligible in it: 503 ImmediateResponse (the protocol's MUST).
+- no pick (no pool, no eligible endpoint, a body it cannot read or over the cap, too many
+  open streams): the header removed and nothing else, so the proxy's own balancer decides;
+- a subset hint (`envoy.lb.subset_hint` -> `x-gateway-destination-endpoint-subset`), read
+  only when the servicer is built with `honour_subset_hint=True` (confgen's render never
+  has Envoy send one, so by default a hint is ignored: a client must not narrow the pick):
+  the pick is made within it, and nothing eligible in it is a 503 ImmediateResponse (the
+  protocol's MUST).
 A client-sent `x-gateway-destination-endpoint` is never passed on: the picker overwrites
 or removes it (a client must not choose the endpoint).
 
-Body modes: BUFFERED (confgen's render: the headers are answered at once, the pick rides on
-the body answer) and FULL_DUPLEX_STREAMED (the extension's documented Envoy config: the
-headers answer waits for the body's end, then the body goes back as streamed chunks).
-The stream stays open until the HTTP stream ends (response end-of-stream, trailers, or the
-proxy closing/resetting it); that is when the endpoint's in-flight count drops.
+Each stream is a state machine (`Phase`):
 
-Bounded: the body read for the prompt is capped (`body_cap`; beyond it the pick is by load
-alone), the body must arrive within `body_timeout_s` and a stream lives at most
-`max_stream_s` (a generation's length); a stream that breaks either is dropped and its
-request released.
+    HEADERS --request_headers--> BODY --body read / cap passed--> DECIDED --response--> RESPONSE
+       any --stream ends, is reset, times out, or breaks the protocol--> CLOSED
+
+The body mode is the one the stream declares (`protocol_config` on its first message;
+none declared: BUFFERED, confgen's render):
+- BUFFERED (and BUFFERED_PARTIAL): the headers are answered at once, the one body message
+  carries the pick;
+- FULL_DUPLEX_STREAMED (the extension's documented Envoy config): the headers answer waits
+  for the body's end, then the body goes back as streamed chunks; past the pick, chunks
+  pass through unread;
+- NONE, STREAMED, GRPC: the router has the headers before any body, so the pick rides on
+  the headers answer, by load alone; body chunks are answered and not read.
+Exactly one decision (pick or no pick) per stream. A message out of order for the mode
+(a second request_headers, a body after a BUFFERED body or after end_of_stream, a response
+before the request was decided, anything after the response ended, protocol_config after
+the first message) is a protocol error: the stream ends with INVALID_ARGUMENT and releases
+what it holds.
+
+In flight: a picked stream counts one on its endpoint until the response ends (response
+end-of-stream or trailers) or the stream does (closed, reset, timed out, protocol error),
+whichever comes first, and exactly once.
+
+Bounded: the body read for the prompt is capped in total across its messages (`body_cap`;
+past it the request is answered without a pick and nothing more is held); parsing is
+bounded in items as well as bytes (see `prompt`); the body must arrive within
+`body_timeout_s`, a stream lives at most `max_stream_s` (a generation's length), and at
+most `max_open_streams` streams are tracked at once: a stream beyond that is answered
+without a pick at once (`confgen_picker_unpicked_total{reason="busy"}`) and counts nothing
+in flight, so streams that are held open can neither grow memory nor hold in-flight counts
+past `max_stream_s`.
 """
 
 from __future__ import annotations
@@ -33,6 +58,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import grpc
@@ -44,13 +70,14 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from confgen._openai import error_body
+from confgen.errors import ConfgenError
 
 from .datastore import Datastore, Endpoint
 from .metrics import PickerMetrics
-from .prompt import block_hashes, parse_body
+from .prompt import MAX_ITEMS, block_hashes, parse_body
 from .scheduling import Pick, Picker, PickRequest
 
-__all__ = ["DESTINATION", "POOL_METADATA", "ExtProcLimits", "PickerServicer"]
+__all__ = ["DESTINATION", "POOL_METADATA", "BodyMode", "ExtProcLimits", "Phase", "PickerServicer", "ProtocolError"]
 
 DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
@@ -58,41 +85,76 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 POOL_METADATA = "x-confgen-pool"  # gRPC initial metadata confgen's render sends per route
 
-_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_MODE = processing_mode_pb2.ProcessingMode
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _log = logging.getLogger("sidecar.picker")
 
 
 @dataclass(frozen=True, slots=True)
 class ExtProcLimits:
-    body_cap: int = 2 * 1024 * 1024  # bytes of body read for the prompt
+    body_cap: int = 2 * 1024 * 1024  # bytes of body read for the prompt, all its messages together
     body_timeout_s: float = 30.0  # from the stream's start to the body's end
     max_stream_s: float = 1800.0  # a stream (one request, its generation included) at most this long
     block_chars: int = 64
     max_blocks: int = 256
+    max_items: int = MAX_ITEMS  # messages, content parts or token ids read of one body
+    max_open_streams: int = 8192  # streams tracked at once; beyond: answered without a pick
+
+
+class Phase(StrEnum):
+    HEADERS = "headers"  # expecting request_headers
+    BODY = "body"  # the request body is being read
+    DECIDED = "decided"  # picked or left to the proxy; the request's rest passes
+    RESPONSE = "response"  # the response is passing
+    CLOSED = "closed"
+
+
+class BodyMode(StrEnum):
+    BUFFERED = "buffered"  # one body message; the pick rides on its answer
+    DUPLEX = "full_duplex"  # headers held until the body's end; the body sent back in chunks
+    NONE = "none"  # the picker does not read the body; the pick rides on the headers answer
+
+
+_MODES = {_MODE.BUFFERED: BodyMode.BUFFERED, _MODE.BUFFERED_PARTIAL: BodyMode.BUFFERED,
+          _MODE.FULL_DUPLEX_STREAMED: BodyMode.DUPLEX}
+
+
+class ProtocolError(ConfgenError):
+    """A message out of order for the stream's phase and mode: the stream ends."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind  # the metric's label
 
 
 class _Stream:
     """One request's passage through the picker."""
 
-    __slots__ = ("body", "client", "decided", "endpoint", "expired", "headers_held", "oversize", "picked_at", "pool",
-                 "predicted", "streamed", "streamed_response", "subset", "task")
+    __slots__ = ("body", "body_ended", "client", "endpoint", "expired", "first", "mode", "phase", "picked_at", "pool",
+                 "predicted", "response_ended", "skip", "streamed_response", "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
-        self.streamed = False  # FULL_DUPLEX_STREAMED request body
+        self.phase = Phase.HEADERS
+        self.mode = BodyMode.BUFFERED  # until protocol_config says otherwise
         self.streamed_response = False
-        self.headers_held = False  # full duplex: the headers answer waits for the pick
-        self.body = bytearray()
-        self.oversize = False
+        self.first = True  # no message seen yet
+        self.body = bytearray()  # full duplex: the body held until the pick (at most body_cap)
+        self.body_ended = False
+        self.trailers = False
+        self.response_ended = False
+        self.skip: str | None = None  # decided without a pick before the body is read: the reason
         self.subset: frozenset[str] | None = None
         self.endpoint: Endpoint | None = None  # in flight there until released
-        self.decided = False  # picked, or left to the proxy
         self.expired = False
         self.task: asyncio.Task[Any] | None = None  # the RPC's, to end it when past its bound
         self.client: str | None = None  # the authenticated client id the proxy forwarded
         self.picked_at = 0.0
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
+
+    @property
+    def decided(self) -> bool:
+        return self.phase in (Phase.DECIDED, Phase.RESPONSE, Phase.CLOSED)
 
 
 def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -105,6 +167,16 @@ def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
     if value.HasField("list_value"):
         return frozenset(v.string_value for v in value.list_value.values if v.string_value)
     return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
+
+
+def _remove_destination() -> pb.CommonResponse:
+    return pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION]))
+
+
+def _chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+            body=data, end_of_stream=end_of_stream)))))
 
 
 _OVERLOADED = json.dumps(error_body("overloaded"), separators=(",", ":")).encode()
@@ -125,36 +197,53 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
 
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
-                 limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
+                 honour_subset_hint: bool = False) -> None:
         self.store = store
         self.picker = picker
         self.metrics = metrics
         self.limits = limits or ExtProcLimits()
+        self.honour_subset_hint = honour_subset_hint
         self._clock = clock
+        self._open: set[_Stream] = set()  # streams tracked (not over max_open_streams)
 
-    # -- the pick -----------------------------------------------------------------------
+    def open_streams(self) -> int:
+        return len(self._open)
+
+    # -- the decision -------------------------------------------------------------------
 
     def choose(self, st: _Stream) -> pb.ProcessingResponse | tuple[base_pb2.HeaderValueOption | None, Pick | None]:
-        """The destination header for this request (None: leave it to the proxy), or a 503."""
+        """Decide, once: the destination header for this request (None: leave it to the
+        proxy), or a 503. Moves the stream to DECIDED."""
+        if st.decided:
+            raise ProtocolError("second_decision", "the request was decided already")
+        st.phase = Phase.DECIDED
+        body, st.body = bytes(st.body), bytearray()
+        if st.skip is not None:
+            self.metrics.unpicked.labels(reason=st.skip).inc()
+            return None, None
         started = self._clock()
-        st.decided = True
-        prompt = parse_body(bytes(st.body)) if st.body and not st.oversize else None
+        limits = self.limits
+        prompt = parse_body(body, max_chars=limits.block_chars * limits.max_blocks,
+                            max_items=limits.max_items) if body else None
         pool = st.pool or self.store.pool_for(prompt.model if prompt else None)
         if pool is None and st.subset:
             pool = self.store.pool_holding(st.subset)
         if pool is None:  # another policy's pool, or a model no pool serves
             self.metrics.unpicked.labels(reason="not_ours").inc()
             return None, None
-        hashes = block_hashes(prompt.text, prompt.model, block_chars=self.limits.block_chars,
-                              max_blocks=self.limits.max_blocks) if prompt else []
+        hashes = block_hashes(prompt.text, prompt.model, block_chars=limits.block_chars,
+                              max_blocks=limits.max_blocks) if prompt else []
         traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None)
         pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class), self.store.endpoints(pool))
         if pick.refused_for_s is not None:
             self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
+            st.phase = Phase.CLOSED  # the proxy answers and ends the stream
             return _overloaded(pick.refused_for_s)
         if not pick.endpoints:
             if st.subset is not None:
                 self.metrics.picks.labels(pool=pool, reason="unavailable").inc()
+                st.phase = Phase.CLOSED  # the proxy answers and ends the stream
                 return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                     status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
                     body=b'{"error":{"message":"no ready endpoint in the requested subset","type":"unavailable"}}',
@@ -174,13 +263,22 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return base_pb2.HeaderValueOption(header=header, append_action=_OVERWRITE), pick
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
-        """The request's in-flight count ends; `finished`: its response ended normally, so its
-        time is compared with the prediction."""
+        """The stream's request no longer in flight; idempotent. `finished`: its response ended
+        normally, so its time is compared with the prediction."""
         if st.endpoint is not None:
-            st.endpoint.in_flight = max(0, st.endpoint.in_flight - 1)
+            st.endpoint.in_flight -= 1
             if finished and st.predicted is not None and st.pool is not None:
                 self.metrics.observe_finish(st.pool, st.predicted, self._clock() - st.picked_at)
             st.endpoint = None
+
+    def finish(self, st: _Stream) -> None:
+        """The stream is over, however it ended: release it and forget it."""
+        st.phase = Phase.CLOSED
+        st.body = bytearray()
+        self.release(st)
+        if st in self._open:
+            self._open.discard(st)
+            self.metrics.open_streams.set(len(self._open))
 
     @staticmethod
     def _answer(kind: str, decision: base_pb2.HeaderValueOption | None,
@@ -206,122 +304,182 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # -- the stream ---------------------------------------------------------------------
 
+    def open(self, pool: str | None) -> _Stream:
+        """A new stream, tracked unless `max_open_streams` are already (then it is answered
+        without a pick and holds nothing)."""
+        st = _Stream(pool)
+        self.metrics.streams.inc()
+        if len(self._open) >= self.limits.max_open_streams:
+            st.skip = "busy"
+        else:
+            self._open.add(st)
+            self.metrics.open_streams.set(len(self._open))
+        return st
+
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
         pool = next((v for k, v in context.invocation_metadata() or () if k == POOL_METADATA), None)
-        st = _Stream(pool if isinstance(pool, str) else None)
-        self.metrics.streams.inc()
+        st = self.open(pool if isinstance(pool, str) else None)
         loop = asyncio.get_running_loop()
         st.task = asyncio.current_task()
         # One timer per stream, not one per message: the body's bound, then the generation's.
-        timer = loop.call_at(loop.time() + self.limits.body_timeout_s, self._expire, st, context)
+        timer = loop.call_at(loop.time() + self.limits.body_timeout_s, self._expire, st)
+        error: ProtocolError | None = None
         try:
             async for msg in request_iterator:
                 was_decided = st.decided
-                for out in self._step(st, msg):
+                try:
+                    answers = self._step(st, msg)
+                except ProtocolError as exc:
+                    error = exc
+                    break
+                for out in answers:
                     yield out
+                if st.phase is Phase.CLOSED:
+                    break
                 if st.decided and not was_decided:
                     timer.cancel()
-                    timer = loop.call_at(loop.time() + self.limits.max_stream_s, self._expire, st, context)
-            self.release(st, finished=True)  # the proxy closed the stream: the response has ended
+                    timer = loop.call_at(loop.time() + self.limits.max_stream_s, self._expire, st)
+            else:
+                if error is None and st.decided:  # the proxy closed the stream: the response has ended
+                    self.release(st, finished=True)
         except asyncio.CancelledError:
             if not st.expired:
                 raise
-        finally:  # ended, reset by the proxy (cancelled) or timed out
+        finally:  # ended, reset by the proxy (cancelled), timed out or broke the protocol
             timer.cancel()
-            self.release(st)
+            self.finish(st)
+        if error is not None:
+            self.metrics.stream_errors.labels(reason=error.kind).inc()
+            _log.debug("ext_proc protocol error: %s", error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confgen picker: {error}")
 
-    def _expire(self, st: _Stream, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    def _expire(self, st: _Stream) -> None:
         """A stream past its bound: count it, release its request and end the RPC."""
         st.expired = True
         self.metrics.unpicked.labels(reason="timeout" if not st.decided else "stream_timeout").inc()
-        self.release(st)
+        self.finish(st)
         task = st.task
         if task is not None:
             task.cancel()
 
     def _step(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one message; ProtocolError when it is out of order."""
+        if st.phase is Phase.CLOSED:
+            raise ProtocolError("after_close", "a message after the stream was done")
         if msg.HasField("protocol_config"):
-            st.streamed = msg.protocol_config.request_body_mode == _FULL_DUPLEX
-            st.streamed_response = msg.protocol_config.response_body_mode == _FULL_DUPLEX
-        if msg.metadata_context.filter_metadata:
+            if not st.first:
+                raise ProtocolError("late_config", "protocol_config after the first message")
+            st.mode = _MODES.get(msg.protocol_config.request_body_mode, BodyMode.NONE)
+            st.streamed_response = msg.protocol_config.response_body_mode == _MODE.FULL_DUPLEX_STREAMED
+        st.first = False
+        if self.honour_subset_hint and not st.decided and msg.metadata_context.filter_metadata:
             subset = _subset(msg)
             if subset is not None:
                 st.subset = subset
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            header = self.store.classes.client_header
-            if header is not None:
-                st.client = next((h.raw_value.decode("utf-8", "replace") or h.value
-                                  for h in msg.request_headers.headers.headers if h.key == header), None)
-            if msg.request_headers.end_of_stream:
-                # No body: not an inference request (GET /v1/models, /health). Leave it to the proxy,
-                # unless it came with a subset hint, which the protocol says must be honoured.
-                if st.subset is None:
-                    st.decided = True
-                    self.metrics.unpicked.labels(reason="no_body").inc()
-                    return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION]))))]
-                return [self._picked(st, "headers")]
-            if st.streamed:
-                st.headers_held = True
-                return []
-            # BUFFERED: answer now (drop any client copy of the header); the pick rides on the body.
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(remove_headers=[DESTINATION]))))]
+            return self._headers(st, msg.request_headers)
         if kind == "request_body":
             return self._body(st, msg.request_body)
         if kind == "request_trailers":
-            out = self._flush(st) if st.headers_held else []
+            if st.phase is Phase.HEADERS or st.trailers:
+                raise ProtocolError("order", "request trailers before the headers or twice")
+            st.trailers = True
+            st.body_ended = True
+            out = self._flush(st, end_of_stream=False) if st.phase is Phase.BODY else []
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind in ("response_headers", "response_body", "response_trailers"):
+            return self._response(st, msg, kind)
+        raise ProtocolError("unknown", f"unexpected message {kind!r}")
+
+    def _headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        if st.phase is not Phase.HEADERS:
+            raise ProtocolError("order", "request_headers twice")
+        client_header = self.store.classes.client_header
+        if client_header is not None:  # set by the proxy's api_key_auth, a client's own copy removed first
+            st.client = next((h.raw_value.decode("utf-8", "replace") or h.value
+                              for h in headers.headers.headers if h.key == client_header), None)
+        if headers.end_of_stream:
+            st.body_ended = True
+            # No body: not an inference request (GET /v1/models, /health). Leave it to the proxy,
+            # unless it came with a (honoured) subset hint, which the protocol says must be honoured.
+            if st.subset is None and st.skip is None:
+                st.skip = "no_body"
+            return [self._picked(st, "headers")]
+        if st.skip is not None and st.mode is not BodyMode.BUFFERED:
+            return [self._picked(st, "headers")]  # decided at once; the body passes unread
+        if st.mode is BodyMode.NONE:
+            return [self._picked(st, "headers")]  # the router reads these headers next: load alone
+        st.phase = Phase.BODY
+        if st.mode is BodyMode.DUPLEX:
+            return []  # held until the pick
+        # BUFFERED: answer now (drop any client copy of the header); the pick rides on the body.
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_remove_destination()))]
+
+    def _body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if st.body_ended:
+            raise ProtocolError("order", "a body message after the body's end")
+        st.body_ended = body.end_of_stream
+        if st.phase is Phase.HEADERS and st.mode is BodyMode.BUFFERED:
+            st.phase = Phase.BODY  # request headers skipped by the processing mode
+        if st.phase is Phase.BODY:
+            if st.mode is BodyMode.BUFFERED:
+                st.body_ended = True  # BUFFERED sends the body in one message
+                if len(body.body) > self.limits.body_cap:
+                    st.skip = st.skip or "body_too_large"
+                elif st.skip is None:
+                    st.body += body.body
+                return [self._picked(st, "body")]
+            # full duplex: hold up to the cap
+            if len(st.body) + len(body.body) > self.limits.body_cap:
+                st.skip = st.skip or "body_too_large"
+                return [*self._flush(st, end_of_stream=False), _chunk(body.body, body.end_of_stream)]
+            st.body += body.body
+            return self._flush(st, end_of_stream=True) if body.end_of_stream else []
+        if st.phase is Phase.HEADERS:
+            raise ProtocolError("order", "a body before the headers")
+        if st.mode is BodyMode.BUFFERED:
+            raise ProtocolError("order", "a second body message in BUFFERED mode")
+        if st.mode is BodyMode.DUPLEX:  # decided already (cap passed, or a busy stream): pass it through
+            return [_chunk(body.body, body.end_of_stream)]
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+
+    def _flush(self, st: _Stream, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        """Decide on the body read so far. Full duplex: answer the held headers, then send
+        that body back; BUFFERED (trailers without a body): no pick, the headers are gone."""
+        if st.mode is not BodyMode.DUPLEX:
+            st.skip = st.skip or "no_body"
+            self.choose(st)
+            return []
+        held = bytes(st.body)
+        answer = self._picked(st, "headers")
+        if answer.HasField("immediate_response"):
+            return [answer]
+        return [answer, _chunk(held, end_of_stream)]
+
+    def _response(self, st: _Stream, msg: pb.ProcessingRequest, kind: str) -> list[pb.ProcessingResponse]:
+        if not st.decided:
+            raise ProtocolError("order", "a response before the request was decided")
+        if st.response_ended or (kind == "response_headers" and st.phase is Phase.RESPONSE):
+            raise ProtocolError("order", f"{kind} after the response's end or headers twice")
+        st.phase = Phase.RESPONSE
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
-                self.release(st, finished=True)
+                self._response_end(st)
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         if kind == "response_body":
             body = msg.response_body
             if body.end_of_stream:
-                self.release(st, finished=True)
+                self._response_end(st)
             if st.streamed_response:
                 return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                         body=body.body, end_of_stream=body.end_of_stream)))))]
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
-        if kind == "response_trailers":
-            self.release(st, finished=True)
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
-        return []
+        self._response_end(st)
+        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
 
-    def _body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if not st.streamed:
-            if len(body.body) > self.limits.body_cap:
-                st.oversize = True
-            else:
-                st.body += body.body
-            return [self._picked(st, "body")]
-        if not st.headers_held:  # picked already (oversize): pass the chunk through
-            return [self._chunk(body.body, body.end_of_stream)]
-        st.body += body.body
-        if len(st.body) > self.limits.body_cap:
-            st.oversize = True
-            return self._flush(st, end_of_stream=body.end_of_stream)
-        if body.end_of_stream:
-            return self._flush(st, end_of_stream=True)
-        return []
-
-    def _flush(self, st: _Stream, end_of_stream: bool = False) -> list[pb.ProcessingResponse]:
-        """Full duplex: pick, answer the held headers, then send the body held so far back."""
-        st.headers_held = False
-        answer = self._picked(st, "headers")
-        if answer.HasField("immediate_response"):
-            return [answer]
-        body, st.body = bytes(st.body), bytearray()
-        return [answer, self._chunk(body, end_of_stream)]
-
-    @staticmethod
-    def _chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                body=data, end_of_stream=end_of_stream)))))
-
-
+    def _response_end(self, st: _Stream) -> None:
+        st.response_ended = True
+        self.release(st, finished=True)

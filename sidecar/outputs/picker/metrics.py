@@ -4,8 +4,15 @@
                                                 holder was passed over for load), load (no prefix known),
                                                 only (one candidate), unavailable (503 for a subset hint)
     confgen_picker_unpicked_total{reason}       left to the proxy's own balancer: not_ours (another
-                                                pool), none_ready, no_body (GET), timeout
+                                                pool), none_ready, no_body (GET), timeout (no body in
+                                                time), stream_timeout (past max_stream_s, after the
+                                                pick), body_too_large (over the body cap), busy (over
+                                                max_open_streams)
     confgen_picker_streams_total                ext_proc streams opened (one per request)
+    confgen_picker_stream_errors_total{reason}  streams ended for breaking the protocol (INVALID_ARGUMENT):
+                                                order (a message out of order for the stream's mode),
+                                                late_config, after_close, unknown
+    confgen_picker_open_streams                 ext_proc streams open and tracked now
     confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
                                                 matched/requested estimates the prefix-cache hit ratio
     confgen_picker_pick_seconds                 time to choose (parse, hash, score), histogram
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -68,6 +75,9 @@ class PickerMetrics:
         self.streams = Counter("confgen_picker_streams", "ext_proc streams opened", registry=reg)
         self.blocks = Counter("confgen_picker_prefix_blocks", "Prompt blocks requested / matched at the chosen "
                               "endpoint", ["kind"], registry=reg)
+        self.stream_errors = Counter("confgen_picker_stream_errors", "ext_proc streams ended for breaking the "
+                                     "protocol", ["reason"], registry=reg)
+        self.open_streams = Gauge("confgen_picker_open_streams", "ext_proc streams open and tracked", registry=reg)
         self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
                                  registry=reg)
         self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted start past their "
