@@ -1,7 +1,8 @@
 """Bounded bodies at the edge (issue 26, attacks 6 and 9), on the real Envoy: a body over the
 listener's max_request_bytes (default 2 MiB) is answered 413 `request_too_large` before
 json_to_metadata parses it and before the endpoint picker (ext_proc, BUFFERED) is sent it; a
-prompt under the limit is served."""
+prompt under the limit is served. Over HTTP/1 and HTTP/2 alike (the listener's
+per-connection buffer limit alone bounded HTTP/1 only; the buffer filter bounds both)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import socket
 import threading
 from pathlib import Path
+
+import grpc
 
 from confgen import parse_topology
 from confgen.model import DEFAULT_MAX_REQUEST_BYTES
@@ -116,3 +119,29 @@ def test_an_oversized_body_is_refused_before_envoy_parses_it_or_the_picker_gets_
             prompt = {"model": "m", "prompt": "x" * (3 * MB // 2)}
             assert post_raw(port, json.dumps(prompt).encode())[0] == 200
             assert len(a.requests) == served + 1
+
+
+def test_the_limit_holds_over_http2(tmp_path: Path) -> None:
+    """grpcio as the HTTP/2 client (prior knowledge, no TLS): a 3 MB request body is answered
+    413 `request_too_large` (gRPC status UNKNOWN carrying the JSON), a 1 KB one gets past the
+    limit (404 `model_not_found`: it names no model). Before the buffer filter the listener's
+    per-connection limit did not hold on HTTP/2: the 3 MB body got 404 like the small one, and
+    an 8 MB JSON integer array sent with curl --http2-prior-knowledge was parsed (200, +686
+    MiB peak, 0.90 CPU-s)."""
+    port, admin, grpc_port = free_port(), free_port(), free_port()
+    with backends("a") as (a,):
+        text = TOPOLOGY.format(admin=admin, port=port, grpc=grpc_port, a=a.port)
+        with running_envoy(text, tmp_path / "out") as proc, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/v1/completions", request_serializer=bytes, response_deserializer=bytes)
+            answers = {}
+            _, peak0 = _usage(proc.pid)
+            for size in (1000, 3 * MB):
+                try:
+                    call(b"x" * size, timeout=10)
+                except grpc.RpcError as err:
+                    answers[size] = err.details() or ""
+            assert "model_not_found" in answers[1000], answers
+            assert "request_too_large" in answers[3 * MB], answers
+            assert a.requests == []
+            _, peak1 = _usage(proc.pid)
+            assert peak1 - peak0 < 50, (peak0, peak1)
