@@ -53,6 +53,10 @@ def topology_yaml(workers: Sequence[tuple[str, int, int]], cfg: PoolConfig, port
     return _one_pool(workers, port, admin, pool)
 
 
+# The bench's load generator stands for the gateway in front of Envoy that sets the class header.
+TRUSTED = ", trusted_headers: {names: [x-tier], from: [127.0.0.1/32]}"
+
+
 def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str,
               grpc_port: int | None = None, routes: str = "") -> str:
     """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers;
@@ -64,7 +68,7 @@ version: 1
 name: bench
 admin: {{address: 127.0.0.1, port: {admin}}}
 {link}listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
+  - {{name: public, address: 127.0.0.1, port: {port}{TRUSTED if routes else ""}}}
 {f"routes: {routes}{chr(10)}" if routes else ""}pools:
   - name: {POOL}
     engine: vllm

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
+from . import _edge_checks
 from ._fields import COMPILED
 from ._names import dns_label
 from .balancing import POLICIES, is_hashing, uses_picker
@@ -71,6 +72,7 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         _canned,
     ):
         found.extend(checker(topo))
+    found.extend(_edge_checks.check(topo, reserved_header))
     return found
 
 

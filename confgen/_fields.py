@@ -44,6 +44,7 @@ PATTERNS: dict[str, tuple[str, str]] = {
         r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}",
         "host:port ([v6]:port for IPv6)",
     ),
+    "cidr": (r"[0-9A-Fa-f:.]{2,45}/[0-9]{1,3}", "an IP network in CIDR form, such as 10.0.0.0/8 or fd00::/8"),
     "scale_target": (
         r"(deployment|statefulset)/[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?",
         "deployment/<name> or statefulset/<name>",

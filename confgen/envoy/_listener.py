@@ -3,9 +3,14 @@
 Filter order, and why:
   1. header_mutation  - drop client-sent copies of our internal header and of Envoy's
                         x-envoy-* request controls before anything reads them.
+  1b. confgen.untrusted_headers - only with listeners[].trusted_headers: drop those headers
+                        unless the peer is one of the listener's trusted hops (a route's
+                        class may depend on them; see _untrusted_headers).
   2. api_key_auth     - reject unauthenticated requests before buffering their bodies;
                         forward the client id, strip the key.
   3. local_ratelimit  - global bucket, then one bucket per client (429).
+  3b. buffer          - the listener's max_request_bytes, for every codec: a larger body is
+                        413 before anything parses it.
   4. json_to_metadata - read the body's `model` into dynamic metadata; routes match on it
                         (no header a client could forge decides the pool).
      (token budgets: also the estimate from max_tokens, and the answer's usage; then
@@ -28,6 +33,7 @@ Filter order, and why:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 
@@ -75,17 +81,59 @@ def _percent(key: str) -> Json:
     return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": key}
 
 
-def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool, sheddable: bool) -> list[Json]:
+def _remove(names: list[str]) -> Json:
+    return {"mutations": {"request_mutations": [{"remove": name} for name in names]}}
+
+
+TRUSTED_FILTER = "confgen.untrusted_headers"
+BODY_LIMIT_FILTER = "envoy.filters.http.buffer"
+
+
+def _untrusted_headers(lst: Listener) -> Json | None:
+    """Removes the listener's trusted headers unless the peer (the connection's own source
+    address, not X-Forwarded-For) is in `from`: a header_mutation wrapped in a matcher that skips
+    it for those peers (Envoy's ExtensionWithMatcher; checked on Envoy 1.40: a 127.0.0.2 client's
+    copy removed, a 127.0.0.1/32 peer's kept)."""
+    trusted = lst.trusted_headers
+    if trusted is None or not trusted.from_:
+        return None
+    ranges = []
+    for cidr in trusted.from_:
+        net = ipaddress.ip_network(cidr)
+        ranges.append({"address_prefix": str(net.network_address), "prefix_len": net.prefixlen})
+    return extension(TRUSTED_FILTER, "extensions.common.matching.v3.ExtensionWithMatcher", {
+        "extension_config": extension(
+            "envoy.filters.http.header_mutation", "extensions.filters.http.header_mutation.v3.HeaderMutation",
+            _remove(trusted.names)),
+        "xds_matcher": {"matcher_tree": {
+            "input": extension("envoy.matching.inputs.direct_source_ip",
+                               "extensions.matching.common_inputs.network.v3.DirectSourceIPInput", {}),
+            "custom_match": {"name": "envoy.matching.custom_matchers.ip_matcher",
+                             "typed_config": {"@type": "type.googleapis.com/xds.type.matcher.v3.IPMatcher",
+                                              "range_matchers": [{"ranges": ranges, "on_match": {"action": extension(
+                                                  "skip", "extensions.filters.common.matcher.action.v3.SkipFilter",
+                                                  {})}}]}},
+        }},
+    })
+
+
+def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restricted: bool,
+             sheddable: bool) -> list[Json]:
     internal = [*ENVOY_CONTROL_HEADERS]
     if topo.auth is not None:
         internal.insert(0, topo.auth.client_header)
     if picker_wanted(topo):
         internal.append(PICKER_HEADER)  # a client must not choose the worker
+    if lst.trusted_headers is not None and not lst.trusted_headers.from_:
+        internal += lst.trusted_headers.names  # no peer may send them
     filters = [extension(
         "envoy.filters.http.header_mutation",
         "extensions.filters.http.header_mutation.v3.HeaderMutation",
-        {"mutations": {"request_mutations": [{"remove": name} for name in internal]}},
+        _remove(internal),
     )]
+    untrusted = _untrusted_headers(lst)
+    if untrusted is not None:
+        filters.append(untrusted)
     if topo.auth is not None:
         filters.append(extension(
             "envoy.filters.http.api_key_auth",
@@ -144,6 +192,13 @@ def _filters(topo: Topology, secrets: Mapping[str, str], restricted: bool, shedd
     if tokens:  # token budgets: the answer's usage (JSON bodies here, streams in sse_to_metadata)
         body_rules["response_rules"] = {"allow_content_types": list(MODEL_CONTENT_TYPES),
                                         "rules": _ratelimit.usage_response_rules()}
+    # The body cap, for every codec: per_connection_buffer_limit_bytes alone bounds HTTP/1 only
+    # (measured on Envoy 1.40: an 8 MB body over HTTP/2 went through a 2 MiB listener cap and cost
+    # +686 MiB in json_to_metadata). The buffer filter refuses a body past max_request_bytes with
+    # 413 before the next filter sees any of it.
+    filters.append(extension(
+        BODY_LIMIT_FILTER, "extensions.filters.http.buffer.v3.Buffer", {"max_request_bytes": lst.max_request_bytes},
+    ))
     filters.append(extension(
         "envoy.filters.http.json_to_metadata", "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
         body_rules,
@@ -430,7 +485,7 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
             "max_direct_response_body_size_bytes": direct_response_limit(topo),
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo, plan)}],
         },
-        "http_filters": _filters(topo, secrets, plan.restricted, bool(plan.sheddable_pools(topo))),
+        "http_filters": _filters(topo, lst, secrets, plan.restricted, bool(plan.sheddable_pools(topo))),
         "local_reply_config": local_reply_config(topo),
         "access_log": [extension(
             "envoy.access_loggers.stdout",

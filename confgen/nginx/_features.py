@@ -28,6 +28,11 @@ def unsupported(topo: Topology) -> list[Finding]:
             found.append((f"auth.api_keys[{ki}].class", (
                 "nginx honours no traffic class: one limit_conn per pool, so this client's traffic is shed like "
                 "any other (classes are Envoy-only)")))
+    for li, lst in enumerate(topo.listeners):
+        if lst.trusted_headers is not None:
+            found.append((f"listeners[{li}].trusted_headers", (
+                "nginx does not remove these headers from other peers: any client can send them (the classes "
+                "they give are Envoy-only; a route to another pool on them can be chosen by any client)")))
     for pi, pool in enumerate(topo.pools):
         base = f"pools[{pi}]"
         bal = pool.balancing

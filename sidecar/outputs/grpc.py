@@ -47,7 +47,7 @@ _log = logging.getLogger("sidecar.grpc")
 @dataclass(frozen=True, slots=True)
 class GrpcLimits:
     """Caps every server gets. Envoy's ext_proc messages carry a request body: the
-    listener's own body cap plus headers fits in 4 MiB."""
+    listener's own body cap (max_request_bytes: default 2 MiB, at most 4 MiB less 64 KiB before a picker) fits."""
 
     max_message_bytes: int = 4 * 1024 * 1024  # received (and sent, unless max_send_bytes says otherwise)
     max_send_bytes: int | None = None

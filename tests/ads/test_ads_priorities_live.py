@@ -12,14 +12,14 @@ from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
-from tests.support.classes import load, post
+from tests.support.classes import TRUSTED, load, post
 
 TOPOLOGY = """\
 version: 1
 name: fleet
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
+  - {{name: public, address: 127.0.0.1, port: {port}, {trusted}}}
 sidecar: {{grpc_socket_dir: {sockets}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"]}}
@@ -60,14 +60,14 @@ def test_the_control_plane_serves_the_shed_share_and_sheddable_traffic_goes_firs
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
         topology = tmp_path / "topology.yaml"
         sockets = tmp_path / "sockets"  # ADS over its Unix socket
-        topology.write_text(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers, sockets=sockets))
+        text = TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers, trusted=TRUSTED, sockets=sockets)
+        topology.write_text(text)
         sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
                                   "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
         sidecar.start()
         try:
             sidecar.wait_ready()
-            topo, _ = parse_topology(TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers,
-                                                     sockets=sockets).encode())
+            topo, _ = parse_topology(text.encode())
             out = tmp_path / "envoy"
             out.mkdir()
             (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])

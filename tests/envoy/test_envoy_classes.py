@@ -16,14 +16,14 @@ from confgen.envoy._proto import Json
 from confgen.nginx import unsupported
 from confgen.runtime import EnvoyProcess, free_port
 from tests.support.backends import backends
-from tests.support.envoy import request, running_envoy, wait_until
+from tests.support.envoy import request, request_from, running_envoy, wait_until
 
 TOPOLOGY = """
 version: 1
 name: classes
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
-  - {{name: public, address: 127.0.0.1, port: {port}}}
+  - {{name: public, address: 127.0.0.1, port: {port}, trusted_headers: {{names: [x-tier], from: [127.0.0.1/32]}}}}
 auth:
   api_keys:
     - {{client: ops, env: KEY_OPS, class: critical}}
@@ -183,6 +183,33 @@ def test_with_default_shut_critical_traffic_still_passes_on_the_real_envoy(tmp_p
             assert request(url, body, _auth("ops"))[0] == 200
             assert request(url, body, {**_auth("batch"), "x-tier": "urgent"})[0] == 200
             assert request(url, body, {**_auth("batch"), "x-confgen-client": "ops"})[0] == 429
+
+
+def test_a_class_header_from_an_untrusted_peer_changes_nothing_on_the_real_envoy(tmp_path: Path) -> None:
+    """x-tier is trusted from 127.0.0.1 only (the listener's trusted_headers): sent from 127.0.0.2 it
+    never reaches the worker and never selects the critical route; with DEFAULT shut (the sidecar's
+    limit at its extreme) such a request gets 429 `overloaded` whichever key sends it, while the
+    same header from the trusted peer, and the critical key from any peer, ride HIGH and pass. Before
+    trusted_headers (issue 26, attack 3) the forged header made any client critical."""
+    port, admin = free_port(), free_port()
+    with backends("a") as (a,):
+        text = TOPOLOGY.format(admin=admin, port=port, a=a.port)
+        with running_envoy(text, tmp_path / "out", secrets=SECRETS) as proc:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            body = {"model": "chat-model"}
+            assert wait_until(lambda: request(url, body, _auth("web"))[0] == 200)
+            urgent = {**_auth("web"), "x-tier": "urgent", "X-Tier": "urgent"}
+            assert request_from("127.0.0.2", port, body, urgent)[0] == 200
+            assert "x-tier" not in {k.lower() for k in a.requests[-1]["headers"]}
+            assert request_from("127.0.0.1", port, body, urgent)[0] == 200
+            assert a.requests[-1]["headers"].get("x-tier") == "urgent"
+            _set_runtime(proc, {f"circuit_breakers.chat.default.{k}": 0 for k in ("max_requests",
+                                                                                    "max_pending_requests")})
+            for client in ("web", "batch"):
+                status, _, answer = request_from("127.0.0.2", port, body, {**_auth(client), "x-tier": "urgent"})
+                assert status == 429 and json.loads(answer)["error"]["code"] == "overloaded", answer
+            assert request_from("127.0.0.1", port, body, urgent)[0] == 200
+            assert request_from("127.0.0.2", port, body, _auth("ops"))[0] == 200
 
 
 def test_validate_warns_that_a_strict_dns_pool_sheds_sheddable_traffic_like_standard() -> None:

@@ -316,3 +316,18 @@ def test_fallback_pool_then_canned_answer(tmp_path: Path) -> None:
         status, headers, body = request(ngx.url + CHAT, _chat("chat"))
     assert status == 200 and headers["content-type"] == "application/json"
     assert json.loads(body)["choices"][0]["message"]["content"] == "All busy. Try again later."
+
+
+def test_a_body_over_the_listener_limit_gets_the_same_413_as_envoy(tmp_path: Path) -> None:
+    """client_max_body_size is the listener's max_request_bytes (default 2 MiB): a 3 MB prompt
+    gets 413 with the OpenAI-style `request_too_large` body Envoy sends, and never reaches the
+    worker; a 1.5 MB one is served."""
+    with TinyBackend("a") as backend, running_nginx(_topology(_pool("p", [f"127.0.0.1:{backend.port}"])),
+                                                    tmp_path) as ngx:
+        status, headers, body = request(ngx.url + CHAT, _chat(prompt="x" * 3_000_000))
+        assert status == 413, body[:200]
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+        assert headers["content-type"] == "application/json"
+        assert backend.requests == []
+        assert request(ngx.url + CHAT, _chat(prompt="x" * 1_500_000))[0] == 200
+        assert len(backend.requests) == 1

@@ -41,12 +41,13 @@ FAST_ARGS = (
 
 def topology_text(
     workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request",
-    sidecar_port: int | None = None,
+    sidecar_port: int | None = None, listener: str = "",
 ) -> str:
     # The sidecar alone decides health here: no active checks, no outlier ejection.
     return fleet_topology(name="live", admin=admin, port=port, workers=workers, models=["sim-model"],
                           capacity=capacity, pool=[f"balancing: {{policy: {policy}}}", "health: {enabled: false}",
-                                                   "outlier_detection: {enabled: false}"], sidecar_port=sidecar_port)
+                                                   "outlier_detection: {enabled: false}"], sidecar_port=sidecar_port,
+                          listener=listener)
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
@@ -201,6 +202,7 @@ def live_rig(
     worker_item: Callable[[int], str] = lambda port: f"127.0.0.1:{port}",
     prepare_xds: Callable[[Path], None] | None = None,
     extra_yaml: str = "",
+    listener_yaml: str = "",
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
@@ -208,13 +210,15 @@ def live_rig(
     mounted the way Kubernetes mounts a ConfigMap (symlinks through `..data`).
     `worker_item`: the YAML list item that names the worker listening on a port.
     `prepare_xds`: called with the xDS directory's path before anything is written there.
-    `extra_yaml`: top-level topology keys appended to the rig's (e.g. `routes:`).
+    `extra_yaml`: top-level topology keys appended to the rig's (e.g. `routes:`); `listener_yaml`:
+    more keys of the listener (flow style, e.g. `trusted_headers: {...}`).
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
         port, admin, listen = free_port(), free_port(), free_port()
         chosen = fleet.workers[: listed or len(fleet.workers)]
         text = topology_text([worker_item(w.port) for w in chosen], admin=admin, port=port,
-                             capacity=capacity, policy=policy, sidecar_port=listen) + extra_yaml
+                             capacity=capacity, policy=policy, sidecar_port=listen,
+                             listener=listener_yaml) + extra_yaml
         if configmap:
             topo_path = configmap_publish(tmp / "cm", text)
         else:

@@ -2,7 +2,9 @@
 simulated fleet: under overload the sidecar raises the pool's shed share
 (`confgen.shed.chat.sheddable` in Envoy's admin runtime), so sheddable requests get 429
 `overloaded` at once and more often than standard ones; critical requests (HIGH priority, the
-safety cap) are never refused; once the load stops the share returns to 0."""
+safety cap) are never refused; once the load stops the share returns to 0. The class header is
+trusted from 127.0.0.1 only (the listener's trusted_headers): a client that sends the critical
+class's header from 127.0.0.2 is standard."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from confgen.envoy import shed_runtime_key
 from tests.sidecar_live.rig import Rig, live_rig, poll, worker_specs
-from tests.support.classes import CLIENTS, TIERS, load, post
+from tests.support.classes import CLIENTS, TIERS, TRUSTED, load, post
 
 ROUTES = """routes:
   - {name: bulk, pool: chat, class: sheddable, match: {headers: [{name: x-tier, exact: bulk}]}}
@@ -32,35 +34,42 @@ def _envoy_share(rig: Rig) -> str | None:
     return entry["final_value"] if entry else None
 
 
+# Three of the five standard clients forge the critical header from an untrusted peer.
+MIX = {**CLIENTS, "standard": CLIENTS["standard"] - 3, "forged": 3}
+
+
 def test_under_overload_sheddable_traffic_is_refused_first_and_critical_never(tmp_path: Path) -> None:
     """Three workers of 2 slots (safety cap 24) under 20 closed-loop clients for 14 s: 12
-    sheddable (route class sheddable), 5 standard, 3 critical (route class critical). The pool
+    sheddable (route class sheddable), 2 standard, 3 critical (route class critical, its header
+    from the trusted peer) and 3 forgers (the critical header from 127.0.0.2: standard). The pool
     saturates, the sidecar lowers the DEFAULT limit and raises the shed share while that limit
     refuses requests: the sheddable clients' refused share is above the standard clients' and
-    each of them gets fewer answers than a standard one; the critical clients get no 429; the
+    each of them gets fewer answers than a standard one; the critical clients get no 429, the
+    forgers do (before listeners[].trusted_headers: none, they were critical); the
     share and its refusals are in the metrics; after the load it is back to 0 in Envoy and sheddable requests
     pass. Measured with the share at 100 % from the start of shedding (two runs): refused
     sheddable 0.97 / 0.97, standard 0.43 / 0.39 (per attempt: a refused client retries after
     0.2 s, a served one holds ~1 s; the standard refusals are the drain of the backlog built
     before the limit acts), critical 33 / 34 answered, none refused."""
     workers = worker_specs(["a", "b", "c"], max_num_seqs=2, decode_ms=20.0)
-    with live_rig(tmp_path, workers, capacity=2, extra_yaml=ROUTES) as rig:
+    with live_rig(tmp_path, workers, capacity=2, extra_yaml=ROUTES, listener_yaml=TRUSTED) as rig:
         assert poll(lambda: _share(rig) == 0.0, timeout=10), rig.sidecar.metrics()
         highest = [0.0]
 
         def sample() -> None:
             highest[0] = max(highest[0], _share(rig) or 0.0)
 
-        outcome = load(rig.url, 14.0, sample)
+        outcome = load(rig.url, 14.0, sample, MIX)
         statuses, shed_bodies = outcome.statuses, outcome.shed
         refused = outcome.refused()
         print(f"statuses {({k: dict(v) for k, v in statuses.items()})}, refused share {refused}, "
               f"highest shed share {highest[0]}")
         assert all(set(c) <= {200, 429} for c in statuses.values()), statuses
         assert statuses["critical"][429] == 0 and statuses["critical"][200] > 0, statuses
+        assert statuses["forged"][429] > 0, statuses  # the forged header is removed: standard
         assert highest[0] > 0, rig.sidecar.events()
         assert statuses["sheddable"][429] > 0 and refused["sheddable"] > refused["standard"], statuses
-        served = {cls: statuses[cls][200] / n for cls, n in CLIENTS.items()}
+        served = {cls: statuses[cls][200] / n for cls, n in MIX.items()}
         assert served["sheddable"] < served["standard"], served
         for headers, body in shed_bodies:
             assert headers["retry-after"] and json.loads(body)["error"]["code"] == "overloaded"

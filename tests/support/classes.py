@@ -1,32 +1,42 @@
 """Traffic classes under load, for the live tests of sheddable-first: closed-loop clients per
-class through one URL, and the request each class sends."""
+class through one URL, and the request each class sends.
+
+The class header (x-tier) is trusted from 127.0.0.1 only (`TRUSTED`: the listener's
+trusted_headers; the load stands for the gateway that sets it); a `forged` client sends the
+critical class's header from 127.0.0.2, a peer Envoy does not trust, so it must be standard."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 BODY = {"model": "sim-model", "prompt": "hold a slot", "max_tokens": 40}  # ~1 s at decode_ms=20
-TIERS = {"sheddable": "bulk", "standard": "", "critical": "urgent"}  # the x-tier header each class sends
+TIERS = {"sheddable": "bulk", "standard": "", "critical": "urgent", "forged": "urgent"}  # x-tier per class
+SOURCES = {"forged": "127.0.0.2"}  # the peer address a class connects from (default 127.0.0.1)
 CLIENTS = {"sheddable": 12, "standard": 5, "critical": 3}  # 20 closed-loop clients on 6 slots
+TRUSTED = "trusted_headers: {names: [x-tier], from: [127.0.0.1/32]}"  # the listener's keys
 
 
-def post(url: str, tier: str) -> tuple[int, dict[str, str], bytes]:
-    """One completion through `url` with the class's x-tier header: status, headers, body."""
+def post(url: str, tier: str, source: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
+    """One completion through `url` with the class's x-tier header, from the peer address
+    `source`: status, headers, body."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None, url
     headers = {"content-type": "application/json", **({"x-tier": tier} if tier else {})}
-    req = urllib.request.Request(url, data=json.dumps(BODY).encode(), method="POST", headers=headers)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30.0, source_address=(source, 0))
     try:
-        with urllib.request.urlopen(req, timeout=30.0) as resp:
-            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+        conn.request("POST", parts.path, body=json.dumps(BODY).encode(), headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
 
 
 @dataclass
@@ -52,7 +62,7 @@ def load(url: str, seconds: float, sample: Callable[[], None], clients: Mapping[
         for _ in range(400):
             if time.monotonic() >= deadline:
                 return
-            status, headers, body = post(url, TIERS[cls])
+            status, headers, body = post(url, TIERS[cls], SOURCES.get(cls, "127.0.0.1"))
             with lock:
                 out.statuses[cls][status] += 1
                 if status == 429 and cls == "sheddable" and len(out.shed) < keep:

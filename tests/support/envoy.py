@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -44,6 +45,22 @@ def request(
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def request_from(
+    source: str, port: int, body: Any, headers: Mapping[str, str] | None = None, path: str = "/v1/completions",
+    timeout: float = 10.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """POST `body` (JSON) to 127.0.0.1:`port` from the loopback address `source` (127.0.0.2 is a
+    peer other than 127.0.0.1): status, headers, body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -44,7 +44,8 @@ FULL: dict[str, Any] = {
         "monitoring_labels": {"release": "kube-prometheus-stack"},
         "redis_image": "redis:7.2-alpine",
     },
-    "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0"}],
+    "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0",
+                   "trusted_headers": {"names": ["x-tier"], "from": ["10.0.0.0/8"]}}],
     "auth": {
         "client_header": "x-client",
         "api_keys": [
