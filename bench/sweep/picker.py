@@ -192,8 +192,9 @@ class _Sim:
         k = self.rng.randrange(len(self.pickers))
         store, picker = self.stores[k], self.pickers[k]
         tokens = len(t.blocks) * BLOCK
-        prompt = PromptInfo("m", "x" * (tokens * CHARS_PER_TOKEN), t.output, t.home_key,
-                            t.history_tokens * CHARS_PER_TOKEN, t.home_tokens * CHARS_PER_TOKEN)
+        prompt = PromptInfo("m", "x" * (tokens * CHARS_PER_TOKEN), t.output, home=t.home_key,
+                            history_chars=t.history_tokens * CHARS_PER_TOKEN,
+                            home_chars=t.home_tokens * CHARS_PER_TOKEN)
         hashes = [_hash(b) for b in t.blocks]
         pick = picker.pick(PickRequest("pool", prompt, hashes, traffic_class=t.traffic_class), store.endpoints("pool"))
         if pick.refused_for_s is not None:
