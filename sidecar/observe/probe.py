@@ -122,6 +122,12 @@ class LoopLag:
             return 0.0
         return self._late + max(0.0, self._loop.time() - self._due)
 
+    def behind_s(self) -> float:
+        """How late the loop runs right now: how long its next due timer has waited (0 when on time)."""
+        if self._loop is None:
+            return 0.0
+        return max(0.0, self._loop.time() - self._due)
+
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()

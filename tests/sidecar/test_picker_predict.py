@@ -194,3 +194,40 @@ def test_a_refused_request_is_a_429_with_retry_after_and_holds_nothing() -> None
     headers = {h.header.key: h.header.raw_value for h in out.immediate_response.headers.set_headers}
     assert headers["retry-after"] == b"3"
     assert json.loads(out.immediate_response.body)["error"]["code"] == "overloaded"
+
+
+class _Behind:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def behind_s(self) -> float:
+        return self.seconds
+
+
+def test_a_picker_behind_answers_at_once_without_a_pick() -> None:
+    """Its loop late past `behind_s`: the body is not parsed or scored, the proxy's balancer decides now."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.outputs.picker.extproc import DESTINATION, PickerServicer
+    from sidecar.outputs.picker.metrics import PickerMetrics
+
+    store = _store(_facts("a:1", token_latency_s=0.02), _facts("b:1", token_latency_s=0.02))
+    lag = _Behind(0.3)
+    registry = CollectorRegistry()
+    servicer = PickerServicer(store, Picker(rng=random.Random(1)), PickerMetrics(registry), lag=lag)  # type: ignore[arg-type]
+    body = json.dumps({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "q"}]}).encode()
+
+    def answer() -> pb.ProcessingResponse:
+        st = servicer.open(None)
+        servicer._step(st, pb.ProcessingRequest(request_headers=pb.HttpHeaders(end_of_stream=False)))
+        (out,) = servicer._step(st, pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+        servicer.finish(st)
+        return out
+
+    out = answer()
+    assert list(out.request_body.response.header_mutation.remove_headers) == [DESTINATION]
+    assert registry.get_sample_value("confgen_picker_unpicked_total", {"reason": "behind"}) == 1
+    lag.seconds = 0.0
+    out = answer()
+    assert [h.header.key for h in out.request_body.response.header_mutation.set_headers] == [DESTINATION]

@@ -22,6 +22,7 @@ from confgen.balancing import uses_picker
 from confgen.model import Topology
 from confgen.plan import plan
 from sidecar.config import ConfigError
+from sidecar.observe.probe import LoopLag
 
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
@@ -111,13 +112,14 @@ class PickerService:
         self.metrics = PickerMetrics(wiring.registry, self.store.pools)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
-        self.servicer = PickerServicer(self.store, Picker(policy), self.metrics, limits=ExtProcLimits())
+        self._lag = LoopLag()
+        self.servicer = PickerServicer(self.store, Picker(policy), self.metrics, limits=ExtProcLimits(), lag=self._lag)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
-        return None
+        self._lag.start()
 
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
@@ -127,7 +129,7 @@ class PickerService:
         return []  # before the first fleet view every request is left to Envoy's own balancer
 
     async def close(self) -> None:
-        return None
+        self._lag.stop()
 
 
 def build(wiring: ServiceWiring) -> PickerService:

@@ -71,6 +71,7 @@ from google.protobuf import struct_pb2
 
 from confgen._openai import error_body
 from confgen.errors import ConfgenError
+from sidecar.observe.probe import LoopLag
 
 from .datastore import Datastore, Endpoint
 from .metrics import PickerMetrics
@@ -99,6 +100,9 @@ class ExtProcLimits:
     max_blocks: int = 256
     max_items: int = MAX_ITEMS  # messages, content parts or token ids read of one body
     max_open_streams: int = 8192  # streams tracked at once; beyond: answered without a pick
+    # The loop this late (the proxy's 200 ms message timeout is running on every queued message):
+    # answer at once without a pick, so Envoy uses its own balancer now rather than after the timeout.
+    behind_s: float = 0.05
 
 
 class Phase(StrEnum):
@@ -198,12 +202,13 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
                  limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
-                 honour_subset_hint: bool = False) -> None:
+                 honour_subset_hint: bool = False, lag: LoopLag | None = None) -> None:
         self.store = store
         self.picker = picker
         self.metrics = metrics
         self.limits = limits or ExtProcLimits()
         self.honour_subset_hint = honour_subset_hint
+        self.lag = lag  # the picker's loop's lateness (None: never considered behind)
         self._clock = clock
         self._open: set[_Stream] = set()  # streams tracked (not over max_open_streams)
 
@@ -221,6 +226,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         body, st.body = bytes(st.body), bytearray()
         if st.skip is not None:
             self.metrics.unpicked.labels(reason=st.skip).inc()
+            return None, None
+        if self.lag is not None and self.lag.behind_s() > self.limits.behind_s:
+            self.metrics.unpicked.labels(reason="behind").inc()  # no parse, no score: the proxy decides now
             return None, None
         started = self._clock()
         limits = self.limits
