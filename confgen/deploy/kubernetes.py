@@ -6,7 +6,8 @@ Output (every file plain YAML from `yaml.safe_dump`, so no topology value change
                           (+ ServiceMonitor, PrometheusRule, dashboard ConfigMap with kubernetes.monitoring)
     kustomization.yaml    the base, for overlays (`kubectl apply -k out/`)
     autoscaling/prometheus-adapter-rules.yaml   the adapter's external rule serving llm_queue_depth
-    keda/kustomization.yaml + keda/scaledobjects.yaml   an overlay: KEDA ScaledObjects instead of the HPAs
+    keda/kustomization.yaml + keda/kubernetes.yaml + keda/scaledobjects.yaml
+                          a second base: the same objects with KEDA ScaledObjects instead of the pools' HPAs
 
 Pod hardening meets Pod Security "restricted" on every container; the preStop hooks drain Envoy
 (fail its health, drain listeners, wait for the streams) within terminationGracePeriodSeconds.
@@ -355,17 +356,14 @@ def _scaled_objects(plan: _Plan) -> list[Obj]:
     return _autoscalers(plan, "keda.sh/v1alpha1", "ScaledObject", spec)
 
 
-def _keda_overlay(plan: _Plan, hpas: list[Obj]) -> Obj:
-    deletes = [
-        {"patch": dump({"$patch": "delete", "apiVersion": h["apiVersion"], "kind": h["kind"],
-                        "metadata": {"name": h["metadata"]["name"], "namespace": plan.namespace}})}
-        for h in hpas
-    ]
+def _keda_overlay(plan: _Plan) -> Obj:
+    """The overlay's kustomization: its own copy of the base's objects without the pools' HPAs, and the
+    ScaledObjects. It cannot name the base (`..`): kustomize refuses a root that contains the overlay
+    ("cycle detected"), and a file above the overlay's root (LoadRestrictionsRootOnly)."""
     return {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": ["..", "scaledobjects.yaml"],
-        "patches": deletes,
+        "resources": ["kubernetes.yaml", "scaledobjects.yaml"],
     }
 
 
@@ -496,5 +494,6 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     if hpas:
         files["autoscaling/prometheus-adapter-rules.yaml"] = dump(_adapter_rules(plan)).encode()
         files["keda/scaledobjects.yaml"] = "---\n".join(dump(doc) for doc in scaled).encode()
-        files["keda/kustomization.yaml"] = dump(_keda_overlay(plan, hpas)).encode()
+        files["keda/kubernetes.yaml"] = "---\n".join(dump(doc) for doc in docs if doc not in hpas).encode()
+        files["keda/kustomization.yaml"] = dump(_keda_overlay(plan)).encode()
     return files

@@ -167,9 +167,9 @@ def test_hpa_adapter_rule_and_keda_overlay_share_one_deduplicated_queue_signal()
     assert trigger["metadata"]["threshold"] == "3.2" and trigger["metricType"] == "AverageValue"
     assert scaled[0]["spec"]["scaleTargetRef"]["name"] == "vllm-70b"
     overlay = yaml.safe_load(files["keda/kustomization.yaml"])
-    assert overlay["resources"] == ["..", "scaledobjects.yaml"]
-    deleted = yaml.safe_load(overlay["patches"][0]["patch"])
-    assert deleted["$patch"] == "delete" and deleted["metadata"]["name"] == hpas[0]["metadata"]["name"]
+    assert overlay["resources"] == ["kubernetes.yaml", "scaledobjects.yaml"]
+    kept = docs_of(files, "keda/kubernetes.yaml")
+    assert hpas[0] not in kept and [d for d in docs_of(files) if d != hpas[0]] == kept
     assert yaml.safe_load(files["kustomization.yaml"])["resources"] == ["kubernetes.yaml"]
 
 
