@@ -118,7 +118,10 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
         # The program is named, not left to the image's ENTRYPOINT (an image built otherwise works).
         "command": ["confgen-sidecar"],
+        # Each sidecar sees its own Envoy's in-flight requests: with N proxy pods each Envoy takes 1/N of the
+        # shedding budget (README, Backpressure). ADS needs no flag (the control plane counts its Envoys).
         "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
+                 "--ingresses", str(topo.kubernetes.replicas),
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
         "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],

@@ -21,6 +21,7 @@ from confgen.errors import DeployError
 from confgen.model import Topology
 from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
+from tests.deploy.test_kustomize import ADS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -381,3 +382,19 @@ def test_compose_runs_redis_on_the_hosts_loopback() -> None:
     redis = doc["services"]["redis"]
     assert redis["network_mode"] == "host"
     assert redis["command"][:5] == ["redis-server", "--bind", "127.0.0.1", "--port", "6390"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 5])
+def test_each_sidecar_takes_its_envoys_share_of_the_limit_from_the_replica_count(replicas: int) -> None:
+    """N proxy pods (file mode, one sidecar per Envoy) start each sidecar with `--ingresses N`, so each Envoy
+    takes 1/N of the shedding budget (the render passed nothing: each took all of it, N times the batch in
+    all); ADS passes no such flag, the control plane counts the Envoys connected to it."""
+    topo, _ = load_topology(EXAMPLES[1])
+    topo = dataclasses.replace(topo, kubernetes=dataclasses.replace(topo.kubernetes, replicas=replicas))
+    docs = docs_of(render_kubernetes(topo))
+    assert by_kind(docs, "Deployment")[0]["spec"]["replicas"] == replicas
+    config = from_argv(pod_of(docs)["containers"][1]["args"])
+    assert config.ingresses == replicas
+    ads, _ = parse_topology(ADS.encode(), "ads.yaml")
+    control_plane = by_kind(docs_of(render_kubernetes(ads)), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert "--ingresses" not in control_plane["containers"][0]["args"]
