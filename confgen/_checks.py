@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from ._fields import COMPILED
 from ._names import dns_label
+from ._pod_fit import loopback_store
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
 from .limits import needs_store
@@ -37,7 +38,8 @@ _HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy
 def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Finding]:
     """Every finding about `topo`; `sections` are the top-level keys the file wrote (a default
     section and one written out mean different intents: `kubernetes:` deploys the sidecar)."""
-    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections)]
+    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections),
+                            *_pod_gaps(topo, sections)]
     for checker in (
         _duplicates,
         _addresses,
@@ -142,6 +144,14 @@ def _dns_workers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
                 ),
                 WARNING,
             )
+
+
+def _pod_gaps(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
+    """A file that writes a `kubernetes:` section is meant for pods: what cannot work in one is a warning here
+    (`render --target kubernetes` refuses it)."""
+    if "kubernetes" in sections and not topo.kubernetes.redis:
+        for path, message in loopback_store(topo):
+            yield path, message, WARNING
 
 
 def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
