@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from . import _edge_checks
 from ._fields import COMPILED
 from ._names import dns_label
+from ._pod_fit import loopback_store
 from .balancing import POLICIES, is_hashing, uses_picker
 from .errors import Severity
 from .limits import (
@@ -53,7 +54,8 @@ _HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy
 def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Finding]:
     """Every finding about `topo`; `sections` are the top-level keys the file wrote (a default
     section and one written out mean different intents: `kubernetes:` deploys the sidecar)."""
-    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections)]
+    found: list[Finding] = [*_dns_workers(topo, sections), *_ads_servers(topo, sections),
+                            *_pod_gaps(topo, sections), *_port_clashes(topo)]
     for checker in (
         _duplicates,
         _addresses,
@@ -162,6 +164,54 @@ def _dns_workers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
                 ),
                 WARNING,
             )
+
+
+def _pod_gaps(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
+    """A file that writes a `kubernetes:` section is meant for pods: what cannot work in one is a warning here
+    (`render --target kubernetes` refuses it)."""
+    if "kubernetes" in sections and not topo.kubernetes.redis:
+        for path, message in loopback_store(topo):
+            yield path, message, WARNING
+
+
+def _port_clashes(topo: Topology) -> Iterator[Finding]:
+    """Every port the product binds on one host, against each other: Envoy's listeners and admin, the sidecar's
+    HTTP (sidecar.port) and gRPC (sidecar.grpc_port, when Envoy calls it) servers, and in mode ads the control
+    plane's ADS port (each of envoy.xds.servers). The sidecar binds beside Envoy (the same box, the same pod:
+    in Kubernetes on every address), so its ports clash with a listener on any address; a control plane shares
+    Envoy's host when its server is on loopback. Clashes the other checks report (two listeners, a listener on
+    the admin port, gRPC on the HTTP port) are not repeated. The second program to bind dies at start
+    ("address already in use")."""
+    grpc_used = any(uses_picker(p.balancing.policy) for p in topo.pools) or needs_store(topo)
+    ads = topo.envoy.xds.mode == "ads"
+    envoy = [(f"listeners[{i}].port", f"listener {lst.name!r}", lst.port) for i, lst in enumerate(topo.listeners)]
+    envoy.append(("admin.port", "Envoy's admin (admin.port)", topo.admin.port))
+    control = []  # the sidecar (files) or the control plane (ads)
+    local_servers = False
+    for i, server in enumerate(topo.envoy.xds.servers if ads else []):
+        parts = split_address(server)
+        if parts is not None:
+            local_servers |= is_loopback_host(parts[0])
+            if is_loopback_host(parts[0]) or grpc_used:
+                control.append((f"envoy.xds.servers[{i}]", f"the control plane's ADS port ({server})", parts[1]))
+    if not ads or local_servers:
+        control.append(("sidecar.port", "the sidecar's HTTP server (sidecar.port)", topo.sidecar.port))
+    if grpc_used:
+        control.append(("sidecar.grpc_port", "the sidecar's gRPC services (sidecar.grpc_port)", topo.sidecar.grpc_port))
+    same_host = envoy if not ads or local_servers else []
+    seen: set[tuple[str, str]] = set()
+    for path, what, port in [*same_host, *control]:
+        for other_path, other, other_port in control:
+            if other_path == path or port != other_port or {path, other_path} == {"sidecar.port", "sidecar.grpc_port"}:
+                continue
+            if (other_path, path) in seen or (path.startswith("envoy.xds") and other_path.startswith("envoy.xds")):
+                continue  # control-plane replicas each bind their own server's port (duplicates: _xds)
+            seen.add((path, other_path))
+            yield path, f"port {port} is also {other}: both bind it on one host, and the second fails at start " \
+                "(address already in use)", ERROR
+            if path == "admin.port":  # either may be the default: say it at both, so one is where the file wrote it
+                yield other_path, f"port {port} is also {what}: both bind it on one host, and the second fails " \
+                    "at start (address already in use)", ERROR
 
 
 def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:

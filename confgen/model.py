@@ -272,6 +272,11 @@ class Pool:
         minimum=1,
         maximum=10_000_000,
     )
+    pod_labels: dict[str, str] = field(
+        factory=dict,
+        doc="gateway-api target: labels of this pool's worker pods, the selector of its InferencePool.",
+        pattern="k8s_label_value",
+    )
 
     @property
     def health_path(self) -> str:
@@ -642,6 +647,10 @@ class Kubernetes:
         "Leave it false to point limits.store at a Redis you run.",
     )
     redis_image: str = field("redis:7.2-alpine", doc="Image of the rendered Redis.", pattern="image")
+    gateway: str | None = field(
+        None, doc="gateway-api target: the Gateway (in kubernetes.namespace) the rendered HTTPRoute attaches to.",
+        pattern="name",
+    )
     prometheus_url: str = field(
         "http://prometheus-operated.monitoring.svc:9090",
         doc="Prometheus the KEDA ScaledObjects (keda/ in the kubernetes output) query.",

@@ -6,7 +6,8 @@ Output (every file plain YAML from `yaml.safe_dump`, so no topology value change
                           (+ ServiceMonitor, PrometheusRule, dashboard ConfigMap with kubernetes.monitoring)
     kustomization.yaml    the base, for overlays (`kubectl apply -k out/`)
     autoscaling/prometheus-adapter-rules.yaml   the adapter's external rule serving llm_queue_depth
-    keda/kustomization.yaml + keda/scaledobjects.yaml   an overlay: KEDA ScaledObjects instead of the HPAs
+    keda/kustomization.yaml + keda/kubernetes.yaml + keda/scaledobjects.yaml
+                          a second base: the same objects with KEDA ScaledObjects instead of the pools' HPAs
 
 Pod hardening meets Pod Security "restricted" on every container; the preStop hooks drain Envoy
 (fail its health, drain listeners, wait for the streams) within terminationGracePeriodSeconds.
@@ -118,7 +119,10 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # POST /drain and /undrain then need the token (off without kubernetes.admin_token_secret).
         # The program is named, not left to the image's ENTRYPOINT (an image built otherwise works).
         "command": ["confgen-sidecar"],
+        # Each sidecar sees its own Envoy's in-flight requests: with N proxy pods each Envoy takes 1/N of the
+        # shedding budget (README, Backpressure). ADS needs no flag (the control plane counts its Envoys).
         "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
+                 "--ingresses", str(topo.kubernetes.replicas),
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
         "workingDir": WORK_DIR,
         "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
@@ -376,17 +380,14 @@ def _scaled_objects(plan: _Plan) -> list[Obj]:
     return _autoscalers(plan, "keda.sh/v1alpha1", "ScaledObject", spec)
 
 
-def _keda_overlay(plan: _Plan, hpas: list[Obj]) -> Obj:
-    deletes = [
-        {"patch": dump({"$patch": "delete", "apiVersion": h["apiVersion"], "kind": h["kind"],
-                        "metadata": {"name": h["metadata"]["name"], "namespace": plan.namespace}})}
-        for h in hpas
-    ]
+def _keda_overlay(plan: _Plan) -> Obj:
+    """The overlay's kustomization: its own copy of the base's objects without the pools' HPAs, and the
+    ScaledObjects. It cannot name the base (`..`): kustomize refuses a root that contains the overlay
+    ("cycle detected"), and a file above the overlay's root (LoadRestrictionsRootOnly)."""
     return {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": ["..", "scaledobjects.yaml"],
-        "patches": deletes,
+        "resources": ["kubernetes.yaml", "scaledobjects.yaml"],
     }
 
 
@@ -517,5 +518,6 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     if hpas:
         files["autoscaling/prometheus-adapter-rules.yaml"] = dump(_adapter_rules(plan)).encode()
         files["keda/scaledobjects.yaml"] = "---\n".join(dump(doc) for doc in scaled).encode()
-        files["keda/kustomization.yaml"] = dump(_keda_overlay(plan, hpas)).encode()
+        files["keda/kubernetes.yaml"] = "---\n".join(dump(doc) for doc in docs if doc not in hpas).encode()
+        files["keda/kustomization.yaml"] = dump(_keda_overlay(plan)).encode()
     return files

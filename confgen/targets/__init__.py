@@ -1,6 +1,6 @@
 """Output targets, found by name: one module per target, one line per target in `_MODULES`.
 
-    get("nginx") -> Target      names() -> ("envoy", "nginx", "kubernetes", "compose")
+    get("nginx") -> Target      names() -> ("envoy", "nginx", "kubernetes", "compose", "gateway-api")
 
 A `Target` is what the CLI and the verifier need of an output format: render the files,
 list what the format cannot honour (warnings pinned to the topology), check the output
@@ -60,6 +60,7 @@ _MODULES: dict[str, str] = {
     "nginx": "confgen.targets.nginx",
     "kubernetes": "confgen.targets.kubernetes",
     "compose": "confgen.targets.compose",
+    "gateway-api": "confgen.targets.gateway_api",
 }
 
 

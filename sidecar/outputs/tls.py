@@ -140,7 +140,8 @@ def bind(server: grpc.aio.Server, host: str, port: int, files: TlsFiles | None, 
         if bound:
             log_event(_log, logging.WARNING, "tls.plaintext", service=what, listen=f"{host}:{bound}",
                       note="PLAINTEXT gRPC without client authentication: any local process can connect "
-                      "and read what this service serves (API keys over ADS); loopback only")
+                      "and " + ("read what ADS serves (the API keys)" if what == "xds" else
+                                "steer the picks and spend the rate limits") + "; loopback only")
     else:
         bound = server.add_secure_port(address, server_credentials(files))
         if bound:

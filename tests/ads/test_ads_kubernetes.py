@@ -202,7 +202,6 @@ def test_the_picker_in_kubernetes_needs_the_envoys_certificate(tmp_path: Path) -
         parse_topology(other.encode())
     assert any(d.path == "envoy.xds.tls" and "not the same as sidecar.grpc_tls" in d.message
                for d in err.value.diagnostics), err.value.diagnostics
-    clash = PICKER.replace("grpc_port: 9300", "grpc_port: 18000")
-    topo, _ = parse_topology(clash.encode())
-    with pytest.raises(DeployError, match=r"sidecar\.grpc_port"):
-        render_kubernetes(topo)
+    clash = PICKER.replace("grpc_port: 9300", "grpc_port: 18000")  # the ADS port: validate refuses it now
+    with pytest.raises(TopologyError, match=r"envoy\.xds\.servers\[0\]: port 18000 is also the sidecar's gRPC"):
+        parse_topology(clash.encode())

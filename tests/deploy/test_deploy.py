@@ -21,6 +21,7 @@ from confgen.errors import DeployError
 from confgen.model import Topology
 from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
+from tests.deploy.test_kustomize import ADS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -167,9 +168,9 @@ def test_hpa_adapter_rule_and_keda_overlay_share_one_deduplicated_queue_signal()
     assert trigger["metadata"]["threshold"] == "3.2" and trigger["metricType"] == "AverageValue"
     assert scaled[0]["spec"]["scaleTargetRef"]["name"] == "vllm-70b"
     overlay = yaml.safe_load(files["keda/kustomization.yaml"])
-    assert overlay["resources"] == ["..", "scaledobjects.yaml"]
-    deleted = yaml.safe_load(overlay["patches"][0]["patch"])
-    assert deleted["$patch"] == "delete" and deleted["metadata"]["name"] == hpas[0]["metadata"]["name"]
+    assert overlay["resources"] == ["kubernetes.yaml", "scaledobjects.yaml"]
+    kept = docs_of(files, "keda/kubernetes.yaml")
+    assert hpas[0] not in kept and [d for d in docs_of(files) if d != hpas[0]] == kept
     assert yaml.safe_load(files["kustomization.yaml"])["resources"] == ["kubernetes.yaml"]
 
 
@@ -381,3 +382,64 @@ def test_compose_runs_redis_on_the_hosts_loopback() -> None:
     redis = doc["services"]["redis"]
     assert redis["network_mode"] == "host"
     assert redis["command"][:5] == ["redis-server", "--bind", "127.0.0.1", "--port", "6390"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 5])
+def test_each_sidecar_takes_its_envoys_share_of_the_limit_from_the_replica_count(replicas: int) -> None:
+    """N proxy pods (file mode, one sidecar per Envoy) start each sidecar with `--ingresses N`, so each Envoy
+    takes 1/N of the shedding budget (the render passed nothing: each took all of it, N times the batch in
+    all); ADS passes no such flag, the control plane counts the Envoys connected to it."""
+    topo, _ = load_topology(EXAMPLES[1])
+    topo = dataclasses.replace(topo, kubernetes=dataclasses.replace(topo.kubernetes, replicas=replicas))
+    docs = docs_of(render_kubernetes(topo))
+    assert by_kind(docs, "Deployment")[0]["spec"]["replicas"] == replicas
+    config = from_argv(pod_of(docs)["containers"][1]["args"])
+    assert config.ingresses == replicas
+    ads, _ = parse_topology(ADS.encode(), "ads.yaml")
+    control_plane = by_kind(docs_of(render_kubernetes(ads)), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert "--ingresses" not in control_plane["containers"][0]["args"]
+
+
+def _confgen(*argv: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "confgen", *map(str, argv)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+def test_a_loopback_redis_is_refused_for_kubernetes_with_its_place_in_the_file(tmp_path: Path) -> None:
+    """In a pod 127.0.0.1 is the pod: `render --target kubernetes` of a topology whose limits.store.redis is
+    loopback exits 1 with file:line:col and writes nothing (it rendered silently, and every global limit
+    failed open); `validate` warns when the file writes a `kubernetes:` section and says nothing without one
+    (loopback is right beside a local Envoy); with the rendered Redis's Service the render works."""
+    out = tmp_path / "k"
+    refused = _confgen("render", GLOBAL_LIMITS, "--target", "kubernetes", "-o", out)
+    assert refused.returncode == 1 and not out.exists()
+    assert f"{GLOBAL_LIMITS}:22:18: limits.store.redis: 127.0.0.1:6379 is the pod's own loopback" in refused.stderr
+    assert "kubernetes.redis: true and limits.store.redis: confgen-global-limits-redis:6379" in refused.stderr
+    assert "limits.store.redis" not in _confgen("validate", GLOBAL_LIMITS).stdout
+    with_section = tmp_path / "k8s.yaml"
+    with_section.write_text(GLOBAL_LIMITS.read_text() + "kubernetes: {namespace: inference}\n")
+    warned = _confgen("validate", with_section)
+    assert warned.returncode == 0
+    assert f"{with_section}:22:18: limits.store.redis: warning: 127.0.0.1:6379 is the pod's own" in warned.stdout
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(GLOBAL_LIMITS.read_text().replace("127.0.0.1:6379", "confgen-global-limits-redis:6379")
+                     + "kubernetes: {namespace: inference, redis: true}\n")
+    assert "limits.store.redis" not in _confgen("validate", fixed).stdout
+    done = _confgen("render", fixed, "--target", "kubernetes", "-o", out)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_unpublished_default_sidecar_image_is_said_at_render_time(tmp_path: Path) -> None:
+    """`render --target kubernetes` with the default kubernetes.sidecar_image (confgen/sidecar:0.1.0, on no
+    registry) warns, pinned to the file (the `kubernetes:` section when the image is not written), and still
+    renders; an image of one's own is not warned about."""
+    example = EXAMPLES[4]
+    done = _confgen("render", example, "--target", "kubernetes", "-o", tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    assert (f"{example}:18:3: kubernetes.sidecar_image: warning: confgen/sidecar:0.1.0 is not published on any "
+            "registry") in done.stderr
+    own = tmp_path / "own.yaml"
+    own.write_text(example.read_text().replace("  namespace: inference\n",
+                                               "  namespace: inference\n  sidecar_image: registry.example/c:1\n"))
+    done = _confgen("render", own, "--target", "kubernetes", "-o", tmp_path / "b")
+    assert done.returncode == 0 and "sidecar_image" not in done.stderr, done.stderr

@@ -194,3 +194,25 @@ def test_the_socket_directory_is_private_and_stale_sockets_go(tmp_path: Path) ->
         asyncio.run(prepare_socket(tmp_path / ("x" * 120) / "grpc.sock"))
     with pytest.raises(InsecureBindError, match="not absolute"):
         asyncio.run(prepare_socket(Path("relative/grpc.sock")))
+
+
+@pytest.mark.parametrize(("what", "says", "not_says"), [
+    ("xds", "read what ADS serves (the API keys)", "steer"),
+    ("grpc (picker)", "steer the picks and spend the rate limits", "API keys"),
+])
+def test_the_plaintext_warning_says_what_that_service_exposes(what: str, says: str, not_says: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The tls.plaintext warning names the risk of the service bound: the picker's and the rate limit
+    service's port serves no API key (it said "(API keys over ADS)" for them too)."""
+    async def run() -> None:
+        server = grpc.aio.server()
+        try:
+            assert bind(server, "127.0.0.1", 0, None, what=what) > 0
+        finally:
+            await server.stop(None)
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run())
+    (record,) = [r for r in caplog.records if r.getMessage() == "tls.plaintext"]
+    note = record.confgen_fields["note"]  # type: ignore[attr-defined]
+    assert says in note and not_says not in note, note

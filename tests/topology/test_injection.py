@@ -43,6 +43,7 @@ FULL: dict[str, Any] = {
         "prometheus_url": "http://prometheus.monitoring.svc:9090",
         "monitoring_labels": {"release": "kube-prometheus-stack"},
         "redis_image": "redis:7.2-alpine",
+        "gateway": "inference-gateway",
     },
     "listeners": [{"name": "public", "port": 8080, "address": "0.0.0.0",
                    "trusted_headers": {"names": ["x-tier"], "from": ["10.0.0.0/8"]}}],
@@ -81,6 +82,7 @@ FULL: dict[str, Any] = {
             "health": {"path": "/health"},
             "retries": {"retry_on": ["connect-failure", "reset"]},
             "autoscale": {"target": "statefulset/vllm-big"},
+            "pod_labels": {"app": "vllm-big"},
             "workers": [
                 {"address": "10.0.0.1:8000", "zone": "rack-a", "labels": {"gpu": "a100"}},
                 "10.0.0.2:8000",
