@@ -24,9 +24,11 @@ pool (when it has the picker) takes the rest.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..balancing import uses_picker
 from ..errors import DeployError
-from ..model import Pool, Topology, split_address
+from ..model import GrpcTls, Pool, Topology, split_address
 from ._canonical import dump, topology_yaml
 from ._kubernetes_base import (
     RESOURCES,
@@ -90,6 +92,15 @@ def gateway_problems(topo: Topology) -> list[tuple[str, str]]:
     return problems
 
 
+def _epp_topology(topo: Topology) -> Topology:
+    """The picker's own topology: the gateway calls it over mutual TLS (the Secret mounted at
+    EPP_TLS_DIR), so its sidecar.grpc_tls names those files unless the topology set its own."""
+    if topo.sidecar.grpc_tls is not None:
+        return topo
+    tls = GrpcTls(cert=f"{EPP_TLS_DIR}/tls.crt", key=f"{EPP_TLS_DIR}/tls.key", ca=f"{EPP_TLS_DIR}/ca.crt")
+    return dataclasses.replace(topo, sidecar=dataclasses.replace(topo.sidecar, grpc_tls=tls))
+
+
 def _epp(plan: _Plan) -> list[Obj]:
     topo = plan.topo
     name = f"{plan.base}-epp"
@@ -133,7 +144,7 @@ def _epp(plan: _Plan) -> list[Obj]:
     if _key_files(plan):
         volumes.append({"name": "api-keys", "secret": {"secretName": plan.keys_secret, "defaultMode": 0o400}})
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": plan.meta(f"{name}-topology", "epp"),
-                 "data": {"topology.yaml": topology_yaml(topo)}}
+                 "data": {"topology.yaml": topology_yaml(_epp_topology(topo))}}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -135,6 +135,8 @@ def test_the_kubernetes_docs_commands_run_as_written(tmp_path: Path) -> None:
     lines are the only ones not run (no Docker daemon on the test machine), and they are named here so a new
     command in the docs cannot pass unrun."""
     shutil.copy(ROOT / "examples/05-dns-rate-limits.yaml", tmp_path / "topo.yaml")
+    # the gateway-api section's topology (a prefix_affinity pool with pod labels, a named Gateway)
+    shutil.copy(ROOT / "tests/golden/inputs/gateway-api.yaml", tmp_path / "gie.yaml")
     commands = doc_commands()
     not_run = [c for c in commands if c.startswith("docker ")]
     assert not_run == ["docker build -f sidecar/Dockerfile -t registry.example.com/confgen:0.1.0 .",
@@ -154,4 +156,4 @@ def test_the_kubernetes_docs_commands_run_as_written(tmp_path: Path) -> None:
         else:
             pytest.fail(f"docs/kubernetes.md runs {command!r}, which this test does not know how to run")
         ran.append(argv[:3])
-    assert ran.count(["kubectl", "apply", "-k"]) == 2 and ["confgen", "render", "topo.yaml"] in ran
+    assert ran.count(["kubectl", "apply", "-k"]) == 3 and ["confgen", "render", "topo.yaml"] in ran

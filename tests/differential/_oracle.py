@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from confgen import verify
 from confgen.cli import TARGETS, render_files
-from confgen.errors import TopologyError
+from confgen.errors import DeployError, TopologyError
 from confgen.topology import parse
 
 
@@ -46,6 +46,9 @@ def judge(text: bytes, *, proxies: bool = True, name: str = "mutant.yaml") -> Ou
     for target in TARGETS:
         try:
             render_files(topo, target, "/etc/confgen", None)
+        except DeployError as exc:  # the target's own refusal (e.g. gateway-api without a picker pool)
+            out.problems += [f"render --target {target} refused without a field path: {exc}"
+                             for path, _ in exc.problems if not path]
         except Exception:  # noqa: BLE001
             out.problems.append(_crash(f"render --target {target}"))
     try:

@@ -72,11 +72,18 @@ def test_a_documented_envoy_routes_through_the_rendered_gateway_picker_over_mtls
         (pool,) = [d for d in docs if d["kind"] == "InferencePool"]
         assert pool["spec"]["endpointPickerRef"]["port"] == {"number": grpc}
         (container,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+        # the picker runs on the topology its ConfigMap carries (sidecar.grpc_tls: the gateway calls it over mTLS)
+        (configmap,) = [d for d in docs if d["kind"] == "ConfigMap" and "topology.yaml" in d.get("data", {})]
+        topology.write_text(configmap["data"]["topology.yaml"])
         args = _local_args(container["args"], topology, tls, listen, grpc, xds)
         sidecar = SidecarProcess([*args, *FAST_ARGS], tmp_path / "sidecar.log", listen)
         envoy_port = free_port()
-        boot = _with_client_tls(_plain_envoy_bootstrap(envoy_port, free_port(), grpc), pki.cert, gateway.cert,
-                                gateway.key)
+        plain = _plain_envoy_bootstrap(envoy_port, free_port(), grpc)
+        for cluster in plain["static_resources"]["clusters"]:  # a gateway calls the picker over TCP (mTLS)
+            if cluster["name"] == "ext_proc":
+                (lb,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                lb["endpoint"]["address"] = {"socket_address": {"address": "127.0.0.1", "port_value": grpc}}
+        boot = _with_client_tls(plain, pki.cert, gateway.cert, gateway.key)
         sidecar.start()
         try:
             sidecar.wait_ready()
