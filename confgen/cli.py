@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="at most this many requests in the whole demo (default 600)")
     demo.add_argument("--keep", type=Path, metavar="DIR",
                       help="write the topology, the rendered config and the sidecar's log into DIR and keep them")
+    demo.add_argument("--prefix", action="store_true",
+                      help="the prefix-affinity scene instead: growing conversations from plain clients through "
+                      "confgen's endpoint picker and, beside it, least_request (each with its own fleet)")
     return parser
 
 
@@ -272,9 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schema":
             return cmd_schema(args)
         if args.command == "demo":
-            from .demo import run_demo
+            from .demo import run_demo, run_prefix_demo
 
-            return run_demo(args.requests, args.keep)
+            return run_prefix_demo(args.keep) if args.prefix else run_demo(args.requests, args.keep)
     except ConfgenError as exc:
         print(f"confgen: {exc}", file=sys.stderr)
         return EXIT_INVALID

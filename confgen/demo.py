@@ -269,3 +269,185 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
             print(f"kept in {base}: topology.yaml, envoy/ (what the sidecar last published), sidecar.log")
     print("stopped confgen-sidecar, envoy and the simulated fleet")
     return 0
+
+
+# -- `confgen demo --prefix`: prefix affinity beside least_request -------------------------------------------
+
+PREFIX_WORKERS = ("gpu-0", "gpu-1", "gpu-2")
+CONVERSATIONS = 16
+TURNS = 8
+CLIENTS = 4  # conversations in flight at once, per setup
+
+
+@dataclass
+class Homes:
+    """Which worker each conversation's turns went to, for one setup; updated from the client threads."""
+
+    first: dict[int, str] = field(default_factory=dict)
+    followups: int = 0
+    home: int = 0
+    served: Counter[str] = field(default_factory=Counter)
+    failed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, conversation: int, turn: int, status: int, worker: str) -> None:
+        with self.lock:
+            if status != 200:
+                self.failed += 1
+                return
+            self.served[worker] += 1
+            if turn == 0:
+                self.first[conversation] = worker
+            elif conversation in self.first:
+                self.followups += 1
+                self.home += worker == self.first[conversation]
+
+    def share(self) -> float:
+        return self.home / self.followups if self.followups else 0.0
+
+
+def _system_prompt(conversation: int) -> str:
+    """Long enough that the engine's prefix cache keys on it (the simulator keys on the first 256 characters)."""
+    return (f"You are the support assistant of account {conversation}. "
+            + f"Account {conversation} has this long shared context that every turn resends. " * 6)
+
+
+def _conversations(url: str, homes: Homes, stop: threading.Event) -> None:
+    """CONVERSATIONS growing chats of TURNS turns each, CLIENTS at a time, from plain clients (no session header)."""
+    def talk(conversation: int) -> None:
+        messages = [{"role": "system", "content": _system_prompt(conversation)}]
+        for turn in range(TURNS):
+            if stop.is_set():
+                return
+            messages.append({"role": "user", "content": f"Question {turn} of conversation {conversation}?"})
+            status, worker = _post(url, {"model": "demo-8b", "messages": messages, "max_tokens": 16})
+            homes.record(conversation, turn, status, worker)
+            messages.append({"role": "assistant", "content": "An answer."})
+
+    with ThreadPoolExecutor(max_workers=CLIENTS, thread_name_prefix="demo-chat") as pool:
+        list(pool.map(talk, range(CONVERSATIONS)))
+
+
+def _prefix_topology(name: str, admin: int, port: int, workers: list[str], policy: str,
+                     sidecar: tuple[int, int] | None) -> str:
+    tail = [f"sidecar: {{port: {sidecar[0]}, grpc_port: {sidecar[1]}}}"] if sidecar else []
+    return fleet_topology(name=name, admin=admin, port=port, workers=workers, models=["demo-8b"], capacity=8,
+                          pool=[f"balancing: {{policy: {policy}}}"], tail=tail)
+
+
+def _start_envoy(stack: contextlib.ExitStack, base: Path, text: str) -> tuple[Path, runtime.EnvoyProcess] | None:
+    topology = base / "topology.yaml"
+    topology.write_text(text)
+    topo, _ = parse(text.encode(), str(topology))
+    out = base / "envoy"
+    files = envoy.render(topo, config_dir=str(out.resolve()))
+    write_tree(files, out)
+    problems = runtime.validate_envoy_static(envoy.static_bootstrap(files))
+    if problems:
+        print("the real Envoy rejected the configuration:\n" + "\n".join(problems), file=sys.stderr)
+        return None
+    return topology, stack.enter_context(runtime.EnvoyProcess(out / "bootstrap.json"))
+
+
+def _picks(sidecar_url: str) -> float:
+    try:
+        with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=1.0) as resp:  # noqa: S310 - loopback URL
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("confgen_picker_picks_total{"))
+
+
+def _picker_warm(chat_url: str, sidecar_url: str, deadline_s: float = 15.0) -> bool:
+    """The picker has the fleet view: a request through Envoy is picked (counted), within the deadline."""
+    until = time.monotonic() + deadline_s
+    while time.monotonic() < until:
+        _post(chat_url, {"model": "demo-8b", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1})
+        if _picks(sidecar_url) > 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _hits(fleet: Any) -> dict[str, tuple[int, int]]:
+    return {w.name: (w.stats()["prefix_cache"]["hits"], w.stats()["prefix_cache"]["lookups"]) for w in fleet.workers}
+
+
+def _prefix_table(fleets: dict[str, Any], base: dict[str, dict[str, tuple[int, int]]],
+                  homes: dict[str, Homes]) -> list[str]:
+    names = list(fleets)
+    rows = [f"  {'worker':<8}" + "".join(f"  {name + ': served':>26} {'cache hits':>14}" for name in names)]
+    now = {name: _hits(fleet) for name, fleet in fleets.items()}
+    for worker in PREFIX_WORKERS:
+        cells = ""
+        for name in names:
+            hits, lookups = (a - b for a, b in zip(now[name][worker], base[name][worker], strict=True))
+            ratio = f"{100 * hits / lookups:.0f}%" if lookups else "-"
+            cells += f"  {homes[name].served[worker]:>26} {f'{hits}/{lookups} {ratio}':>14}"
+        rows.append(f"  {worker:<8}{cells}")
+    rows.append("  follow-up turns on their conversation's first worker: " + ", ".join(
+        f"{name} {100 * homes[name].share():.0f}% ({homes[name].home}/{homes[name].followups})" for name in names))
+    return rows
+
+
+def run_prefix_demo(keep: Path | None = None) -> int:
+    """The same conversations from plain clients through two Envoys, each over its own simulated fleet of three
+    workers: one balanced by confgen's endpoint picker (prefix_affinity, the sidecar beside it), one by
+    least_request; a live table of each worker's requests and prefix-cache hits, and how many follow-up turns
+    went back to the worker that served the conversation's first turn."""
+    from .simulate import FleetSpec, WorkerSpec, run_fleet_in_thread
+
+    workers = tuple(WorkerSpec(name=name, models=("demo-8b",), max_num_seqs=8, decode_ms=10.0)
+                    for name in PREFIX_WORKERS)
+    with contextlib.ExitStack() as stack:
+        root = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="confgen-demo-")))
+        fleets = {name: stack.enter_context(run_fleet_in_thread(FleetSpec(workers=workers, seed=11)))
+                  for name in ("prefix_affinity", "least_request")}
+        urls, sidecar_url = {}, ""
+        for name, fleet in fleets.items():
+            base = root / name
+            base.mkdir(parents=True, exist_ok=True)
+            port, admin = runtime.free_port(), runtime.free_port()
+            sidecar = (runtime.free_port(), runtime.free_port()) if name == "prefix_affinity" else None
+            text = _prefix_topology(f"demo-{name.replace('_', '-')}", admin, port,
+                                    [f"127.0.0.1:{w.port}" for w in fleet.workers], name, sidecar)
+            started = _start_envoy(stack, base, text)
+            if started is None:
+                return 1
+            topology, proxy = started
+            urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            print(f"{name}: envoy (pid {proxy.pid}) serves {urls[name]} over its own three simulated workers")
+            if sidecar is not None:
+                sidecar_url = stack.enter_context(_sidecar(topology, base / "envoy", sidecar[0], base / "sidecar.log"))
+                if not (_wait_ready(sidecar_url) and _picker_warm(urls[name], sidecar_url)):
+                    print(f"the sidecar's picker did not start; its log: {base / 'sidecar.log'}", file=sys.stderr)
+                    return 1
+                print(f"{name}: confgen-sidecar picks for it (Envoy ext_proc on 127.0.0.1:{sidecar[1]}); "
+                      f"state {sidecar_url}/state")
+        print(f"\n{CONVERSATIONS} conversations of {TURNS} turns, {CLIENTS} at a time, each turn resending the "
+              "whole conversation (no session header), to both:")
+        before = {name: _hits(fleet) for name, fleet in fleets.items()}
+        homes = {name: Homes() for name in fleets}
+        screen = Screen(sys.stdout)
+        stop = threading.Event()
+        threads = [threading.Thread(target=_conversations, args=(urls[name], homes[name], stop), daemon=True)
+                   for name in fleets]
+        for thread in threads:
+            thread.start()
+        until = time.monotonic() + 45.0  # bounded: the scene ends here whatever the machine's speed
+        while any(t.is_alive() for t in threads) and time.monotonic() < until:
+            screen.show(_prefix_table(fleets, before, homes), final=False)
+            time.sleep(0.5)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=REQUEST_TIMEOUT_S)
+        screen.show(_prefix_table(fleets, before, homes), final=True)
+        failed = sum(h.failed for h in homes.values())
+        print(f"\n{'none failed' if not failed else f'{failed} failed'}. The picker sends each turn back to the "
+              "worker holding its conversation's prefix (least_request spreads them by load).")
+        if keep is not None:
+            print(f"kept in {root}: per setup topology.yaml, envoy/; prefix_affinity/sidecar.log")
+    print("stopped confgen-sidecar, both envoys and the simulated fleets")
+    return 0

@@ -39,3 +39,30 @@ def test_demo_runs_the_product_and_keeps_what_it_made(tmp_path: Path) -> None:
     eds = json.loads((keep / "envoy" / "eds" / "chat" / "endpoints.json").read_text())
     assert "UNHEALTHY" in json.dumps(eds)  # what the sidecar last published is what is kept
     assert int(row(steady, "a100-0")[-1]) > 0
+
+
+@pytest.mark.slow
+def test_the_prefix_demo_sends_follow_up_turns_home_beside_least_request(tmp_path: Path) -> None:
+    """`confgen demo --prefix`: the same growing conversations from plain clients through the picker and
+    through least_request; the table shows each worker's requests and prefix-cache hits for both, at least
+    70 % of the picker's follow-up turns go to their conversation's first worker (least_request's share is
+    shown beside it and is lower), none fails, and it ends within a minute."""
+    import re
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run([CONFGEN, "demo", "--prefix", "--keep", str(tmp_path / "kept")], capture_output=True,
+                          text=True, timeout=120, check=False)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    found = re.search(r"prefix_affinity (\d+)% \((\d+)/(\d+)\), least_request (\d+)% \((\d+)/(\d+)\)", out)
+    assert found is not None, out
+    picker, home, followups, lr = (int(found[1]), int(found[2]), int(found[3]), int(found[4]))
+    assert followups == 16 * 7 and home / followups >= 0.7 and picker >= 70, out
+    assert lr < picker, out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("gpu-")]
+    assert len(rows) == 3 and all(len(r) == 7 for r in rows), out  # worker, then served + hits for each setup
+    assert sum(int(r[1]) for r in rows) == 16 * 8 and sum(int(r[4]) for r in rows) == 16 * 8
+    assert "none failed" in out and elapsed < 60, (elapsed, out)
+    assert (tmp_path / "kept" / "prefix_affinity" / "sidecar.log").stat().st_size > 0
