@@ -114,11 +114,10 @@ class Learner:
     `observe` takes the counters of one scrape (None where the engine does not report one); a
     counter that goes down (an engine restart) restarts that coefficient's deltas."""
 
-    __slots__ = ("_fit", "_last", "_n", "_tokens", "batch", "itl", "k", "out", "prompt")
+    __slots__ = ("_fit", "_last", "_tokens", "batch", "itl", "k", "out", "prompt")
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
-        self._n = 0.0
         self._fit = [0.0, 0.0, 0.0, 0.0, 0.0]  # forgetting sums: w, x, y, xx, xy
         self.k: float | None = None
         self.out: float | None = None
@@ -143,7 +142,7 @@ class Learner:
         d_sum, d_n = self._delta("itl_sum", itl_sum), self._delta("itl_n", itl_count)
         if d_sum is not None and d_n is not None and d_n >= 1:
             itl = d_sum / d_n
-            self._add_point(running, itl, weight=min(d_n, 1000.0), forget=policy.forget)
+            self._add_point(running, itl, forget=policy.forget)
             # token-weighted: a cycle of three tokens says little against one of three hundred
             kept = self._tokens * 0.5
             self._tokens = kept + d_n
@@ -163,23 +162,22 @@ class Learner:
             self.prompt = mean if self.prompt is None else self.prompt + policy.alpha * (mean - self.prompt)
         if d_prefill is not None and d_tokens is not None and d_tokens >= 64:
             # vLLM's prefill phase ends with the first token: one decode step per request in it.
-            step = self.tpot_fit(running) if d_done is not None else None
+            step = self.tpot_fit(running, policy.growth) if d_done is not None else None
             requests = d_done or 0.0
             seconds = max(0.25 * d_prefill, d_prefill - (step or 0.0) * requests)
             k = seconds / d_tokens
             self.k = k if self.k is None else self.k + policy.alpha * (k - self.k)
 
-    def _add_point(self, x: float, y: float, *, weight: float, forget: float) -> None:
+    def _add_point(self, x: float, y: float, *, forget: float) -> None:
+        """One cycle's point; every cycle counts alike (a busy cycle must not drown the others)."""
         f = self._fit
         for i in range(5):
             f[i] *= forget
-        w = 1.0  # every cycle counts alike: a busy cycle must not drown the others
-        del weight
-        f[0] += w
-        f[1] += w * x
-        f[2] += w * y
-        f[3] += w * x * x
-        f[4] += w * x * y
+        f[0] += 1.0
+        f[1] += x
+        f[2] += y
+        f[3] += x * x
+        f[4] += x * y
 
     def fit(self, growth: float) -> tuple[float, float] | None:
         """(a, s) of tpot(b) = a + s b; None before any latency was measured. The slope is the
@@ -213,8 +211,8 @@ class Learner:
         """Tokens behind the measured level (with forgetting)."""
         return self._tokens
 
-    def tpot_fit(self, batch: float) -> float | None:
-        fit = self.fit(0.03)
+    def tpot_fit(self, batch: float, growth: float) -> float | None:
+        fit = self.fit(growth)
         return None if fit is None else fit[0] + fit[1] * max(1.0, batch)
 
 
