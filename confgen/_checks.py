@@ -15,7 +15,7 @@ from . import _edge_checks
 from ._fields import COMPILED
 from ._names import dns_label
 from ._pod_fit import loopback_store
-from .balancing import POLICIES, is_hashing, uses_picker
+from .balancing import POLICIES, is_hashing, picker_wanted, uses_picker
 from .errors import Severity
 from .limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -121,7 +121,7 @@ def _addresses(topo: Topology) -> Iterator[Finding]:
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
             WARNING,
         )
-    picker = any(uses_picker(pool.balancing.policy) for pool in topo.pools)
+    picker = picker_wanted(topo)
     limited = needs_store(topo)
     if (picker or limited) and topo.sidecar.grpc_port == topo.sidecar.port:
         yield "sidecar.grpc_port", f"port {topo.sidecar.port} is also the sidecar's HTTP port", ERROR
@@ -182,7 +182,7 @@ def _port_clashes(topo: Topology) -> Iterator[Finding]:
     Envoy's host when its server is on loopback. Clashes the other checks report (two listeners, a listener on
     the admin port, gRPC on the HTTP port) are not repeated. The second program to bind dies at start
     ("address already in use")."""
-    grpc_used = any(uses_picker(p.balancing.policy) for p in topo.pools) or needs_store(topo)
+    grpc_used = picker_wanted(topo) or needs_store(topo)
     ads = topo.envoy.xds.mode == "ads"
     envoy = [(f"listeners[{i}].port", f"listener {lst.name!r}", lst.port) for i, lst in enumerate(topo.listeners)]
     envoy.append(("admin.port", "Envoy's admin (admin.port)", topo.admin.port))
@@ -318,7 +318,7 @@ def _grpc_services(topo: Topology) -> Iterator[Finding]:
     yield from _grpc_transport(topo)
     tls = grpc_tls(topo)
     wanted = [f"the endpoint picker (pools[{i}].balancing.policy)" for i, p in enumerate(topo.pools)
-              if uses_picker(p.balancing.policy)]
+              if uses_picker(topo, p)]
     if needs_store(topo):
         wanted.append("the rate limit service (scope: global limits)")
     if not wanted:

@@ -110,7 +110,7 @@ def _class_claims(topo: Topology) -> Iterator[Finding]:
 def _bodies(topo: Topology) -> Iterator[Finding]:
     """The endpoint picker gets every request body of a listener in one gRPC message: a body it
     cannot take would cost each such request the picker's timeout, then go unpicked."""
-    picker = next((i for i, p in enumerate(topo.pools) if uses_picker(p.balancing.policy)), None)
+    picker = next((i for i, p in enumerate(topo.pools) if uses_picker(topo, p)), None)
     if picker is None:
         return
     for li, lst in enumerate(topo.listeners):

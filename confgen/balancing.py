@@ -6,6 +6,12 @@
 `hash_on`; the validator, the plan and both renderers ask it here). A new policy is one
 line here plus its name in `model.Policy` (which the schema and the decoder read).
 `uses_picker` is THE test for "Envoy asks confgen-sidecar's endpoint picker" (ext_proc).
+
+`auto` (the default) is not a row: `choose` resolves it per pool to `prefix_affinity` (the endpoint
+picker, which predicts each request's finish time on each worker from the engines' metrics) where
+the picker can work as rendered, and to `least_request` where it cannot, with the reason
+(`validate` prints it). Every reader asks `policy_of` / `uses_picker` with the topology, never
+`pool.balancing.policy` directly.
 """
 
 from __future__ import annotations
@@ -13,9 +19,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .model import Balancing
+from .model import (
+    PICKER_MAX_BODY_BYTES,
+    Balancing,
+    Pool,
+    Topology,
+    grpc_service_hosts,
+    grpc_transport,
+    is_loopback_host,
+)
 
-__all__ = ["POLICIES", "BalancingPolicy", "is_hashing", "nginx_method", "uses_picker"]
+__all__ = ["AUTO", "POLICIES", "BalancingPolicy", "Choice", "choose", "is_hashing", "nginx_method",
+           "picker_wanted", "policy_of", "uses_picker"]
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +62,81 @@ POLICIES: dict[str, BalancingPolicy] = {
 }
 
 
+# Engines whose metrics the picker's predictor learns from (queue, KV cache, token timings:
+# sidecar/observe/engines.py). `openai` is any OpenAI-compatible server: no metrics to learn from.
+PREDICTABLE_ENGINES = frozenset({"vllm", "sglang", "tgi", "llamacpp"})
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The policy a pool runs, and why when `auto` chose it ("" for a policy the topology names)."""
+
+    policy: str
+    reason: str = ""
+
+
+def choose(topo: Topology, pool: Pool) -> Choice:
+    """The policy `pool` runs. An explicit policy is itself; `auto` is the endpoint picker unless
+    something about this pool or this topology keeps the picker from working as rendered (then
+    least_request, which is also what Envoy runs whenever the picker does not answer)."""
+    if pool.balancing.policy != AUTO:
+        return Choice(pool.balancing.policy)
+    blocker = _picker_blocker(topo, pool)
+    if blocker:
+        return Choice("least_request", f"auto is least_request here: {blocker}")
+    return Choice("prefix_affinity", "auto is the endpoint picker (prefix_affinity): it predicts each request's "
+                  f"finish time on every worker from what {pool.engine} reports")
+
+
+def _picker_blocker(topo: Topology, pool: Pool) -> str:
+    """Why the picker cannot be this pool's default, or "" (each reason is a check that would
+    refuse an explicit prefix_affinity here: a default never turns a valid topology invalid)."""
+    if pool.engine not in PREDICTABLE_ENGINES:
+        return f"engine {pool.engine} reports no load metrics for the endpoint picker to predict from"
+    if pool.discovery == "strict_dns":
+        return "discovery strict_dns: Envoy resolves the workers itself and no sidecar sees them"
+    if not _grpc_reachable(topo):
+        return ("Envoy reaches the sidecar's gRPC services beyond loopback only over mutual TLS: set "
+                "sidecar.grpc_tls for the endpoint picker")
+    big = [lst.name for lst in topo.listeners if lst.max_request_bytes > PICKER_MAX_BODY_BYTES]
+    if big:
+        return (f"listener {big[0]!r} takes bodies over {PICKER_MAX_BODY_BYTES} bytes (max_request_bytes), more "
+                "than the endpoint picker reads in one message")
+    taken = {topo.sidecar.port, topo.admin.port, *(lst.port for lst in topo.listeners)}
+    if topo.sidecar.grpc_port in taken and grpc_transport(topo) != "unix":
+        return f"sidecar.grpc_port {topo.sidecar.grpc_port} is taken by another of the product's servers"
+    return ""
+
+
+def _grpc_reachable(topo: Topology) -> bool:
+    """Whether Envoy can call the sidecar's gRPC services as the topology stands (what
+    `_checks._grpc_services` would accept for a picker pool)."""
+    transport = grpc_transport(topo)
+    if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
+        return True
+    return all(is_loopback_host(host) for host in grpc_service_hosts(topo))
+
+
+def policy_of(topo: Topology, pool: Pool) -> str:
+    """The concrete policy `pool` runs (`auto` resolved): a key of POLICIES."""
+    return choose(topo, pool).policy
+
+
+def uses_picker(topo: Topology, pool: Pool) -> bool:
+    """Whether Envoy asks the sidecar's endpoint picker for every request of this pool."""
+    return POLICIES[policy_of(topo, pool)].picker
+
+
+def picker_wanted(topo: Topology) -> bool:
+    """Whether any pool of `topo` runs the endpoint picker."""
+    return any(uses_picker(topo, pool) for pool in topo.pools)
+
+
 def is_hashing(policy: str) -> bool:
     """Whether `policy` keeps a session on one worker (consistent hashing on `hash_on`)."""
-    return POLICIES[policy].hashing
-
-
-def uses_picker(policy: str) -> bool:
-    """Whether Envoy asks the sidecar's endpoint picker for every request of this policy's pools."""
-    return POLICIES[policy].picker
+    return policy != AUTO and POLICIES[policy].hashing
 
 
 def nginx_method(bal: Balancing) -> str:
-    return POLICIES[bal.policy].nginx(bal)
+    """nginx's method for a pool (nginx has no picker: `auto` and prefix_affinity balance as least_request)."""
+    return POLICIES["least_request" if bal.policy == AUTO else bal.policy].nginx(bal)

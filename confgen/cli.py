@@ -211,6 +211,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         checked: list[str] = []  # what a real proxy accepted, said before "ok"
         if topo is not None and (sources := check_sources(topo)):
             findings += pin(path, sources, Severity.ERROR)
+        if topo is not None:
+            findings += pin(path, _policy_notes(topo), Severity.NOTE)
         chosen = [t for t in targets.verifiable() if getattr(args, t.name)] if topo is not None else []
         for target in chosen:
             assert topo is not None and target.verify is not None
@@ -227,7 +229,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             findings += _target_warnings(path, target, topo)
             if not problems:
                 checked.append(f"{path}: {target.name}: accepted by {target.verify_help.removeprefix('also run ')}")
-        errors = [d for d in findings if d.severity is Severity.ERROR or args.strict]
+        errors = [d for d in findings
+                  if d.severity is Severity.ERROR or (args.strict and d.severity is Severity.WARNING)]
         if errors:
             status = EXIT_INVALID
         if args.format == "json":
@@ -242,6 +245,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(report, indent=2))
     return status
+
+
+def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
+    """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why."""
+    from .balancing import AUTO, POLICIES, choose
+
+    notes = []
+    for index, pool in enumerate(topo.pools):
+        choice = choose(topo, pool)
+        if pool.balancing.policy == AUTO and not POLICIES[choice.policy].picker:
+            notes.append((f"pools[{index}].balancing.policy", choice.reason))
+    return notes
 
 
 def _refusals(path: Path, target: str, refused: Sequence[Refusal]) -> list[Diagnostic]:

@@ -33,6 +33,7 @@ class Severity(StrEnum):
 
     ERROR = "error"
     WARNING = "warning"
+    NOTE = "note"  # an explanation (what a default chose and why); never fails validate, even --strict
 
 
 @dataclass(frozen=True, order=True)
@@ -48,7 +49,7 @@ class Diagnostic:
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}:{self.col}"
-        label = "" if self.severity is Severity.ERROR else "warning: "
+        label = "" if self.severity is Severity.ERROR else f"{self.severity}: "
         path = self.path or "<document>"
         return f"{where}: {path}: {label}{self.message}"
 

@@ -16,7 +16,7 @@ from typing import Literal
 from ._fields import Duration, field
 
 Engine = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
-Policy = Literal["round_robin", "random", "least_request", "ring_hash", "maglev", "prefix_affinity"]
+Policy = Literal["auto", "round_robin", "random", "least_request", "ring_hash", "maglev", "prefix_affinity"]
 RetryOn = Literal["connect-failure", "reset", "refused-stream", "gateway-error", "retriable-4xx"]
 Discovery = Literal["eds", "strict_dns"]
 CannedKind = Literal["error", "completion"]
@@ -138,10 +138,13 @@ class HashOn:
 @dataclass(frozen=True)
 class Balancing:
     policy: Policy = field(
-        "least_request",
+        "auto",
         doc="Load-balancing policy. prefix_affinity (Envoy only): confgen-sidecar's endpoint picker chooses per "
-        "request (the worker that probably holds the prompt's prefix in its KV cache, unless its load is past the "
-        "others'; long generations toward the fastest), with least_request when the picker says nothing.",
+        "request the worker where it predicts the request finishes first (its queue, the prompt blocks it does "
+        "not hold in its KV cache, its decode speed under its batch), with least_request when the picker says "
+        "nothing. auto (the default): prefix_affinity where the engine reports metrics (vllm, sglang, tgi, "
+        "llamacpp) and Envoy can reach the picker as configured, least_request otherwise (validate says why); "
+        "nginx balances auto and prefix_affinity as least_request.",
     )
     choice_count: int = field(
         2, doc="least_request: hosts sampled per pick (power of two choices).", minimum=2, maximum=100

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from confgen import runtime
-from confgen.balancing import POLICIES
+from confgen.balancing import POLICIES, policy_of
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
 from confgen.topology import parse
 
@@ -55,14 +55,14 @@ def vllm(policy: str) -> Setup:
 PEER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 # Product rows with an explicit balancing policy (the topology's `balancing`, all else as shipped):
 # the endpoint picker's policy (issue 17), run wherever confgen knows it and does not ship it as the default.
-PRODUCT_POLICIES = ("prefix_affinity",)
+PRODUCT_POLICIES = ("least_request", "prefix_affinity")
 
 
 def default_policy() -> str:
     """The balancing policy of the product as shipped: the one confgen gives the bench's user topology."""
     text = _proxies.user_topology([("127.0.0.1", 8000, 8)], 8001, 8002)
     topo, _ = parse(text.encode(), "<bench user topology>")
-    return str(topo.pools[0].balancing.policy)
+    return policy_of(topo, topo.pools[0])
 
 
 def policy_setups() -> tuple[list[Setup], list[str]]:

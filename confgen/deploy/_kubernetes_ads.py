@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import posixpath
 
-from ..balancing import uses_picker
+from ..balancing import picker_wanted
 from ..model import grpc_tls, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
@@ -70,7 +70,7 @@ def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
 
 def serves_picker(plan: k8s_mod._Plan) -> bool:
     """Whether the control plane runs the endpoint picker (its gRPC services) for the Envoys."""
-    return any(uses_picker(pool.balancing.policy) for pool in plan.topo.pools)
+    return picker_wanted(plan.topo)
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..balancing import uses_picker
+from ..balancing import AUTO, uses_picker
 from ..errors import DeployError
 from ..model import GrpcTls, Pool, Topology, split_address
 from ._canonical import dump, topology_yaml
@@ -55,8 +55,11 @@ MODEL_HEADER = "X-Gateway-Model-Name"  # what the extension's body-based router 
 MAX_MATCHES = 8  # HTTPRoute: matches per rule
 
 
-def _picked(topo: Topology) -> list[tuple[int, Pool]]:
-    return [(i, p) for i, p in enumerate(topo.pools) if uses_picker(p.balancing.policy)]
+def gateway_pools(topo: Topology) -> list[tuple[int, Pool]]:
+    """The pools that become InferencePools: those on the endpoint picker, a pool on it by default
+    (policy auto) only where it names its pods' labels (an InferencePool selects pods by label)."""
+    return [(i, p) for i, p in enumerate(topo.pools)
+            if uses_picker(topo, p) and (p.balancing.policy != AUTO or p.pod_labels)]
 
 
 def _ports(pool: Pool) -> list[int]:
@@ -70,7 +73,7 @@ def _ports(pool: Pool) -> list[int]:
 
 def gateway_problems(topo: Topology) -> list[tuple[str, str]]:
     """What the gateway-api render cannot express (field path, reason): render refuses these."""
-    picked = _picked(topo)
+    picked = gateway_pools(topo)
     if not picked:
         return [("pools", "no pool has balancing.policy prefix_affinity: confgen's endpoint picker (the "
                  "InferencePool's) picks for those pools only")]
@@ -207,7 +210,7 @@ def _backend(pool: Pool) -> Obj:
 
 def _route(plan: _Plan) -> Obj:
     topo = plan.topo
-    picked = [p for _, p in _picked(topo)]
+    picked = [p for _, p in gateway_pools(topo)]
     everything = [{"path": {"type": "PathPrefix", "value": "/"}}]
     if len(picked) == 1:
         rules = [{"matches": everything, "backendRefs": [_backend(picked[0])]}]
@@ -235,7 +238,7 @@ def render_gateway_api(topo: Topology) -> dict[str, bytes]:
     if problems := gateway_problems(topo):
         raise DeployError(problems)
     plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
-    docs = [*_epp(plan), *(_inference_pool(plan, p) for _, p in _picked(topo)), _route(plan)]
+    docs = [*_epp(plan), *(_inference_pool(plan, p) for _, p in gateway_pools(topo)), _route(plan)]
     return {
         "gateway-api.yaml": "---\n".join(dump(doc) for doc in docs).encode(),
         "kustomization.yaml": dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",

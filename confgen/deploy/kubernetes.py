@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from ..balancing import uses_picker
+from ..balancing import picker_wanted
 from ..errors import DeployError
 from ..limits import needs_store
 from ..model import Pool, Topology, grpc_socket_dir, grpc_transport
@@ -152,7 +152,7 @@ def _share_grpc_socket(topo: Topology, envoy: Obj, sidecar: Obj, volumes: list[O
     (sidecar.grpc_socket_dir) unless sidecar.grpc_tls says mTLS: both containers then mount one
     emptyDir at the socket directory's parent (the pod's tmp volume for the default /tmp/...), where
     the sidecar makes its 0700 directory; both run as the pod's user (runAsUser), so Envoy may enter."""
-    wanted = needs_store(topo) or any(uses_picker(p.balancing.policy) for p in topo.pools)
+    wanted = needs_store(topo) or picker_wanted(topo)
     if not wanted or grpc_transport(topo) != "unix":
         return
     parent = grpc_socket_dir(topo).rsplit("/", 1)[0] or "/"

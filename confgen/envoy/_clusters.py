@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..balancing import POLICIES, uses_picker
+from ..balancing import POLICIES, picker_wanted, policy_of
 from ..limits import needs_store
 from ..model import (
     ENVOY_CAP_MAX,
@@ -85,14 +85,14 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
         cluster["type"] = "STRICT_DNS"
         cluster["dns_lookup_family"] = "V4_PREFERRED"
         cluster["load_assignment"] = _dns_assignment(pool)
-    bal = pool.balancing
-    if uses_picker(bal.policy):
+    policy = policy_of(topo, pool)
+    if POLICIES[policy].picker:
         cluster["load_balancing_policy"] = _override_host(pool)
     else:
-        cluster["lb_policy"] = POLICIES[bal.policy].envoy
-    if bal.policy == "least_request":
+        cluster["lb_policy"] = POLICIES[policy].envoy
+    if policy == "least_request":
         cluster["least_request_lb_config"] = _least_request(pool)
-    elif bal.policy == "ring_hash":
+    elif policy == "ring_hash":
         cluster["ring_hash_lb_config"] = {"hash_function": "XX_HASH", "minimum_ring_size": 1024}
     if pool.health.enabled:
         hc = pool.health
@@ -244,10 +244,6 @@ def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
 
 # confgen-sidecar's gRPC services (the endpoint picker): HTTP/2, a name no pool can have.
 SIDECAR_GRPC_CLUSTER = "confgen_sidecar_grpc"
-
-
-def picker_wanted(topo: Topology) -> bool:
-    return any(uses_picker(p.balancing.policy) for p in topo.pools)
 
 
 def pipe(path: str) -> Json:

@@ -38,6 +38,7 @@ import re
 from collections.abc import Mapping
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
+from ..balancing import picker_wanted
 from ..limits import local_client_limits, local_listener_limit
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
@@ -48,7 +49,6 @@ from ._clusters import (
     SIDECAR_CLUSTER,
     SIDECAR_GRPC_CLUSTER,
     SIDECAR_TIMEOUT,
-    picker_wanted,
     target_cluster,
 )
 from ._proto import Json, dur, extension, typed

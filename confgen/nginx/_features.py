@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..balancing import is_hashing, uses_picker
+from ..balancing import is_hashing
 from ..model import Balancing, LimitSet, RateLimit, Topology, limit_list
 from ._context import rate
 
@@ -46,11 +46,11 @@ def unsupported(topo: Topology) -> list[Finding]:
                 "its worker however loaded it is")))
         if bal.policy == "maglev":
             found.append((f"{base}.balancing.policy", "maglev is rendered as nginx's consistent (ketama) hash"))
-        if uses_picker(bal.policy):
+        if bal.policy == "prefix_affinity":  # named, not auto: nginx has no picker, says so once
             found.append((f"{base}.balancing.policy", (
                 "prefix_affinity is Envoy-only (confgen-sidecar's endpoint picker over ext_proc): nginx "
                 "balances this pool as least_request, with no prefix-cache affinity")))
-        if bal.policy in ("least_request", "prefix_affinity"):
+        if bal.policy in ("auto", "least_request", "prefix_affinity"):
             if bal.choice_count != 2:
                 found.append((f"{base}.balancing.choice_count", (
                     "nginx samples two workers (random two least_conn) or all of them (least_conn); "

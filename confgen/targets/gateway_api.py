@@ -23,11 +23,12 @@ def _refusals(topo: Topology) -> list[Finding]:
 
 def _warnings(topo: Topology) -> list[Finding]:
     from .._pod_fit import unpublished_image
-    from ..balancing import uses_picker
+    from ..deploy.gateway_api import gateway_pools
 
-    left_out = [(f"pools[{i}].balancing.policy", "not in the gateway's route: only pools with policy "
-                 "prefix_affinity become InferencePools (confgen's picker picks for those)")
-                for i, pool in enumerate(topo.pools) if not uses_picker(pool.balancing.policy)]
+    inside = {i for i, _ in gateway_pools(topo)}
+    left_out = [(f"pools[{i}].balancing.policy", "not in the gateway's route: only pools on the endpoint picker "
+                 "(prefix_affinity, or auto with pod_labels) become InferencePools (confgen's picker picks for those)")
+                for i in range(len(topo.pools)) if i not in inside]
     return [*unpublished_image(topo), *left_out]
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from confgen.balancing import uses_picker
+from confgen.balancing import picker_wanted
 from confgen.limits import needs_store
 from confgen.model import Topology
 
@@ -83,7 +83,7 @@ SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring
 def wanted(topo: Topology) -> list[str]:
     """The services `topo` needs, in start order (`sidecar.main` starts these and no others)."""
     out = []
-    if any(uses_picker(pool.balancing.policy) for pool in topo.pools):
+    if picker_wanted(topo):
         out.append("picker")
     if needs_store(topo):
         out.append("ratelimit")

@@ -31,6 +31,7 @@ from html import escape
 from typing import Any
 
 from confgen import __version__
+from confgen.balancing import policy_of
 from confgen.model import ENVOY_CAP_MAX, RateLimit, Topology, limit_list
 from sidecar.fleet import EndpointView, PoolView, Snapshot
 
@@ -132,7 +133,7 @@ def _picks(figures: Mapping[str, Any] | None) -> str:
 def _pool_header(pool: PoolView, topo: Topology | None, picker: Mapping[str, Any] | None) -> str:
     declared = next((p for p in topo.pools if p.name == pool.name), None) if topo is not None else None
     cap = topo.in_flight_cap(declared, ENVOY_CAP_MAX) if topo is not None and declared is not None else None
-    policy = declared.balancing.policy if declared is not None else "-"
+    policy = policy_of(topo, declared) if topo is not None and declared is not None else "-"
     shed = ", ".join(f"{reason} {n}" for reason, n in sorted(pool.shed.items())) or "0"
     facts = [
         ("engine", pool.engine), ("model", pool.model or "-"), ("policy", policy),

@@ -165,14 +165,19 @@ def test_the_compose_services_run_render_then_sidecar_and_envoy_serve(tmp_path: 
         mounts: dict[str, str] = {}
         for spec in compose["services"]["sidecar"]["volumes"]:
             source, target = spec.split(":")[:2]
-            mounts[target] = str(project / source) if source.startswith("./") else str(volume)
+            if source.startswith("./"):
+                mounts[target] = str(project / source)
+            elif source == "xds":
+                mounts[target] = str(volume)
+            # other named volumes (the gRPC socket directory's parent, /tmp): the host's own, shared by both
 
         def on_host(argv: list[str]) -> list[str]:
             out = []
             for arg in argv:
-                for target, source in mounts.items():
+                for target, source in sorted(mounts.items(), key=lambda m: -len(m[0])):  # innermost mount wins
                     if arg == target or arg.startswith(target + "/"):
                         arg = source + arg[len(target):]
+                        break
                 out.append(arg.replace("127.0.0.1:9109", f"127.0.0.1:{sidecar_port}"))
             program = find_envoy() if out[0] == "envoy" else shutil.which(out[0], path=str(BIN))
             assert program is not None, f"{out[0]} is not installed next to the test interpreter"

@@ -26,6 +26,7 @@ pools:
   - name: other
     engine: vllm
     models: [o]
+    balancing: {policy: least_request}
     workers: ['10.0.0.3:8000']
 """
 

@@ -59,6 +59,7 @@ pools:
     engine: vllm
     models: [batch-model]
     capacity: 2
+    balancing: {{policy: least_request}}
     workers: ["127.0.0.1:{c}", "127.0.0.1:{dead}"]
 limits:
   per_key: {{requests: 10, per: 1s}}

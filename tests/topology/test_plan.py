@@ -51,8 +51,10 @@ def test_every_policy_and_engine_kind_has_one_implementation() -> None:
     at probe time); its targets are the registry's, each module naming itself."""
     from sidecar.observe.engines import ENGINE_KINDS
 
-    assert set(get_args(model.Policy)) == set(balancing.POLICIES)
+    assert set(get_args(model.Policy)) == {*balancing.POLICIES, balancing.AUTO}  # auto: resolved, not a row
     assert set(get_args(model.Engine)) == set(ENGINE_KINDS)
+    # auto gives the picker to every engine with metrics to learn from: all but the generic one
+    assert set(get_args(model.Engine)) - {"openai"} == balancing.PREDICTABLE_ENGINES
     for name in targets.names():
         assert targets.get(name).name == name
 

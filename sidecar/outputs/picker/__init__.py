@@ -70,7 +70,7 @@ def classes(topo: Topology) -> Classes:
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
     """The picker's pools (policy prefix_affinity), from the daemon's fleet view."""
-    pools = {p.name: p for p in topo.pools if uses_picker(p.balancing.policy)}
+    pools = {p.name: p for p in topo.pools if uses_picker(topo, p)}
     out = []
     for pv in view.pools:
         pool = pools.get(pv.name)
