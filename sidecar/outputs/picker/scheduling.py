@@ -140,11 +140,17 @@ def load_of(e: Endpoint) -> float:
     return max(float(e.in_flight), f.running + f.waiting)
 
 
+# KV cache use from which requests waiting beside free slots mean the cache, not the batch, bounds
+# the engine. Below it they are only between two scheduler steps (an engine admits arrivals at the
+# start of its next step): a scrape sees that on a busy worker all the time.
+KV_BOUND_USAGE = 0.9
+
+
 def _slots(e: Endpoint) -> int:
-    """The sequences the endpoint runs at once: its capacity, or what its engine runs while
-    requests wait beside free slots (bound by its KV cache)."""
+    """The sequences the endpoint runs at once: its capacity, or, when its KV cache is full and
+    requests wait beside free slots, what it runs now."""
     f = e.facts
-    if f.waiting >= 1 and 1 <= f.running < f.capacity:
+    if f.waiting >= 1 and 1 <= f.running < f.capacity and (f.kv_usage or 0.0) >= KV_BOUND_USAGE:
         return max(1, int(f.running))
     return max(1, f.capacity)
 
