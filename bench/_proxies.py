@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -58,11 +59,13 @@ TRUSTED = ", trusted_headers: {names: [x-tier], from: [127.0.0.1/32]}"
 
 
 def _one_pool(workers: Sequence[tuple[str, int, int]], port: int, admin: int, pool_fields: str,
-              grpc_port: int | None = None, routes: str = "") -> str:
+              grpc_port: int | None = None, routes: str = "", socket_dir: str | None = None) -> str:
     """The bench's one-pool topology: `pool_fields` (indented YAML lines) between models and workers;
-    `grpc_port` sets sidecar.grpc_port; `routes`: a top-level `routes:` list in flow style."""
+    `grpc_port` sets sidecar.grpc_port and `socket_dir` sidecar.grpc_socket_dir; `routes`: a top-level
+    `routes:` list in flow style."""
     lines = "\n".join(f"      - {{address: '{h}:{p}', capacity: {c}}}" for h, p, c in workers)
-    link = f"sidecar: {{grpc_port: {grpc_port}}}\n" if grpc_port is not None else ""
+    sockets = f", grpc_socket_dir: {socket_dir}" if socket_dir is not None else ""
+    link = f"sidecar: {{grpc_port: {grpc_port}{sockets}}}\n" if grpc_port is not None else ""
     return f"""\
 version: 1
 name: bench
@@ -135,23 +138,28 @@ def _has_grpc_port() -> bool:
 
 
 def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int, balancing: str = "",
-                  grpc_port: int | None = None, routes: str = "") -> str:
+                  grpc_port: int | None = None, routes: str = "", socket_dir: str | None = None) -> str:
     """The topology a user writes for a fleet: each worker's address and its max_num_seqs as
     `capacity`, the pool's engine and model; everything else (balancing, health, retries,
     breakers, backpressure) left at its default unless `balancing` is given (sessions, the
     picker's policy). `grpc_port`: where the sidecar's gRPC services (the endpoint picker)
     listen, a free port like the others (a deployment fact: the default 9110 would collide
-    between runs on one machine and between the two sidecars of two ingresses). `routes`: a
+    between runs on one machine and between the two sidecars of two ingresses), and `socket_dir`
+    the directory of its Unix socket (likewise: the default /tmp/confgen-<name> is one per name on a
+    host, and the second sidecar of two ingresses would find the first's socket there). `routes`: a
     top-level `routes:` list in flow style (traffic classes)."""
-    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "", grpc_port, routes)
+    return _one_pool(workers, port, admin, f"    balancing: {balancing}\n" if balancing else "", grpc_port, routes,
+                     socket_dir)
 
 
 def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "",
                routes: str = "") -> RenderedEnvoy:
     """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write."""
     port, admin = runtime.free_port(), runtime.free_port()
-    text = user_topology(workers, port, admin, balancing, runtime.free_port() if _has_grpc_port() else None,
-                         routes)
+    grpc = _has_grpc_port()
+    # a private directory per render, short enough for a socket path (mkdtemp makes it 0700)
+    sockets = tempfile.mkdtemp(prefix="cg-bench-") if grpc else None
+    text = user_topology(workers, port, admin, balancing, runtime.free_port() if grpc else None, routes, sockets)
     # A directory of its own: the sidecar watches the topology's directory.
     topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
     topo_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from .model import (
     grpc_service_hosts,
     grpc_transport,
     is_loopback_host,
+    split_address,
 )
 
 __all__ = ["AUTO", "POLICIES", "BalancingPolicy", "Choice", "choose", "is_hashing", "nginx_method",
@@ -102,6 +103,11 @@ def _picker_blocker(topo: Topology, pool: Pool) -> str:
     if big:
         return (f"listener {big[0]!r} takes bodies over {PICKER_MAX_BODY_BYTES} bytes (max_request_bytes), more "
                 "than the endpoint picker reads in one message")
+    if topo.envoy.xds.mode == "ads":
+        hosts = [parts[0] for parts in map(split_address, topo.envoy.xds.servers) if parts is not None]
+        if len(set(hosts)) < len(hosts):
+            return ("two control planes on one host (envoy.xds.servers) would both serve the endpoint picker on "
+                    "sidecar.grpc_port")
     taken = {topo.sidecar.port, topo.admin.port, *(lst.port for lst in topo.listeners)}
     if topo.sidecar.grpc_port in taken and grpc_transport(topo) != "unix":
         return f"sidecar.grpc_port {topo.sidecar.grpc_port} is taken by another of the product's servers"

@@ -31,6 +31,7 @@ pools:
   - name: chat
     engine: vllm
     models: [m]
+    balancing: {policy: least_request}  # the picker's own objects: PICKER below
     workers: ["10.0.0.1:8000", "10.0.0.2:8000"]
 """
 
@@ -121,7 +122,8 @@ def test_ads_manifests_need_mtls() -> None:
         render_kubernetes(topo)
 
 
-PICKER = TOPOLOGY.replace('    workers: ["10.0.0.1:8000", "10.0.0.2:8000"]\n',
+PICKER = TOPOLOGY.replace('    balancing: {policy: least_request}  # the picker\'s own objects: PICKER below\n'
+                          '    workers: ["10.0.0.1:8000", "10.0.0.2:8000"]\n',
                           '    balancing: {policy: prefix_affinity}\n'
                           '    workers: ["10.0.0.1:8000", "10.0.0.2:8000"]\n'
                           'sidecar:\n  grpc_port: 9300\n'

@@ -63,6 +63,8 @@ def test_auto_is_the_picker_for_engines_with_metrics(engine: str) -> None:
     ({"top": "sidecar: {address: 10.0.0.9}"}, "set sidecar.grpc_tls"),
     ({"listener": f", max_request_bytes: {PICKER_MAX_BODY_BYTES + 1}"}, "max_request_bytes"),
     ({"top": "sidecar: {grpc_plaintext_loopback: true, grpc_port: 18080}"}, "sidecar.grpc_port 18080 is taken"),
+    ({"top": "sidecar: {grpc_plaintext_loopback: true}\nenvoy: {xds: {mode: ads, servers: ['127.0.0.1:18000', "
+             "'127.0.0.1:18001']}}"}, "two control planes on one host"),
 ])
 def test_auto_is_least_request_where_the_picker_cannot_work_and_says_why(kw: dict[str, str], why: str) -> None:
     policy, reason = _choice(**kw)

@@ -58,14 +58,17 @@ def classes(topo: Topology) -> Classes:
     the proxy's api_key_auth sets after removing any client-sent copy) and the route its model takes
     (routes matched on models alone; a route matched on a header or a path is not knowable here)."""
     by_model: dict[str | None, str] = {}
+    blind: set[str] = set()
     for planned in plan(topo).routes:
         if planned.kind == "default":
             by_model.setdefault(None, planned.traffic_class)
         elif planned.models and not planned.headers and (planned.path_prefix or "/") == "/":
             for model in planned.models:
                 by_model.setdefault(model, planned.traffic_class)
+        elif planned.traffic_class == "critical":
+            blind.add(planned.pool.name)
     clients = {k.client: k.class_ for k in topo.auth.api_keys} if topo.auth is not None else {}
-    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model)
+    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model, frozenset(blind))
 
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
@@ -97,7 +100,7 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 finished=s.finished if s else None,
                 finished_tokens=s.finished_tokens if s else None,
             ))
-        out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints)))
+        out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints), saturated=pv.saturated))
     return out
 
 

@@ -32,8 +32,14 @@ class Classes:
     client_header: str | None = None  # None: no API keys
     clients: Mapping[str, str] = field(default_factory=dict)
     routes: Mapping[str | None, str] = field(default_factory=dict)
+    # pools a critical route reaches on a header or a path: the picker cannot tell those requests
+    # apart, so it takes every request to them as critical (never refused; the proxy's own
+    # per-route limits still order them)
+    blind: frozenset[str] = frozenset()
 
-    def of(self, client: str | None, model: str | None) -> str:
+    def of(self, client: str | None, model: str | None, pool: str | None = None) -> str:
+        if pool is not None and pool in self.blind:
+            return "critical"
         route = self.routes.get(model, self.routes.get(None, "standard"))
         own = self.clients.get(client, "standard") if client is not None else "standard"
         if "critical" in (route, own):
@@ -117,6 +123,7 @@ class PoolFacts:
     name: str
     models: tuple[str, ...]
     endpoints: tuple[EndpointFacts, ...]
+    saturated: bool = False  # the daemon's saturation verdict for the pool, as of its last cycle
 
 
 @dataclass(slots=True, eq=False)
@@ -135,6 +142,7 @@ class Endpoint:
 class _Pool:
     models: tuple[str, ...]
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    saturated: bool = False
 
 
 class Datastore:
@@ -158,7 +166,7 @@ class Datastore:
         fresh: dict[str, _Pool] = {}
         for pool in pools:
             old = self._pools.get(pool.name)
-            entry = _Pool(pool.models)
+            entry = _Pool(pool.models, saturated=pool.saturated)
             for facts in pool.endpoints:
                 cap = min(facts.kv_blocks or self.default_blocks, share)
                 kept = old.endpoints.get(facts.address) if old is not None else None
@@ -181,6 +189,11 @@ class Datastore:
 
     def pools(self) -> Mapping[str, Sequence[Endpoint]]:
         return {name: list(p.endpoints.values()) for name, p in self._pools.items()}
+
+    def saturated(self, pool: str) -> bool:
+        """The pool's saturation verdict as of the last update (False for a pool not known)."""
+        entry = self._pools.get(pool)
+        return entry is not None and entry.saturated
 
     def endpoints(self, pool: str) -> list[Endpoint]:
         entry = self._pools.get(pool)

@@ -242,8 +242,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return None, None
         hashes = block_hashes(prompt.text, prompt.model, block_chars=limits.block_chars,
                               max_blocks=limits.max_blocks) if prompt else []
-        traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None)
-        pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class), self.store.endpoints(pool))
+        traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None, pool)
+        pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class,
+                                            saturated=self.store.saturated(pool)), self.store.endpoints(pool))
         if pick.refused_for_s is not None:
             self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
             st.phase = Phase.CLOSED  # the proxy answers and ends the stream
