@@ -131,6 +131,10 @@ class Endpoint:
     facts: EndpointFacts
     index: BlockLRU
     in_flight: int = 0  # requests this picker sent here that have not ended
+    # what the engine ran or queued beyond this picker's own requests when its facts came in (other
+    # pickers', clients bypassing the proxy): the only part of the engine's count that a probe-old
+    # figure is needed for; the picker's own part is exact now
+    bypass: float = 0.0
     learner: Learner = field(default_factory=Learner)  # its costs, learned from its engine's counters
 
     @property
@@ -176,6 +180,7 @@ class Datastore:
                     kept.facts = facts
                     if kept.index.capacity != cap:
                         kept.index.resize(cap)
+                kept.bypass = max(0.0, facts.running + facts.waiting - kept.in_flight)
                 kept.learner.observe(running=facts.running, itl_sum=facts.itl_sum, itl_count=facts.itl_count,
                                      prefill_s=facts.prefill_seconds, prefill_tokens=facts.prefill_tokens,
                                      finished=facts.finished, finished_tokens=facts.finished_tokens,

@@ -141,8 +141,8 @@ class PickRequest:
 
 
 def load_of(e: Endpoint) -> float:
-    f = e.facts
-    return max(float(e.in_flight), f.running + f.waiting)
+    """Requests on the endpoint now: this picker's own (exact) and the rest its engine last reported."""
+    return e.in_flight + e.bypass
 
 
 # KV cache use from which requests waiting beside free slots mean the cache, not the batch, bounds
