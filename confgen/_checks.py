@@ -658,12 +658,13 @@ def _limit_floors(topo: Topology) -> Iterator[Finding]:
         if locals_by_place[place]:
             continue
         share = floor_amount(budget, count)
+        counters = "control planes" if topo.envoy.xds.mode == "ads" else "Envoys"
         what = "requests" if not budget.tokens else budget.limit.unit.replace("_", " ")
         window = budget.limit.window or "second"
         yield budget.path, (
             f"no local limit beside this global one: while limits.store cannot be reached each of the "
-            f"{count} Envoys (limits.store.envoys) admits {share} {what} a {window} on its own, so a client can get "
-            f"{share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
+            f"{count} {counters} (limits.store.envoys) admits {share} {what} a {window} on its own, so a client "
+            f"can get {share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
             f"{window} it starts (the store's count before it plus the floors); add a local limit to "
             f"bound each proxy, or fail_closed: true to refuse instead"), WARNING
 
@@ -717,10 +718,6 @@ def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
             yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
         if lim.tokens is not None:
             yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
-    if lim.scope == "global" and topo.envoy.xds.mode == "ads":
-        yield f"{path}.scope", "global limits are counted by the sidecar beside each Envoy (envoy.xds.mode files); " \
-            "with ads the Envoys have no sidecar of their own, and the control plane does not serve the rate " \
-            "limit service yet", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

@@ -455,9 +455,10 @@ class LimitStore:
     )
     envoys: int | None = field(
         None,
-        doc="Envoys counting in this store. While the store cannot be reached, each sidecar admits a global "
-        "budget's amount / envoys per window on its own (the local floor; never unlimited). Default: "
-        "kubernetes.replicas.",
+        doc="Rate limit services counting in this store: the Envoys (a sidecar beside each), or with envoy.xds.mode "
+        "ads the control-plane servers (they answer every Envoy's checks). While the store cannot be reached, each "
+        "admits a global budget's amount / envoys per window on its own (the local floor; never unlimited). "
+        "Default: kubernetes.replicas; with ads, the number of envoy.xds.servers.",
         minimum=1,
         maximum=10_000,
     )

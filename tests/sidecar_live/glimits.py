@@ -48,10 +48,11 @@ KEYS = {client: f"key-{client}-0123456789" for client in CLIENTS}
 def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int, grpc: int, redis: str,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                   clients: dict[str, str | None] | None = None, sockets: Path | None = None, envoys: int | None = None,
-                  pool_extra: Sequence[str] = ()) -> str:
+                  pool_extra: Sequence[str] = (), ads: str | None = None, grpc_tls: str = "") -> str:
     """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
     `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>);
-    `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool."""
+    `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool;
+    `ads`: the control plane's host:port (envoy.xds.mode ads); `grpc_tls`: sidecar.grpc_tls's flow mapping."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -63,7 +64,9 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             + (f", check_timeout: {check_timeout}" if check_timeout else "")
             + (f", envoys: {envoys}" if envoys else "") + "}",
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}"
-            + (f", grpc_socket_dir: {sockets}" if sockets is not None else "") + "}"]
+            + (f", grpc_socket_dir: {sockets}" if sockets is not None else "")
+            + (f", grpc_tls: {grpc_tls}" if grpc_tls else "") + "}",
+            *([f"envoy: {{xds: {{mode: ads, servers: ['{ads}']}}}}"] if ads else [])]
     return fleet_topology(name=NAME, admin=admin, port=port, workers=workers, models=["sim-model"], capacity=64,
                           pool=["health: {enabled: false}", "outlier_detection: {enabled: false}", *pool_extra],
                           tail=tail)
@@ -85,8 +88,9 @@ class Pair:
 class GlobalRig:
     fleet: FleetHandle
     redis: RedisProcess
-    pairs: list[Pair]
+    pairs: list[Pair]  # with ADS (ads_global_rig): the Envoys, each without a sidecar of its own
     lock: threading.Lock = field(default_factory=threading.Lock)
+    control: SidecarProcess | None = None  # ADS: the control plane, every Envoy's rate limit service
 
     def store(self) -> redis_sync.Redis:
         return redis_sync.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=2, socket_connect_timeout=2)
@@ -223,3 +227,63 @@ def wait_for_window(seconds_left: float, window: int = 60, timeout: float = 70.0
             return
         time.sleep(0.2)
     raise AssertionError("no window start seen")
+
+
+@contextlib.contextmanager
+def ads_global_rig(tmp: Path, envoys: int = 3, *, clients: dict[str, str | None] | None = None,
+                   mtls: bool = False, workers: int = 2) -> Iterator[GlobalRig]:
+    """`envoys` Envoys on one control plane (`confgen-sidecar --serve-xds`, which serves them ADS and the
+    rate limit service) counting in one real Redis, in front of one simulated fleet: mode ads. The
+    Envoys share the listener's port (SO_REUSEPORT: the kernel spreads connections over them) and
+    differ in node id and admin port. Transport: the control plane's Unix sockets, or `mtls` (one CA,
+    the Envoys sharing one client certificate, as the Kubernetes render mounts it). The same
+    generous timeouts as `global_rig` (a slow answer must not fail open)."""
+    import os
+
+    from tests.support.certs import CertAuthority
+
+    specs = worker_specs([f"w{i}" for i in range(workers)], decode_ms=2.0, max_num_seqs=64,
+                         prefill_ms_per_1k=5.0, default_max_tokens=64)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONFGEN_")}
+    # the control plane serves the listeners with the keys (ADS, ECDS): it reads them where topology_text says
+    env |= {f"CONFGEN_GLIM_{client.upper()}": KEYS[client] for client in (CLIENTS if clients is None else clients)}
+    tls_args: list[str] = []
+    grpc_tls = ""
+    if mtls:
+        ca = CertAuthority.create(tmp / "pki")
+        server = ca.issue("control-plane", ["IP:127.0.0.1"])
+        client = ca.issue(f"{NAME}-envoy", [f"DNS:{NAME}-envoy"])
+        grpc_tls = f"{{cert: {client.cert}, key: {client.key}, ca: {ca.cert}}}"
+        tls_args = ["--grpc-tls-cert", str(server.cert), "--grpc-tls-key", str(server.key),
+                    "--grpc-client-ca", str(ca.cert), "--xds-nodes-per-identity", str(envoys)]
+    with RedisProcess() as store, run_fleet_in_thread(FleetSpec(workers=specs, seed=5)) as fleet, \
+            contextlib.ExitStack() as stack:
+        port, listen, grpc, xds = free_port(), free_port(), free_port(), free_port()
+
+        def text(admin: int) -> str:
+            return topology_text([f"127.0.0.1:{w.port}" for w in fleet.workers], admin=admin, port=port,
+                                 listen=listen, grpc=grpc, redis=store.address, clients=clients,
+                                 sockets=tmp / "sockets", ads=f"127.0.0.1:{xds}", grpc_tls=grpc_tls)
+
+        topo_path = tmp / "topology.yaml"
+        topo_path.write_text(text(free_port()))
+        control = SidecarProcess(["--topology", str(topo_path), "--serve-xds", f"127.0.0.1:{xds}",
+                                  "--listen", f"127.0.0.1:{listen}", *tls_args, *FAST_ARGS],
+                                 tmp / "control-plane.log", listen, env=env)
+        control.start()
+        try:
+            control.wait_ready()
+            pairs = []
+            for i in range(envoys):
+                topo, _ = parse_topology(text(free_port()).encode())
+                out = tmp / f"envoy{i}"
+                out.mkdir()
+                (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
+                node = f"{NAME}-envoy/{i}" if mtls else f"envoy-{i}"
+                proxy = stack.enter_context(EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", node]))
+                pairs.append(Pair(proxy, None, port, topo_path))
+            yield GlobalRig(fleet, store, pairs, control=control)
+        finally:
+            stack.close()  # the Envoys first: they would fail open against a stopped service
+            code = control.stop()
+        assert code == 0, f"control plane exited {code} on SIGTERM:\n{control.log_tail()}"
