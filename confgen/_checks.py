@@ -31,6 +31,7 @@ from .model import (
     GRPC_SOCKET,
     MAX_SOCKET_PATH,
     LimitSet,
+    LimitStore,
     Pool,
     RateLimit,
     Topology,
@@ -630,11 +631,34 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
         yield "limits", "scope: global limits are counted in a shared store: add limits.store " \
             "({redis: host:port})", ERROR
     store = topo.limits.store
+    if store is not None:
+        yield from _store_address(topo, store)
     if store is not None and not any_global:
         yield "limits.store", "no limit has scope: global; the store is unused", WARNING
     if store is not None and store.check_timeout <= store.timeout:
         yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
             f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _store_address(topo: Topology, store: LimitStore) -> Iterator[Finding]:
+    """One Redis (redis) or the Sentinels of one that fails over (sentinel): exactly one of them."""
+    if store.redis is None and store.sentinel is None:
+        yield "limits.store", "give redis (host:port) or sentinel ({addresses: [host:port, ...], master: name})", \
+            ERROR
+    if store.redis is not None and store.sentinel is not None:
+        yield "limits.store.sentinel", "give redis or sentinel, not both: with sentinel the Sentinels name the " \
+            "primary", ERROR
+    if store.sentinel is None:
+        return
+    addresses = store.sentinel.addresses
+    yield from ((f"limits.store.sentinel.addresses[{i}]", f"{a!r} is listed twice", ERROR)
+                for i, a in enumerate(addresses) if a in addresses[:i])
+    if len(addresses) == 2:
+        yield ("limits.store.sentinel.addresses", "two Sentinels: a quorum of 2 cannot fail over when one of them is "
+               "on the lost host, a quorum of 1 lets one Sentinel alone promote a replica; run three", WARNING)
+    if topo.kubernetes.redis:
+        yield ("kubernetes.redis", "the rendered Redis is one server without Sentinels: with limits.store.sentinel "
+               "run your own Sentinel set-up and drop kubernetes.redis", ERROR)
 
 
 def _limit_floors(topo: Topology) -> Iterator[Finding]:

@@ -20,7 +20,7 @@ def loopback_store(topo: Topology) -> list[Finding]:
     """A Redis on loopback is the pod itself in Kubernetes: none runs there, so every global limit would fail
     open (or, fail_closed, refuse everything)."""
     store = topo.limits.store
-    if store is None:
+    if store is None or store.redis is None:
         return []
     parts = split_address(store.redis)
     if parts is None or not is_loopback_host(parts[0]):

@@ -409,8 +409,8 @@ def _redis_problems(plan: _Plan) -> list[tuple[str, str]]:
     if not topo.kubernetes.redis:
         return []
     store = topo.limits.store
-    if store is None:
-        return [("kubernetes.redis", "there is no limits.store for the rendered Redis to serve")]
+    if store is None or store.redis is None:
+        return [("kubernetes.redis", "there is no limits.store.redis for the rendered Redis to serve")]
     host = store.redis.rpartition(":")[0]
     name = f"{plan.base}-redis"
     if (host != name and not host.startswith(name + ".")) or not store.redis.endswith(f":{REDIS_PORT}"):

@@ -115,6 +115,37 @@ def test_global_limits_in_ads_mode_are_counted_by_the_control_plane() -> None:
     assert [f[2] for f in _errors(remote)] == ["envoy.xds.servers[0]"]  # ADS's own mTLS rule, once
 
 
+@pytest.mark.parametrize(("store", "where", "message"), [
+    ("{timeout: 50ms}", "limits.store", "give redis (host:port) or sentinel"),
+    ("{redis: 'r:6379', sentinel: {addresses: ['s:26379'], master: m}}", "limits.store.sentinel", "not both"),
+    ("{sentinel: {addresses: [], master: m}}", "limits.store.sentinel.addresses", ""),
+    ("{sentinel: {addresses: ['s1:26379', 's1:26379', 's2:26379'], master: m}}",
+     "limits.store.sentinel.addresses[1]", "listed twice"),
+    ("{sentinel: {addresses: ['s1'], master: m}}", "limits.store.sentinel.addresses[0]", ""),
+    ("{sentinel: {addresses: ['s1:26379'], master: 'Not A Name'}}", "limits.store.sentinel.master", ""),
+    ("{sentinel: {addresses: ['s1:26379']}}", "limits.store.sentinel.master", "required"),
+])
+def test_a_sentinel_store_is_checked_at_its_fields(store: str, where: str, message: str) -> None:
+    """limits.store.sentinel (a Redis that fails over): exactly one of redis or sentinel, at least one Sentinel
+    address (host:port, each once), a master name; each error at its field."""
+    text = BASE + f"limits:\n  store: {store}\n  per_key: {{scope: global, requests: 5, window: second}}\n"
+    found = [(path, msg) for _, _, path, msg in _errors(text)]
+    assert any(path == where and message in msg for path, msg in found), found
+
+
+def test_a_sentinel_store_resolves_and_warns_about_two_sentinels() -> None:
+    text = BASE + "limits:\n  store: {sentinel: {addresses: ['10.0.0.1:26379', '10.0.0.2:26379'], master: rl}}\n" \
+        "  per_key: [{requests: 5, per: 1s}, {scope: global, requests: 5, window: second}]\n"
+    topo, warnings = parse(text.encode(), "t.yaml")
+    assert topo.limits.store is not None and topo.limits.store.redis is None
+    assert topo.limits.store.sentinel is not None and topo.limits.store.sentinel.master == "rl"
+    assert [w.path for w in warnings if "quorum" in w.message] == ["limits.store.sentinel.addresses"]
+    assert not [w for w in warnings if w.severity is Severity.ERROR]
+    with pytest.raises(TopologyError) as info:  # the rendered Redis has no Sentinels
+        parse((text + "kubernetes: {redis: true}\n").encode(), "t.yaml")
+    assert "kubernetes.redis" in [d.path for d in info.value.diagnostics if d.severity is Severity.ERROR]
+
+
 def test_the_rate_limit_service_off_loopback_needs_mtls_and_its_port_must_differ() -> None:
     """Off loopback the sidecar serves gRPC only over mTLS: without sidecar.grpc_tls, an error at the address."""
     found = _errors(BASE + STORE + "sidecar: {address: 10.0.0.9}\n")
