@@ -141,6 +141,10 @@ def test_a_sentinel_store_resolves_and_warns_about_two_sentinels() -> None:
     assert topo.limits.store.sentinel is not None and topo.limits.store.sentinel.master == "rl"
     assert [w.path for w in warnings if "quorum" in w.message] == ["limits.store.sentinel.addresses"]
     assert not [w for w in warnings if w.severity is Severity.ERROR]
+    from confgen._pod_fit import loopback_store
+
+    local, _ = parse(text.replace("10.0.0.1:26379", "127.0.0.1:26379").encode(), "t.yaml")
+    assert [path for path, _ in loopback_store(local)] == ["limits.store.sentinel.addresses[0]"]  # in Kubernetes
     with pytest.raises(TopologyError) as info:  # the rendered Redis has no Sentinels
         parse((text + "kubernetes: {redis: true}\n").encode(), "t.yaml")
     assert "kubernetes.redis" in [d.path for d in info.value.diagnostics if d.severity is Severity.ERROR]
