@@ -59,7 +59,7 @@ def test_one_control_plane_counts_a_request_budget_for_three_envoys(tmp_path: Pa
     limit = 60
     with ads_global_rig(tmp_path, clients={"req": f"{{scope: global, requests: {limit}, window: minute}}"}) as rig:
         _ready(rig)
-        wait_for_window(15)  # the 120 requests take a few seconds: all in one minute's window
+        wait_for_window(10)  # the 120 requests take about 2 s: all in one minute's window (a wait in 1 run of 6)
         results = spread(rig, "req", [_body(1)] * (2 * limit), concurrency=6)
         statuses = [r[0] for r in results]
         admitted = statuses.count(200)
@@ -94,6 +94,10 @@ def test_one_control_plane_holds_a_token_budget_over_mtls(tmp_path: Path) -> Non
         assert tokens >= 0.75 * budget, (tokens, budget)
         assert all(failed == 0 for _, failed in checks), checks
         assert all(int(p.envoy.stats().get("cluster.confgen_sidecar_grpc.ssl.handshake", 0)) >= 1 for p in rig.pairs)
+        # the streams' usage chunks were read: sse_to_metadata came over ADS (as a TypedStruct) and works
+        streamed = sum(1 for s, _, _, b in results if s == 200 and b.get("stream"))
+        read = sum(int(p.envoy.stats().get("sse_to_metadata.resp.json.metadata_added", 0)) for p in rig.pairs)
+        assert streamed > 0 and read >= 3 * streamed, (read, streamed)  # prompt, completion, total per stream
         # the stream-done charges are fire-and-forget: Redis has every admitted token shortly after
         assert wait_until(lambda: rig.counted("client/tok/0") == tokens, timeout=10), (rig.counted("client/tok/0"),
                                                                                         tokens)
