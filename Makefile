@@ -52,9 +52,10 @@ prometheus-tools:
 	$(call debian-tools,promtool prometheus,prometheus,the alert-rule tests)
 
 # The global rate limit tests start their own redis-server (Debian's package) on a free loopback
-# port; the system's redis service is neither enabled nor started (the tests never use it).
+# port, and the failover test a primary, a replica and a redis-sentinel (package redis-sentinel);
+# the system's redis and sentinel services are neither enabled nor started (the tests never use them).
 redis-tools:
-	$(call debian-tools,redis-server,redis-server,the global rate limit tests)
+	$(call debian-tools,redis-server redis-sentinel,redis-server redis-sentinel,the global rate limit tests)
 
 # The mTLS tests (ADS, the picker, the rate limit service, Envoy's TLS clusters) make throwaway
 # certificates with the openssl CLI (tests/support/certs.py) and fail without it, never skip.

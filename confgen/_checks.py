@@ -31,6 +31,7 @@ from .model import (
     GRPC_SOCKET,
     MAX_SOCKET_PATH,
     LimitSet,
+    LimitStore,
     Pool,
     RateLimit,
     Topology,
@@ -630,11 +631,34 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
         yield "limits", "scope: global limits are counted in a shared store: add limits.store " \
             "({redis: host:port})", ERROR
     store = topo.limits.store
+    if store is not None:
+        yield from _store_address(topo, store)
     if store is not None and not any_global:
         yield "limits.store", "no limit has scope: global; the store is unused", WARNING
     if store is not None and store.check_timeout <= store.timeout:
         yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
             f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING
+
+
+def _store_address(topo: Topology, store: LimitStore) -> Iterator[Finding]:
+    """One Redis (redis) or the Sentinels of one that fails over (sentinel): exactly one of them."""
+    if store.redis is None and store.sentinel is None:
+        yield "limits.store", "give redis (host:port) or sentinel ({addresses: [host:port, ...], master: name})", \
+            ERROR
+    if store.redis is not None and store.sentinel is not None:
+        yield "limits.store.sentinel", "give redis or sentinel, not both: with sentinel the Sentinels name the " \
+            "primary", ERROR
+    if store.sentinel is None:
+        return
+    addresses = store.sentinel.addresses
+    yield from ((f"limits.store.sentinel.addresses[{i}]", f"{a!r} is listed twice", ERROR)
+                for i, a in enumerate(addresses) if a in addresses[:i])
+    if len(addresses) == 2:
+        yield ("limits.store.sentinel.addresses", "two Sentinels: a quorum of 2 cannot fail over when one of them is "
+               "on the lost host, a quorum of 1 lets one Sentinel alone promote a replica; run three", WARNING)
+    if topo.kubernetes.redis:
+        yield ("kubernetes.redis", "the rendered Redis is one server without Sentinels: with limits.store.sentinel "
+               "run your own Sentinel set-up and drop kubernetes.redis", ERROR)
 
 
 def _limit_floors(topo: Topology) -> Iterator[Finding]:
@@ -658,12 +682,13 @@ def _limit_floors(topo: Topology) -> Iterator[Finding]:
         if locals_by_place[place]:
             continue
         share = floor_amount(budget, count)
+        counters = "control planes" if topo.envoy.xds.mode == "ads" else "Envoys"
         what = "requests" if not budget.tokens else budget.limit.unit.replace("_", " ")
         window = budget.limit.window or "second"
         yield budget.path, (
             f"no local limit beside this global one: while limits.store cannot be reached each of the "
-            f"{count} Envoys (limits.store.envoys) admits {share} {what} a {window} on its own, so a client can get "
-            f"{share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
+            f"{count} {counters} (limits.store.envoys) admits {share} {what} a {window} on its own, so a client "
+            f"can get {share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
             f"{window} it starts (the store's count before it plus the floors); add a local limit to "
             f"bound each proxy, or fail_closed: true to refuse instead"), WARNING
 
@@ -717,10 +742,6 @@ def _one_limit(path: str, lim: RateLimit, topo: Topology) -> Iterator[Finding]:
             yield f"{path}.requests", "unit requests needs requests (the amount per period)", ERROR
         if lim.tokens is not None:
             yield f"{path}.tokens", "tokens needs a token unit (input_tokens, output_tokens or total_tokens)", ERROR
-    if lim.scope == "global" and topo.envoy.xds.mode == "ads":
-        yield f"{path}.scope", "global limits are counted by the sidecar beside each Envoy (envoy.xds.mode files); " \
-            "with ads the Envoys have no sidecar of their own, and the control plane does not serve the rate " \
-            "limit service yet", ERROR
 
 
 def _canned(topo: Topology) -> Iterator[Finding]:

@@ -22,6 +22,13 @@ def loopback_store(topo: Topology) -> list[Finding]:
     store = topo.limits.store
     if store is None:
         return []
+    if store.sentinel is not None:
+        return [(f"limits.store.sentinel.addresses[{i}]",
+                 f"{a} is the pod's own loopback in Kubernetes, where no Sentinel runs: every global limit would "
+                 "fail open. Name your Sentinels' Service") for i, a in enumerate(store.sentinel.addresses)
+                if (parts := split_address(a)) is not None and is_loopback_host(parts[0])]
+    if store.redis is None:
+        return []
     parts = split_address(store.redis)
     if parts is None or not is_loopback_host(parts[0]):
         return []

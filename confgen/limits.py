@@ -154,10 +154,14 @@ def hold_seconds(pool: Pool | None) -> int:
 
 
 def envoys(topo: Topology) -> int:
-    """The Envoys counting in the store (limits.store.envoys, else kubernetes.replicas)."""
+    """The rate limit services counting in the store, each with its own local floor: limits.store.envoys,
+    else one per Envoy (a sidecar beside each: kubernetes.replicas), or with envoy.xds.mode ads one per
+    control-plane server (the control plane serves every Envoy's checks; docs/limits.md)."""
     store = topo.limits.store
     if store is not None and store.envoys is not None:
         return store.envoys
+    if topo.envoy.xds.mode == "ads":
+        return max(1, len(topo.envoy.xds.servers))
     return topo.kubernetes.replicas
 
 

@@ -437,10 +437,31 @@ def limit_list(value: LimitSet | None) -> list[RateLimit]:
 
 
 @dataclass(frozen=True)
-class LimitStore:
-    redis: str = field(
-        doc="host:port of the Redis (or Valkey) every confgen-sidecar counts global limits in.",
+class RedisSentinel:
+    addresses: list[str] = field(
+        doc="host:port of each Redis Sentinel watching the primary (three on separate hosts for a quorum). The "
+        "sidecar asks them for the current primary, and asks again when it fails over.",
         pattern="server",
+        min_items=1,
+    )
+    master: str = field(
+        doc="The name the Sentinels monitor the primary under (`sentinel monitor <master> ...`).",
+        pattern="name",
+    )
+
+
+@dataclass(frozen=True)
+class LimitStore:
+    redis: str | None = field(
+        None,
+        doc="host:port of the Redis (or Valkey) every confgen-sidecar counts global limits in. Give this or "
+        "sentinel.",
+        pattern="server",
+    )
+    sentinel: RedisSentinel | None = field(
+        None,
+        doc="A Redis that fails over: the Sentinels that know its primary (instead of redis). Counting resumes "
+        "on the new primary after a failover; meanwhile the local floor decides (docs/limits.md).",
     )
     timeout: Duration = field(
         _d("50ms"),
@@ -458,9 +479,10 @@ class LimitStore:
     )
     envoys: int | None = field(
         None,
-        doc="Envoys counting in this store. While the store cannot be reached, each sidecar admits a global "
-        "budget's amount / envoys per window on its own (the local floor; never unlimited). Default: "
-        "kubernetes.replicas.",
+        doc="Rate limit services counting in this store: the Envoys (a sidecar beside each), or with envoy.xds.mode "
+        "ads the control-plane servers (they answer every Envoy's checks). While the store cannot be reached, each "
+        "admits a global budget's amount / envoys per window on its own (the local floor; never unlimited). "
+        "Default: kubernetes.replicas; with ads, the number of envoy.xds.servers.",
         minimum=1,
         maximum=10_000,
     )

@@ -51,6 +51,7 @@ __all__ = [
     "NginxProcess",
     "ProxyStartError",
     "RedisProcess",
+    "SentinelProcess",
     "child_pids",
     "find_envoy",
     "find_nginx",
@@ -430,10 +431,12 @@ class RedisProcess(_Proxy):
     _name = "redis"
 
     def __init__(self, *, port: int | None = None, startup_timeout: float = 10.0, stop_timeout: float = 5.0,
-                 binary: Path | None = None) -> None:
+                 binary: Path | None = None, replica_of: int | None = None) -> None:
+        """`replica_of`: the port of a primary on loopback this one replicates (a Sentinel set-up)."""
         super().__init__(startup_timeout=startup_timeout, stop_timeout=stop_timeout, binary=binary)
         self.port = port or free_port()
         self._dir: Path | None = None
+        self._replica_of = replica_of
 
     @property
     def address(self) -> str:
@@ -447,7 +450,8 @@ class RedisProcess(_Proxy):
         try:
             return subprocess.Popen(
                 [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self._dir), "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+                 "--dir", str(self._dir), "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
+                 *(["--replicaof", "127.0.0.1", str(self._replica_of)] if self._replica_of is not None else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         finally:
@@ -474,6 +478,69 @@ class RedisProcess(_Proxy):
         """Start again on the same port (empty: no persistence)."""
         self._proc = None
         self.start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._dir = None
+
+
+def find_sentinel() -> Path:
+    """Debian's redis-sentinel (`apt-get install --no-install-recommends redis-sentinel`)."""
+    import shutil
+
+    for candidate in (shutil.which("redis-sentinel"), "/usr/bin/redis-sentinel"):
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    raise BinaryNotFoundError("redis-sentinel not found: apt-get install -y --no-install-recommends redis-sentinel")
+
+
+class SentinelProcess(_Proxy):
+    """A private redis-sentinel on a free loopback port watching one primary on loopback as `master`.
+
+    `down_after_ms` and `failover_timeout_ms` are the Sentinel's own (small in tests: a failover in
+    about a second). Its configuration file is its own (Sentinel rewrites it) in a temp dir; stopped by pid.
+    """
+
+    _name = "redis-sentinel"
+
+    def __init__(self, primary: int, *, master: str = "confgen", quorum: int = 1, down_after_ms: int = 300,
+                 failover_timeout_ms: int = 2000, port: int | None = None, startup_timeout: float = 10.0,
+                 stop_timeout: float = 5.0, binary: Path | None = None) -> None:
+        super().__init__(startup_timeout=startup_timeout, stop_timeout=stop_timeout, binary=binary)
+        self.port = port or free_port()
+        self.master = master
+        self._settings = (primary, quorum, down_after_ms, failover_timeout_ms)
+        self._dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        binary = self._binary or find_sentinel()
+        self._dir = self._temp_dir()
+        primary, quorum, down_after, failover = self._settings
+        conf = self._dir / "sentinel.conf"
+        conf.write_text("\n".join([
+            f"port {self.port}", "bind 127.0.0.1", "daemonize no", f"dir {self._dir}", "loglevel notice",
+            f"logfile {self._dir / 'sentinel.log'}",
+            f"sentinel monitor {self.master} 127.0.0.1 {primary} {quorum}",
+            f"sentinel down-after-milliseconds {self.master} {down_after}",
+            f"sentinel failover-timeout {self.master} {failover}",
+            f"sentinel parallel-syncs {self.master} 1", ""]))
+        return subprocess.Popen([str(binary), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+    def _ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _tails(self) -> str:
+        return _log_tail(self._dir / "sentinel.log") if self._dir else "(no log)"
 
     def stop(self) -> None:
         super().stop()

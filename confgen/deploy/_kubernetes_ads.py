@@ -22,6 +22,10 @@
         the Envoys check for both clusters), the same clients (the Envoy pods' shared
         certificate) and the same CA: the sidecar's one TLS setup (--grpc-tls-*), the Envoys'
         one TLS block (sidecar.grpc_tls).
+    The rate limit service (scope: global limits) runs there too, on the same port and TLS: every
+        Envoy's checks go to the replica it follows for ADS, which counts in limits.store (with
+        kubernetes.redis, the rendered Redis admits the control plane's pods); docs/limits.md says
+        why one service for the fleet rather than a sidecar per Envoy.
     NetworkPolicy <base>-xds: the control plane's pods accept the gRPC ports (ADS, and the
         picker's when it runs) only from this topology's Envoy pods and /metrics only from pods
         labelled app.kubernetes.io/name=prometheus (any namespace); nothing else.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import posixpath
 
 from ..balancing import picker_wanted
+from ..limits import needs_store
 from ..model import grpc_tls, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
@@ -62,15 +67,16 @@ def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
     names = [posixpath.basename(p) for p in (tls.cert, tls.key, tls.ca)]
     if len(set(names)) < 3:
         return [(where, f"cert, key and ca need distinct file names to come from one Secret, got {names}")]
-    if serves_picker(plan) and plan.topo.sidecar.grpc_port in (xds_port(plan), k8s_mod.SIDECAR_PORT):
+    if serves_grpc(plan) and plan.topo.sidecar.grpc_port in (xds_port(plan), k8s_mod.SIDECAR_PORT):
         return [("sidecar.grpc_port", f"port {plan.topo.sidecar.grpc_port} is also the control plane's ADS or "
                  "metrics port")]
     return []
 
 
-def serves_picker(plan: k8s_mod._Plan) -> bool:
-    """Whether the control plane runs the endpoint picker (its gRPC services) for the Envoys."""
-    return picker_wanted(plan.topo)
+def serves_grpc(plan: k8s_mod._Plan) -> bool:
+    """Whether the control plane runs gRPC services for the Envoys: the endpoint picker (a pool with
+    policy prefix_affinity), the rate limit service (scope: global limits), or both."""
+    return needs_store(plan.topo) or picker_wanted(plan.topo)
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:
@@ -101,8 +107,9 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     port = xds_port(plan)
     topology_file = f"{k8s_mod.TOPOLOGY_DIR}/topology.yaml"
     grpc_port = topo.sidecar.grpc_port
-    picker = serves_picker(plan)
-    # the picker for every Envoy, on the same mTLS setup as ADS (the module's docstring says why)
+    picker = serves_grpc(plan)
+    # the picker and the rate limit service for every Envoy, on the same mTLS setup as ADS (the module's
+    # docstring says why)
     grpc_args = ["--grpc-listen", f"0.0.0.0:{grpc_port}"] if picker else []
     replicas = max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas)
     grpc_ports = [{"name": "grpc", "containerPort": grpc_port}] if picker else []
@@ -126,7 +133,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                          {"name": "xds-tls", "mountPath": XDS_TLS_DIR, "readOnly": True},
                          *k8s_mod._key_mounts(plan)],
         "env": k8s_mod._key_env(plan),
-        "resources": k8s_mod.RESOURCES["sidecar"],
+        "resources": k8s_mod.sidecar_resources(topo),  # global limits: every Envoy's checks
         "securityContext": k8s_mod._restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10,
@@ -184,8 +191,8 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
 
 
 def _network_policy(plan: k8s_mod._Plan, name: str, ports: list[int]) -> Obj:
-    """The control plane's pods: gRPC (ADS, the picker) from this topology's Envoys, /metrics from scrapers,
-    nothing else."""
+    """The control plane's pods: gRPC (ADS, the picker, rate limits) from this topology's Envoys, /metrics
+    from scrapers, nothing else."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

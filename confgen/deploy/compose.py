@@ -75,8 +75,8 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
 def _redis_service(topo: Topology) -> dict[str, object]:
     """kubernetes.redis: a Redis for limits.store on the host's loopback, no persistence."""
     store = topo.limits.store
-    if store is None:
-        raise DeployError([("kubernetes.redis", "there is no limits.store for the rendered Redis to serve")])
+    if store is None or store.redis is None:
+        raise DeployError([("kubernetes.redis", "there is no limits.store.redis for the rendered Redis to serve")])
     address = split_address(store.redis)
     assert address is not None  # the topology's pattern
     host, port = address

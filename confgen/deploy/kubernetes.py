@@ -50,6 +50,7 @@ from ._kubernetes_base import (
     _token_env,
     dns_label,
     envoy_liveness,
+    sidecar_resources,
     spread,
 )
 
@@ -129,7 +130,7 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
         "env": [*_key_env(plan), *_token_env(plan)],
-        "resources": _sidecar_resources(topo),
+        "resources": sidecar_resources(topo),
         "securityContext": _restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10,
@@ -137,14 +138,6 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # Fail Envoy's health, drain its listeners, wait for the streams; then tell Envoy's hook.
         "lifecycle": {"preStop": {"exec": {"command": drain}}},
     }
-
-
-def _sidecar_resources(topo: Topology) -> Obj:
-    """With global limits the sidecar answers Envoy's rate limit check on every request (measured:
-    about 0.5-1 ms of CPU per check in Python's gRPC): half a core requested, a whole one allowed."""
-    if not needs_store(topo):
-        return RESOURCES["sidecar"]
-    return {"requests": {**RESOURCES["sidecar"]["requests"], "cpu": "500m"}, "limits": RESOURCES["sidecar"]["limits"]}
 
 
 def _share_grpc_socket(topo: Topology, envoy: Obj, sidecar: Obj, volumes: list[Obj]) -> None:
@@ -416,8 +409,8 @@ def _redis_problems(plan: _Plan) -> list[tuple[str, str]]:
     if not topo.kubernetes.redis:
         return []
     store = topo.limits.store
-    if store is None:
-        return [("kubernetes.redis", "there is no limits.store for the rendered Redis to serve")]
+    if store is None or store.redis is None:
+        return [("kubernetes.redis", "there is no limits.store.redis for the rendered Redis to serve")]
     host = store.redis.rpartition(":")[0]
     name = f"{plan.base}-redis"
     if (host != name and not host.startswith(name + ".")) or not store.redis.endswith(f":{REDIS_PORT}"):
@@ -469,14 +462,17 @@ def _redis_objects(plan: _Plan) -> list[Obj]:
         "metadata": plan.meta(name, "redis"),
         "spec": {"selector": selector, "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis"}]},
     }
-    policy = {  # only the proxy pods (their sidecars) talk to it
+    # only the pods whose sidecars count in it talk to it: the proxy pods, or with ADS the control plane's
+    counting = {**plan.selector, "app.kubernetes.io/component": "control-plane"} \
+        if plan.topo.envoy.xds.mode == "ads" else plan.labels("proxy")
+    policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": plan.meta(name, "redis"),
         "spec": {
             "podSelector": {"matchLabels": selector},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": plan.labels("proxy")}}],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": counting}}],
                          "ports": [{"port": REDIS_PORT, "protocol": "TCP"}]}],
         },
     }

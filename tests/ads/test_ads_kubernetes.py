@@ -183,6 +183,38 @@ def test_without_the_picker_the_control_plane_has_no_grpc_port() -> None:
     assert [p["port"] for p in by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"][0]["ports"]] == [18000]
 
 
+def test_the_control_plane_serves_global_limits_and_the_rendered_redis_admits_it() -> None:
+    """Global limits in mode ads: the control plane (not the Envoys, which have no sidecar) serves the rate limit
+    service on sidecar.grpc_port over the same mTLS as ADS, with the CPU a sidecar with global limits gets; the
+    NetworkPolicy admits that port from the Envoys; the rendered Redis admits the control plane's pods (the ones
+    counting in it), not the Envoys'; the Envoys' rate limit filter calls the control plane over that mTLS."""
+    from confgen import envoy as envoy_render
+
+    text = TOPOLOGY.replace("kubernetes: {namespace: inference, replicas: 3, envoy_max_replicas: 12}",
+                            "kubernetes: {namespace: inference, replicas: 3, envoy_max_replicas: 12, redis: true}")
+    text += "limits:\n  store: {redis: 'confgen-fleet-redis:6379'}\n" \
+        "  global: [{requests: 100, per: 1s}, {scope: global, requests: 6000, window: minute}]\n"
+    topo, _ = parse_topology(text.encode())
+    docs = list(yaml.safe_load_all(render_kubernetes(topo)["kubernetes.yaml"]))
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    (container,) = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["template"]["spec"]["containers"]
+    config = from_argv(container["args"])
+    assert config.grpc_listen == ("0.0.0.0", 9110) and config.grpc_tls is not None
+    assert container["resources"]["requests"]["cpu"] == "500m"
+    grpc_rule, _ = by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"]
+    assert [p["port"] for p in grpc_rule["ports"]] == [18000, 9110]
+    redis_from = by[("NetworkPolicy", "confgen-fleet-redis")]["spec"]["ingress"][0]["from"]
+    control_labels = by[("StatefulSet", "confgen-fleet-xds")]["spec"]["selector"]["matchLabels"]
+    assert redis_from == [{"podSelector": {"matchLabels": control_labels}}]
+    assert ("Deployment", "confgen-fleet-redis") in by
+    served = envoy_render.ads_static_bootstrap(topo)
+    clusters = {c["name"]: c for c in served["static_resources"]["clusters"]}
+    assert "transport_socket" in clusters["confgen_sidecar_grpc"]
+    assert '"envoy.filters.http.ratelimit"' in str(served).replace("'", '"')
+
+
 def test_the_picker_in_kubernetes_needs_the_envoys_certificate(tmp_path: Path) -> None:
     """One TLS block: the deprecated envoy.xds.tls alone is read as sidecar.grpc_tls (a warning), for ADS and the
     picker alike; both given with other files is an error at envoy.xds.tls (the sidecar has one TLS setup)."""

@@ -24,7 +24,8 @@ ALERTS = {"ConfgenPickerFallingBack", "ConfgenWorkerDown", "ConfgenPoolWithoutHe
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent", "ConfgenXdsNack", "ConfgenTopologyEditRefused", "ConfgenWriteFailures",
           "ConfgenErrorBudgetBurnFast", "ConfgenErrorBudgetBurnSlow", "ConfgenTtftBudgetBurnFast",
-          "ConfgenSustainedShedding", "ConfgenRateLimitStoreDown", "ConfgenRateLimitFailingOpen"}
+          "ConfgenSustainedShedding", "ConfgenRateLimitStoreDown", "ConfgenRateLimitFailingOpen",
+          "ConfgenRateLimitChecksFailingOpen"}
 
 
 def dashboard_exprs() -> list[str]:

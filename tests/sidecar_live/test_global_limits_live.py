@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from confgen.runtime import free_port
-from tests.sidecar_live.glimits import GlobalRig, call, global_rig, spread, usage_of, wait_for_window
+from tests.sidecar_live.glimits import GlobalRig, call, global_rig, paced_load, spread, usage_of, wait_for_window
+from tests.sidecar_live.glimits import sidecar_metric as _metric
 from tests.support.envoy import wait_until
 
 pytestmark = pytest.mark.slow
@@ -160,27 +161,7 @@ def test_service_unreachable_with_request_and_stream_done_limits_serves_everythi
 
 
 def _load(rig: GlobalRig, client: str, stop: threading.Event, out: list[tuple[float, int]], rate: float) -> None:
-    """One request every 1/rate s through the Envoys in turn until `stop` (bounded by the caller)."""
-    index = 0
-    next_at = time.monotonic()
-    while not stop.is_set() and index < 100_000:
-        status, _, _ = call(rig.pairs[index % len(rig.pairs)].url, client, _body(1), timeout=10)
-        out.append((time.monotonic(), status))
-        index += 1
-        next_at += 1 / rate
-        delay = next_at - time.monotonic()
-        if delay > 0:
-            stop.wait(delay)
-
-
-def _metric(rig: GlobalRig, name: str) -> float:
-    total = 0.0
-    for pair in rig.pairs:
-        assert pair.sidecar is not None
-        for line in pair.sidecar.metrics().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    paced_load(rig, client, _body(1), stop, out, rate)
 
 
 def run_redis_outage(tmp_path: Path, outage_s: float, rate: float = 20.0) -> dict[str, Any]:

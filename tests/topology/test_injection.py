@@ -167,7 +167,14 @@ def _text_fields(cls: type, seen: set[type] | None = None) -> set[tuple[type, st
     return found
 
 
-LEAVES = list(_leaves(FULL, model.Topology, (), None))
+# Fields that exclude one another come from a second base: FULL with the store behind Sentinels
+# (limits.store.sentinel instead of limits.store.redis); only its leaves under limits.store.
+FULL_SENTINEL: dict[str, Any] = {**FULL, "limits": {**FULL["limits"], "store": {
+    "sentinel": {"addresses": ["sentinel-0.example:26379", "sentinel-1.example:26379", "sentinel-2.example:26379"],
+                 "master": "limits"}}}}
+LEAVES = [(FULL, *leaf) for leaf in _leaves(FULL, model.Topology, (), None)] + [
+    (FULL_SENTINEL, *leaf) for leaf in _leaves(FULL_SENTINEL, model.Topology, (), None)
+    if leaf[0][:2] == ("limits", "store")]
 
 
 def _path_text(path: Path_, kind: str, key: str | None = None) -> str:
@@ -222,7 +229,8 @@ def test_full_topology_is_valid_and_covers_every_string_field(tmp_path: Path) ->
     str, Literal, list-of-str and dict-of-str field the model has, so no field is missed.
     Envoy reads sidecar.grpc_tls's files when it validates: real ones from a throwaway CA."""
     topo, _ = parse(_dump(FULL).encode(), "full.yaml")
-    covered = {owner for _, _, owner in LEAVES}
+    parse(_dump(FULL_SENTINEL).encode(), "full-sentinel.yaml")
+    covered = {owner for _, _, _, owner in LEAVES}
     assert _text_fields(model.Topology) - covered == set()
     doc = copy.deepcopy(FULL)
     ca = CertAuthority.create(tmp_path / "pki")
@@ -237,8 +245,8 @@ def test_every_string_field_refuses_structural_characters(char: str) -> None:
     """Each string field (values and mapping keys), given a value containing `char`, makes
     loading fail with exactly one error at that field's path, line and column."""
     problems: list[object] = []
-    for path, kind, _ in LEAVES:
-        doc, new_key = _mutate(FULL, path, kind, f"{char}x")
+    for base, path, kind, _ in LEAVES:
+        doc, new_key = _mutate(base, path, kind, f"{char}x")
         text = _dump(doc)
         assert yaml.load(text, Loader=yaml.CSafeLoader) == doc  # the character really reaches the field
         root = yaml.compose(text, Loader=yaml.CSafeLoader)
@@ -261,8 +269,8 @@ def test_raw_nul_byte_in_any_string_field_fails_at_the_reader() -> None:
     """A raw NUL byte written into any string field makes the whole file fail before YAML
     parsing, reported at the NUL's own line and column."""
     marker = "QQNULQQ"
-    for path, kind, _ in LEAVES:
-        doc, _ = _mutate(FULL, path, kind, marker)
+    for base, path, kind, _ in LEAVES:
+        doc, _ = _mutate(base, path, kind, marker)
         text = _dump(doc)
         assert text.count(marker) == 1
         offset = text.index(marker)

@@ -85,9 +85,6 @@ def test_a_valid_topology_resolves_local_buckets_and_global_budgets() -> None:
      (15, 37), "limits.per_key[1].scope: one local limit per place"),
     ("limits:\n  store: {redis: 'r:6379'}\n  global: {scope: global, tokens: 5, window: second}\n",
      (16, 35), "limits.global.tokens: tokens needs a token unit"),
-    ("envoy: {xds: {mode: ads, servers: ['cp:18000', 'cp2:18000']}}\nlimits:\n  store: {redis: 'r:6379'}\n"
-     "  per_key: {scope: global, requests: 5, window: second}\n",
-     (17, 20), "limits.per_key.scope: global limits are counted by the sidecar beside each Envoy"),
     ("limits:\n  store: {redis: 'no port'}\n  per_key: {scope: global, requests: 5, window: second}\n",
      (15, 18), "limits.store.redis: 'no port' is not valid"),
 ])
@@ -97,6 +94,60 @@ def test_impossible_combinations_are_errors_at_the_field(snippet: str, where: tu
     hits = [(line, col) for line, col, path, msg in found if f"{path}: {msg}".startswith(message)]
     assert hits, shown
     assert hits[0] == where, shown
+
+
+def test_global_limits_in_ads_mode_are_counted_by_the_control_plane() -> None:
+    """envoy.xds.mode ads: validate accepts global limits (the control plane serves the rate limit service);
+    beyond loopback only over mTLS, as for ADS itself; each control-plane server is one floor while the store is
+    away (limits.store.envoys defaults to the servers, not the Envoys), which the outage warning says."""
+    ads = "envoy: {xds: {mode: ads, servers: ['127.0.0.1:18000', 'localhost:18001']}}\n"
+    text = BASE + ads + "limits:\n  store: {redis: '127.0.0.1:6379'}\n  per_key: {scope: global, requests: 60, " \
+        "window: minute}\n"
+    topo, warnings = parse(text.encode(), "t.yaml")
+    assert limits.envoys(topo) == 2
+    floor = [w.message for w in warnings if w.path == "limits.per_key"]
+    assert floor and "each of the 2 control planes (limits.store.envoys) admits 30 requests a minute" in floor[0], floor
+    topo, _ = parse(text.replace("window: minute}", "window: minute}\n  store: {redis: '127.0.0.1:6379', envoys: 1}")
+                    .replace("  store: {redis: '127.0.0.1:6379'}\n", "", 1).encode(), "t.yaml")
+    assert limits.envoys(topo) == 1  # said explicitly: kept
+    remote = BASE.replace("127.0.0.1:8000", "10.0.0.1:8000") + \
+        "envoy: {xds: {mode: ads, servers: ['10.0.0.5:18000', '10.0.0.6:18000']}}\n" + STORE
+    assert [f[2] for f in _errors(remote)] == ["envoy.xds.servers[0]"]  # ADS's own mTLS rule, once
+
+
+@pytest.mark.parametrize(("store", "where", "message"), [
+    ("{timeout: 50ms}", "limits.store", "give redis (host:port) or sentinel"),
+    ("{redis: 'r:6379', sentinel: {addresses: ['s:26379'], master: m}}", "limits.store.sentinel", "not both"),
+    ("{sentinel: {addresses: [], master: m}}", "limits.store.sentinel.addresses", ""),
+    ("{sentinel: {addresses: ['s1:26379', 's1:26379', 's2:26379'], master: m}}",
+     "limits.store.sentinel.addresses[1]", "listed twice"),
+    ("{sentinel: {addresses: ['s1'], master: m}}", "limits.store.sentinel.addresses[0]", ""),
+    ("{sentinel: {addresses: ['s1:26379'], master: 'Not A Name'}}", "limits.store.sentinel.master", ""),
+    ("{sentinel: {addresses: ['s1:26379']}}", "limits.store.sentinel.master", "required"),
+])
+def test_a_sentinel_store_is_checked_at_its_fields(store: str, where: str, message: str) -> None:
+    """limits.store.sentinel (a Redis that fails over): exactly one of redis or sentinel, at least one Sentinel
+    address (host:port, each once), a master name; each error at its field."""
+    text = BASE + f"limits:\n  store: {store}\n  per_key: {{scope: global, requests: 5, window: second}}\n"
+    found = [(path, msg) for _, _, path, msg in _errors(text)]
+    assert any(path == where and message in msg for path, msg in found), found
+
+
+def test_a_sentinel_store_resolves_and_warns_about_two_sentinels() -> None:
+    text = BASE + "limits:\n  store: {sentinel: {addresses: ['10.0.0.1:26379', '10.0.0.2:26379'], master: rl}}\n" \
+        "  per_key: [{requests: 5, per: 1s}, {scope: global, requests: 5, window: second}]\n"
+    topo, warnings = parse(text.encode(), "t.yaml")
+    assert topo.limits.store is not None and topo.limits.store.redis is None
+    assert topo.limits.store.sentinel is not None and topo.limits.store.sentinel.master == "rl"
+    assert [w.path for w in warnings if "quorum" in w.message] == ["limits.store.sentinel.addresses"]
+    assert not [w for w in warnings if w.severity is Severity.ERROR]
+    from confgen._pod_fit import loopback_store
+
+    local, _ = parse(text.replace("10.0.0.1:26379", "127.0.0.1:26379").encode(), "t.yaml")
+    assert [path for path, _ in loopback_store(local)] == ["limits.store.sentinel.addresses[0]"]  # in Kubernetes
+    with pytest.raises(TopologyError) as info:  # the rendered Redis has no Sentinels
+        parse((text + "kubernetes: {redis: true}\n").encode(), "t.yaml")
+    assert "kubernetes.redis" in [d.path for d in info.value.diagnostics if d.severity is Severity.ERROR]
 
 
 def test_the_rate_limit_service_off_loopback_needs_mtls_and_its_port_must_differ() -> None:

@@ -17,8 +17,10 @@ def journal_path(wiring: ServiceWiring) -> Path | None:
     from sidecar.config import xds_dir_for
 
     config = wiring.config
-    if config.nginx is not None or config.serve_xds is not None:
+    if config.nginx is not None:
         return None  # no global limits there (validate refuses them)
+    if config.serve_xds is not None:
+        return None  # an ADS control plane writes no files: its charges wait in memory (docs/limits.md)
     return xds_dir_for(config, wiring.topology()) / JOURNAL_FILE
 
 

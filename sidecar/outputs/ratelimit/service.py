@@ -307,11 +307,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     self._retired.append(self._counter)
                 self._counter = None
                 if store is not None:
-                    address = split_address(store.redis)
-                    assert address is not None  # the topology's pattern and checks
-                    self._counter = RedisCounter(address[0], address[1], store.timeout.seconds)
+                    self._counter = _counter(store)
                 self._counter_for = store
-                log_event(_log, logging.INFO, "ratelimit.store", redis=store.redis if store else None,
+                log_event(_log, logging.INFO, "ratelimit.store",
+                          redis=self._counter.address if self._counter is not None else None,
                           budgets=len(self._current.budgets))
         return self._current
 
@@ -473,6 +472,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._up = False
         self._metrics.store_up.set(0)
         self._down_until = self._clock() + self._backoff_s
+
+
+def _counter(store: LimitStore) -> RedisCounter:
+    """The store's client: one Redis, or the primary its Sentinels name (limits.store.sentinel)."""
+    if store.sentinel is not None:
+        addresses = [split_address(a) for a in store.sentinel.addresses]
+        return RedisCounter.via_sentinel([a for a in addresses if a is not None], store.sentinel.master,
+                                         store.timeout.seconds)
+    address = split_address(store.redis or "")
+    assert address is not None  # the topology's pattern and checks
+    return RedisCounter(address[0], address[1], store.timeout.seconds)
 
 
 def _number(text: str | None) -> int | None:

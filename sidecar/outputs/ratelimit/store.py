@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
@@ -169,19 +170,40 @@ class Decision:
 
 
 class RedisCounter:
-    """An async Redis client with a bound on every call, and the decision script."""
+    """An async Redis client with a bound on every call, and the decision script.
+
+    `RedisCounter(host, port, timeout)`: one Redis. `RedisCounter.via_sentinel(addresses, master,
+    timeout)`: the primary the Sentinels name (redis-py's SentinelConnectionPool asks them on every new
+    connection; a connection to a primary that failed is dropped by its error, so the call after the
+    service's backoff connects to the primary the Sentinels promoted). The script runs on the primary
+    only: a replica would refuse its writes."""
 
     def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 64) -> None:
-        self.address = f"{host}:{port}"
-        self.timeout_s = timeout_s
         # No retries inside the client (redis-py's default retries 3 times with backoff, which
         # would multiply the bound); the service's own backoff decides when to try again.
-        self._redis = aioredis.Redis(
-            host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), max_connections=max_connections,
-            health_check_interval=0, client_name="confgen-sidecar-ratelimit",
-        )
+        self._setup(aioredis.Redis(host=host, port=port, **_client_options(timeout_s, max_connections)),
+                    f"{host}:{port}", timeout_s)
+
+    def _setup(self, client: aioredis.Redis, address: str, timeout_s: float,
+               sentinel: Sentinel | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._redis = client
+        self._sentinel = sentinel
         self._script = self._redis.register_script(_SCRIPT)
+
+    @classmethod
+    def via_sentinel(cls, addresses: list[tuple[str, int]], master: str, timeout_s: float,
+                     max_connections: int = 64) -> RedisCounter:
+        """The primary of `master` as the Sentinels at `addresses` see it (each asked within `timeout_s`)."""
+        sentinel = Sentinel(addresses, sentinel_kwargs={"socket_timeout": timeout_s,
+                                                        "socket_connect_timeout": timeout_s,
+                                                        "retry": Retry(NoBackoff(), 0)})  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(master, **_client_options(timeout_s, max_connections))
+        counter = cls.__new__(cls)
+        names = ",".join(f"{h}:{p}" for h, p in addresses)
+        counter._setup(client, f"sentinel {master}@{names}", timeout_s, sentinel)
+        return counter
 
     async def decide(self, ops: list[Op], now: float) -> Decision:
         """The decision on one request's descriptors (see the module's docstring); `now`: the
@@ -200,3 +222,12 @@ class RedisCounter:
 
     async def close(self) -> None:
         await self._redis.aclose()
+        if self._sentinel is not None:
+            for client in self._sentinel.sentinels:
+                await client.aclose()
+
+
+def _client_options(timeout_s: float, max_connections: int) -> dict[str, Any]:
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0),
+            "max_connections": max_connections, "health_check_interval": 0,
+            "client_name": "confgen-sidecar-ratelimit"}

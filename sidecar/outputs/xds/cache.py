@@ -6,7 +6,11 @@ same versions, and a re-render that changes nothing changes no version.
 
 JSON is turned into protobuf with `json_format.ParseDict` into an `Any`, which needs every
 "@type" (the resource's and its nested typed_configs') in the descriptor pool: the
-generated modules of each such package are imported once, on first sight.
+generated modules of each such package are imported once, on first sight. A nested typed
+config whose type the generated modules do not have (an API newer than them: Envoy 1.40's
+sse_to_metadata is not in xds-protos 1.85) is sent as an `xds.type.v3.TypedStruct` of the
+same JSON, which Envoy turns into its own message with its own descriptors (and refuses, as
+it would the message, when it is not valid there).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import any_pb2, json_format
+from google.protobuf import any_pb2, descriptor_pool, json_format
 
 from confgen.errors import ConfgenError
 
@@ -35,6 +39,7 @@ ECDS = _PREFIX + "envoy.config.core.v3.TypedExtensionConfig"  # the API keys, ap
 # Make before break: clusters before their endpoints, both (and the filters' configs) before the
 # listeners routing through them.
 TYPE_ORDER = (CDS, EDS, ECDS, LDS, RTDS)
+_TYPED_STRUCT = "xds.type.v3.TypedStruct"  # what Envoy turns into any typed config it knows
 SHORT = {CDS: "cds", EDS: "eds", ECDS: "ecds", LDS: "lds", RTDS: "rtds"}
 
 
@@ -61,16 +66,42 @@ class Packer:
                 importlib.import_module(f"{package}.{info.name}")
         self._loaded.add(package)
 
+    def known(self, full_name: str) -> bool:
+        """Whether the generated modules have the message `full_name` (imported on first sight)."""
+        try:
+            self._import_package(full_name)
+            descriptor_pool.Default().FindMessageTypeByName(full_name)
+        except (XdsResourceError, KeyError):
+            return False
+        return True
+
     def to_any(self, resource: Mapping[str, Any]) -> any_pb2.Any:
         """A typed JSON resource ("@type" at its top) as a protobuf Any."""
-        for name in set(_types(resource)):
+        kind = str(resource.get("@type", ""))
+        if kind.startswith(_PREFIX):
+            self._import_package(kind[len(_PREFIX):])
+        body = {k: self._opaque(v) for k, v in resource.items()}
+        self._import_package(_TYPED_STRUCT)
+        for name in set(_types(body)):
             self._import_package(name)
         packed = any_pb2.Any()
         try:
-            json_format.ParseDict(dict(resource), packed)
+            json_format.ParseDict(body, packed)
         except json_format.ParseError as exc:
             raise XdsResourceError(str(exc)) from exc
         return packed
+
+    def _opaque(self, node: Any) -> Any:
+        """`node` with every typed config of a type the generated modules lack as a TypedStruct."""
+        if isinstance(node, list):
+            return [self._opaque(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("@type")
+        if isinstance(kind, str) and kind.startswith(_PREFIX) and not self.known(kind[len(_PREFIX):]):
+            return {"@type": _PREFIX + _TYPED_STRUCT, "type_url": kind,
+                    "value": {k: v for k, v in node.items() if k != "@type"}}
+        return {k: self._opaque(v) for k, v in node.items()}
 
 
 def _types(node: Any) -> Iterator[str]:
@@ -78,6 +109,8 @@ def _types(node: Any) -> Iterator[str]:
         kind = node.get("@type")
         if isinstance(kind, str) and kind.startswith(_PREFIX):
             yield kind[len(_PREFIX):]
+            if kind == _PREFIX + _TYPED_STRUCT:
+                return  # its value is a Struct (JSON), typed by Envoy
         for value in node.values():
             yield from _types(value)
     elif isinstance(node, list):
