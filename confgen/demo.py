@@ -43,7 +43,7 @@ def demo_topology(admin: int, port: int, workers: list[str], sidecar_port: int |
     return fleet_topology(
         name="demo", admin=admin, port=port, workers=workers, models=["demo-8b"], capacity=8,
         pool=["aliases: [chat]",
-              "balancing: {policy: least_request, choice_count: 2}",
+              "balancing: {choice_count: 2}",  # the default policy (auto): the endpoint picker
               "health: {interval: 1s, timeout: 500ms, unhealthy_threshold: 2, no_traffic_interval: 1s}",
               "outlier_detection: {consecutive_gateway_failure: 2, interval: 1s, base_ejection_time: 10s}"],
         tail=["last_resort: {kind: error, status: 503, message: Every demo worker is down.}"],
