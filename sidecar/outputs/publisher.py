@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from sidecar.fleet import XdsView
     from sidecar.outputs.envoy_admin import EnvoyAdmin
 
-__all__ = ["PUBLISHERS", "Built", "Limiter", "Publisher", "Wiring", "build"]
+__all__ = ["PUBLISHERS", "Built", "Limiter", "NoLimiter", "Publisher", "Wiring", "build"]
 
 
 class Publisher(Protocol):
@@ -122,6 +122,35 @@ class Limiter(Protocol):
         ...
 
     def forget(self, pool: str) -> None: ...
+
+
+class NoLimiter:
+    """The `Limiter` of a proxy without in-flight limits the sidecar keeps: limits nothing, sees nothing."""
+
+    watch_interval_s: float | None = None
+
+    def __init__(self) -> None:
+        self.in_force: dict[str, int] = {}
+        self.shed: dict[str, dict[str, int]] = {}
+        self.sheddable_share: dict[str, int] = {}
+
+    async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
+        return None
+
+    async def watch(self, now: float) -> None:
+        return None
+
+    def shedding(self, pool: str) -> bool:
+        return False
+
+    def inflight_signal(self, pool: str) -> float | None:
+        return None
+
+    def inflight_saturated(self, pool: str) -> bool:
+        return False
+
+    def forget(self, pool: str) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
