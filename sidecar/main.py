@@ -47,9 +47,8 @@ from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, settings_for
 from sidecar.outputs.publisher import Limiter, Wiring
-from sidecar.outputs.publisher import build as build_publisher
-from sidecar.outputs.service import Service, ServiceWiring, wanted
-from sidecar.outputs.service import build as build_service
+from sidecar.outputs.registry import build_publisher, build_service, wanted
+from sidecar.outputs.service import Service, ServiceWiring
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
