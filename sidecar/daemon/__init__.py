@@ -3,10 +3,12 @@
 One `Daemon` owns the mutable picture of the fleet and is driven by `main` (the loop,
 signals), the topology watcher (reloads) and `server` (admin drain calls). It runs on one
 event loop, but a cycle awaits (probes, publishing), so one lock keeps a cycle, a reload
-and a republish from interleaving. It talks to its publisher only through the
-`sidecar.outputs.publisher.Publisher` interface. Readers (the metrics collector, /state) get an
-immutable `Snapshot` rebuilt after every change, so a scrape never sees a half-updated
-cycle and an endpoint that left the topology leaves every view with it.
+and a republish from interleaving. It talks to its publisher and limiter only through the
+`sidecar.outputs.publisher` interfaces (`publish.Publishing`); the per-endpoint records and
+steps are in `tracked`, the admin drains in `drains`. A cycle returns one
+`sidecar.fleet.Cycle`. Readers (the metrics collector, /state) get an immutable `Snapshot`
+rebuilt after every change, so a scrape never sees a half-updated cycle and an endpoint that
+left the topology leaves every view with it.
 """
 
 from __future__ import annotations
