@@ -289,12 +289,16 @@ class Pool:
     def served_names(self) -> list[str]:
         return [*self.models, *self.aliases]
 
+    def capacity_of(self, worker: Worker) -> int:
+        """Concurrent sequences `worker` (one of this pool's) runs: its own `capacity`, else the pool's."""
+        return worker.capacity or self.capacity
+
     @property
     def total_capacity(self) -> int:
         """Concurrent sequences the pool's workers run in all: the listed workers', or, for a
         pool with `autoscale`, at least `max_replicas` workers' (a headless Service listed once
         resolves to every pod the autoscaler starts; the safety cap must make room for them)."""
-        listed = sum(w.capacity or self.capacity for w in self.workers)
+        listed = sum(self.capacity_of(w) for w in self.workers)
         if self.autoscale is None:
             return listed
         return max(listed, self.autoscale.max_replicas * self.capacity)

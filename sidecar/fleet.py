@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from confgen.envoy import Endpoint
+from confgen.model import Topology
+from sidecar.decide.saturation import PoolLoad
 from sidecar.observe.engines import LoadSample
 from sidecar.observe.histogram import HistogramView
 
-__all__ = ["EndpointKey", "EndpointView", "Nack", "NodeView", "PoolView", "Snapshot", "XdsView"]
+__all__ = ["Cycle", "EndpointKey", "EndpointView", "Nack", "NodeView", "PoolView", "Snapshot", "XdsView"]
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -75,6 +78,7 @@ class EndpointView:
     errors: Mapping[str, int]
     serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
     token_latency_s: float | None = None  # smoothed time per output token (the weights' speed), when measured
+    capacity: int = 0  # the worker's concurrent sequences (`Pool.capacity_of`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +118,15 @@ class Snapshot:
     external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """What one daemon cycle decided, as every output reads it: the topology it ran on, each EDS
+    pool's decided endpoints (weight, health, zone, labels), each pool's safety cap and saturation
+    verdict, and the time it ran at (the daemon's clock)."""
+
+    topology: Topology
+    endpoints: Mapping[str, tuple[Endpoint, ...]]  # pool -> endpoints as published this cycle
+    loads: Mapping[str, PoolLoad]  # pool -> cap and verdict (computed after the publish)
+    now: float

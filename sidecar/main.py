@@ -19,12 +19,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
-from confgen.errors import ConfgenError, TopologyError
+from confgen.errors import ConfgenError, Diagnostic, TopologyError
 from confgen.model import GRPC_SOCKET, Topology
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
@@ -46,9 +47,8 @@ from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, settings_for
 from sidecar.outputs.publisher import Limiter, Wiring
-from sidecar.outputs.publisher import build as build_publisher
-from sidecar.outputs.service import Service, ServiceWiring, wanted
-from sidecar.outputs.service import build as build_service
+from sidecar.outputs.registry import build_publisher, build_service, wanted
+from sidecar.outputs.service import Service, ServiceWiring
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
@@ -128,25 +128,48 @@ def _report_end(task: asyncio.Task[None]) -> None:
                   note="the in-flight watch stopped; limits follow the probe cycle only")
 
 
-async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
-              registry: CollectorRegistry | None = None) -> int:
-    """Run until `stop` is set (or SIGTERM/SIGINT when on the main thread); the exit code."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
+class _Refused(Exception):
+    """Startup cannot go on: the reason is logged, `code` is the exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(slots=True)
+class _Running:
+    """What startup built and the main loop drives."""
+
+    config: SidecarConfig
+    topo: Topology
+    guard: MutationGuard
+    admin_url: str
+    xds_dir: Path | None
+    limiter: Limiter | None = None
+    services: list[Service] = field(default_factory=list)
+    serving: str | None = None  # --serve-xds: where the control plane listens
+    late: contextlib.AsyncExitStack | None = None  # closed after the outputs: the HTTP server
+
+
+def _load(config: SidecarConfig) -> tuple[Topology, list[Diagnostic], Path | None]:
+    """Blocking: the topology and the file target's directory; _Refused when invalid."""
     try:
-        topo, warnings = await asyncio.to_thread(load_topology, config.topology)
-        xds_dir: Path | None = None
+        topo, warnings = load_topology(config.topology)
         if config.nginx is not None:
-            xds_dir = config.nginx.directory
-        elif config.serve_xds is None:
-            xds_dir = xds_dir_for(config, topo)
+            return topo, warnings, config.nginx.directory
+        return topo, warnings, xds_dir_for(config, topo) if config.serve_xds is None else None
     except TopologyError as exc:
         log_event(_log, logging.ERROR, "startup.invalid_topology", file=str(config.topology),
                   errors=[str(d) for d in exc.diagnostics])
-        return EXIT_INVALID
+        raise _Refused(EXIT_INVALID) from exc
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.no_xds_dir", error=str(exc))
-        return EXIT_USAGE
+        raise _Refused(EXIT_USAGE) from exc
+
+
+def _check(config: SidecarConfig, topo: Topology) -> tuple[SidecarConfig, MutationGuard]:
+    """The flags against the topology: deprecations, the gRPC transport, the listen address, the
+    admin token; the effective config and the mutation guard, or _Refused."""
     config = listen_for(config, topo)
     for note in config.deprecations:
         log_event(_log, logging.WARNING, "startup.deprecated", note=note)
@@ -155,7 +178,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
             grpc_transport_for(config, topo)
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.grpc_transport", error=str(exc))
-        return EXIT_USAGE
+        raise _Refused(EXIT_USAGE) from exc
     mismatch = listen_mismatch(config, topo)
     if mismatch is not None:
         log_event(_log, logging.ERROR, "startup.listen_mismatch", problem=mismatch,
@@ -166,93 +189,139 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                               remote=not is_loopback(config.listen_host))
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.bad_admin_token", error=str(exc))
-        return EXIT_USAGE
-    for w in warnings:
-        log_event(_log, logging.WARNING, "topology.warning", diagnostic=str(w))
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-    registry = registry or CollectorRegistry()
-    admin_url = _admin_url(config, topo.admin.address, topo.admin.port)
-    rng = random.Random()
-    async with (
-        Prober(max_concurrency=config.max_concurrency, deadline_s=config.probe_deadline_s,
-               body_cap=config.body_cap_bytes, clock=loop.time) as prober,
-        EnvoyAdmin(admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)) as admin,
-    ):
-        wiring = Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time)
-        built = build_publisher(config.publisher, wiring)
-        publisher = built.publisher
+        raise _Refused(EXIT_USAGE) from exc
+    return config, guard
+
+
+async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> Daemon:
+    """The prober, the publisher (and its limiter), the daemon and the gRPC services, each closed by `stack`."""
+    config, topo, loop = run.config, run.topo, asyncio.get_running_loop()
+    prober = await stack.enter_async_context(Prober(
+        max_concurrency=config.max_concurrency, deadline_s=config.probe_deadline_s,
+        body_cap=config.body_cap_bytes, clock=loop.time))
+    admin = await stack.enter_async_context(
+        EnvoyAdmin(run.admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)))
+    run.late = await stack.enter_async_context(contextlib.AsyncExitStack())
+    built = build_publisher(config.publisher, Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time))
+    try:
+        await built.publisher.start()
+    except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
+        log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
+                  serve_xds=config.serve_xds, error=str(exc))
+        raise _Refused(EXIT_USAGE) from exc
+    stack.push_async_callback(built.publisher.close)
+    xds = built.publisher.xds_view()
+    run.serving = xds.listen if xds is not None else None
+    daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
+                    publisher=built.publisher, clock=loop.time, limiter=built.limiter)
+    await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
+    await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
+    _warn_unused_service_flags(config, topo)
+    if wanted(topo):
         try:
-            await publisher.start()
-        except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
-            log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
-                      serve_xds=config.serve_xds, error=str(exc))
-            return EXIT_USAGE
-        daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
-                        publisher=publisher, clock=loop.time, limiter=built.limiter)
-        await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
-        await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
-        services: list[Service] = []
-        grpc_server: GrpcServer | None = None
-        _warn_unused_service_flags(config, topo)
-        if wanted(topo):
-            try:
-                services, grpc_server = await _start_services(
-                    config, topo, ServiceWiring(config, lambda: daemon.topology, registry, loop.time))
-            except (ConfigError, OSError) as exc:
-                await publisher.close()
-                log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
-                return EXIT_USAGE
-        register(registry, daemon.view)
-        app = build_app(daemon, registry, guard=guard)
-        if config.nginx is None and config.serve_xds is None:  # an Envoy beside us (file xDS)
-            add_envoy_relay(app, admin_url)
-        bounds = HttpBounds()
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options(bounds))
-        await runner.setup()
-        try:
-            await start_site(runner, config.listen_host, config.listen_port, bounds)
-        except OSError as exc:
-            await runner.cleanup()
-            if grpc_server is not None:
-                await grpc_server.stop(0)
-            await publisher.close()
-            log_event(_log, logging.ERROR, "startup.listen_failed", host=config.listen_host,
-                      port=config.listen_port, error=str(exc))
-            return EXIT_USAGE
-        bound = runner.addresses[0]
-        watcher = TopologyWatcher(config.topology, daemon.reload, debounce_s=config.watch_debounce_s)
-        watcher.start()
-        limits = asyncio.create_task(_watch_limits(built.limiter, stop, loop.time), name="limits-watch")
-        limits.add_done_callback(_report_end)
-        xds = publisher.xds_view()
-        serving = xds.listen if xds is not None else None
-        log_event(_log, logging.INFO, "startup.done", topology=topo.name, xds_dir=str(xds_dir), serve_xds=serving,
-                  envoy_admin=admin_url, listen=f"{bound[0]}:{bound[1]}", interval_s=config.interval_s,
-                  mutations="token" if guard.token else "off (beyond loopback, no token)" if guard.remote
-                  else "loopback only")
-        try:
-            while not stop.is_set():
-                started = loop.time()
-                await daemon.cycle()
-                if services:
-                    fleet = daemon.view()
-                    for service in services:
-                        service.update(fleet)
-                pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
-                await _sleep_or_stop(stop, started + pause - loop.time())
-        finally:
-            log_event(_log, logging.INFO, "shutdown.begin")
-            limits.cancel()
-            await asyncio.gather(limits, return_exceptions=True)  # a failure was logged when it ended
-            await watcher.stop()
-            if grpc_server is not None:
-                await grpc_server.stop()
-            for service in services:
-                await service.close()
-            await publisher.close()
-            await runner.cleanup()
+            services, grpc_server = await _start_services(
+                config, topo, ServiceWiring(config, lambda: daemon.topology, registry, loop.time))
+        except (ConfigError, OSError) as exc:
+            log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+            raise _Refused(EXIT_USAGE) from exc
+        stack.push_async_callback(_close_all, services)
+        stack.push_async_callback(grpc_server.stop)
+        run.services = services
+    run.limiter = built.limiter
+    return daemon
+
+
+async def _close_all(services: Sequence[Service]) -> None:
+    for service in services:
+        await service.close()
+
+
+async def _start_http(run: _Running, daemon: Daemon, stack: contextlib.AsyncExitStack,
+                      registry: CollectorRegistry) -> str:
+    """The HTTP server (/state, /readyz, /metrics, admin calls), stopped after the outputs; its address."""
+    register(registry, daemon.view)
+    app = build_app(daemon, registry, guard=run.guard)
+    if run.config.nginx is None and run.config.serve_xds is None:  # an Envoy beside us (file xDS)
+        add_envoy_relay(app, run.admin_url)
+    bounds = HttpBounds()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options(bounds))
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)  # `run.late`: the outputs close first
+    try:
+        await start_site(runner, run.config.listen_host, run.config.listen_port, bounds)
+    except OSError as exc:
+        log_event(_log, logging.ERROR, "startup.listen_failed", host=run.config.listen_host,
+                  port=run.config.listen_port, error=str(exc))
+        raise _Refused(EXIT_USAGE) from exc
+    bound = runner.addresses[0]
+    return f"{bound[0]}:{bound[1]}"
+
+
+async def _start_watchers(run: _Running, daemon: Daemon, stack: contextlib.AsyncExitStack,
+                          stop: asyncio.Event) -> None:
+    """The topology watcher and the limiter's in-flight watch; the shutdown log comes first on exit."""
+    watcher = TopologyWatcher(run.config.topology, daemon.reload, debounce_s=run.config.watch_debounce_s)
+    watcher.start()
+    stack.push_async_callback(watcher.stop)
+    limits = asyncio.create_task(_watch_limits(run.limiter, stop, asyncio.get_running_loop().time),
+                                 name="limits-watch")
+    limits.add_done_callback(_report_end)
+
+    async def end_limits() -> None:
+        limits.cancel()
+        await asyncio.gather(limits, return_exceptions=True)  # a failure was logged when it ended
+
+    stack.push_async_callback(end_limits)
+    stack.callback(log_event, _log, logging.INFO, "shutdown.begin")
+
+
+async def _startup(run: _Running, stack: contextlib.AsyncExitStack, stop: asyncio.Event,
+                   registry: CollectorRegistry) -> Daemon:
+    """Everything the loop needs, started; what must be undone is on `stack`. _Refused on failure."""
+    daemon = await _start_outputs(run, stack, registry)
+    assert run.late is not None  # entered by _start_outputs
+    listen = await _start_http(run, daemon, run.late, registry)
+    await _start_watchers(run, daemon, stack, stop)
+    guard = run.guard
+    log_event(_log, logging.INFO, "startup.done", topology=run.topo.name, xds_dir=str(run.xds_dir),
+              serve_xds=run.serving, envoy_admin=run.admin_url, listen=listen, interval_s=run.config.interval_s,
+              mutations="token" if guard.token else "off (beyond loopback, no token)" if guard.remote
+              else "loopback only")
+    return daemon
+
+
+async def _main_loop(run: _Running, daemon: Daemon, stop: asyncio.Event) -> None:
+    """Every interval (+- jitter): one daemon cycle, then its fleet view to every service."""
+    loop, config, rng = asyncio.get_running_loop(), run.config, random.Random()
+    while not stop.is_set():
+        started = loop.time()
+        await daemon.cycle()
+        if run.services:
+            fleet = daemon.view()
+            for service in run.services:
+                service.update(fleet)
+        pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
+        await _sleep_or_stop(stop, started + pause - loop.time())
+
+
+async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
+              registry: CollectorRegistry | None = None) -> int:
+    """Run until `stop` is set (or SIGTERM/SIGINT when on the main thread); the exit code."""
+    stop = stop or asyncio.Event()
+    try:
+        topo, warnings, xds_dir = await asyncio.to_thread(_load, config)
+        config, guard = _check(config, topo)
+        for w in warnings:
+            log_event(_log, logging.WARNING, "topology.warning", diagnostic=str(w))
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        running = _Running(config, topo, guard, _admin_url(config, topo.admin.address, topo.admin.port), xds_dir)
+        async with contextlib.AsyncExitStack() as stack:  # shutdown: everything started, in reverse
+            daemon = await _startup(running, stack, stop, registry or CollectorRegistry())
+            await _main_loop(running, daemon, stop)
+    except _Refused as refused:
+        return refused.code
     log_event(_log, logging.INFO, "shutdown.done")
     return EXIT_OK
 

@@ -36,7 +36,7 @@ def initial_endpoints(pool: Pool) -> list[Endpoint]:
         if not is_ip(host):
             continue
         out.append(Endpoint(
-            address=host, port=port, weight=static_weight(worker.capacity or pool.capacity, worker.weight),
+            address=host, port=port, weight=static_weight(pool.capacity_of(worker), worker.weight),
             health="DRAINING" if worker.drain else "HEALTHY",
             zone=worker.zone, worker=worker.address, labels=tuple(sorted(worker.labels.items())),
         ))

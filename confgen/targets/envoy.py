@@ -17,7 +17,7 @@ def _render(topo: Topology, config_dir: str, secrets: Mapping[str, str] | None) 
 
 
 def _verify(topo: Topology, all_endpoints: bool) -> list[Refusal]:
-    from ..verify import verify_envoy
+    from ..proxycheck import verify_envoy
 
     return verify_envoy(topo, all_endpoints=all_endpoints)
 

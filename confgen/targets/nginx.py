@@ -31,7 +31,7 @@ def _refusals(topo: Topology) -> list[Finding]:
 
 
 def _verify(topo: Topology, all_endpoints: bool) -> list[Refusal]:
-    from ..verify import verify_nginx
+    from ..proxycheck import verify_nginx
 
     return verify_nginx(topo)
 

@@ -4,17 +4,16 @@
     NginxPublisher  (sidecar.outputs.nginx.publisher)  upstream include files, nginx -t, graceful reload
     AdsPublisher    (sidecar.outputs.xds.publisher)  ADS over gRPC to every connected Envoy (--serve-xds)
 
-`sidecar.main` builds one by its name (`SidecarConfig.publisher`) from `PUBLISHERS`, together
-with the `Limiter` that keeps the proxy's in-flight limits (if the proxy has them);
-`sidecar.daemon` only ever talks to these interfaces, never to a concrete class. Adding a
-publisher: a module with a class that satisfies `Publisher` and a `build(Wiring) -> Built`
-function, plus its line in `PUBLISHERS` (its flags, and the name they select, in
-`sidecar.config`).
+`sidecar.main` builds one by its name (`SidecarConfig.publisher`) from
+`sidecar.outputs.registry.PUBLISHERS`, together with the `Limiter` that keeps the proxy's
+in-flight limits (if the proxy has them); `sidecar.daemon` only ever talks to these
+interfaces, never to a concrete class. Adding a publisher: a module with a class that
+satisfies `Publisher` and a `build(Wiring) -> Built` function, plus its line in `PUBLISHERS`
+(its flags, and the name they select, in `sidecar.config`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
     from sidecar.fleet import XdsView
     from sidecar.outputs.envoy_admin import EnvoyAdmin
 
-__all__ = ["PUBLISHERS", "Built", "Limiter", "Publisher", "Wiring", "build"]
+__all__ = ["Built", "Limiter", "NoLimiter", "Publisher", "Wiring"]
 
 
 class Publisher(Protocol):
@@ -124,6 +123,35 @@ class Limiter(Protocol):
     def forget(self, pool: str) -> None: ...
 
 
+class NoLimiter:
+    """The `Limiter` of a proxy without in-flight limits the sidecar keeps: limits nothing, sees nothing."""
+
+    watch_interval_s: float | None = None
+
+    def __init__(self) -> None:
+        self.in_force: dict[str, int] = {}
+        self.shed: dict[str, dict[str, int]] = {}
+        self.sheddable_share: dict[str, int] = {}
+
+    async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
+        return None
+
+    async def watch(self, now: float) -> None:
+        return None
+
+    def shedding(self, pool: str) -> bool:
+        return False
+
+    def inflight_signal(self, pool: str) -> float | None:
+        return None
+
+    def inflight_saturated(self, pool: str) -> bool:
+        return False
+
+    def forget(self, pool: str) -> None:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Wiring:
     """What `sidecar.main` hands a publisher's `build`."""
@@ -140,17 +168,3 @@ class Wiring:
 class Built:
     publisher: Publisher
     limiter: Limiter | None  # None: the proxy has no in-flight limit the sidecar keeps
-
-
-PUBLISHERS: dict[str, str] = {  # name -> "module:function" taking a Wiring, returning Built (imported on use)
-    "envoy": "sidecar.outputs.files.publisher:build",
-    "nginx": "sidecar.outputs.nginx.publisher:build",
-    "ads": "sidecar.outputs.xds.publisher:build",
-}
-
-
-def build(name: str, wiring: Wiring) -> Built:
-    """The publisher called `name` (a key of PUBLISHERS) and its limiter, built for `wiring`."""
-    module, _, function = PUBLISHERS[name].partition(":")
-    factory: Callable[[Wiring], Built] = getattr(importlib.import_module(module), function)
-    return factory(wiring)

@@ -6,22 +6,19 @@ the Endpoint Picker Protocol) and the rate limit service (Envoy's RLS on a share
 Services that speak gRPC register their servicers on the sidecar's one gRPC server
 (`sidecar.outputs.grpc`), so they share its bind, its TLS and its limits.
 
-`sidecar.main` builds the services the topology needs from `SERVICES` (name -> the module's
-`build(ServiceWiring) -> Service`, imported on use) and hands each the fleet view after every
-daemon cycle. This module imports no implementation. Adding a service: a package under
-`sidecar/outputs/` with a class satisfying `Service` and a `build` function, plus its line in
-`SERVICES`.
+`sidecar.main` builds the services the topology needs from
+`sidecar.outputs.registry.SERVICES` (name -> the module's `build(ServiceWiring) -> Service`,
+imported on use) and hands each the fleet view after every daemon cycle. This module imports
+no implementation. Adding a service: a package under `sidecar/outputs/` with a class
+satisfying `Service` and a `build` function, plus its line in `SERVICES`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from confgen.balancing import picker_wanted
-from confgen.limits import needs_store
 from confgen.model import Topology
 
 if TYPE_CHECKING:
@@ -31,7 +28,7 @@ if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
     from sidecar.fleet import Snapshot
 
-__all__ = ["SERVICES", "Service", "ServiceWiring", "build", "wanted"]
+__all__ = ["Service", "ServiceWiring"]
 
 
 class Service(Protocol):
@@ -72,26 +69,3 @@ class ServiceWiring:
     topology: Callable[[], Topology]  # the daemon's current one (it changes on reload)
     registry: CollectorRegistry  # for the service's own metrics
     clock: Callable[[], float]  # the event loop's
-
-
-SERVICES: dict[str, str] = {  # name -> "module:function" taking a ServiceWiring, returning a Service
-    "picker": "sidecar.outputs.picker:build",  # Envoy ext_proc endpoint picker (policy prefix_affinity)
-    "ratelimit": "sidecar.outputs.ratelimit:build",  # Envoy's rate limit service (scope: global limits)
-}
-
-
-def wanted(topo: Topology) -> list[str]:
-    """The services `topo` needs, in start order (`sidecar.main` starts these and no others)."""
-    out = []
-    if picker_wanted(topo):
-        out.append("picker")
-    if needs_store(topo):
-        out.append("ratelimit")
-    return out
-
-
-def build(name: str, wiring: ServiceWiring) -> Service:
-    """The service called `name` (a key of SERVICES), built for `wiring`."""
-    module, _, function = SERVICES[name].partition(":")
-    factory: Callable[[ServiceWiring], Service] = getattr(importlib.import_module(module), function)
-    return factory(wiring)

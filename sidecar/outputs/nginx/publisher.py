@@ -467,7 +467,7 @@ def register_nginx(registry: CollectorRegistry, publisher: NginxPublisher) -> Ng
 
 
 def build(wiring: Wiring) -> Built:
-    """The nginx publisher (`sidecar.outputs.publisher.PUBLISHERS["nginx"]`), its metrics registered; nginx
+    """The nginx publisher (`sidecar.outputs.registry.PUBLISHERS["nginx"]`), its metrics registered; nginx
     keeps its own safety caps (limit_conn), so there is no limiter."""
     if wiring.config.nginx is None:
         raise ConfigError("the nginx publisher needs --target nginx settings")

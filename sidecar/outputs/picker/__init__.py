@@ -79,7 +79,6 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
         pool = pools.get(pv.name)
         if pool is None:
             continue
-        capacity = {w.address: w.capacity or pool.capacity for w in pool.workers}
         endpoints = []
         for ev in pv.endpoints:
             s = ev.sample
@@ -87,7 +86,7 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 address=f"[{ev.key.address}]:{ev.key.port}" if ":" in ev.key.address else
                 f"{ev.key.address}:{ev.key.port}",
                 serving=ev.serving and ev.status in ("HEALTHY", "DEGRADED"),
-                capacity=max(1, capacity.get(ev.key.worker, pool.capacity) or 1),
+                capacity=max(1, ev.capacity or 1),
                 running=s.running if s else 0.0,
                 waiting=s.waiting if s else 0.0,
                 kv_usage=s.kv_usage if s else None,

@@ -181,7 +181,7 @@ class AdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The ADS publisher (`sidecar.outputs.publisher.PUBLISHERS["ads"]`), limits served over RTDS."""
+    """The ADS publisher (`sidecar.outputs.registry.PUBLISHERS["ads"]`), limits served over RTDS."""
     config = wiring.config
     assert config.serve_xds is not None  # SidecarConfig.publisher named "ads"
     settings = settings_for(grpc_transport_for(config, wiring.topo), config.serve_xds, XDS_SOCKET)
