@@ -60,6 +60,7 @@ pools:
     engine: vllm
     models: [sim-model]
     capacity: 4
+    balancing: {{policy: least_request}}  # ADS over mTLS here; the picker over it: test_ads_picker.py
     health: {{enabled: false}}
     outlier_detection: {{enabled: false}}
     workers:

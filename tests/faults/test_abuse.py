@@ -50,7 +50,7 @@ name: fleet
 admin: {{address: 127.0.0.1, port: {admin}}}
 listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
-sidecar: {{grpc_plaintext_loopback: true}}
+sidecar: {{grpc_plaintext_loopback: true, grpc_port: {grpc}}}
 envoy:
   xds: {{mode: ads, servers: ["127.0.0.1:{xds}"], protocol: delta}}
 pools:
@@ -242,7 +242,7 @@ def test_hostile_ads_clients(tmp_path: Path, campaign: Campaign) -> None:
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2"], max_num_seqs=4), seed=9)) as fleet:
         xds, listen, port = free_port(), free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
-        text = TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers)
+        text = TOPOLOGY.format(admin=free_port(), port=port, xds=xds, grpc=free_port(), workers=workers)
         topology = tmp_path / "topology.yaml"
         topology.write_text(text)
         sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
@@ -383,7 +383,7 @@ def test_hostile_http_clients(tmp_path: Path, campaign: Campaign) -> None:
     of idle connections, a 50 MiB chunked body, a 2,000-deep JSON body. RSS < 2x idle, no traceback."""
     xds, listen = free_port(), free_port()
     topology = tmp_path / "topology.yaml"
-    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds,
+    topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, grpc=free_port(),
                                         workers=f"      - 127.0.0.1:{free_port()}"))
     sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
                               "--grpc-plaintext-loopback", "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"],

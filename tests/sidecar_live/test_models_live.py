@@ -24,12 +24,12 @@ listeners:
   - {{name: public, address: 127.0.0.1, port: {port}}}
 sidecar: {{address: 127.0.0.1, port: {sidecar}}}
 pools:
-  - {{name: alpha, engine: vllm, models: [alpha], fallback: beta, health: {{enabled: false}},
-      outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{a}"]}}
-  - {{name: beta, engine: vllm, models: [beta], health: {{enabled: false}},
-      outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{b}"]}}
-  - {{name: gamma, engine: vllm, models: [gamma], health: {{enabled: false}},
-      outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{c}"]}}
+  - {{name: alpha, engine: vllm, models: [alpha], fallback: beta, balancing: {{policy: least_request}},
+      health: {{enabled: false}}, outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{a}"]}}
+  - {{name: beta, engine: vllm, models: [beta], balancing: {{policy: least_request}},
+      health: {{enabled: false}}, outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{b}"]}}
+  - {{name: gamma, engine: vllm, models: [gamma], balancing: {{policy: least_request}},
+      health: {{enabled: false}}, outlier_detection: {{enabled: false}}, workers: ["127.0.0.1:{c}"]}}
 """
 
 
