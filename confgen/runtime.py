@@ -411,14 +411,29 @@ class NginxProcess(_Proxy):
 # --------------------------------------------------------------------------- redis
 
 
-def find_redis() -> Path:
-    """Debian's redis-server (`apt-get install --no-install-recommends redis-server`)."""
+def _debian_binary(name: str) -> Path:
+    """The program `name` of Debian's package of the same name, on PATH or in /usr/bin."""
     import shutil
 
-    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server"):
+    for candidate in (shutil.which(name), f"/usr/bin/{name}"):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    raise BinaryNotFoundError("redis-server not found: apt-get install -y --no-install-recommends redis-server")
+    raise BinaryNotFoundError(f"{name} not found: apt-get install -y --no-install-recommends {name}")
+
+
+def _answers_ping(port: int) -> bool:
+    """Whether a Redis-protocol server (redis-server, redis-sentinel) on loopback `port` answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def find_redis() -> Path:
+    """Debian's redis-server (`apt-get install --no-install-recommends redis-server`)."""
+    return _debian_binary("redis-server")
 
 
 class RedisProcess(_Proxy):
@@ -458,12 +473,7 @@ class RedisProcess(_Proxy):
             log.close()
 
     def _ready(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return _answers_ping(self.port)
 
     def _tails(self) -> str:
         return _log_tail(self._dir / "redis.log") if self._dir else "(no log)"
@@ -486,12 +496,7 @@ class RedisProcess(_Proxy):
 
 def find_sentinel() -> Path:
     """Debian's redis-sentinel (`apt-get install --no-install-recommends redis-sentinel`)."""
-    import shutil
-
-    for candidate in (shutil.which("redis-sentinel"), "/usr/bin/redis-sentinel"):
-        if candidate and Path(candidate).exists():
-            return Path(candidate)
-    raise BinaryNotFoundError("redis-sentinel not found: apt-get install -y --no-install-recommends redis-sentinel")
+    return _debian_binary("redis-sentinel")
 
 
 class SentinelProcess(_Proxy):
@@ -532,12 +537,7 @@ class SentinelProcess(_Proxy):
                                 stdin=subprocess.DEVNULL)
 
     def _ready(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return _answers_ping(self.port)
 
     def _tails(self) -> str:
         return _log_tail(self._dir / "sentinel.log") if self._dir else "(no log)"
