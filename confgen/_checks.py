@@ -35,6 +35,7 @@ from .model import (
     Pool,
     RateLimit,
     Topology,
+    grpc_reachable,
     grpc_service_hosts,
     grpc_socket,
     grpc_socket_dir,
@@ -327,13 +328,9 @@ def _grpc_services(topo: Topology) -> Iterator[Finding]:
             yield "sidecar.grpc_tls", "used only when Envoy calls the sidecar's gRPC services (ADS, a pool with " \
                 "policy prefix_affinity, or scope: global limits)", WARNING
         return
-    transport = grpc_transport(topo)
-    if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
-        return  # mutual TLS anywhere; ADS's own check says where a socket cannot reach
-    hosts = grpc_service_hosts(topo)
-    remote = [h for h in hosts if not is_loopback_host(h)]
-    if not remote:
-        return
+    if grpc_reachable(topo):
+        return  # mutual TLS anywhere, an ADS socket (its own check says where one cannot reach), or loopback
+    remote = [h for h in grpc_service_hosts(topo) if not is_loopback_host(h)]
     if topo.envoy.xds.mode == "ads":
         index = next(i for i, server in enumerate(topo.envoy.xds.servers)
                      if (split_address(server) or ("", 0))[0] == remote[0])

@@ -24,9 +24,8 @@ from .model import (
     Balancing,
     Pool,
     Topology,
-    grpc_service_hosts,
+    grpc_reachable,
     grpc_transport,
-    is_loopback_host,
     split_address,
 )
 
@@ -90,13 +89,14 @@ def choose(topo: Topology, pool: Pool) -> Choice:
 
 
 def _picker_blocker(topo: Topology, pool: Pool) -> str:
-    """Why the picker cannot be this pool's default, or "" (each reason is a check that would
-    refuse an explicit prefix_affinity here: a default never turns a valid topology invalid)."""
+    """Why the picker cannot be this pool's default, or "": what keeps it from working as rendered,
+    so a default never turns a valid topology invalid. Each reason but the ADS one is a check that
+    refuses a named prefix_affinity too; two control planes on one host are not refused for it (yet)."""
     if pool.engine not in PREDICTABLE_ENGINES:
         return f"engine {pool.engine} reports no load metrics for the endpoint picker to predict from"
     if pool.discovery == "strict_dns":
         return "discovery strict_dns: Envoy resolves the workers itself and no sidecar sees them"
-    if not _grpc_reachable(topo):
+    if not grpc_reachable(topo):
         return ("Envoy reaches the sidecar's gRPC services beyond loopback only over mutual TLS: set "
                 "sidecar.grpc_tls for the endpoint picker")
     big = [lst.name for lst in topo.listeners if lst.max_request_bytes > PICKER_MAX_BODY_BYTES]
@@ -112,15 +112,6 @@ def _picker_blocker(topo: Topology, pool: Pool) -> str:
     if topo.sidecar.grpc_port in taken and grpc_transport(topo) != "unix":
         return f"sidecar.grpc_port {topo.sidecar.grpc_port} is taken by another of the product's servers"
     return ""
-
-
-def _grpc_reachable(topo: Topology) -> bool:
-    """Whether Envoy can call the sidecar's gRPC services as the topology stands (what
-    `_checks._grpc_services` would accept for a picker pool)."""
-    transport = grpc_transport(topo)
-    if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
-        return True
-    return all(is_loopback_host(host) for host in grpc_service_hosts(topo))
 
 
 def policy_of(topo: Topology, pool: Pool) -> str:

@@ -855,6 +855,16 @@ def grpc_transport(topo: Topology) -> str:
     return "plaintext" if topo.sidecar.grpc_plaintext_loopback else "unix"
 
 
+def grpc_reachable(topo: Topology) -> bool:
+    """Whether Envoy may call the sidecar's gRPC services as the topology stands: over mutual TLS, on
+    the Unix socket of an ADS control plane (ADS's own check says where one cannot reach), or on
+    loopback hosts only."""
+    transport = grpc_transport(topo)
+    if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
+        return True
+    return all(is_loopback_host(host) for host in grpc_service_hosts(topo))
+
+
 def grpc_socket(topo: Topology, name: str) -> str:
     """The path of one of the sidecar's sockets (GRPC_SOCKET, XDS_SOCKET)."""
     return f"{grpc_socket_dir(topo)}/{name}"
