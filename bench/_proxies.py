@@ -216,6 +216,27 @@ class SidecarProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def metric_by(self, name: str, label: str) -> dict[str, float] | None:
+        """The sidecar's samples of metric `name` (exact, counters without their `_total`), summed
+        by the value of `label` (None: the server did not answer)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=2) as resp:
+                body = resp.read().decode()
+        except (OSError, urllib.error.URLError):
+            return None
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(body):
+            if family.name != name:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+        return out
+
     def metric_sum(self, *needles: str) -> float | None:
         """Sum of the sidecar's own metric samples whose name contains every needle, where a needle
         may offer alternatives ("publish|write") (None: none found or the server did not answer);

@@ -121,6 +121,16 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
             if sidecars:
                 writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
                 out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
+                # who answered the 429s, over the whole run: the picker (per request), the in-flight
+                # limiter (Envoy's breaker, by reason) and the sheddable share
+                layers: dict[str, float] = {}
+                for s in sidecars:
+                    for key, got in (("picker", s.metric_by("confgen_picker_refused", "pool")),
+                                     ("limiter", s.metric_by("confgen_sidecar_shed_requests", "reason"))):
+                        for label, n in (got or {}).items():
+                            name = key if key == "picker" else f"limiter_{label}"
+                            layers[name] = layers.get(name, 0.0) + n
+                out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
             out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
             return out
 

@@ -8,7 +8,7 @@ its level for its length; the requests scheduled from the surge's 5th second to 
 measured (shed share, admitted P50/P99, TTFT, time per output token). Every surge runs with
 several seeds (`--set overload_seeds=N`, default 2; 1 in --quick) and the figures are the
 mean over seeds with the range beside it. The product's own P99 at 78 % is measured on the
-same fleet (30 s after 5 s of warm-up, each seed) for the "<= 1.5x its own P99" target.
+same fleet (30 s after 5 s of warm-up, each seed) for the "<= 1.3x its own P99" target.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ BASE = 0.78  # offered load before a surge
 LEAD_S = 10.0  # s at BASE before a surge
 FROM_S = 4.0  # measured from the surge's 5th second
 OWN_S, OWN_WARMUP_S = 30.0, 5.0
+# The targets of issue 29: shed share within 3 points of the excess, admitted P99 <= 1.3x the
+# product's own at 78 % and <= 0.5x vLLM Router's best
+SHARE_POINTS, OWN_P99, PEER_P99 = 0.03, 1.3, 0.5
+QUICK_OWN_S = 8.0  # --quick: the 78 % reference is a harness check, not a figure
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ def setups(ctx: Context) -> list[Setup]:
         return [PRODUCT, vllm("power_of_two")]
     extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
     two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
-    return [PRODUCT, *two, *extra, vllm("power_of_two"), vllm("cache_aware")]
+    # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
+    peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
+    return [PRODUCT, *two, *extra, *peers]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
@@ -211,8 +217,9 @@ def run(ctx: Context) -> Result:
     cap = FLEET.capacity_rps()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     own: list[dict[str, Any]] = []
+    own_s = QUICK_OWN_S if ctx.quick else OWN_S
     for seed in seeds:
-        reqs = surge_requests(FLEET, cap, None, seed + 11)
+        reqs = surge_requests(FLEET, cap, None, seed + 11, length_s=own_s + OWN_WARMUP_S)
         row = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, PRODUCT, f"ov78-{seed}",
                               warmup_s=OWN_WARMUP_S, deadline_s=reqs[-1]["t"] + 1.0, timeout_s=60.0)
         own.append(row)
@@ -228,14 +235,14 @@ def run(ctx: Context) -> Result:
                 r["seed"] = seed
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
-                      f"shed {r['shed']}/{r['requests']} ({r['wall_s']:.0f}s)", flush=True)
+                      f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})} ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
         _classes(ctx, res, seeds, cap)
     fleets_s = ctx.option("overload_fleets_s", 0)  # --set overload_fleets_s=60: the product alone at 78 %
     if fleets_s > 0:
         _every_fleet(ctx, res, seeds, fleets_s)
     own_p99 = _mean([r["p99_ms"] for r in own])
-    res.tables.append((f"{FLEET.describe()}; the product at 78 % ({OWN_S:g} s after {OWN_WARMUP_S:g} s), "
+    res.tables.append((f"{FLEET.describe()}; the product at 78 % ({own_s:g} s after {OWN_WARMUP_S:g} s), "
                        f"seeds {seeds}", ["seed", "P50 ms", "P99 ms", "TTFT P99 ms", "TPOT P99 ms", "shed"],
                        [[str(s), fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), fmt_ms(r["ttft_p99_ms"]),
                          _span([r.get("tpot_p99_ms")], digits=1), str(r["shed"])] for s, r in zip(seeds, own,
@@ -268,22 +275,24 @@ def run(ctx: Context) -> Result:
         miss = abs(share - surge.excess)
         per_seed = ", ".join(f"{(r['shed_share'] or 0):.1%}" for r in prod)
         res.targets.append(Target(f"[overload] {surge.label}: product shed share vs the excess ({surge.excess:.1%})",
-                                  "within +-5 points", f"{share:.1%} (seeds: {per_seed})", miss,
-                                  miss <= 0.05 and not any(r.get("failed") for r in prod), 0.05))
+                                  "within +-3 points", f"{share:.1%} (seeds: {per_seed})", miss,
+                                  miss <= SHARE_POINTS and not any(r.get("failed") for r in prod), SHARE_POINTS))
         pr = _mean([ratio(r["p99_ms"], b) for r, b in zip(prod, best_p99, strict=True)])
-        res.targets.append(Target(f"[overload] {surge.label}: product admitted P99 vs vLLM Router's best", "<= 0.6x",
+        res.targets.append(Target(f"[overload] {surge.label}: product admitted P99 vs vLLM Router's best",
+                                  f"<= {PEER_P99:g}x",
                                   f"{_span([r['p99_ms'] for r in prod])} vs {_span(best_p99)} ms", pr,
-                                  pr is not None and pr <= 0.6, 0.6))
+                                  pr is not None and pr <= PEER_P99, PEER_P99))
         po = ratio(_mean([r["p99_ms"] for r in prod]), own_p99)
-        res.targets.append(Target(f"[overload] {surge.label}: product admitted P99 vs its own P99 at 78 %", "<= 1.5x",
+        res.targets.append(Target(f"[overload] {surge.label}: product admitted P99 vs its own P99 at 78 %",
+                                  f"<= {OWN_P99:g}x",
                                   f"{_span([r['p99_ms'] for r in prod])} vs {fmt_ms(own_p99)} ms", po,
-                                  po is not None and po <= 1.5, 1.5))
+                                  po is not None and po <= OWN_P99, OWN_P99))
         if TWO.key in rows:
             two = rows[TWO.key]
             share2 = _mean([r["shed_share"] for r in two]) or 0.0
             res.targets.append(Target(f"[overload] {surge.label}: two Envoys' shed share vs the excess",
-                                      "within +-5 points", f"{share2:.1%}", abs(share2 - surge.excess),
-                                      abs(share2 - surge.excess) <= 0.05, 0.05))
+                                      "within +-3 points", f"{share2:.1%}", abs(share2 - surge.excess),
+                                      abs(share2 - surge.excess) <= SHARE_POINTS, SHARE_POINTS))
         raw["surges"][surge.key] = {"label": surge.label, "excess": surge.excess, "results": rows}
     res.raw = raw
     if surges:
