@@ -30,13 +30,6 @@ refuses, 0 once the pool stops shedding), in the same runtime call;
 `sheddable_share` is what Envoy confirmed. Envoy counts those refusals per pool
 (`<confgen.envoy.shed_stat_prefix(pool)>.http_local_rate_limit.rate_limited`, read in the same
 stats call as the breakers' counters): tallied in `shed` as reason "share".
-
-Pools the endpoint picker admits (`deferred`: policy prefix_affinity, or auto where it gives
-the picker) are held at the safety cap with a shed share of 0: the picker refuses per request
-by predicted wait and class (`sidecar.outputs.picker.scheduling`), and two controllers on one
-pool shed twice (measured: the limiter's refusals were 105 of 125 at 118 %). The in-flight
-watch still runs for them: its verdict is part of the picker's admission gate. If the picker
-cannot be reached, Envoy balances with least_request and the safety cap bounds what is in flight.
 """
 
 from __future__ import annotations
@@ -64,8 +57,7 @@ class InflightLimiter:
 
     def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None,
                  sheddable: Callable[[], Collection[str]] = tuple,
-                 share_policy: ShedSharePolicy | None = None,
-                 deferred: Callable[[], Collection[str]] = tuple) -> None:
+                 share_policy: ShedSharePolicy | None = None) -> None:
         if ingresses < 1:
             raise ValueError(f"ingresses must be >= 1, got {ingresses}")
         self._admin = admin
@@ -78,7 +70,6 @@ class InflightLimiter:
         self._watches: dict[str, InflightWatch] = {}
         self._lock = asyncio.Lock()
         self._sheddable = sheddable  # the pools the current render gives sheddable traffic
-        self._deferred = deferred  # the pools the endpoint picker admits per request: held at the safety cap
         self._shares = ShedShares(share_policy)
         self._share_refusals: dict[str, int] = {}  # pool -> Envoy's shed share counter at the last read
         self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
@@ -123,7 +114,6 @@ class InflightLimiter:
             wanted: dict[str, int] = {}
             shares: dict[str, int] = {}
             sheddable = set(self._sheddable())
-            deferred = set(self._deferred())
             for pool, load in loads.items():
                 active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
                 refused = pool in self._refused
@@ -132,13 +122,6 @@ class InflightLimiter:
                 watch = self._watches.get(pool, InflightWatch()).observe(active, load.saturation, self._ingresses,
                                                                          now, self._policy)
                 self._watches[pool] = watch
-                if pool in deferred:  # the picker admits per request; the watch still informs its gate
-                    self._admissions.forget(pool)
-                    wanted[pool] = load.cap
-                    if pool in sheddable:
-                        shares[pool] = 0
-                        self._read_share(pool, counters)
-                    continue
                 saturation = watch.apply(load.saturation)
                 wanted[pool] = self._admissions.step(
                     pool, replace(load, saturation=saturation), active, refused, self._ingresses, now, active=active,
@@ -161,13 +144,12 @@ class InflightLimiter:
             wanted: dict[str, int] = {}
             shares: dict[str, int] = {}
             sheddable = set(self._sheddable())
-            deferred = set(self._deferred())
             for pool, load in self._loads.items():
                 active = self._read(pool, counters, self._admissions.previous(pool), load.cap)
                 watch = self._watches.get(pool, InflightWatch()).observe(active, load.saturation, self._ingresses,
                                                                          now, self._policy)
                 self._watches[pool] = watch
-                if pool in deferred or not watch.on or self._admissions.shedding(pool):
+                if not watch.on or self._admissions.shedding(pool):
                     continue  # nothing new: a pool already shedding follows the probes' cycle
                 saturation = watch.apply(load.saturation)
                 wanted[pool] = self._admissions.step(

@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from confgen.balancing import picker_pools
 from confgen.envoy import Endpoint, layout, parse_eds, render_eds
 from confgen.errors import OutputError
 from confgen.model import Topology
@@ -411,8 +410,7 @@ def build(wiring: Wiring) -> Built:
                              confirm_timeout_s=config.confirm_timeout_s)
     topology = wiring.topology
     return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation,
-                                            sheddable=lambda: sheddable_pools(topology()),
-                  deferred=lambda: picker_pools(topology())))
+                                            sheddable=lambda: sheddable_pools(topology())))
 
 
 def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:

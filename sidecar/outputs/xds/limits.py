@@ -54,10 +54,8 @@ class RtdsLimiter:
 
     def __init__(self, publisher: RuntimeLayer, policy: SaturationPolicy | None = None,
                  sheddable: Callable[[], Collection[str]] = tuple,
-                 share_policy: ShedSharePolicy | None = None,
-                 deferred: Callable[[], Collection[str]] = tuple) -> None:
+                 share_policy: ShedSharePolicy | None = None) -> None:
         self._publisher = publisher
-        self._deferred = deferred  # the pools the endpoint picker admits per request: held at the safety cap
         self._admissions = Admissions(policy, _log)
         self._sheddable = sheddable  # the pools the current render gives sheddable traffic
         self._shares = ShedShares(share_policy)
@@ -94,14 +92,7 @@ class RtdsLimiter:
         wanted: dict[str, int] = {}
         shares: dict[str, int] = {}
         sheddable = set(self._sheddable())
-        deferred = set(self._deferred())
         for pool, load in loads.items():
-            if pool in deferred:  # the picker admits per request (InflightLimiter's docstring)
-                self._admissions.forget(pool)
-                wanted[pool] = load.cap
-                if pool in sheddable:
-                    shares[pool] = 0
-                continue
             previous = self._admissions.previous(pool)
             share = round(load.saturation.in_flight / ingresses) if load.saturation.fresh_capacity else None
             refused = (previous is not None and share is not None

@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from confgen.balancing import picker_pools
 from confgen.envoy import Endpoint, ads, build_cla
 from confgen.errors import SecretError
 from confgen.model import XDS_SOCKET, Topology
@@ -191,5 +190,4 @@ def build(wiring: Wiring) -> Built:
     register_xds(wiring.registry, publisher.view)
     topology = wiring.topology
     return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation,
-                                        sheddable=lambda: sheddable_pools(topology()),
-                  deferred=lambda: picker_pools(topology())))
+                                        sheddable=lambda: sheddable_pools(topology())))
