@@ -30,7 +30,7 @@ from .model import (
 )
 
 __all__ = ["AUTO", "POLICIES", "BalancingPolicy", "Choice", "choose", "is_hashing", "nginx_method",
-           "picker_wanted", "policy_of", "uses_picker"]
+           "picker_pools", "picker_wanted", "policy_of", "uses_picker"]
 
 AUTO = "auto"
 
@@ -127,6 +127,11 @@ def uses_picker(topo: Topology, pool: Pool) -> bool:
 def picker_wanted(topo: Topology) -> bool:
     """Whether any pool of `topo` runs the endpoint picker."""
     return any(uses_picker(topo, pool) for pool in topo.pools)
+
+
+def picker_pools(topo: Topology) -> tuple[str, ...]:
+    """The pools whose requests the endpoint picker sees, and so admits per request."""
+    return tuple(pool.name for pool in topo.pools if uses_picker(topo, pool))
 
 
 def is_hashing(policy: str) -> bool:

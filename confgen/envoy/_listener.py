@@ -36,6 +36,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
 from ..balancing import picker_wanted
@@ -225,6 +226,7 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
 
 
 PICKER_FILTER = "envoy.filters.http.ext_proc"
+ROUTE_NAME_ATTRIBUTE = "xds.route_name"
 PICKER_TIMEOUT = "0.2s"  # per message; then Envoy's own balancer picks (failure_mode_allow)
 
 
@@ -256,6 +258,9 @@ def _picker_filter() -> Json:
             "response_trailer_mode": "SEND",
         },
         "metadata_options": {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
+        # the matched route's name (the route known after json_to_metadata: checked on Envoy 1.40),
+        # which the picker looks up in `route_classes` for the request's class and pool
+        "request_attributes": [ROUTE_NAME_ATTRIBUTE],
         "route_cache_action": "RETAIN",  # the destination header matches no route: no re-match
     })
 
@@ -386,24 +391,49 @@ def _by_class(topo: Topology, routes: list[Json], planned: PlannedRoute) -> list
     - if sheddable clients may use a standard route: a copy matched on their client id that
       carries the pool's shed share (`_shed_config`);
     - the route itself (HIGH if critical; carrying the shed share if sheddable)."""
+    pool = planned.pool.name
     if planned.traffic_class == "critical":
-        return routes
+        return [_classed(r, "critical", pool) for r in routes]
     critical = topo.critical_clients() if topo.auth is not None else ()
     sheddable = planned.sheddable_clients(topo) if topo.auth is not None else ()
-    pool = planned.pool.name
     out: list[Json] = []
     for route in routes:
         if critical:
             match = {**route["match"], "headers": [*route["match"].get("headers", []), _client_header(topo, critical)]}
-            out.append({**route, "name": f"{route['name']}/critical", "match": match,
-                        "route": {**route["route"], "priority": "HIGH"}})
+            out.append(_classed({**route, "name": f"{route['name']}/critical", "match": match,
+                                 "route": {**route["route"], "priority": "HIGH"}}, "critical", pool))
         if planned.traffic_class == "sheddable":
-            out.append(_with_shed(route, pool))
+            out.append(_classed(_with_shed(route, pool), "sheddable", pool))
             continue
         if sheddable:
             match = {**route["match"], "headers": [*route["match"].get("headers", []), _client_header(topo, sheddable)]}
-            out.append(_with_shed({**route, "name": f"{route['name']}/sheddable", "match": match}, pool))
-        out.append(route)
+            out.append(_classed(_with_shed({**route, "name": f"{route['name']}/sheddable", "match": match}, pool),
+                                "sheddable", pool))
+        out.append(_classed(route, "standard", pool))
+    return out
+
+
+def _classed(route: Json, traffic_class: str, pool: str) -> Json:
+    """The route with its class and pool as metadata (namespace `confgen`): what `route_classes`
+    reads, and what an operator sees in Envoy's config dump."""
+    return {**route, "metadata": {"filter_metadata": {META_NS: {"class": traffic_class, "pool": pool}}}}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteClass:
+    traffic_class: str  # critical | standard | sheddable
+    pool: str
+
+
+def route_classes(topo: Topology, plan: Plan) -> dict[str, RouteClass]:
+    """Each inference route's class and pool by the route's name (names are unique in the route
+    table): the endpoint picker reads the name Envoy matched (ext_proc attribute
+    ROUTE_NAME_ATTRIBUTE), so a route matched on a header or a path has its class there too."""
+    out: dict[str, RouteClass] = {}
+    for route in routes(topo, plan):
+        meta = route.get("metadata", {}).get("filter_metadata", {}).get(META_NS)
+        if meta is not None:
+            out[route["name"]] = RouteClass(meta["class"], meta["pool"])
     return out
 
 

@@ -289,6 +289,45 @@ pools:
     assert found.of(None, "o", "other") == "sheddable" and found.of(None, "m") == "standard"
 
 
+def test_the_route_envoy_matched_gives_the_class_and_pool_header_routes_included() -> None:
+    """confgen's render has Envoy send the matched route's name with the headers (ext_proc attribute
+    xds.route_name, the route known after json_to_metadata: checked on Envoy 1.40 with a header
+    route, a model route and no route) and names each route's class and pool in its metadata; the
+    picker looks the name up, so a header-matched critical route is critical, the standard and
+    sheddable routes beside it are not, and a route of another pool is not the picker's. An
+    unknown name (a proxy not configured by the render) falls back to the model and the blind rule."""
+    from confgen import parse_topology
+    from confgen.envoy import route_classes
+    from confgen.plan import plan
+    from sidecar.outputs.picker import classes
+
+    topo, _ = parse_topology(b"""
+version: 1
+name: c
+listeners: [{name: main, port: 18080, trusted_headers: {names: [x-tier], from: [10.0.0.0/8]}}]
+routes:
+  - {name: urgent, pool: chat, class: critical, match: {headers: [{name: x-tier, exact: urgent}]}}
+  - {name: bulk, pool: chat, class: sheddable, match: {headers: [{name: x-tier, exact: bulk}]}}
+default_pool: chat
+pools:
+  - {name: chat, engine: vllm, models: [m], workers: ['10.0.0.1:8000']}
+  - {name: other, engine: vllm, models: [o], workers: ['10.0.0.2:8000'], balancing: {policy: least_request}}
+""")
+    named = route_classes(topo, plan(topo))
+    assert named["urgent"].traffic_class == "critical" and named["bulk"].traffic_class == "sheddable"
+    found = classes(topo)
+    assert found.of(None, "m", "chat", "urgent") == "critical"
+    assert found.of(None, "m", "chat", "bulk") == "sheddable"
+    standard = next(n for n, rc in named.items() if rc.pool == "chat" and rc.traffic_class == "standard")
+    assert found.of(None, "m", "chat", standard) == "standard"
+    assert found.of(None, "m", "chat", "no-such-route") == "critical"  # blind fallback
+    store = Datastore()
+    store.update([], {}, found)
+    other = next(n for n, rc in named.items() if rc.pool == "other")
+    assert store.pool_of_route(other) == (True, None)  # the render's route, another policy's pool
+    assert store.pool_of_route("no-such-route") == (False, None)
+
+
 def test_the_load_is_the_pickers_own_count_now_plus_what_others_had_at_the_scrape() -> None:
     """An engine's running + waiting is a probe old; the picker's own in-flight count is exact. The
     load is the exact count plus what the engine had beyond it when its facts came in (other

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from confgen.balancing import uses_picker
+from confgen.envoy import route_classes
 from confgen.model import Topology
 from confgen.plan import plan
 from sidecar.config import ConfigError
@@ -68,7 +69,9 @@ def classes(topo: Topology) -> Classes:
         elif planned.traffic_class == "critical":
             blind.add(planned.pool.name)
     clients = {k.client: k.class_ for k in topo.auth.api_keys} if topo.auth is not None else {}
-    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model, frozenset(blind))
+    named = {name: (rc.traffic_class, rc.pool) for name, rc in route_classes(topo, plan(topo)).items()}
+    return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model, frozenset(blind),
+                   named)
 
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:

@@ -32,15 +32,21 @@ class Classes:
     client_header: str | None = None  # None: no API keys
     clients: Mapping[str, str] = field(default_factory=dict)
     routes: Mapping[str | None, str] = field(default_factory=dict)
-    # pools a critical route reaches on a header or a path: the picker cannot tell those requests
-    # apart, so it takes every request to them as critical (never refused; the proxy's own
-    # per-route limits still order them)
+    # pools a critical route reaches on a header or a path: without the matched route's name
+    # (a proxy not configured by confgen's render) the picker cannot tell those requests apart, so
+    # it takes every request to them as critical (never refused)
     blind: frozenset[str] = frozenset()
+    # the render's route names -> (class, pool): the route Envoy matched, header and path included
+    named: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
-    def of(self, client: str | None, model: str | None, pool: str | None = None) -> str:
-        if pool is not None and pool in self.blind:
+    def of(self, client: str | None, model: str | None, pool: str | None = None, route_name: str | None = None) -> str:
+        known = self.named.get(route_name) if route_name is not None else None
+        if known is not None:
+            route = known[0]
+        elif pool is not None and pool in self.blind:
             return "critical"
-        route = self.routes.get(model, self.routes.get(None, "standard"))
+        else:
+            route = self.routes.get(model, self.routes.get(None, "standard"))
         own = self.clients.get(client, "standard") if client is not None else "standard"
         if "critical" in (route, own):
             return "critical"
@@ -203,6 +209,14 @@ class Datastore:
     def endpoints(self, pool: str) -> list[Endpoint]:
         entry = self._pools.get(pool)
         return list(entry.endpoints.values()) if entry is not None else []
+
+    def pool_of_route(self, route_name: str | None) -> tuple[bool, str | None]:
+        """(known, pool): whether the render named this route, and then its pool if it is the
+        picker's (None: another policy's pool)."""
+        known = self.classes.named.get(route_name) if route_name is not None else None
+        if known is None:
+            return False, None
+        return True, known[1] if known[1] in self._pools else None
 
     def pool_for(self, model: str | None) -> str | None:
         """The picker's pool a request goes to when the proxy did not say: the one its model

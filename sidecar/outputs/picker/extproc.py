@@ -70,6 +70,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from confgen._openai import error_body
+from confgen.envoy import ROUTE_NAME_ATTRIBUTE
 from confgen.errors import ConfgenError
 from sidecar.observe.probe import LoopLag
 
@@ -84,6 +85,7 @@ DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+PICKER_FILTER_NAME = "envoy.filters.http.ext_proc"  # the key Envoy files the request attributes under
 POOL_METADATA = "x-confgen-pool"  # gRPC initial metadata confgen's render sends per route
 
 _MODE = processing_mode_pb2.ProcessingMode
@@ -135,7 +137,7 @@ class _Stream:
     """One request's passage through the picker."""
 
     __slots__ = ("body", "body_ended", "client", "endpoint", "expired", "first", "mode", "phase", "picked_at", "pool",
-                 "predicted", "response_ended", "skip", "streamed_response", "subset", "task", "trailers")
+                 "predicted", "response_ended", "route", "skip", "streamed_response", "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -153,6 +155,7 @@ class _Stream:
         self.expired = False
         self.task: asyncio.Task[Any] | None = None  # the RPC's, to end it when past its bound
         self.client: str | None = None  # the authenticated client id the proxy forwarded
+        self.route: str | None = None  # the name of the route Envoy matched (ext_proc attribute)
         self.picked_at = 0.0
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
 
@@ -171,6 +174,16 @@ def _subset(msg: pb.ProcessingRequest) -> frozenset[str] | None:
     if value.HasField("list_value"):
         return frozenset(v.string_value for v in value.list_value.values if v.string_value)
     return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
+
+
+def _route_name(msg: pb.ProcessingRequest) -> str | None:
+    """The matched route's name, which confgen's render has Envoy send with the headers
+    (`confgen.envoy.ROUTE_NAME_ATTRIBUTE`, under the filter's name); None when absent."""
+    attrs = msg.attributes.get(PICKER_FILTER_NAME)
+    if attrs is None:
+        return None
+    value = attrs.fields.get(ROUTE_NAME_ATTRIBUTE)
+    return (value.string_value or None) if value is not None else None
 
 
 def _remove_destination() -> pb.CommonResponse:
@@ -234,7 +247,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         limits = self.limits
         prompt = parse_body(body, max_chars=limits.block_chars * limits.max_blocks,
                             max_items=limits.max_items) if body else None
-        pool = st.pool or self.store.pool_for(prompt.model if prompt else None)
+        named, pool = self.store.pool_of_route(st.route)
+        if not named:
+            pool = st.pool or self.store.pool_for(prompt.model if prompt else None)
         if pool is None and st.subset:
             pool = self.store.pool_holding(st.subset)
         if pool is None:  # another policy's pool, or a model no pool serves
@@ -242,7 +257,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return None, None
         hashes = block_hashes(prompt.text, prompt.model, block_chars=limits.block_chars,
                               max_blocks=limits.max_blocks) if prompt else []
-        traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None, pool)
+        traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None, pool, st.route)
         pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class,
                                             saturated=self.store.saturated(pool)), self.store.endpoints(pool))
         if pick.refused_for_s is not None:
@@ -388,6 +403,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 st.subset = subset
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
+            st.route = _route_name(msg)
             return self._headers(st, msg.request_headers)
         if kind == "request_body":
             return self._body(st, msg.request_body)
