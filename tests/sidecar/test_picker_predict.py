@@ -347,3 +347,48 @@ def test_the_load_is_the_pickers_own_count_now_plus_what_others_had_at_the_scrap
     assert load_of(e) == 1.0
     store.update([PoolFacts("chat", ("m",), (_facts("e:1", running=6.0, waiting=0.0),))])
     assert e.bypass == 5.0 and load_of(e) == 6.0
+
+
+def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() -> None:
+    """With the saturation verdict not (yet) given, the picker refuses once the pool's best
+    predicted start stayed past the standard budget for most of `pressure_s`: a burst of a few
+    tenths of a second does not open it, a surge does within a second, and it holds while the
+    queue stands between the budgets (the equilibrium admission keeps), until the queue drains."""
+    now = [0.0]
+    picker = Picker(rng=random.Random(1), clock=lambda: now[0])
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+
+    def offer(t: float, running: float, waiting: float, cls: str = "standard") -> bool:
+        now[0] = t
+        store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=running, waiting=waiting)
+                         for i in range(2)))
+        req = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class=cls, saturated=False)
+        pick = picker.pick(req, store.endpoints("chat"))
+        return pick.refused_for_s is not None
+
+    assert picker.pressure("chat") is None
+    burst = [offer(t / 10, 2, 6) for t in range(5)]  # 0.4 s of a queue 3.5 services deep
+    assert not any(burst) and picker.pressure("chat") is not None and not picker.pressure("chat").held
+    calm = [offer(1 + t / 10, 1, 0) for t in range(20)]
+    assert not any(calm) and picker.pressure("chat").level_s < 0.2
+    surge = [offer(3 + t / 10, 2, 6) for t in range(20)]
+    first = surge.index(True)
+    assert 5 <= first <= 10 and all(surge[first:]), surge  # open after 0.5-1.0 s, then every one refused
+    # the queue admission keeps: one request waiting on each, past the sheddable budget, within the standard
+    standing = [(offer(5 + t / 10, 2, 0), offer(5 + t / 10, 2, 0, "sheddable")) for t in range(30)]
+    assert picker.pressure("chat").held
+    assert not any(std for std, _ in standing) and all(shed for _, shed in standing)
+    drained = [offer(8 + t / 10, 1, 0, "sheddable") for t in range(40)]
+    assert not any(drained) and not picker.pressure("chat").held
+
+
+def test_without_its_own_pressure_the_picker_waits_for_the_verdict() -> None:
+    now = [0.0]
+    picker = Picker(PickerPolicy().with_overrides(["pressure_s=0"]), rng=random.Random(1), clock=lambda: now[0])
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2)))
+    for t in range(50):
+        now[0] = t / 10
+        pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False), store.endpoints("chat"))
+        assert pick.refused_for_s is None
+    assert picker.pressure("chat") is None

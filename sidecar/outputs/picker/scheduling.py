@@ -31,8 +31,10 @@ The answer is the best endpoint then `fallbacks` more in order, for the proxy's 
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from hashlib import blake2b
@@ -42,7 +44,7 @@ from .datastore import Endpoint
 from .predict import CostPolicy, Prediction, Workload, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
-__all__ = ["FILTERS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy", "Scorer"]
+__all__ = ["FILTERS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy", "Pressure", "Scorer"]
 
 
 RULES = ("predicted", "weighted")
@@ -63,10 +65,14 @@ class PickerPolicy:
     budget_standard: float = 0.5
     budget_sheddable: float = 0.125
     budget_floor_s: float = 0.0
-    # 1: refuse only while the pool's saturation verdict holds (sidecar.decide.saturation: a standing
-    # queue, not a burst a 78 % load brings; measured on the real-Envoy matrix, refusing on every
-    # prediction shed 17 % of its bursty fleet at 78 %); 0: whenever the prediction says so.
+    # 1: refuse only under a standing queue, not a burst a 78 % load brings (measured on the
+    # real-Envoy matrix, refusing on every prediction shed 17 % of its bursty fleet at 78 %): while
+    # the pool's saturation verdict holds (sidecar.decide.saturation, once per probe cycle) or the
+    # picker's own pressure does (`Pressure`: the pool's best predicted start, smoothed over
+    # `pressure_s`, past the standard budget; it ends once under half the sheddable one).
+    # 0: whenever the prediction says so.
     admission_gate: int = 1
+    pressure_s: float = 1.0  # 0: the verdict alone opens the gate
     weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("load", 2.0), ("kv", 1.0), ("cost", 2.0))
     spill_min: float = 2.0  # requests
     spill_fraction: float = 0.25  # of the endpoint's capacity
@@ -85,7 +91,8 @@ class PickerPolicy:
         numeric = {"spill_min": float, "spill_fraction": float, "prompt_share": float,
                    "long_tokens": int, "default_max_tokens": int, "fallbacks": int, "tie_s": float,
                    "tie_share": float, "replicas": int, "budget_standard": float, "budget_sheddable": float,
-                   "budget_floor_s": float, "admission_gate": int}
+                   "budget_floor_s": float, "admission_gate": int,
+                   "pressure_s": float}
         cost_keys = {"externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
                      "default_output": int}
         rule = self.rule
@@ -254,11 +261,42 @@ def rendezvous(home: int, address: str) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+@dataclass(slots=True)
+class Pressure:
+    """One pool's standing wait as this picker sees it: the earliest predicted start of each
+    request it places (on the best candidate), averaged over time (an exponential moving average
+    with time constant `tau_s`, each request weighted by the time since the one before).
+
+    A burst lifts a few predictions for a moment; a surge lifts all of them for as long as it
+    lasts. The pressure holds from the moment the average reaches `open_s` until it falls under
+    `close_s`. It reacts within about `tau_s` of a surge, where the daemon's saturation verdict
+    waits for probe cycles and a held queue (seconds of backlog that admission must then shed)."""
+
+    level_s: float = 0.0
+    at: float | None = None
+    held: bool = False
+
+    def observe(self, wait_s: float, now: float, tau_s: float, open_s: float, close_s: float) -> bool:
+        if self.at is not None and now > self.at:
+            # a prediction counts up to twice the opening level: however long one burst's queue,
+            # the pressure opens only after it held for most of tau_s (0.69 tau_s at least)
+            wait_s = min(wait_s, 2.0 * open_s)
+            self.level_s += (1.0 - math.exp(-(now - self.at) / tau_s)) * (wait_s - self.level_s)
+        if self.at is None or now > self.at:
+            self.at = now
+        if self.level_s >= open_s:
+            self.held = True
+        elif self.level_s < close_s:
+            self.held = False
+        return self.held
+
+
 class Picker:
     """Filters, then weighted scorers, then the best (random among equals) and fallbacks."""
 
     def __init__(self, policy: PickerPolicy | None = None, *, rng: random.Random | None = None,
-                 filters: Sequence[str] = ("subset", "serving")) -> None:
+                 filters: Sequence[str] = ("subset", "serving"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy or PickerPolicy()
         unknown = [n for n, _ in self.policy.weights if n not in SCORERS] + [n for n in filters if n not in FILTERS]
         if unknown:
@@ -266,6 +304,8 @@ class Picker:
         self._scorers = [(SCORERS[n], w) for n, w in self.policy.weights if w]
         self._filters = [FILTERS[n] for n in filters]
         self._rng = rng or random.Random()
+        self._clock = clock
+        self._pressure: dict[str, Pressure] = {}  # per pool
 
     def pick(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> Pick:
         cands = list(endpoints)
@@ -341,10 +381,10 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
-        budget = _budget(policy, req.traffic_class,
-                         statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
-                                           for e, est in zip(cands, estimates, strict=True)))
-        gated = policy.admission_gate and not req.saturated
+        service = statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
+                                    for e, est in zip(cands, estimates, strict=True))
+        budget = _budget(policy, req.traffic_class, service)
+        gated = policy.admission_gate and not (req.saturated or self._pressed(req.pool, preds, service))
         if budget is not None and not gated and preds[first].wait_s > budget:
             # admitted where it can start within its budget, the cheapest of those; refused when nowhere
             admissible = [i for i, p in enumerate(preds) if p.wait_s <= budget]
@@ -364,6 +404,22 @@ class Picker:
         else:
             reason = "prefix" if matched == top else "spill"
         return Pick(tuple(cands[i] for i in order), reason, matched, len(req.hashes), preds[first])
+
+    def _pressed(self, pool: str, preds: Sequence[Prediction], service_s: float) -> bool:
+        """The pool's pressure after this request's best predicted start (`Pressure`)."""
+        policy = self.policy
+        if policy.pressure_s <= 0:
+            return False
+        pressure = self._pressure.get(pool)
+        if pressure is None:
+            pressure = self._pressure[pool] = Pressure()
+        open_s = _budget(policy, "standard", service_s) or 0.0
+        close_s = 0.5 * (_budget(policy, "sheddable", service_s) or 0.0)
+        return pressure.observe(min(p.wait_s for p in preds), self._clock(), policy.pressure_s, open_s, close_s)
+
+    def pressure(self, pool: str) -> Pressure | None:
+        """The pool's pressure as of its last predicted pick (None before one)."""
+        return self._pressure.get(pool)
 
     def _weighted(self, req: PickRequest, cands: list[Endpoint]) -> Pick:
         blocks = len(req.hashes)
