@@ -374,6 +374,14 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     surge = [offer(3 + t / 10, 2, 6) for t in range(20)]
     first = surge.index(True)
     assert 5 <= first <= 10 and all(surge[first:]), surge  # open after 0.5-1.0 s, then every one refused
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.outputs.picker.metrics import PickerMetrics
+
+    registry = CollectorRegistry()
+    PickerMetrics(registry, lambda: {}, picker.pressures)
+    assert registry.get_sample_value("confgen_picker_admitting", {"pool": "chat"}) == 1
+    assert registry.get_sample_value("confgen_picker_pressure_seconds", {"pool": "chat"}) > 2.0
     # the queue admission keeps: one request waiting on each, past the sheddable budget, within the standard
     standing = [(offer(5 + t / 10, 2, 0), offer(5 + t / 10, 2, 0, "sheddable")) for t in range(30)]
     assert picker.pressure("chat").held
@@ -392,3 +400,17 @@ def test_without_its_own_pressure_the_picker_waits_for_the_verdict() -> None:
         pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False), store.endpoints("chat"))
         assert pick.refused_for_s is None
     assert picker.pressure("chat") is None
+
+
+def test_admission_counts_a_slower_worker_as_delay_a_long_request_is_refused_there_a_short_one_not() -> None:
+    """Under pressure the fast worker is queued past the budget and only a 4x slower one has a free
+    slot: a short request loses little there and is admitted; a long one would finish far later
+    than its best case (a queue-free fast worker) and is refused, not sent to decode slowly."""
+    picker = Picker(rng=random.Random(1))
+    store = _store(_facts("fast:1", token_latency_s=0.01, capacity=2, running=2.0, waiting=4.0),
+                   _facts("slow:1", token_latency_s=0.04, capacity=2, running=1.0))
+    for max_tokens, refused in ((8, False), (512, True)):
+        ask = _chat([SYSTEM, {"role": "user", "content": "q"}], max_tokens=max_tokens)
+        pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=True), store.endpoints("chat"))
+        assert (pick.refused_for_s is not None) is refused, (max_tokens, pick)
+        assert refused or pick.endpoints[0].address == "slow:1"

@@ -114,11 +114,12 @@ class PickerService:
     def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None) -> None:
         self._topology = wiring.topology
         self.store = Datastore()
-        self.metrics = PickerMetrics(wiring.registry, self.store.pools)
+        picker = Picker(policy)
+        self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.pressures)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
         self._lag = LoopLag()
-        self.servicer = PickerServicer(self.store, Picker(policy), self.metrics, limits=ExtProcLimits(), lag=self._lag)
+        self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)

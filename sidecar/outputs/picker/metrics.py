@@ -17,8 +17,8 @@
     confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
                                                 matched/requested estimates the prefix-cache hit ratio
     confgen_picker_pick_seconds                 time to choose (parse, hash, score), histogram
-    confgen_picker_refused_total{pool,class}    requests answered 429 at once: their earliest predicted start
-                                                was past their class's budget (never critical)
+    confgen_picker_refused_total{pool,class}    requests answered 429 at once: their predicted delay (queue,
+                                                slower worker) past their class's budget (never critical)
     confgen_picker_predicted_seconds_total{pool} / confgen_picker_observed_seconds_total{pool}
                                                 predicted and observed time from the pick to the response's
                                                 end, summed over the requests that ended normally; their
@@ -26,6 +26,9 @@
     confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
+    confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (scheduling.Pressure)
+    confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
+                                                (also while the saturation verdict holds, which this omits)
 
 Envoy counts what the picker cannot see (its calls that failed or timed out and fell back
 to Envoy's own balancer): ext_proc's `failure_mode_allowed` statistic.
@@ -40,7 +43,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .datastore import Endpoint
-from .scheduling import Pick
+from .scheduling import Pick, Pressure
 
 __all__ = ["PickerMetrics"]
 
@@ -49,8 +52,10 @@ _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 class _Live(Collector):
-    def __init__(self, pools: Callable[[], Mapping[str, Sequence[Endpoint]]]) -> None:
+    def __init__(self, pools: Callable[[], Mapping[str, Sequence[Endpoint]]],
+                 pressure: Callable[[], Mapping[str, Pressure]] | None) -> None:
         self._pools = pools
+        self._pressure = pressure
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily("confgen_picker_in_flight", "Requests in flight through the picker",
@@ -64,11 +69,22 @@ class _Live(Collector):
         blocks.add_metric([], total)
         yield in_flight
         yield blocks
+        if self._pressure is not None:
+            level = GaugeMetricFamily("confgen_picker_pressure_seconds", "The pool's best predicted start, "
+                                      "smoothed over the picker's pressure_s", labels=["pool"])
+            held = GaugeMetricFamily("confgen_picker_admitting", "1 while the picker's own pressure holds: "
+                                     "per-request admission is on", labels=["pool"])
+            for pool, p in sorted(self._pressure().items()):
+                level.add_metric([pool], p.level_s)
+                held.add_metric([pool], 1.0 if p.held else 0.0)
+            yield level
+            yield held
 
 
 class PickerMetrics:
     def __init__(self, registry: CollectorRegistry | None,
-                 pools: Callable[[], Mapping[str, Sequence[Endpoint]]] | None = None) -> None:
+                 pools: Callable[[], Mapping[str, Sequence[Endpoint]]] | None = None,
+                 pressure: Callable[[], Mapping[str, Pressure]] | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
         self.picks = Counter("confgen_picker_picks", "Picks by reason", ["pool", "reason"], registry=reg)
         self.unpicked = Counter("confgen_picker_unpicked", "Requests left to the proxy's own balancer",
@@ -81,7 +97,7 @@ class PickerMetrics:
         self.open_streams = Gauge("confgen_picker_open_streams", "ext_proc streams open and tracked", registry=reg)
         self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
                                  registry=reg)
-        self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted start past their "
+        self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted delay past their "
                                "class's budget", ["pool", "class"], registry=reg)
         self.predicted = Counter("confgen_picker_predicted_seconds", "Predicted seconds from pick to response end, "
                                  "requests that ended normally", ["pool"], registry=reg)
@@ -92,7 +108,7 @@ class PickerMetrics:
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
-            reg.register(_Live(pools))
+            reg.register(_Live(pools, pressure))
 
     def observe_pick(self, pool: str, pick: Pick, seconds: float) -> None:
         self.picks.labels(pool=pool, reason=pick.reason).inc()

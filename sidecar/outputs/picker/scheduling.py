@@ -58,10 +58,13 @@ class PickerPolicy:
     tie_share: float = 0.05  # ... or this close, as a share of its cost (speeds measured within ~5 % are noise)
     block_tokens: int = 16  # prompt tokens one hashed block stands for (64 characters)
     replicas: int = 1  # pickers that share the fleet (each sees only the requests through it)
-    # Admission (predicted rule only): a request whose earliest predicted start on any candidate
-    # is further away than its class's budget is refused at once. The budget is this many times
-    # the pool's mean service time (what one request holds a slot for), at least `budget_floor_s`;
-    # critical traffic is never refused by the picker.
+    # Admission (predicted rule only): a request is placed where its predicted delay (its finish
+    # there less its best case: no queue, the fastest prefill and decode the pool offers it now)
+    # stays within its class's budget, and refused at once (429) where nowhere does. A queue
+    # delays it, so does a slower worker: under overload a long request is refused rather than
+    # decoded on a worker that would take far longer, a short one is admitted there. The budget
+    # is this many times the pool's mean service time (what one request holds a slot for), at
+    # least `budget_floor_s`; critical traffic is never refused by the picker.
     budget_standard: float = 0.5
     budget_sheddable: float = 0.125
     budget_floor_s: float = 0.0
@@ -385,12 +388,15 @@ class Picker:
                                     for e, est in zip(cands, estimates, strict=True))
         budget = _budget(policy, req.traffic_class, service)
         gated = policy.admission_gate and not (req.saturated or self._pressed(req.pool, preds, service))
-        if budget is not None and not gated and preds[first].wait_s > budget:
-            # admitted where it can start within its budget, the cheapest of those; refused when nowhere
-            admissible = [i for i, p in enumerate(preds) if p.wait_s <= budget]
+        # the delay a placement adds to the request's best case (no queue, the fastest prefill and
+        # decode the pool offers it now): its wait there, or a slower worker, or a lost prefix
+        ideal = min(p.prefill_s + p.decode_s for p in preds)
+        delay = [p.own_s - ideal for p in preds]
+        if budget is not None and not gated and delay[first] > budget:
+            # admitted where its delay stays within its budget, the cheapest of those; refused when nowhere
+            admissible = [i for i, d in enumerate(delay) if d <= budget]
             if not admissible:
-                return Pick((), "refused", 0, len(req.hashes), preds[first],
-                            min(p.wait_s for p in preds) - budget)
+                return Pick((), "refused", 0, len(req.hashes), preds[first], min(delay) - budget)
             first = min(admissible, key=costs.__getitem__)
             rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
             order = [first, *rest[: policy.fallbacks]]
@@ -420,6 +426,10 @@ class Picker:
     def pressure(self, pool: str) -> Pressure | None:
         """The pool's pressure as of its last predicted pick (None before one)."""
         return self._pressure.get(pool)
+
+    def pressures(self) -> dict[str, Pressure]:
+        """Every pool's pressure (for the metrics)."""
+        return dict(self._pressure)
 
     def _weighted(self, req: PickRequest, cands: list[Endpoint]) -> Pick:
         blocks = len(req.hashes)
