@@ -111,7 +111,7 @@ class Snapshot:
     reloads: Mapping[str, int]
     cycles: int
     not_ready: tuple[str, ...]  # reasons; empty when ready
-    problems: tuple[str, ...]  # refused updates, failing writes: visible, not a readiness failure
+    problems: tuple[str, ...]  # refused updates, failing writes, services' ("picker: ..."): not a readiness failure
     last_reload_error: str | None
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
     write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)

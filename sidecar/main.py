@@ -226,6 +226,8 @@ async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, regist
             raise _Refused(EXIT_USAGE) from exc
         stack.push_async_callback(_close_all, services)
         stack.push_async_callback(grpc_server.stop)
+        for service in services:
+            daemon.add_problem_source(service.name, service.problems)
         run.services = services
     run.limiter = built.limiter
     return daemon

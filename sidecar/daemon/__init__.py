@@ -71,6 +71,7 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
+        self._problem_sources: list[tuple[str, Callable[[], list[str]]]] = []  # the running services'
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -178,10 +179,17 @@ class Daemon:
             reasons.append("nothing published to the proxy yet")
         return reasons
 
+    def add_problem_source(self, name: str, problems: Callable[[], list[str]]) -> None:
+        """List what `problems` returns among `problems()`, each prefixed "name: " (`sidecar.main`
+        adds every gRPC service it started: a `sidecar.outputs.service.Service`'s `problems`)."""
+        self._problem_sources.append((name, problems))
+
     def problems(self) -> list[str]:
         """What the proxy does not run of the sidecar's decisions, and why (/state, /readyz's
-        body, confgen_sidecar_problems): an update the proxy refused, a write failing."""
-        return self._outputs.publisher.problems()
+        body, confgen_sidecar_problems): an update the proxy refused, a write failing, then each
+        running service's own ("picker: ..."). Never a readiness failure (see `not_ready`)."""
+        return [*self._outputs.publisher.problems(),
+                *(f"{name}: {problem}" for name, source in self._problem_sources for problem in source())]
 
     def view(self) -> Snapshot:
         """An immutable picture of the fleet now (built per call: cheap, never stale)."""

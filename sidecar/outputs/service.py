@@ -8,7 +8,8 @@ Services that speak gRPC register their servicers on the sidecar's one gRPC serv
 
 `sidecar.main` builds the services the topology needs from
 `sidecar.outputs.registry.SERVICES` (name -> the module's `build(ServiceWiring) -> Service`,
-imported on use) and hands each the fleet view after every daemon cycle. This module imports
+imported on use), lists each one's `problems` among the daemon's (`Daemon.add_problem_source`)
+and hands each the fleet view after every daemon cycle. This module imports
 no implementation. Adding a service: a package under `sidecar/outputs/` with a class
 satisfying `Service` and a `build` function, plus its line in `SERVICES`.
 """
@@ -53,7 +54,9 @@ class Service(Protocol):
         ...
 
     def problems(self) -> list[str]:
-        """Why it cannot answer as configured ([] when it can): /readyz and /state."""
+        """Why it cannot answer as configured ([] when it can), read on every view: listed,
+        prefixed with `name`, in the daemon's problems (/readyz's body, /state, the status page,
+        confgen_sidecar_problems), never a readiness failure."""
         ...
 
     async def close(self) -> None:

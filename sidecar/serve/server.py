@@ -7,8 +7,8 @@
     GET  /healthz    200 while the process serves (liveness)
     GET  /readyz     200 once the first probe cycle is done and the proxy got a whole config;
                      its body also lists `problems` (an update the proxy refused, a write
-                     failing) and says when the running config is stale (a reload refused),
-                     neither of which makes it 503 (see _readyz)
+                     failing, a gRPC service's own as "name: ...") and says when the running
+                     config is stale (a reload refused), neither of which makes it 503 (see _readyz)
     GET  /state      JSON: per pool, per endpoint: status, reason, weight, last sample; the
                      picker's figures when it runs (`picker`, and per pool `pools.<p>.picker`)
                      (strict JSON, see finite(): no Infinity or NaN)
@@ -161,10 +161,10 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     """Ready or not, and why; `stale` says why the running config is older than the topology.
 
-    Neither a stale config nor a refused update or failing write (`problems`) makes the
-    sidecar unready: every replica reads the same topology and writes the same content, so
-    failing readiness would take them all out of service at once, while each proxy goes on
-    serving its last good config. They show in the body, /state and the metrics (alerts).
+    Neither a stale config nor a refused update, a failing write or a service's problem
+    (`problems`) makes the sidecar unready: every replica reads the same topology and writes
+    the same content, so failing readiness would take them all out of service at once, while
+    each proxy goes on serving its last good config. They show in the body, /state and the metrics (alerts).
     """
     daemon = request.app[_DAEMON]
     reasons = daemon.not_ready()

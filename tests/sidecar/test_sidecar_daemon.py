@@ -155,6 +155,25 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
     assert [c for c in rec.calls if c[0] == "publish_all"] == [("publish_all", "*")]
 
 
+def test_a_services_problems_are_listed_with_its_name_never_unready(tmp_path: Path, fleet: FleetHandle) -> None:
+    """A service added with `add_problem_source` (what sidecar.main does for every gRPC service it
+    started) has its problems listed after the publisher's, prefixed with its name, in
+    `problems()` and the snapshot (/readyz's body, /state, the metric); readiness ignores them."""
+    faults: list[str] = []
+
+    async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
+        daemon.add_problem_source("picker", lambda: list(faults))
+        await daemon.cycle()
+        assert daemon.problems() == []
+        faults.append("x")
+        rec.broken.append("last chat update rejected")
+        assert daemon.problems() == ["last chat update rejected", "picker: x"]
+        assert daemon.view().problems == ("last chat update rejected", "picker: x")
+        assert daemon.not_ready() == []
+
+    _run(tmp_path, fleet, body)
+
+
 def test_a_crashed_worker_is_ejected_after_fall_cycles_and_drain_is_published(
     tmp_path: Path, fleet: FleetHandle
 ) -> None:
