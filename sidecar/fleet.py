@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from confgen.envoy import Endpoint
+from confgen.endpoints import Endpoint
 from confgen.model import Topology
 from sidecar.decide.saturation import PoolLoad
 from sidecar.observe.engines import LoadSample

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from ..endpoints import Endpoint
 from ..model import Topology
 from ..plan import plan
 from . import ads, layout
@@ -23,7 +24,7 @@ from ._clusters import assignments, breaker_runtime_keys, clusters
 from ._listener import ROUTE_NAME_ATTRIBUTE, RouteClass, listeners, route_classes, shed_runtime_key, shed_stat_prefix
 from ._proto import TYPE_PREFIX as _TYPE_PREFIX
 from ._proto import Json, dumps
-from .eds import Endpoint, build_cla, eds_document, parse_eds, render_eds
+from .eds import build_cla, eds_document, parse_eds, render_eds
 
 __all__ = [
     "ROUTE_NAME_ATTRIBUTE", "Endpoint", "RouteClass", "ads", "ads_static_bootstrap", "breaker_runtime_keys",

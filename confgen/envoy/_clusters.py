@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..balancing import POLICIES, picker_wanted, policy_of
+from ..endpoints import Endpoint, static_weight
 from ..limits import needs_store
 from ..model import (
     ENVOY_CAP_MAX,
@@ -19,7 +20,7 @@ from ..model import (
 from ..plan import Plan
 from . import layout
 from ._proto import Json, dur, extension, typed
-from .eds import Endpoint, build_cla, static_weight
+from .eds import build_cla
 
 
 def initial_endpoints(pool: Pool) -> list[Endpoint]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from confgen.balancing import is_hashing
-from confgen.envoy import Endpoint
+from confgen.endpoints import Endpoint
 from confgen.model import ENVOY_CAP_MAX, Pool, Topology, Worker, split_address
 from sidecar.config import SidecarConfig
 from sidecar.decide.assign import Member, assign

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from confgen.envoy.eds import static_weight
+from confgen.endpoints import static_weight
 from sidecar.decide.hysteresis import HysteresisPolicy, gate
 from sidecar.decide.state import Decision, Status
 from sidecar.decide.weights import WeightPolicy, relative_speeds, smooth, target

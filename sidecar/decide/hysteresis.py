@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from confgen.envoy.eds import MAX_WEIGHT, clamp_weight
+from confgen.endpoints import MAX_WEIGHT, clamp_weight
 
 __all__ = ["Gated", "HysteresisPolicy", "gate"]
 

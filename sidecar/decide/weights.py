@@ -8,7 +8,7 @@ it slow-moving:
 
     target = capacity * share * weight_per_slot * speed ** speed_exponent * queue_room * kv_room
 
-- `capacity * share` is confgen's static weight (`confgen.envoy.eds.static_weight`).
+- `capacity * share` is confgen's static weight (`confgen.endpoints.static_weight`).
 - `speed` is the worker's per-sequence decode speed relative to the fastest of its pool
   (`relative_speeds`: fastest 1.0), from the smoothed time per generated token (`Trend`).
 - Why a power of it: under that EDF a host's in-flight count is about its request rate
@@ -58,7 +58,7 @@ Engines without the histogram
 (TGI, llama.cpp, health-only) have speed 1.0.
 
 Without a sample (health-only engine, unusable metrics) the target is the static weight
-`confgen.envoy.eds.static_weight(capacity, share) * weight_per_slot`, which with the
+`confgen.endpoints.static_weight(capacity, share) * weight_per_slot`, which with the
 default weight_per_slot of 1 is exactly what `confgen render` wrote first; so is an idle
 fleet's, whose speeds are not measured yet.
 """
@@ -70,7 +70,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from confgen.envoy.eds import MAX_WEIGHT, clamp_weight, static_weight
+from confgen.endpoints import MAX_WEIGHT, clamp_weight, static_weight
 from sidecar.observe.engines import LoadSample
 
 __all__ = ["Trend", "WeightPolicy", "pool_saturation", "queue_depth", "relative_speeds", "smooth", "target", "weight"]

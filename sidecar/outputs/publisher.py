@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from confgen.envoy import Endpoint
+from confgen.endpoints import Endpoint
 from confgen.model import Topology
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from confgen.envoy import Endpoint
+from confgen.endpoints import Endpoint
 from confgen.model import Topology
 from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, fleet_topology, run_fleet_in_thread
 from sidecar.config import SidecarConfig

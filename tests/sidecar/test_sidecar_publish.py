@@ -10,7 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from confgen.envoy import Endpoint, layout, parse_eds, render_eds
+from confgen.endpoints import Endpoint
+from confgen.envoy import layout, parse_eds, render_eds
 from confgen.runtime import free_port
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.files.publisher import EdsPublisher, read_published

@@ -132,7 +132,7 @@ def test_no_sample_weight_is_what_confgen_renders_first() -> None:
     """Without a sample, a fresh endpoint gets confgen's static_weight(capacity, share),
     the weight `confgen render` writes, so the sidecar's first start changes no weight."""
     from confgen import envoy, parse_topology
-    from confgen.envoy.eds import MAX_WEIGHT, static_weight
+    from confgen.endpoints import MAX_WEIGHT, static_weight
 
     for capacity, share in ((1, 1), (4, 3), (256, 1), (256, 128), (100_000, 2)):
         assert weight(None, capacity, None, POLICY, share=share) == static_weight(capacity, share)
@@ -156,9 +156,9 @@ pools:
 
 
 def test_max_weight_cannot_pass_what_an_endpoint_accepts() -> None:
-    """A max_weight above confgen.envoy.eds.MAX_WEIGHT would build endpoints the EDS
+    """A max_weight above confgen.endpoints.MAX_WEIGHT would build endpoints the EDS
     builder refuses: refused up front."""
-    from confgen.envoy.eds import MAX_WEIGHT
+    from confgen.endpoints import MAX_WEIGHT
 
     assert WeightPolicy().max_weight == MAX_WEIGHT
     with pytest.raises(ValueError, match="max_weight"):

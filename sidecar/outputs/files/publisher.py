@@ -32,7 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from confgen.envoy import Endpoint, layout, parse_eds, render_eds
+from confgen.endpoints import Endpoint
+from confgen.envoy import layout, parse_eds, render_eds
 from confgen.errors import OutputError
 from confgen.model import Topology
 from confgen.output import atomic_write, diff_tree, write_tree

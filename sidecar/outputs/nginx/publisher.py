@@ -49,7 +49,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from confgen.binaries import NGINX_PROBLEM, child_pids, find_nginx, read_pid_file
-from confgen.envoy import Endpoint
+from confgen.endpoints import Endpoint
 from confgen.errors import BinaryNotFoundError
 from confgen.model import Topology
 from confgen.nginx import Templates, UpstreamServer, render_upstream, upstream_options, upstream_path

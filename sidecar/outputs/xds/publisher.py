@@ -19,7 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from confgen.envoy import Endpoint, ads, build_cla
+from confgen.endpoints import Endpoint
+from confgen.envoy import ads, build_cla
 from confgen.errors import SecretError
 from confgen.model import XDS_SOCKET, Topology
 from confgen.plan import sheddable_pools
