@@ -181,9 +181,12 @@ def test_admission_refuses_what_cannot_start_within_its_class_budget_never_criti
     # one endpoint with a free slot: admitted there, whatever the cost rule preferred
     store = _store(_facts("busy:1", token_latency_s=0.01, capacity=2, running=2.0, waiting=6.0),
                    _facts("free:1", token_latency_s=0.02, capacity=2, running=1.0))
-    sheddable = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable")
-    pick = picker.pick(sheddable, store.endpoints("chat"))
+    standard = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="standard")
+    pick = picker.pick(standard, store.endpoints("chat"))
     assert pick.refused_for_s is None and pick.endpoints[0].address == "free:1"
+    # sheddable gets only what is idle where it would run best: a free slot on a 2x slower worker is not that
+    sheddable = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable")
+    assert picker.pick(sheddable, store.endpoints("chat")).refused_for_s is not None
 
 
 def test_admission_waits_for_the_pools_saturation_verdict_unless_ungated() -> None:
@@ -356,6 +359,7 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     queue stands between the budgets (the equilibrium admission keeps), until the queue drains."""
     now = [0.0]
     picker = Picker(rng=random.Random(1), clock=lambda: now[0])
+    tau = picker.policy.pressure_s
     ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
 
     def offer(t: float, running: float, waiting: float, cls: str = "standard") -> bool:
@@ -367,13 +371,15 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
         return pick.refused_for_s is not None
 
     assert picker.pressure("chat") is None
-    burst = [offer(t / 10, 2, 6) for t in range(5)]  # 0.4 s of a queue 3.5 services deep
+    burst = [offer(t / 10, 2, 6) for t in range(int(3 * tau))]  # 0.3 tau of a queue 3.5 services deep
     assert not any(burst) and picker.pressure("chat") is not None and not picker.pressure("chat").held
-    calm = [offer(1 + t / 10, 1, 0) for t in range(20)]
+    calm = [offer(10 * tau + t / 10, 1, 0) for t in range(int(30 * tau))]
     assert not any(calm) and picker.pressure("chat").level_s < 0.2
-    surge = [offer(3 + t / 10, 2, 6) for t in range(20)]
+    start = 20 * tau
+    surge = [offer(start + t / 10, 2, 6) for t in range(int(20 * tau))]
     first = surge.index(True)
-    assert 5 <= first <= 10 and all(surge[first:]), surge  # open after 0.5-1.0 s, then every one refused
+    # open after 0.69-1.0 tau of it, then every one refused
+    assert 6.9 * tau <= first <= 10 * tau + 1 and all(surge[first:]), surge
     from prometheus_client import CollectorRegistry
 
     from sidecar.outputs.picker.metrics import PickerMetrics
@@ -383,10 +389,12 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     assert registry.get_sample_value("confgen_picker_admitting", {"pool": "chat"}) == 1
     assert registry.get_sample_value("confgen_picker_pressure_seconds", {"pool": "chat"}) > 2.0
     # the queue admission keeps: one request waiting on each, past the sheddable budget, within the standard
-    standing = [(offer(5 + t / 10, 2, 0), offer(5 + t / 10, 2, 0, "sheddable")) for t in range(30)]
+    start += 2 * tau
+    standing = [(offer(start + t / 10, 2, 0), offer(start + t / 10, 2, 0, "sheddable")) for t in range(30)]
     assert picker.pressure("chat").held
     assert not any(std for std, _ in standing) and all(shed for _, shed in standing)
-    drained = [offer(8 + t / 10, 1, 0, "sheddable") for t in range(40)]
+    start += 3
+    drained = [offer(start + t / 10, 1, 0, "sheddable") for t in range(int(60 * tau))]
     assert not any(drained) and not picker.pressure("chat").held
 
 

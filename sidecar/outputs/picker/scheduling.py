@@ -66,7 +66,7 @@ class PickerPolicy:
     # is this many times the pool's mean service time (what one request holds a slot for), at
     # least `budget_floor_s`; critical traffic is never refused by the picker.
     budget_standard: float = 0.5
-    budget_sheddable: float = 0.125
+    budget_sheddable: float = 0.03
     budget_floor_s: float = 0.0
     # 1: refuse only under a standing queue, not a burst a 78 % load brings (measured on the
     # real-Envoy matrix, refusing on every prediction shed 17 % of its bursty fleet at 78 %): while
@@ -75,7 +75,7 @@ class PickerPolicy:
     # `pressure_s`, past the standard budget; it ends once under half the sheddable one).
     # 0: whenever the prediction says so.
     admission_gate: int = 1
-    pressure_s: float = 1.0  # 0: the verdict alone opens the gate
+    pressure_s: float = 2.0  # 0: the verdict alone opens the gate
     weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("load", 2.0), ("kv", 1.0), ("cost", 2.0))
     spill_min: float = 2.0  # requests
     spill_fraction: float = 0.25  # of the endpoint's capacity
@@ -278,15 +278,22 @@ class Pressure:
     level_s: float = 0.0
     at: float | None = None
     held: bool = False
+    last_s: float = 0.0  # the latest prediction: the wait from then until the next request
 
     def observe(self, wait_s: float, now: float, tau_s: float, open_s: float, close_s: float) -> bool:
         if self.at is not None and now > self.at:
-            # a prediction counts up to twice the opening level: however long one burst's queue,
-            # the pressure opens only after it held for most of tau_s (0.69 tau_s at least)
-            wait_s = min(wait_s, 2.0 * open_s)
-            self.level_s += (1.0 - math.exp(-(now - self.at) / tau_s)) * (wait_s - self.level_s)
+            # since the request before, the queue it saw drained one second per second (what
+            # arrived since is this request's prediction, for the time after it): its mean wait
+            # over the interval, so neither a request after a quiet spell nor one before it
+            # counts for the spell
+            dt, w = now - self.at, self.last_s
+            mean = w - dt / 2.0 if dt <= w else w * w / (2.0 * dt)
+            self.level_s += (1.0 - math.exp(-dt / tau_s)) * (mean - self.level_s)
         if self.at is None or now > self.at:
             self.at = now
+        # a prediction counts up to twice the opening level: however long one burst's queue, the
+        # pressure opens only after it held for most of tau_s (0.69 tau_s at least)
+        self.last_s = min(wait_s, 2.0 * open_s)
         if self.level_s >= open_s:
             self.held = True
         elif self.level_s < close_s:
