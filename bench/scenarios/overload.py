@@ -9,6 +9,8 @@ measured (shed share, admitted P50/P99, TTFT, time per output token). Every surg
 several seeds (`--set overload_seeds=N`, default 2; 1 in --quick) and the figures are the
 mean over seeds with the range beside it. The product's own P99 at 78 % is measured on the
 same fleet (30 s after 5 s of warm-up, each seed) for the "<= 1.3x its own P99" target.
+The fleet is the matrix's uneven one; `--set overload_fleet=1` runs it all on 4 equal
+workers, `--set overload_fleet=2` on 12 mixed ones (`FLEETS`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ TITLE = "Overload surges (118 % 30 s, 150 % 15 s, 3x 5 s): shed share, admitted 
 
 FLEET = FleetPlan("overload", "3 workers (1x, 1x, 0.5x), the matrix's uneven fleet", (1.0, 1.0, 0.5), (8, 8, 8),
                   decode_ms=20, load=1.18)
+# --set overload_fleet=N: the surges on another fleet shape (0: the uneven one, the default)
+FLEETS = (FLEET,
+          FleetPlan("overload_equal", "4 workers of equal speed", (1.0, 1.0, 1.0, 1.0), (8, 8, 8, 8), decode_ms=20,
+                    load=1.18),
+          FleetPlan("overload_mixed12", "12 workers (4 at 1x, 4 at 0.75x, 4 at 0.5x; 8 or 16 slots)",
+                    (1.0,) * 4 + (0.75,) * 4 + (0.5,) * 4, (16, 8) * 6, decode_ms=20, load=1.18))
 BASE = 0.78  # offered load before a surge
 LEAD_S = 10.0  # s at BASE before a surge
 FROM_S = 4.0  # measured from the surge's 5th second
@@ -153,14 +161,15 @@ def _classes_table(res: Result, rows: list[dict[str, Any]], surge: Surge) -> Non
                               standard, standard <= ideal_standard + 0.05 and not failed, ideal_standard + 0.05))
 
 
-def _classes(ctx: Context, res: Result, seeds: list[int], cap: float) -> list[dict[str, Any]]:
+def _classes(ctx: Context, res: Result, seeds: list[int], cap: float,
+             fleet: FleetPlan = FLEET) -> list[dict[str, Any]]:
     """The product at 150 % with three classes: per-class shed share and admitted latency."""
     surge = next(s for s in SURGES if s.key == "s150")
     classes: list[dict[str, Any]] = []
     for seed in seeds:
-        reqs = surge_requests(FLEET, cap, surge, seed + 11, critical_share=CRITICAL_SHARE,
+        reqs = surge_requests(fleet, cap, surge, seed + 11, critical_share=CRITICAL_SHARE,
                               sheddable_share=SHEDDABLE_SHARE)
-        r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, CLASSES,
+        r = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, CLASSES,
                             f"ov-classes-{seed}", warmup_s=LEAD_S + FROM_S, deadline_s=reqs[-1]["t"] + 1.0,
                             timeout_s=90.0, classify=_classify)
         r["seed"] = seed
@@ -214,21 +223,26 @@ def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     seeds = [ctx.seed + k for k in range(int(ctx.option("overload_seeds", 1 if ctx.quick else 2)))]
     surges = [s for s in SURGES if (not ctx.quick or s.key == "s150") and ctx.option("overload_surges", 1)]
-    cap = FLEET.capacity_rps()
+    which = int(ctx.option("overload_fleet", 0))
+    if not 0 <= which < len(FLEETS):
+        keys = ", ".join(f.key for f in FLEETS)
+        raise ValueError(f"--set overload_fleet={which}: one of 0..{len(FLEETS) - 1} ({keys})")
+    fleet = FLEETS[which]
+    cap = fleet.capacity_rps()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     own: list[dict[str, Any]] = []
     own_s = QUICK_OWN_S if ctx.quick else OWN_S
     for seed in seeds:
-        reqs = surge_requests(FLEET, cap, None, seed + 11, length_s=own_s + OWN_WARMUP_S)
-        row = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, PRODUCT, f"ov78-{seed}",
+        reqs = surge_requests(fleet, cap, None, seed + 11, length_s=own_s + OWN_WARMUP_S)
+        row = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, PRODUCT, f"ov78-{seed}",
                               warmup_s=OWN_WARMUP_S, deadline_s=reqs[-1]["t"] + 1.0, timeout_s=60.0)
         own.append(row)
         print(f"  [overload] 78 % seed {seed}: P99 {fmt_ms(row['p99_ms'])} ms, shed {row['shed']}/{row['requests']}",
               flush=True)
         for surge in surges:
-            reqs = surge_requests(FLEET, cap, surge, seed + 11)
+            reqs = surge_requests(fleet, cap, surge, seed + 11)
             for s in setups(ctx):
-                r = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), reqs, s,
+                r = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, s,
                                     f"ov-{surge.key}-{s.key}-{seed}", warmup_s=LEAD_S + FROM_S,
                                     deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
                                     ingresses=2 if s.key == TWO.key else 1)
@@ -237,12 +251,12 @@ def run(ctx: Context) -> Result:
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})} ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
-        _classes(ctx, res, seeds, cap)
+        _classes(ctx, res, seeds, cap, fleet)
     fleets_s = ctx.option("overload_fleets_s", 0)  # --set overload_fleets_s=60: the product alone at 78 %
     if fleets_s > 0:
         _every_fleet(ctx, res, seeds, fleets_s)
     own_p99 = _mean([r["p99_ms"] for r in own])
-    res.tables.append((f"{FLEET.describe()}; the product at 78 % ({own_s:g} s after {OWN_WARMUP_S:g} s), "
+    res.tables.append((f"{fleet.describe()}; the product at 78 % ({own_s:g} s after {OWN_WARMUP_S:g} s), "
                        f"seeds {seeds}", ["seed", "P50 ms", "P99 ms", "TTFT P99 ms", "TPOT P99 ms", "shed"],
                        [[str(s), fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), fmt_ms(r["ttft_p99_ms"]),
                          _span([r.get("tpot_p99_ms")], digits=1), str(r["shed"])] for s, r in zip(seeds, own,
@@ -302,8 +316,9 @@ def run(ctx: Context) -> Result:
         res.summary = ("Admitted P99 is over the requests that were served (200); shed requests got a 429 and are "
                        "counted apart. The peers shed nothing: their P99 grows with the length of the surge. "
                        f"The chart shows {surges[0].label}.")
-    res.notes.append("vLLM Router round_robin is not run: an even split loads the 0.5x worker to "
-                     f"{FLEET.round_robin_overload():.0%} of its capacity, far worse than the overload itself.")
+    if fleet.round_robin_overload() > 1:
+        res.notes.append("vLLM Router round_robin is not run: an even split loads the slowest worker to "
+                         f"{fleet.round_robin_overload():.0%} of its capacity, far worse than the overload itself.")
     res.notes.append("The excess is 1 - 1/level: the share of offered requests the fleet cannot serve in the long "
                      "run. Capacity as in the matrix (bench/scenarios/_fleets.py). TPOT: (end - first token) / "
                      "(streamed chunks - 1).")
