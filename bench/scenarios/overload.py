@@ -60,6 +60,8 @@ class Surge:
 
 
 TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2)", "product")
+FALLBACK = Setup("product_fallback", "confgen render + confgen-sidecar, balancing least_request (the path with "
+                 "the picker down: the limiter alone)", "product", "least_request", diagnostic=True)
 CRITICAL_SHARE = 0.2
 SHEDDABLE_SHARE = 0.3
 CLASSES = Setup("product_classes", f"confgen render + confgen-sidecar, {CRITICAL_SHARE:.0%} of the requests on a "
@@ -77,6 +79,9 @@ def setups(ctx: Context) -> list[Setup]:
         return [PRODUCT, vllm("power_of_two")]
     extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
     two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
+    # --set overload_fallback=1: the pools on least_request, as Envoy balances them when the picker is
+    # down (ext_proc failure_mode_allow): the in-flight limiter alone admits
+    two += [FALLBACK] if ctx.option("overload_fallback", 0) else []
     # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
     peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
     return [PRODUCT, *two, *extra, *peers]
