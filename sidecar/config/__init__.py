@@ -64,7 +64,7 @@ class SidecarConfig:
     confirm_timeout_s: float = 2.0  # how long to wait for Envoy's stats to show a write
     watch_debounce_s: float = 0.2
     dns_timeout_s: float = 2.0
-    ingresses: int = 1  # Envoys sharing the fleet: each corrects 1/ingresses of the shedding error
+    ingresses: int = 1  # Envoys sharing the fleet: file target's limit share (1/ingresses); the picker's replicas
     log_format: LogFormat = "json"
     log_level: str = "INFO"
     nginx: NginxSettings | None = None  # --target nginx (upstream files + reloads); None: Envoy
@@ -141,8 +141,9 @@ def _version() -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="confgen-sidecar",
-        description="Probe the inference workers of a confgen topology and publish Envoy EDS "
-        "health and load-aware weights; reload the topology when it changes.",
+        description="Probe the inference workers of a confgen topology and publish their health and "
+        "load-aware weights to Envoy (EDS files, or ADS with --serve-xds), or their health to nginx "
+        "(--target nginx); reload the topology when it changes.",
     )
     p.add_argument("--version", action="version", version=f"confgen-sidecar {_version()}")
     p.add_argument("--topology", required=True, type=Path, help="topology YAML (the same file confgen renders)")
@@ -170,8 +171,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
-    p.add_argument("--ingresses", type=int, default=1, help="Envoys that share the fleet: while a pool is "
-                   "saturated each one corrects 1/N of the queue error per cycle (default 1)")
+    p.add_argument("--ingresses", type=int, default=1, metavar="N",
+                   help="Envoys that share the fleet, each with its own sidecar (default 1). Envoy file target: "
+                   "while a pool is saturated this Envoy's in-flight limit is its 1/N share, "
+                   "(1 + target_queue) x batch / N, and its own in-flight count x N stands for the fleet's (the "
+                   "in-flight watch; what the engines hold beyond it counts as load bypassing the Envoys). With "
+                   "--serve-xds the limits are divided by the Envoys connected instead. Also the endpoint picker's "
+                   "replicas (--picker replicas=... overrides): its predicted rule counts on a conversation's later "
+                   "turns coming through the N-1 other pickers")
     p.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="json: one object per line for log shippers; text: for people (default json)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -183,8 +190,9 @@ def parser() -> argparse.ArgumentParser:
                    help="environment variable holding that token (instead of --admin-token-file)")
     p.add_argument("--serve-xds", metavar="HOST:PORT|unix",
                    help="serve every Envoy of the topology over ADS (gRPC: LDS, CDS, EDS, RTDS limits) instead of "
-                   "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. --ingresses is then "
-                   "the number of connected Envoys. Without --grpc-tls-* ADS is served on the Unix socket "
+                   "writing xDS files; the Envoys' bootstrap comes from envoy.xds.mode: ads. The in-flight limits are "
+                   "then divided by the connected Envoys that applied them (see --xds-nodes-per-identity), not "
+                   "by --ingresses. Without --grpc-tls-* ADS is served on the Unix socket "
                    "<sidecar.grpc_socket_dir>/xds.sock (HOST:PORT unused; `unix` says so), or plaintext on a "
                    "loopback HOST:PORT with --grpc-plaintext-loopback; with them, over mTLS on HOST:PORT, and each "
                    "Envoy's node id must be a name of its client certificate")
@@ -202,9 +210,14 @@ def parser() -> argparse.ArgumentParser:
                    "across restarts (default: .confgen-drains.json next to the xDS or nginx files; with --serve-xds "
                    "none unless given: give a path on a persistent volume)")
     p.add_argument("--picker", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an endpoint picker setting (repeatable): a scorer's weight (prefix, load, kv, cost; "
-                   "0 turns it off) or spill_min, spill_fraction, long_tokens, default_max_tokens, prompt_share, "
-                   "fallbacks, e.g. --picker prefix=2")
+                   help="override an endpoint picker setting (repeatable): rule=predicted (the default: the "
+                   "cheapest predicted cost in seconds) or rule=weighted (the weighted sum of scores, also the "
+                   "fallback where no endpoint has a measured time per token); the predicted rule's tie_s, "
+                   "tie_share, replicas (default --ingresses), externality, queue_externality, growth, "
+                   "prefill_ratio, default_output and its admission's budget_standard, budget_sheddable, "
+                   "budget_floor_s, admission_gate, pressure_s; the weighted rule's scorer weights (prefix, load, "
+                   "kv, cost; 0 turns one off), spill_min, spill_fraction, long_tokens, default_max_tokens, "
+                   "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity, the rate limit service for global limits) over TCP, with "
