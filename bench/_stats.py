@@ -139,3 +139,32 @@ def spread(counts: dict[str, int]) -> float | None:
     if not values or not sum(values):
         return None
     return max(values) / (sum(values) / len(values))
+
+
+def prediction_error(buckets: dict[str, float]) -> dict[str, float] | None:
+    """The picker's predicted finish time against the observed one, from its histogram
+    `confgen_picker_prediction_ratio` (observed / predicted per request, cumulative buckets by
+    `le`, summed over sidecars and seeds): the requests counted, the median ratio (linear within
+    its bucket) and the shares within +-10 % (0.9-1.1) and about +-25 % (0.8-1.25). None when no
+    request was predicted."""
+    edges = sorted((float(le), n) for le, n in buckets.items() if le and le != "+Inf")
+    total = buckets.get("+Inf", 0.0)
+    if total <= 0 or not edges:
+        return None
+    cum = dict(edges)
+
+    def share(lo: float, hi: float) -> float:
+        return (cum.get(hi, 0.0) - cum.get(lo, 0.0)) / total
+
+    median = None
+    below, prev = 0.0, 0.0
+    for le, n in [*edges, (float("inf"), total)]:
+        if n >= total / 2:
+            if le == float("inf"):
+                median = prev  # past the last bucket: its edge, a lower bound
+            else:
+                median = prev + (le - prev) * ((total / 2 - below) / (n - below) if n > below else 0.0)
+            break
+        below, prev = n, le
+    return {"requests": total, "median_ratio": median if median is not None else float("nan"),
+            "within_10": share(0.9, 1.1), "within_25": share(0.8, 1.25)}

@@ -70,7 +70,8 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
                   f"load {r.get('load_s')}, stop {r.get('teardown_s')})", flush=True)
     rows = {k: {**_stats.pooled(v), "label": v[0]["label"].split(" (FAILED")[0], "fleet_by_worker": _sum_workers(v),
                 "send_lag_p99_ms": max((r.get("send_lag_p99_ms") or 0.0 for r in v), default=None),
-                "failed": "; ".join(r["failed"] for r in v if r.get("failed")) or None}
+                "failed": "; ".join(r["failed"] for r in v if r.get("failed")) or None,
+                "prediction": _stats.prediction_error(_sum_buckets(v))}
             for k, v in per_seed.items()}
     return {"plan": plan.key, "label": plan.label, "describe": plan.describe(), "even": plan.even,
             "capacity_rps": cap, "rate_rps": rate, "load": plan.load, "requests": count, "warmup_s": warmup_s,
@@ -82,6 +83,15 @@ def _lean(r: dict[str, Any]) -> dict[str, Any]:
     keep = ("seed", "p50_ms", "p90_ms", "p99_ms", "ttft_p99_ms", "ntpot_p99_ms", "shed", "other_errors", "requests",
             "ok", "fleet_by_worker", "failed", "wall_s", "startup_s", "load_s", "teardown_s", "slowed_at_s")
     return {k: r.get(k) for k in keep if k in r}
+
+
+def _sum_buckets(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The picker's prediction-ratio buckets over the seeds."""
+    out: dict[str, float] = {}
+    for r in rows:
+        for le, n in (r.get("prediction_buckets") or {}).items():
+            out[le] = out.get(le, 0.0) + n
+    return out
 
 
 def _sum_workers(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -177,6 +187,21 @@ def targets(data: dict[str, Any]) -> list[Target]:
     return out
 
 
+def predictor_table(raw: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Per fleet: how well the product's picker predicted each request's finish time."""
+    rows = []
+    for key, data in raw.items():
+        got = (data.get("results", {}).get("product") or {}).get("prediction")
+        if got is None:
+            rows.append([key, "-", "-", "-", "-"])
+            continue
+        rows.append([key, f"{got['requests']:.0f}", f"{got['median_ratio']:.2f}", f"{got['within_10']:.0%}",
+                     f"{got['within_25']:.0%}"])
+    return ("The picker's prediction per fleet (product as shipped, every request it placed, warm-up included): "
+            "observed / predicted time from the pick to the response's end (confgen_picker_prediction_ratio)",
+            ["fleet", "requests", "median observed / predicted", "within 10 %", "within 20-25 %"], rows)
+
+
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plans = [p for p in _fleets.MATRIX if not ctx.quick or p.key in _fleets.QUICK]
@@ -205,6 +230,7 @@ def run(ctx: Context) -> Result:
             series[name].append(ratio(r[key]["p99_ms"], ref) if key in r else None)
     head, rows = summary(res.raw)
     res.tables.insert(0, ("Summary: the product as shipped on every fleet (details per fleet below)", head, rows))
+    res.tables.insert(1, predictor_table(res.raw))
     res.chart = {"groups": {"title": "Matrix: P99 relative to vLLM Router's best policy (lower is better)",
                             "groups": groups, "series": series}}
     res.summary = (

@@ -61,7 +61,7 @@ class Surge:
 
 TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2)", "product")
 FALLBACK = Setup("product_fallback", "confgen render + confgen-sidecar, balancing least_request (the path with "
-                 "the picker down: the limiter alone)", "product", "least_request", diagnostic=True)
+                 "the picker down: the limiter alone)", "product", "{policy: least_request}", diagnostic=True)
 CRITICAL_SHARE = 0.2
 SHEDDABLE_SHARE = 0.3
 CLASSES = Setup("product_classes", f"confgen render + confgen-sidecar, {CRITICAL_SHARE:.0%} of the requests on a "
