@@ -99,11 +99,20 @@ QUICK = ("plain",)
 QUICK_PEERS = ("cache_aware",)  # quick is a harness check within make bench-quick's 4 minutes
 
 
+# --set prefix_two=1: the product with two Envoys (--ingresses 2, requests alternate), so a
+# conversation's turns go through two pickers (issue 28: two pickers' hit rate within 3 points of one)
+TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, requests alternate)",
+            "product", diagnostic=True)
+
+
 def setups(ctx: Context, w: Workload, first_seed: bool = True) -> list[Setup]:
     own, _ = policy_setups()
+    two = [TWO] if ctx.option("prefix_two", 0) else []
     if ctx.quick:  # the harness check: the product as shipped and one peer
-        return [PRODUCT, *(vllm(p) for p in QUICK_PEERS)]
-    return [PRODUCT, *own, *w.extra, *(w.context if first_seed else ()), *(vllm(p) for p in w.peers)]
+        return [PRODUCT, *two, *(vllm(p) for p in QUICK_PEERS)]
+    # --set prefix_peers=0: the product rows alone (a diagnostic run)
+    peers = [vllm(p) for p in w.peers] if ctx.option("prefix_peers", 1) else []
+    return [PRODUCT, *two, *own, *w.extra, *(w.context if first_seed else ()), *peers]
 
 
 def prompt_tokens(r: dict[str, Any]) -> int:
@@ -168,7 +177,7 @@ def run_workload(ctx: Context, w: Workload, seeds: list[int], warmup_s: float, w
         for s in setups(ctx, w, seed == seeds[0]):
             row = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), requests, s,
                                   f"px-{w.key}-{s.key}-{seed}", warmup_s=warmup_s, deadline_s=deadline,
-                                  path=wl.CHAT_PATH)
+                                  path=wl.CHAT_PATH, ingresses=2 if s.key == TWO.key else 1)
             row["seed"] = seed
             per_seed.setdefault(s.key, []).append(row)
             print(f"  [{w.key} seed {seed}] {s.label}: p99 {fmt_ms(row['p99_ms'])} ttft p99 "
@@ -298,6 +307,8 @@ def run(ctx: Context) -> Result:
     window_s = ctx.option("prefix_window_s", ctx.scale(5, 5))
     own, unknown = policy_setups()
     chosen = [w for w in WORKLOADS if not ctx.quick or w.key in QUICK]
+    # --set prefix_workloads=N: the first N workloads only (plain conversations first)
+    chosen = chosen[: int(ctx.option("prefix_workloads", len(chosen)))]
     groups: list[str] = []
     series: dict[str, list[float | None]] = {}
     for w in chosen:
