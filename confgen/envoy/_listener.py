@@ -500,6 +500,7 @@ def routes(topo: Topology, plan: Plan) -> list[Json]:
 
 
 def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, str]) -> Json:
+    shedding = bool(plan.sheddable_pools(topo))
     hcm: Json = {
         "stat_prefix": lst.name,
         "codec_type": "AUTO",
@@ -515,8 +516,8 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
             "max_direct_response_body_size_bytes": direct_response_limit(topo),
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo, plan)}],
         },
-        "http_filters": _filters(topo, lst, secrets, plan.restricted, bool(plan.sheddable_pools(topo))),
-        "local_reply_config": local_reply_config(topo),
+        "http_filters": _filters(topo, lst, secrets, plan.restricted, shedding),
+        "local_reply_config": local_reply_config(topo, shedding=shedding),
         "access_log": [extension(
             "envoy.access_loggers.stdout",
             "extensions.access_loggers.stream.v3.StdoutAccessLog",

@@ -9,7 +9,6 @@ import json
 from .._openai import canned_body, error_body, models_body, retry_after_seconds
 from ..limits import needs_store
 from ..model import Topology
-from ..plan import plan
 from ._proto import Json
 
 META_NS = "confgen"  # dynamic-metadata namespace the request's `model` is written to
@@ -67,7 +66,8 @@ def _models_fallback(topo: Topology) -> list[Json]:
     }]
 
 
-def local_reply_config(topo: Topology) -> Json:
+def local_reply_config(topo: Topology, *, shedding: bool) -> Json:
+    """`shedding`: some pool gets a shed share (`Plan.sheddable_pools`, from the render's plan)."""
     mappers: list[Json] = [
         *_models_fallback(topo),
         # First: a failed attempt whose retry was refused by the retry budget carries UO too,
@@ -87,7 +87,7 @@ def local_reply_config(topo: Topology) -> Json:
             "status_code": 429,
             "headers_to_add": _retry_after(topo),
             "body_format_override": _json_format(error_body("overloaded")),
-        }] if plan(topo).sheddable_pools(topo) else []),
+        }] if shedding else []),
         {  # local rate limit: its RL flag is set after the reply is mapped, so match the status
             "filter": _status(429),
             "headers_to_add": _retry_after(topo, keep=needs_store(topo)),

@@ -197,7 +197,7 @@ def test_render_for_test_stays_inside_prefix(tmp_path: Path) -> None:
 def test_429_and_404_bodies_match_the_envoy_target() -> None:
     """The rate-limit JSON nginx answers is the Envoy target's, word for word."""
     topo, _ = parse_topology(MINIMAL.encode())
-    mappers = local_reply_config(topo)["mappers"]
+    mappers = local_reply_config(topo, shedding=False)["mappers"]
     overload = next(m for m in mappers if m["filter"] == {"response_flag_filter": {"flags": ["UO"]}})
     envoy_429 = overload["body_format_override"]["json_format"]
     conf = nginx.render(topo, config_dir="/etc/x", secrets=None)["nginx.conf"].decode()
