@@ -422,3 +422,17 @@ def test_admission_counts_a_slower_worker_as_delay_a_long_request_is_refused_the
         pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=True), store.endpoints("chat"))
         assert (pick.refused_for_s is not None) is refused, (max_tokens, pick)
         assert refused or pick.endpoints[0].address == "slow:1"
+
+
+def test_the_pressure_keeps_observing_while_the_verdict_holds() -> None:
+    """While the saturation verdict opens admission the picker still follows its own pressure,
+    so it is current (held) when the verdict ends rather than frozen at its last value."""
+    now = [0.0]
+    picker = Picker(rng=random.Random(1), clock=lambda: now[0])
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2)))
+    for t in range(int(30 * picker.policy.pressure_s)):
+        now[0] = t / 10
+        picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=True), store.endpoints("chat"))
+    pressure = picker.pressure("chat")
+    assert pressure is not None and pressure.held

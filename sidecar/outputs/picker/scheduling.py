@@ -394,7 +394,8 @@ class Picker:
         service = statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
                                     for e, est in zip(cands, estimates, strict=True))
         budget = _budget(policy, req.traffic_class, service)
-        gated = policy.admission_gate and not (req.saturated or self._pressed(req.pool, preds, service))
+        pressed = self._pressed(req.pool, preds, service)  # observed on every pick, saturated or not
+        gated = policy.admission_gate and not (req.saturated or pressed)
         # the delay a placement adds to the request's best case (no queue, the fastest prefill and
         # decode the pool offers it now): its wait there, or a slower worker, or a lost prefix
         ideal = min(p.prefill_s + p.decode_s for p in preds)
