@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -156,15 +157,23 @@ def prediction_error(buckets: dict[str, float]) -> dict[str, float] | None:
     def share(lo: float, hi: float) -> float:
         return (cum.get(hi, 0.0) - cum.get(lo, 0.0)) / total
 
-    median = None
+    # the first bucket holding the middle request (the +Inf one always does: past the last
+    # finite bucket the median is that bucket's edge, a lower bound)
     below, prev = 0.0, 0.0
-    for le, n in [*edges, (float("inf"), total)]:
+    for le, n in edges:
         if n >= total / 2:
-            if le == float("inf"):
-                median = prev  # past the last bucket: its edge, a lower bound
-            else:
-                median = prev + (le - prev) * ((total / 2 - below) / (n - below) if n > below else 0.0)
+            median = prev + (le - prev) * ((total / 2 - below) / (n - below) if n > below else 0.0)
             break
         below, prev = n, le
-    return {"requests": total, "median_ratio": median if median is not None else float("nan"),
-            "within_10": share(0.9, 1.1), "within_25": share(0.8, 1.25)}
+    else:
+        median = prev
+    return {"requests": total, "median_ratio": median, "within_10": share(0.9, 1.1), "within_25": share(0.8, 1.25)}
+
+
+def summed(maps: Iterable[Mapping[str, float] | None]) -> dict[str, float]:
+    """The maps added key by key (None counts as empty)."""
+    out: dict[str, float] = {}
+    for m in maps:
+        for key, value in (m or {}).items():
+            out[key] = out.get(key, 0.0) + value
+    return out

@@ -131,13 +131,10 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                             name = key if key == "picker" else f"limiter_{label}"
                             layers[name] = layers.get(name, 0.0) + n
                 out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
-                # the picker's observed / predicted finish time per request (cumulative buckets by le)
-                ratio: dict[str, float] = {}
-                for s in sidecars:
-                    for le, n in (s.metric_by("confgen_picker_prediction_ratio", "le") or {}).items():
-                        if le:  # the _count and _sum samples have no le
-                            ratio[le] = ratio.get(le, 0.0) + n
-                out["prediction_buckets"] = ratio
+                # the picker's observed / predicted finish time per request (cumulative buckets by le;
+                # the _count and _sum samples have no le)
+                ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)
+                out["prediction_buckets"] = {le: n for le, n in ratio.items() if le}
             out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
             return out
 

@@ -71,7 +71,7 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
     rows = {k: {**_stats.pooled(v), "label": v[0]["label"].split(" (FAILED")[0], "fleet_by_worker": _sum_workers(v),
                 "send_lag_p99_ms": max((r.get("send_lag_p99_ms") or 0.0 for r in v), default=None),
                 "failed": "; ".join(r["failed"] for r in v if r.get("failed")) or None,
-                "prediction": _stats.prediction_error(_sum_buckets(v))}
+                "prediction": _stats.prediction_error(_stats.summed(r.get("prediction_buckets") for r in v))}
             for k, v in per_seed.items()}
     return {"plan": plan.key, "label": plan.label, "describe": plan.describe(), "even": plan.even,
             "capacity_rps": cap, "rate_rps": rate, "load": plan.load, "requests": count, "warmup_s": warmup_s,
@@ -85,22 +85,9 @@ def _lean(r: dict[str, Any]) -> dict[str, Any]:
     return {k: r.get(k) for k in keep if k in r}
 
 
-def _sum_buckets(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The picker's prediction-ratio buckets over the seeds."""
-    out: dict[str, float] = {}
-    for r in rows:
-        for le, n in (r.get("prediction_buckets") or {}).items():
-            out[le] = out.get(le, 0.0) + n
-    return out
-
-
 def _sum_workers(rows: list[dict[str, Any]]) -> dict[str, int]:
     """Requests per worker position over the seeds (worker names are the same in every seed)."""
-    out: dict[str, int] = {}
-    for r in rows:
-        for name, v in (r.get("fleet_by_worker") or {}).items():
-            out[name] = out.get(name, 0) + int(v)
-    return out
+    return {name: int(n) for name, n in _stats.summed(r.get("fleet_by_worker") for r in rows).items()}
 
 
 def _build(plan: FleetPlan, rate: float, count: int, seed: int) -> list[dict[str, Any]]:

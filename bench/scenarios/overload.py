@@ -81,10 +81,10 @@ def setups(ctx: Context) -> list[Setup]:
     two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
     # --set overload_fallback=1: the pools on least_request, as Envoy balances them when the picker is
     # down (ext_proc failure_mode_allow): the in-flight limiter alone admits
-    two += [FALLBACK] if ctx.option("overload_fallback", 0) else []
+    fallback = [FALLBACK] if ctx.option("overload_fallback", 0) else []
     # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
     peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
-    return [PRODUCT, *two, *extra, *peers]
+    return [PRODUCT, *two, *fallback, *extra, *peers]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
