@@ -360,10 +360,13 @@ class NginxProcess(_Proxy):
             return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
     def _ready(self) -> bool:
-        return _port_open(self._wait_host, self._wait_port)
+        # The master opens its listeners before it installs its signal handlers and
+        # forks the workers: a SIGHUP in that gap ends it (SIGHUP's default action).
+        # Ready is therefore "listening and workers forked", after the handlers.
+        return _port_open(self._wait_host, self._wait_port) and bool(child_pids(self.pid))
 
     def _not_ready(self) -> str:
-        return f"did not listen on {self._wait_host}:{self._wait_port}"
+        return f"did not listen on {self._wait_host}:{self._wait_port} with its workers started"
 
     def _tails(self) -> str:
         return _log_tail(self.log_path)
@@ -387,6 +390,10 @@ class NginxProcess(_Proxy):
         os.kill(self.pid, signal.SIGHUP)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ProxyStartError(
+                    f"nginx exited with code {self._proc.returncode} on reload:\n{_log_tail(self.log_path)}"
+                )
             children = child_pids(self.pid)
             if children - old_workers:
                 # New workers up; the master only then tells the old ones to quit, and
