@@ -100,6 +100,7 @@ class RenderedEnvoy:
     admin: int
     files: dict[str, bytes]
     topology: Path
+    sockets: Path | None = None  # the sidecar's Unix socket directory (sidecar.grpc_socket_dir)
 
     @property
     def url(self) -> str:
@@ -170,7 +171,7 @@ def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing
                           capture_output=True, timeout=120, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"confgen render failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
-    return RenderedEnvoy(out_dir, port, admin, {}, topo_path)
+    return RenderedEnvoy(out_dir, port, admin, {}, topo_path, Path(sockets) if sockets else None)
 
 
 @contextlib.contextmanager

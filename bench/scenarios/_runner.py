@@ -25,6 +25,7 @@ from typing import Any
 
 from confgen import runtime
 from confgen.balancing import POLICIES, policy_of
+from confgen.model import GRPC_SOCKET
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
 from confgen.topology import parse
 
@@ -40,6 +41,9 @@ class Setup:
     policy: str = ""  # vllm: its --policy; product/render: the topology's `balancing` ("" = default)
     diagnostic: bool = False
     routes: str = ""  # product/render: a top-level `routes:` list for the topology (traffic classes)
+    # product with several ingresses: the sidecars' pickers are each other's --picker-peer (as the
+    # README says to run them); True leaves each picker alone (the comparison row)
+    alone: bool = False
 
 
 PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
@@ -113,8 +117,13 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         if setup.kind == "product":
             extra = ("--ingresses", str(ingresses)) if ingresses > 1 else ()
             for i, (r, p) in enumerate(zip(rendered, procs, strict=True)):
+                peers: list[str] = []
+                if ingresses > 1 and not setup.alone:
+                    for j, other in enumerate(rendered):
+                        if j != i and other.sockets is not None:
+                            peers += ["--picker-peer", f"unix:{other.sockets / GRPC_SOCKET}"]
                 sidecars.append(stack.enter_context(
-                    _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None, extra)))
+                    _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None, (*extra, *peers))))
 
         def extras() -> dict[str, Any]:
             out: dict[str, Any] = {}

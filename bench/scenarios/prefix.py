@@ -100,14 +100,17 @@ QUICK_PEERS = ("cache_aware",)  # quick is a harness check within make bench-qui
 
 
 # --set prefix_two=1: the product with two Envoys (--ingresses 2, requests alternate), so a
-# conversation's turns go through two pickers (issue 28: two pickers' hit rate within 3 points of one)
-TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, requests alternate)",
-            "product", diagnostic=True)
+# conversation's turns go through two pickers (issue 28: two pickers' hit rate within 3 points of one),
+# each the other's --picker-peer as the README says; prefix_two=2 adds the same without peers
+TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, each picker the other's "
+            "--picker-peer; requests alternate)", "product", diagnostic=True)
+TWO_ALONE = Setup("product2alone", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, no --picker-peer; "
+                  "requests alternate)", "product", diagnostic=True, alone=True)
 
 
 def setups(ctx: Context, w: Workload, first_seed: bool = True) -> list[Setup]:
     own, _ = policy_setups()
-    two = [TWO] if ctx.option("prefix_two", 0) else []
+    two = [TWO, TWO_ALONE][:int(ctx.option("prefix_two", 0))]
     if ctx.quick:  # the harness check: the product as shipped and one peer
         return [PRODUCT, *two, *(vllm(p) for p in QUICK_PEERS)]
     # --set prefix_peers=0: the product rows alone (a diagnostic run)
@@ -177,7 +180,7 @@ def run_workload(ctx: Context, w: Workload, seeds: list[int], warmup_s: float, w
         for s in setups(ctx, w, seed == seeds[0]):
             row = measure_or_fail(ctx, FLEET.spec(seed), list(FLEET.max_num_seqs), requests, s,
                                   f"px-{w.key}-{s.key}-{seed}", warmup_s=warmup_s, deadline_s=deadline,
-                                  path=wl.CHAT_PATH, ingresses=2 if s.key == TWO.key else 1)
+                                  path=wl.CHAT_PATH, ingresses=2 if s.key in (TWO.key, TWO_ALONE.key) else 1)
             row["seed"] = seed
             per_seed.setdefault(s.key, []).append(row)
             print(f"  [{w.key} seed {seed}] {s.label}: p99 {fmt_ms(row['p99_ms'])} ttft p99 "

@@ -80,6 +80,9 @@ class SidecarConfig:
     grpc_tls: TlsFiles | None = None
     grpc_plaintext_loopback: bool = False  # --grpc-plaintext-loopback: the explicit opt-in to plaintext TCP
     picker: tuple[str, ...] = ()  # --picker KEY=VALUE overrides of the endpoint picker's policy (checked at start)
+    # --picker-peer: the other picker replicas' gRPC services (unix:PATH or HOST:PORT), which this one
+    # streams its placements and in-flight counts to (sidecar.outputs.picker.peers)
+    picker_peers: tuple[str, ...] = ()
     deprecations: tuple[str, ...] = ()  # deprecated flags given (logged at startup)
 
     @property
@@ -126,10 +129,29 @@ class SidecarConfig:
             raise ConfigError(f"--xds-nodes-per-identity must be >= 1, got {self.xds_nodes_per_identity}")
         if self.grpc_listen is not None and not 0 <= self.grpc_listen[1] <= 65535:
             raise ConfigError(f"--grpc-listen port {self.grpc_listen[1]} out of range")
+        for target in self.picker_peers:
+            _check_peer(target, self.grpc_tls is not None, self.grpc_plaintext_loopback)
         if self.grpc_listen is not None and self.grpc_tls is None and not is_loopback(self.grpc_listen[0]):
             raise ConfigError(f"--grpc-listen {self.grpc_listen[0]}: plaintext gRPC lets anyone who connects steer "
                               "routing and spend the rate limits; beyond loopback give --grpc-tls-cert, "
                               "--grpc-tls-key and --grpc-client-ca")
+
+
+def _check_peer(target: str, tls: bool, plaintext_loopback: bool) -> None:
+    """A --picker-peer target this transport dials safely: unix:PATH, or HOST:PORT over mTLS (or over
+    plaintext on loopback when --grpc-plaintext-loopback says so); ConfigError otherwise."""
+    if target.startswith("unix:"):
+        if len(target) == len("unix:") or tls:
+            raise ConfigError(f"--picker-peer {target}: give unix:PATH (a peer's socket) without --grpc-tls-*, "
+                              "or HOST:PORT with them")
+        return
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--picker-peer {target}: expected unix:PATH or HOST:PORT")
+    if not tls and not (plaintext_loopback and is_loopback(host.strip("[]"))):
+        raise ConfigError(f"--picker-peer {target}: a peer over TCP needs --grpc-tls-cert/--grpc-tls-key/"
+                          "--grpc-client-ca (its placements steer routing), or a loopback address with "
+                          "--grpc-plaintext-loopback; on one host give unix:<its socket directory>/grpc.sock")
 
 
 def _version() -> str:
@@ -218,6 +240,14 @@ def parser() -> argparse.ArgumentParser:
                    "budget_floor_s, admission_gate, pressure_s; the weighted rule's scorer weights (prefix, load, "
                    "kv, cost; 0 turns one off), spill_min, spill_fraction, long_tokens, default_max_tokens, "
                    "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted")
+    p.add_argument("--picker-peer", action="append", default=[], metavar="TARGET",
+                   help="another endpoint picker replica's gRPC services (repeatable): unix:PATH (its Unix socket, "
+                   "<its sidecar.grpc_socket_dir>/grpc.sock, on this host) or HOST:PORT (over the mTLS of "
+                   "--grpc-tls-*: this sidecar presents its own certificate, which --grpc-client-ca must sign). "
+                   "Each placement (the prompt's block hashes) and the requests in flight are streamed to every "
+                   "peer, so a conversation whose turns come through different Envoys still goes where its "
+                   "history is, and every replica counts the others' load. With peers the picker's replicas "
+                   "setting defaults to 1 (nothing is presumed: the placements are known)")
     p.add_argument("--grpc-listen", metavar="HOST:PORT",
                    help="where the sidecar's gRPC services listen (the endpoint picker Envoy's ext_proc calls when a "
                    "pool uses policy prefix_affinity, the rate limit service for global limits) over TCP, with "
@@ -314,6 +344,7 @@ def from_argv(argv: Sequence[str]) -> SidecarConfig:
         grpc_tls=tls,
         grpc_plaintext_loopback=args.grpc_plaintext_loopback,
         picker=tuple(args.picker),
+        picker_peers=tuple(args.picker_peer),
         deprecations=deprecations,
     )
 

@@ -9,6 +9,7 @@ says nothing or cannot be reached). Pieces:
     datastore   endpoints per pool: the fleet view's facts + in-flight counts + prefix indexes
     scheduling  filters, scorers (prefix, load, kv, cost) and the picker
     extproc     the gRPC ext_proc servicer (protocol, bounds)
+    peers       the other picker replicas: placements and in-flight counts streamed both ways
     metrics     Prometheus
 """
 
@@ -28,6 +29,7 @@ from sidecar.observe.probe import LoopLag
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
+from .peers import PeerLimits, PeerLinks, PeerLoads, PeerServicer
 from .scheduling import Picker, PickerPolicy
 
 if TYPE_CHECKING:
@@ -111,7 +113,8 @@ class PickerService:
 
     name = "picker"
 
-    def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None) -> None:
+    def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None,
+                 peer_limits: PeerLimits | None = None) -> None:
         self._topology = wiring.topology
         self.store = Datastore()
         picker = Picker(policy)
@@ -119,22 +122,35 @@ class PickerService:
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
         self._lag = LoopLag()
-        self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag)
+        limits = peer_limits or PeerLimits()
+        config = wiring.config
+        self.links = PeerLinks(config.picker_peers, self.store, tls=config.grpc_tls, limits=limits,
+                               on_sent=self.metrics.peer_placements.labels(kind="sent").inc)
+        self.metrics.peers_connected.set_function(self.links.connected)
+        self.peers = PeerServicer(self.store, PeerLoads(self.store, wiring.clock, limits.stale_s),
+                                  self.metrics.observe_peer_batch)
+        self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag,
+                                       on_placed=self.links.placed if config.picker_peers else None)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        self.peers.add_to(server)
 
     async def start(self) -> None:
         self._lag.start()
+        await self.links.start()
 
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
         self.store.update(facts(fleet, topo), routes(topo), classes(topo))
 
     def problems(self) -> list[str]:
-        return []  # before the first fleet view every request is left to Envoy's own balancer
+        # before the first fleet view every request is left to Envoy's own balancer: no problem; a
+        # peer not reached is one (its conversations' placements are not shared while it lasts)
+        return self.links.problems()
 
     async def close(self) -> None:
+        await self.links.close()
         self._lag.stop()
 
 
@@ -142,7 +158,9 @@ def build(wiring: ServiceWiring) -> PickerService:
     """The picker with the sidecar's --picker overrides; ConfigError when one is bad."""
     try:
         # Each Envoy of a file-mode fleet has its own sidecar, so its own picker: --ingresses of them.
-        policy = PickerPolicy(replicas=wiring.config.ingresses).with_overrides(wiring.config.picker)
+        # With peers the placements are shared: nothing is presumed of the other replicas' requests.
+        replicas = 1 if wiring.config.picker_peers else wiring.config.ingresses
+        policy = PickerPolicy(replicas=replicas).with_overrides(wiring.config.picker)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PickerService(wiring, policy)

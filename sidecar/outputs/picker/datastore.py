@@ -141,6 +141,8 @@ class Endpoint:
     # pickers', clients bypassing the proxy): the only part of the engine's count that a probe-old
     # figure is needed for; the picker's own part is exact now
     bypass: float = 0.0
+    # requests the other picker replicas have in flight here, as of their last batch (peers.py)
+    peers: float = 0.0
     learner: Learner = field(default_factory=Learner)  # its costs, learned from its engine's counters
 
     @property
@@ -164,6 +166,7 @@ class Datastore:
         self._pools: dict[str, _Pool] = {}
         self._routes: dict[str | None, str] = {}
         self.classes = Classes()
+        self._peer_totals: dict[tuple[str, str], int] = {}
 
     def update(self, pools: Sequence[PoolFacts], routes: Mapping[str | None, str] | None = None,
                classes: Classes | None = None) -> None:
@@ -181,12 +184,13 @@ class Datastore:
                 cap = min(facts.kv_blocks or self.default_blocks, share)
                 kept = old.endpoints.get(facts.address) if old is not None else None
                 if kept is None:
-                    kept = Endpoint(facts, BlockLRU(cap))
+                    peers = float(self._peer_totals.get((pool.name, facts.address), 0))
+                    kept = Endpoint(facts, BlockLRU(cap), peers=peers)
                 else:
                     kept.facts = facts
                     if kept.index.capacity != cap:
                         kept.index.resize(cap)
-                kept.bypass = max(0.0, facts.running + facts.waiting - kept.in_flight)
+                kept.bypass = max(0.0, facts.running + facts.waiting - kept.in_flight - kept.peers)
                 kept.learner.observe(running=facts.running, itl_sum=facts.itl_sum, itl_count=facts.itl_count,
                                      prefill_s=facts.prefill_seconds, prefill_tokens=facts.prefill_tokens,
                                      finished=facts.finished, finished_tokens=facts.finished_tokens,
@@ -230,6 +234,33 @@ class Datastore:
         """The picker's pool one of these endpoints belongs to (a subset hint without a model)."""
         wanted = set(addresses)
         return next((name for name, p in self._pools.items() if wanted & p.endpoints.keys()), None)
+
+    def add_placements(self, picks: Iterable[tuple[str, str, Sequence[int]]]) -> int:
+        """Another picker replica's placements (pool, address, block hashes) into the endpoints'
+        prefix indexes; how many named an endpoint this store holds (the rest are skipped)."""
+        applied = 0
+        for pool, address, hashes in picks:
+            entry = self._pools.get(pool)
+            endpoint = entry.endpoints.get(address) if entry is not None else None
+            if endpoint is not None:
+                endpoint.index.add(hashes)
+                applied += 1
+        return applied
+
+    def set_peer_loads(self, totals: Mapping[tuple[str, str], int]) -> None:
+        """The other replicas' requests in flight per (pool, address); every other endpoint: 0.
+        Touches only the endpoints whose figure is or was non-zero (a batch every few ms per peer)."""
+        previous, self._peer_totals = self._peer_totals, dict(totals)
+        for key in previous.keys() | totals.keys():
+            entry = self._pools.get(key[0])
+            endpoint = entry.endpoints.get(key[1]) if entry is not None else None
+            if endpoint is not None:
+                endpoint.peers = float(totals.get(key, 0))
+
+    def own_in_flight(self) -> dict[str, dict[str, int]]:
+        """This picker's requests in flight per pool and address (endpoints with none left out)."""
+        return {name: {a: e.in_flight for a, e in entry.endpoints.items() if e.in_flight > 0}
+                for name, entry in self._pools.items()}
 
     def index_size(self) -> int:
         return sum(len(e.index) for p in self._pools.values() for e in p.endpoints.values())

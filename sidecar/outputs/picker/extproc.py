@@ -56,7 +56,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -215,8 +215,10 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
                  limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
-                 honour_subset_hint: bool = False, lag: LoopLag | None = None) -> None:
+                 honour_subset_hint: bool = False, lag: LoopLag | None = None,
+                 on_placed: Callable[[str, str, Sequence[int]], None] | None = None) -> None:
         self.store = store
+        self.on_placed = on_placed  # (pool, address, block hashes) of every pick: the peer replicas' share
         self.picker = picker
         self.metrics = metrics
         self.limits = limits or ExtProcLimits()
@@ -282,6 +284,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         st.predicted = pick.predicted.own_s if pick.predicted is not None else None
         if hashes:
             chosen.index.add(hashes)
+            if self.on_placed is not None:
+                self.on_placed(pool, chosen.address, hashes)
         self.metrics.observe_pick(pool, pick, self._clock() - started)
         header = base_pb2.HeaderValue(key=DESTINATION, raw_value=chosen.address.encode())
         return base_pb2.HeaderValueOption(header=header, append_action=_OVERWRITE), pick

@@ -29,6 +29,10 @@
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (scheduling.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
+    confgen_picker_peer_placements_total{kind}  placements shared with the peer replicas (peers.py): sent
+                                                (per peer), applied (received, into an index), skipped
+                                                (received, naming an endpoint this replica does not hold)
+    confgen_picker_peers_connected              peer replicas this picker streams to now (of --picker-peer)
 
 Envoy counts what the picker cannot see (its calls that failed or timed out and fell back
 to Envoy's own balancer): ext_proc's `failure_mode_allowed` statistic.
@@ -105,6 +109,10 @@ class PickerMetrics:
                                 "the same requests", ["pool"], registry=reg)
         self.ratio = Histogram("confgen_picker_prediction_ratio", "Observed / predicted time per request",
                                ["pool"], buckets=_RATIO_BUCKETS, registry=reg)
+        self.peer_placements = Counter("confgen_picker_peer_placements", "Placements shared with the picker's "
+                                       "peer replicas: sent, applied, skipped", ["kind"], registry=reg)
+        self.peers_connected = Gauge("confgen_picker_peers_connected", "Peer replicas this picker streams to",
+                                     registry=reg)
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
@@ -115,6 +123,11 @@ class PickerMetrics:
         self._requested.inc(pick.prompt_blocks)
         self._matched.inc(pick.matched_blocks)
         self.latency.observe(seconds)
+
+    def observe_peer_batch(self, applied: int, skipped: int) -> None:
+        self.peer_placements.labels(kind="applied").inc(applied)
+        if skipped:
+            self.peer_placements.labels(kind="skipped").inc(skipped)
 
     def observe_finish(self, pool: str, predicted_s: float, observed_s: float) -> None:
         self.predicted.labels(pool=pool).inc(predicted_s)

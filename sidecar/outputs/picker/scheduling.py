@@ -151,8 +151,9 @@ class PickRequest:
 
 
 def load_of(e: Endpoint) -> float:
-    """Requests on the endpoint now: this picker's own (exact) and the rest its engine last reported."""
-    return e.in_flight + e.bypass
+    """Requests on the endpoint now: this picker's own (exact), its peer replicas' (as of their last
+    batch) and the rest its engine last reported."""
+    return e.in_flight + e.peers + e.bypass
 
 
 # KV cache use from which requests waiting beside free slots mean the cache, not the batch, bounds

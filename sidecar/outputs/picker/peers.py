@@ -1,0 +1,286 @@
+"""Picker replicas tell each other where they sent what, so every replica knows the whole fleet.
+
+A picker sees only the requests through its own Envoy: with two Envoys (each with its own
+sidecar, `--ingresses 2`) a conversation's turns alternate between two pickers, each of which
+holds half of its history, and each counts only its own requests in flight between two engine
+scrapes. With `--picker-peer TARGET` (repeatable: the other replicas' gRPC services) a picker
+streams to each peer, every `flush_s`:
+
+- the placements it made since the last batch: (pool, endpoint, the prompt's block hashes),
+  which the peer adds to that endpoint's prefix index as if it had sent the request itself;
+- its requests in flight per endpoint (the whole map, every batch: a heartbeat when idle),
+  which the peer counts as load beside its own until the next batch replaces it, or drops
+  when the stream ends or falls silent for `stale_s`.
+
+Wire: one client-streaming RPC, `/confgen.picker.v1.Peers/Share`, on the sidecar's one gRPC
+server and its one transport (a Unix socket in the private socket directory: a process of the
+sidecar's user; or mutual TLS: the peer presents the sidecar's own certificate, which the CA
+of `--grpc-client-ca` must sign, and is verified against that CA). A batch is one JSON object:
+
+    {"v": 1, "picks": [[pool, "ip:port", [hash, ...]], ...], "in_flight": {pool: {"ip:port": n}}}
+
+Bounded both ways: a sender keeps at most `max_pending` placements per peer (the oldest are
+dropped and counted), sends at most `max_batch` of them a batch; a receiver refuses a batch
+over `MAX_BATCH_BYTES` or with more than `MAX_PICKS` placements, `MAX_HASHES` hashes a placement
+or `MAX_ENDPOINTS` in-flight entries, a hash outside 64 bits or a count outside 0..`MAX_IN_FLIGHT`
+(the stream ends with INVALID_ARGUMENT); a pool or endpoint it does not know is skipped. What a
+peer can do is what the picker does itself: add hashes to an index and load to an endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sidecar.config.tls import TlsFiles
+from sidecar.logs import log_event
+
+from .datastore import Datastore
+
+__all__ = ["MAX_HASHES", "METHOD", "PeerLimits", "PeerLinks", "PeerServicer", "decode", "encode"]
+
+_log = logging.getLogger("sidecar.picker.peers")
+
+SERVICE = "confgen.picker.v1.Peers"
+METHOD = f"/{SERVICE}/Share"
+MAX_BATCH_BYTES = 1024 * 1024
+MAX_PICKS = 1024
+MAX_HASHES = 1024  # a prompt hashes at most limits.max_blocks (256) blocks
+MAX_ENDPOINTS = 20_000
+MAX_IN_FLIGHT = 1_000_000
+_U64 = 2 ** 64
+
+
+class BatchError(ValueError):
+    """A batch that breaks the format or its caps (the stream is ended)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    picks: tuple[tuple[str, str, tuple[int, ...]], ...]
+    in_flight: Mapping[str, Mapping[str, int]]
+
+
+def encode(picks: Sequence[tuple[str, str, Sequence[int]]], in_flight: Mapping[str, Mapping[str, int]]) -> bytes:
+    return json.dumps({"v": 1, "picks": [[p, a, list(h)] for p, a, h in picks], "in_flight": in_flight},
+                      separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Batch:
+    """The batch in `data`; BatchError naming what is wrong."""
+    if len(data) > MAX_BATCH_BYTES:
+        raise BatchError(f"batch of {len(data)} bytes (at most {MAX_BATCH_BYTES})")
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise BatchError(f"not JSON: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("v") != 1:
+        raise BatchError("not a version-1 batch")
+    picks, flights = raw.get("picks", []), raw.get("in_flight", {})
+    if not isinstance(picks, list) or len(picks) > MAX_PICKS:
+        raise BatchError(f"picks: a list of at most {MAX_PICKS}")
+    out = []
+    for item in picks:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and isinstance(item[1], str) and isinstance(item[2], list) and len(item[2]) <= MAX_HASHES):
+            raise BatchError(f"a pick is [pool, address, [at most {MAX_HASHES} hashes]]")
+        hashes = item[2]
+        if not all(type(h) is int and 0 <= h < _U64 for h in hashes):
+            raise BatchError("a hash is an integer of 64 bits")
+        out.append((item[0], item[1], tuple(hashes)))
+    if not isinstance(flights, dict):
+        raise BatchError("in_flight: an object of pools")
+    seen = 0
+    loads: dict[str, dict[str, int]] = {}
+    for pool, per in flights.items():
+        if not isinstance(per, dict):
+            raise BatchError("in_flight: each pool an object of address: count")
+        seen += len(per)
+        if seen > MAX_ENDPOINTS:
+            raise BatchError(f"in_flight: at most {MAX_ENDPOINTS} endpoints")
+        if not all(isinstance(a, str) and type(n) is int and 0 <= n <= MAX_IN_FLIGHT for a, n in per.items()):
+            raise BatchError(f"in_flight: counts are integers in 0..{MAX_IN_FLIGHT}")
+        loads[pool] = per
+    return Batch(tuple(out), loads)
+
+
+class PeerLoads:
+    """The peers' requests in flight, per stream, summed onto the datastore's endpoints."""
+
+    def __init__(self, store: Datastore, clock: Callable[[], float], stale_s: float) -> None:
+        self._store = store
+        self._clock = clock
+        self._stale_s = stale_s
+        self._streams: dict[int, tuple[float, Mapping[str, Mapping[str, int]]]] = {}
+
+    def set(self, stream: int, loads: Mapping[str, Mapping[str, int]]) -> None:
+        self._streams[stream] = (self._clock(), loads)
+        self.apply()
+
+    def drop(self, stream: int) -> None:
+        if self._streams.pop(stream, None) is not None:
+            self.apply()
+
+    def apply(self) -> None:
+        """Every endpoint's `peers` from the live streams (a stream silent for stale_s counts for nothing)."""
+        now = self._clock()
+        for key in [k for k, (at, _) in self._streams.items() if now - at > self._stale_s]:
+            del self._streams[key]
+        totals: dict[tuple[str, str], int] = {}
+        for _, loads in self._streams.values():
+            for pool, per in loads.items():
+                for address, n in per.items():
+                    totals[(pool, address)] = totals.get((pool, address), 0) + n
+        self._store.set_peer_loads(totals)
+
+
+class PeerServicer:
+    """The receiving side: each stream is one peer; its batches go into the datastore."""
+
+    def __init__(self, store: Datastore, loads: PeerLoads, on_batch: Callable[[int, int], None] | None = None) -> None:
+        self._store = store
+        self._loads = loads
+        self._ids = itertools.count()
+        self._on_batch = on_batch  # (placements applied, skipped): the metrics
+        self.streams = 0
+
+    async def share(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        stream = next(self._ids)
+        self.streams += 1
+        try:
+            async for data in requests:
+                try:
+                    batch = decode(data)
+                except BatchError as exc:
+                    log_event(_log, logging.WARNING, "picker.peer_refused", reason=str(exc))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confgen picker peers: {exc}")
+                applied = self._store.add_placements(batch.picks)
+                self._loads.set(stream, batch.in_flight)
+                if self._on_batch is not None:
+                    self._on_batch(applied, len(batch.picks) - applied)
+        finally:
+            self.streams -= 1
+            self._loads.drop(stream)
+        return b""
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        handler = grpc.method_handlers_generic_handler(SERVICE, {
+            "Share": grpc.stream_unary_rpc_method_handler(self.share),  # bytes in, bytes out
+        })
+        server.add_generic_rpc_handlers((handler,))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLimits:
+    flush_s: float = 0.01  # a batch this often (in-flight counts: at most this stale, plus the transport)
+    stale_s: float = 1.0  # a peer's in-flight counts expire after this long without a batch
+    max_pending: int = 10_000  # placements queued per peer while its stream is down or slow
+    max_batch: int = 512
+    connect_timeout_s: float = 2.0
+    backoff_s: tuple[float, float] = (0.1, 5.0)  # reconnect delay: first, at most (doubling)
+
+
+@dataclass(slots=True)
+class _Link:
+    target: str
+    pending: deque[tuple[str, str, Sequence[int]]] = field(default_factory=deque)
+    dropped: int = 0
+    connected: bool = False
+    error: str | None = None
+
+
+class PeerLinks:
+    """The sending side: one stream to each peer target, fed by `placed` (called on every pick)."""
+
+    def __init__(self, targets: Sequence[str], store: Datastore, *, tls: TlsFiles | None = None,
+                 limits: PeerLimits | None = None, on_sent: Callable[[int], None] | None = None) -> None:
+        self.limits = limits or PeerLimits()
+        self._links = [_Link(t) for t in targets]
+        self._store = store
+        self._tls = tls
+        self._on_sent = on_sent
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def connected(self) -> int:
+        return sum(1 for ln in self._links if ln.connected)
+
+    def placed(self, pool: str, address: str, hashes: Sequence[int]) -> None:
+        for link in self._links:
+            if len(link.pending) >= self.limits.max_pending:
+                link.pending.popleft()
+                link.dropped += 1
+            link.pending.append((pool, address, hashes))
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"target": ln.target, "connected": ln.connected, "queued": len(ln.pending), "dropped": ln.dropped,
+                 "error": ln.error} for ln in self._links]
+
+    def problems(self) -> list[str]:
+        return [f"picker peer {ln.target}: not connected ({ln.error or 'connecting'})"
+                for ln in self._links if not ln.connected]
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(ln), name=f"picker-peer {ln.target}") for ln in self._links]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        options = [("grpc.max_send_message_length", MAX_BATCH_BYTES), ("grpc.keepalive_time_ms", 30_000),
+                   ("grpc.keepalive_timeout_ms", 10_000)]
+        if self._tls is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        files = self._tls
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(files.client_ca).read_bytes(),
+                                             private_key=Path(files.key).read_bytes(),
+                                             certificate_chain=Path(files.cert).read_bytes())
+        return grpc.aio.secure_channel(target, creds, options=options)
+
+    async def _run(self, link: _Link) -> None:
+        limits = self.limits
+        delay = limits.backoff_s[0]
+        while True:
+            started = time.monotonic()
+            try:
+                async with self._channel(link.target) as channel:
+                    await asyncio.wait_for(channel.channel_ready(), limits.connect_timeout_s)
+                    link.connected, link.error = True, None
+                    log_event(_log, logging.INFO, "picker.peer_connected", target=link.target)
+                    call: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(METHOD)
+                    await call(self._batches(link))
+            except (grpc.aio.AioRpcError, TimeoutError, OSError, ValueError) as exc:
+                link.error = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            finally:
+                if link.connected:
+                    log_event(_log, logging.WARNING, "picker.peer_lost", target=link.target, error=link.error)
+                link.connected = False
+            if time.monotonic() - started > limits.backoff_s[1]:
+                delay = limits.backoff_s[0]  # it held a while: start the backoff again
+            await asyncio.sleep(delay)
+            delay = min(limits.backoff_s[1], delay * 2)
+
+    async def _batches(self, link: _Link) -> AsyncIterator[bytes]:
+        limits = self.limits
+        while True:
+            n = min(len(link.pending), limits.max_batch)
+            picks = [link.pending.popleft() for _ in range(n)]
+            if n and self._on_sent is not None:
+                self._on_sent(n)
+            yield encode(picks, self._store.own_in_flight())
+            await asyncio.sleep(limits.flush_s if not link.pending else 0)

@@ -1,0 +1,217 @@
+"""Picker replicas sharing placements and in-flight counts (sidecar/outputs/picker/peers.py):
+the batch format and its caps, the datastore's view of the peers' load, and two stores linked
+over a real grpc.aio server on a Unix socket (events, no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sidecar.outputs.grpc import GrpcServer, GrpcSettings
+from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.peers import (
+    MAX_HASHES,
+    METHOD,
+    BatchError,
+    PeerLimits,
+    PeerLinks,
+    PeerLoads,
+    PeerServicer,
+    decode,
+    encode,
+)
+from sidecar.outputs.picker.scheduling import Picker, PickRequest, load_of
+
+
+def _store() -> Datastore:
+    store = Datastore()
+    store.update([PoolFacts("chat", ("m",), tuple(EndpointFacts(address=a, serving=True, capacity=8)
+                                                   for a in ("10.0.0.1:8000", "10.0.0.2:8000")))])
+    return store
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_batch_round_trips_and_every_broken_one_is_refused() -> None:
+    data = encode([("chat", "10.0.0.1:8000", [1, 2, 2**64 - 1])], {"chat": {"10.0.0.1:8000": 3}})
+    batch = decode(data)
+    assert batch.picks == (("chat", "10.0.0.1:8000", (1, 2, 2**64 - 1)),)
+    assert batch.in_flight == {"chat": {"10.0.0.1:8000": 3}}
+    bad = [
+        b"not json",
+        b"[" * 100_000,
+        json.dumps({"v": 2}).encode(),
+        json.dumps({"v": 1, "picks": {"a": 1}}).encode(),
+        json.dumps({"v": 1, "picks": [["chat", "a", [2**64]]]}).encode(),  # beyond 64 bits
+        json.dumps({"v": 1, "picks": [["chat", "a", [-1]]]}).encode(),
+        json.dumps({"v": 1, "picks": [["chat", "a", [1.5]]]}).encode(),
+        json.dumps({"v": 1, "picks": [["chat", "a", [True]]]}).encode(),
+        json.dumps({"v": 1, "picks": [["chat", "a", list(range(MAX_HASHES + 1))]]}).encode(),
+        json.dumps({"v": 1, "picks": [["chat", "a"]]}).encode(),
+        json.dumps({"v": 1, "in_flight": {"chat": {"a": -1}}}).encode(),
+        json.dumps({"v": 1, "in_flight": {"chat": {"a": 10**7}}}).encode(),
+        json.dumps({"v": 1, "in_flight": {"chat": [1]}}).encode(),
+        b" " * (1024 * 1024 + 1),
+    ]
+    for raw in bad:
+        with pytest.raises(BatchError):
+            decode(raw)
+
+
+def test_placements_fill_the_index_unknown_endpoints_are_skipped() -> None:
+    store = _store()
+    applied = store.add_placements([("chat", "10.0.0.2:8000", (7, 8, 9)), ("chat", "10.9.9.9:1", (1,)),
+                                    ("other", "10.0.0.1:8000", (1,))])
+    assert applied == 1
+    a, b = store.endpoints("chat")
+    assert b.index.match([7, 8, 9]) == 3 and a.index.match([7]) == 0
+
+
+def test_a_follow_up_through_the_other_replica_goes_where_its_history_is() -> None:
+    """Replica A sent a conversation's first turn to the endpoint that is NOT its rendezvous home;
+    replica B, told of the placement, sends the follow-up there too (untold, it presumes the home)."""
+    from sidecar.outputs.picker.prompt import block_hashes, parse_body
+
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    first = [system, {"role": "user", "content": "the first question, at some length " * 4}]
+    follow = [*first, {"role": "assistant", "content": "an answer " * 10}, {"role": "user", "content": "and then?"}]
+    p1, p2 = (parse_body(json.dumps({"model": "m", "messages": m, "max_tokens": 16}).encode()) for m in (first, follow))
+    assert p1 is not None and p2 is not None
+    h1, h2 = block_hashes(p1.text, "m"), block_hashes(p2.text, "m")
+
+    def facts(store: Datastore) -> None:
+        store.update([PoolFacts("chat", ("m",), tuple(
+            EndpointFacts(address=a, serving=True, capacity=8, token_latency_s=0.02)
+            for a in ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")))])
+
+    told, untold = Datastore(), Datastore()
+    facts(told)
+    facts(untold)
+    picker = Picker()
+    home = picker.pick(PickRequest("chat", p2, h2), untold.endpoints("chat")).endpoints[0].address
+    elsewhere = next(a for a in ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000") if a != home)
+    told.add_placements([("chat", elsewhere, tuple(h1))])
+    assert picker.pick(PickRequest("chat", p2, h2), told.endpoints("chat")).endpoints[0].address == elsewhere
+
+
+def test_peer_loads_count_until_replaced_dropped_or_stale() -> None:
+    store, clock = _store(), _Clock()
+    loads = PeerLoads(store, clock, stale_s=1.0)
+    a, b = store.endpoints("chat")
+    loads.set(1, {"chat": {a.address: 3}})
+    loads.set(2, {"chat": {a.address: 2, b.address: 1}})
+    assert (a.peers, b.peers, load_of(a)) == (5.0, 1.0, 5.0)
+    loads.set(1, {})  # its requests ended: the whole map is replaced
+    assert (a.peers, b.peers) == (2.0, 1.0)
+    loads.drop(2)  # its stream ended
+    assert (a.peers, b.peers) == (0.0, 0.0)
+    loads.set(3, {"chat": {b.address: 4}})
+    clock.t += 1.5
+    loads.apply()  # silent past stale_s: counts for nothing
+    assert b.peers == 0.0
+    # the engine's count less the peers' is what bypasses every picker
+    store.update([PoolFacts("chat", ("m",), (EndpointFacts(address=a.address, serving=True, capacity=8, running=6),
+                                             EndpointFacts(address=b.address, serving=True, capacity=8)))])
+    loads.set(4, {"chat": {a.address: 4}})
+    store.update([PoolFacts("chat", ("m",), (EndpointFacts(address=a.address, serving=True, capacity=8, running=6),
+                                             EndpointFacts(address=b.address, serving=True, capacity=8)))])
+    assert (a.peers, a.bypass, load_of(a)) == (4.0, 2.0, 6.0)
+
+
+def _short_socket_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="cg-peer-"))  # 0700, short enough for a socket path
+    os.chmod(path, 0o700)
+    return path
+
+
+def test_two_replicas_share_placements_and_loads_over_a_unix_socket() -> None:
+    asyncio.run(_share())
+
+
+async def _share() -> None:
+    receiver, sender = _store(), _store()
+    got = asyncio.Event()
+    batches: list[tuple[int, int]] = []
+
+    def on_batch(applied: int, skipped: int) -> None:
+        batches.append((applied, skipped))
+        if applied:
+            got.set()
+
+    clock = _Clock()
+    ended = asyncio.Event()
+
+    class Loads(PeerLoads):
+        def drop(self, stream: int) -> None:
+            super().drop(stream)
+            ended.set()
+
+    servicer = PeerServicer(receiver, Loads(receiver, clock, stale_s=60.0), on_batch)
+    sock = _short_socket_dir() / "grpc.sock"
+    server = GrpcServer(GrpcSettings(socket=sock))
+    server.add(servicer.add_to, "peers")
+    await server.start()
+    links = PeerLinks([f"unix:{sock}"], sender, limits=PeerLimits(flush_s=0.005))
+    try:
+        a, _ = sender.endpoints("chat")
+        a.in_flight = 2
+        links.placed("chat", a.address, [11, 12, 13])
+        await links.start()
+        await asyncio.wait_for(got.wait(), 10)
+        ra, rb = receiver.endpoints("chat")
+        assert ra.index.match([11, 12, 13]) == 3 and rb.index.match([11]) == 0
+        assert ra.peers == 2.0 and ra.in_flight == 0  # the peer's load, not ours
+        assert links.connected() == 1 and links.problems() == []
+    finally:
+        await links.close()
+        await server.stop(0)
+    # the stream ended: the peer's requests no longer count here
+    await asyncio.wait_for(ended.wait(), 10)
+    assert servicer.streams == 0 and receiver.endpoints("chat")[0].peers == 0.0
+
+
+def test_a_broken_batch_ends_the_peer_stream_with_invalid_argument() -> None:
+    asyncio.run(_broken())
+
+
+async def _broken() -> None:
+    receiver = _store()
+    servicer = PeerServicer(receiver, PeerLoads(receiver, _Clock(), stale_s=60.0))
+    sock = _short_socket_dir() / "grpc.sock"
+    server = GrpcServer(GrpcSettings(socket=sock))
+    server.add(servicer.add_to, "peers")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{sock}") as channel:
+            call = channel.stream_unary(METHOD)
+
+            async def one() -> object:
+                yield json.dumps({"v": 1, "picks": [["chat", "10.0.0.1:8000", [2**70]]]}).encode()
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(one(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await server.stop(0)
+    assert all(e.index.match([1]) == 0 for e in receiver.endpoints("chat"))
+
+
+def test_an_unreachable_peer_is_a_problem_and_its_queue_is_bounded() -> None:
+    links = PeerLinks(["unix:/nonexistent/grpc.sock"], _store(), limits=PeerLimits(max_pending=3))
+    for i in range(5):
+        links.placed("chat", "10.0.0.1:8000", [i])
+    (status,) = links.status()
+    assert status["queued"] == 3 and status["dropped"] == 2
+    assert links.problems() == ["picker peer unix:/nonexistent/grpc.sock: not connected (connecting)"]
