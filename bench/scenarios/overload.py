@@ -59,7 +59,8 @@ class Surge:
         return 1.0 - 1.0 / self.level
 
 
-TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2)", "product")
+TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, pickers as --picker-peer)",
+            "product")
 FALLBACK = Setup("product_fallback", "confgen render + confgen-sidecar, balancing least_request (the path with "
                  "the picker down: the limiter alone)", "product", "{policy: least_request}", diagnostic=True)
 CRITICAL_SHARE = 0.2

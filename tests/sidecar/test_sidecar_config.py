@@ -76,12 +76,25 @@ def test_overrides() -> None:
     (["--body-cap", "10"], "body cap >= 1024"),
     (["--publish-debounce", "-1"], "debounces and timeouts must be >= 0"),
     (["--ingresses", "0"], "ingresses must be >= 1"),
+    # a peer's placements steer routing: never plaintext beyond loopback, never a malformed target
+    (["--picker-peer", "10.0.0.2:9110"], "--picker-peer 10.0.0.2:9110: a peer over TCP needs --grpc-tls-cert"),
+    (["--picker-peer", "127.0.0.1:9110"], "a peer over TCP needs"),  # loopback too, unless plaintext is chosen
+    (["--picker-peer", "unix:"], "--picker-peer unix:: give unix:PATH"),
+    (["--picker-peer", "peer"], "--picker-peer peer: expected unix:PATH or HOST:PORT"),
+    (["--picker-peer", "peer:99999"], "expected unix:PATH or HOST:PORT"),
 ])
 def test_impossible_values_are_config_errors(args: list[str], message: str) -> None:
     """A value of the right type but an impossible meaning raises ConfigError naming it."""
     with pytest.raises(ConfigError) as info:
         from_argv([*TOPO, *args])
     assert message in str(info.value)
+
+
+def test_picker_peers_over_a_unix_socket_or_loopback_plaintext_when_chosen() -> None:
+    config = from_argv([*TOPO, "--picker-peer", "unix:/run/b/grpc.sock", "--picker-peer", "unix:/run/c/grpc.sock"])
+    assert config.picker_peers == ("unix:/run/b/grpc.sock", "unix:/run/c/grpc.sock")
+    config = from_argv([*TOPO, "--grpc-plaintext-loopback", "--picker-peer", "127.0.0.1:9111"])
+    assert config.picker_peers == ("127.0.0.1:9111",)
 
 
 @pytest.mark.parametrize("args", [

@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 
+from confgen.errors import ConfgenError
 from sidecar.config.tls import TlsFiles
 from sidecar.logs import log_event
 
@@ -62,7 +63,7 @@ MAX_IN_FLIGHT = 1_000_000
 _U64 = 2 ** 64
 
 
-class BatchError(ValueError):
+class BatchError(ConfgenError):
     """A batch that breaks the format or its caps (the stream is ended)."""
 
 
