@@ -215,3 +215,51 @@ def test_an_unreachable_peer_is_a_problem_and_its_queue_is_bounded() -> None:
     (status,) = links.status()
     assert status["queued"] == 3 and status["dropped"] == 2
     assert links.problems() == ["picker peer unix:/nonexistent/grpc.sock: not connected (connecting)"]
+
+
+def test_peers_over_mutual_tls_and_a_stranger_is_refused_at_the_handshake(tmp_path: Path) -> None:
+    """HOST:PORT peers: the sender presents the sidecar's own certificate (the CA of --grpc-client-ca
+    signs it) and verifies the peer's against that CA; a certificate of another CA gets nowhere."""
+    from sidecar.config.tls import TlsFiles
+    from tests.support.certs import CertAuthority
+
+    ca = CertAuthority.create(tmp_path / "ca")
+    own = ca.issue("sidecar", ["IP:127.0.0.1"])
+    files = TlsFiles(own.cert, own.key, ca.cert)
+    stranger_ca = CertAuthority.create(tmp_path / "other", name="other-ca")
+    stranger = stranger_ca.issue("sidecar", ["IP:127.0.0.1"])
+    asyncio.run(_over_mtls(files, TlsFiles(stranger.cert, stranger.key, stranger_ca.cert)))
+
+
+async def _over_mtls(files: object, stranger: object) -> None:
+    from sidecar.config.tls import TlsFiles
+
+    assert isinstance(files, TlsFiles) and isinstance(stranger, TlsFiles)
+    receiver = _store()
+    got = asyncio.Event()
+
+    def on_batch(applied: int, skipped: int) -> None:
+        if applied:
+            got.set()
+
+    servicer = PeerServicer(receiver, PeerLoads(receiver, _Clock(), stale_s=60.0), on_batch)
+    server = GrpcServer(GrpcSettings("127.0.0.1", 0, tls=files))
+    server.add(servicer.add_to, "peers")
+    port = await server.start()
+    fast = PeerLimits(flush_s=0.005, connect_timeout_s=1.0, backoff_s=(0.05, 0.2))
+    bad = PeerLinks([f"127.0.0.1:{port}"], _store(), tls=stranger, limits=fast)
+    good = PeerLinks([f"127.0.0.1:{port}"], _store(), tls=files, limits=fast)
+    try:
+        bad.placed("chat", "10.0.0.2:8000", [41])
+        await bad.start()
+        good.placed("chat", "10.0.0.1:8000", [31, 32])
+        await good.start()
+        await asyncio.wait_for(got.wait(), 10)
+        ra, rb = receiver.endpoints("chat")
+        assert ra.index.match([31, 32]) == 2
+        assert rb.index.match([41]) == 0 and bad.connected() == 0  # the stranger never got a stream
+        assert bad.problems() and good.problems() == []
+    finally:
+        await bad.close()
+        await good.close()
+        await server.stop(0)

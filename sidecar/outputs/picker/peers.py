@@ -242,15 +242,15 @@ class PeerLinks:
                 await task
         self._tasks = []
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
+    async def _channel(self, target: str) -> grpc.aio.Channel:
         options = [("grpc.max_send_message_length", MAX_BATCH_BYTES), ("grpc.keepalive_time_ms", 30_000),
                    ("grpc.keepalive_timeout_ms", 10_000)]
         if self._tls is None:
             return grpc.aio.insecure_channel(target, options=options)
+        # re-read at every connection (cert-manager renews them in place), off the event loop
         files = self._tls
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(files.client_ca).read_bytes(),
-                                             private_key=Path(files.key).read_bytes(),
-                                             certificate_chain=Path(files.cert).read_bytes())
+        ca, key, cert = await asyncio.to_thread(_read_all, (files.client_ca, files.key, files.cert))
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         return grpc.aio.secure_channel(target, creds, options=options)
 
     async def _run(self, link: _Link) -> None:
@@ -259,7 +259,7 @@ class PeerLinks:
         while True:
             started = time.monotonic()
             try:
-                async with self._channel(link.target) as channel:
+                async with await self._channel(link.target) as channel:
                     await asyncio.wait_for(channel.channel_ready(), limits.connect_timeout_s)
                     link.connected, link.error = True, None
                     log_event(_log, logging.INFO, "picker.peer_connected", target=link.target)
@@ -285,3 +285,7 @@ class PeerLinks:
                 self._on_sent(n)
             yield encode(picks, self._store.own_in_flight())
             await asyncio.sleep(limits.flush_s if not link.pending else 0)
+
+
+def _read_all(paths: Sequence[Path]) -> list[bytes]:
+    return [Path(p).read_bytes() for p in paths]
