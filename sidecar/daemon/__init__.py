@@ -80,15 +80,13 @@ class Daemon:
 
     # -- startup -----------------------------------------------------------------------
 
-    def adopt_published(self) -> int:
-        """Seed states and weights from what is published already, so a restart changes nothing."""
+    def restore(self) -> tuple[int, int]:
+        """Blocking (reads files): what a restart must not change. The states and weights already
+        published (the endpoints seeded), then the drains set through POST /drain before it
+        (`drains_file_for`; the count kept)."""
         count = self._outputs.adopt(self._topo, self._tracker)
         log_event(_log, logging.INFO, "startup.adopted", endpoints=count)
-        return count
-
-    def load_drains(self) -> int:
-        """Blocking: the drains set through POST /drain before a restart (`drains_file_for`); the count kept."""
-        return self._drains.load(self._topo)
+        return count, self._drains.load(self._topo)
 
     # -- the cycle ------------------------------------------------------------------------
 

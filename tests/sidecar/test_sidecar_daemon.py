@@ -137,7 +137,7 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
     cycle and the first whole publish; the publisher's problems are listed, never unready."""
 
     async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
-        assert daemon.adopt_published() == 0
+        assert daemon.restore() == (0, 0)
         assert daemon.not_ready() == ["first probe cycle not done"]
         await daemon.cycle()
         assert rec.calls[-1] == ("publish_all", "*")
