@@ -226,7 +226,7 @@ async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, regist
         stack.push_async_callback(_close_all, services)
         stack.push_async_callback(grpc_server.stop)
         for service in services:
-            daemon.add_problem_source(service.name, service.problems)
+            daemon.add_service(service)
         run.services = services
     run.limiter = built.limiter
     return daemon
