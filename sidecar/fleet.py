@@ -116,6 +116,8 @@ class Snapshot:
     xds: XdsView | None = None  # --serve-xds: the control plane and its connected Envoys
     write_failures: Mapping[str, int] = field(default_factory=dict)  # by pool or "tree" (file xDS)
     external_changes: Mapping[str, int] = field(default_factory=dict)  # files replaced by someone else
+    # requests the running services refused for overload, by (service, pool, class): the picker's admission
+    refused: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 

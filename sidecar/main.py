@@ -214,8 +214,7 @@ async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, regist
     run.serving = xds.listen if xds is not None else None
     daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
                     publisher=built.publisher, clock=loop.time, limiter=built.limiter)
-    await asyncio.to_thread(daemon.adopt_published)  # reads what is on disk
-    await asyncio.to_thread(daemon.load_drains)  # drains set through POST /drain before a restart
+    await asyncio.to_thread(daemon.restore)  # what is published on disk, the drains of POST /drain
     _warn_unused_service_flags(config, topo)
     if wanted(topo):
         try:
@@ -227,7 +226,7 @@ async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, regist
         stack.push_async_callback(_close_all, services)
         stack.push_async_callback(grpc_server.stop)
         for service in services:
-            daemon.add_problem_source(service.name, service.problems)
+            daemon.add_service(service)
         run.services = services
     run.limiter = built.limiter
     return daemon

@@ -130,15 +130,14 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
             if sidecars:
                 writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
                 out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
-                # who answered the 429s, over the whole run: the picker (per request), the in-flight
-                # limiter (Envoy's breaker, by reason) and the sheddable share
+                # who answered the 429s, over the whole run, from the one shed counter: the picker
+                # (per request, reason picker), the in-flight limiter (Envoy's breaker: saturated, cap)
+                # and the sheddable share
                 layers: dict[str, float] = {}
                 for s in sidecars:
-                    for key, got in (("picker", s.metric_by("confgen_picker_refused", "pool")),
-                                     ("limiter", s.metric_by("confgen_sidecar_shed_requests", "reason"))):
-                        for label, n in (got or {}).items():
-                            name = key if key == "picker" else f"limiter_{label}"
-                            layers[name] = layers.get(name, 0.0) + n
+                    for label, n in (s.metric_by("confgen_sidecar_shed_requests", "reason") or {}).items():
+                        name = "picker" if label == "picker" else f"limiter_{label}"
+                        layers[name] = layers.get(name, 0.0) + n
                 out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
                 # the picker's observed / predicted finish time per request (cumulative buckets by le;
                 # the _count and _sum samples have no le)

@@ -22,6 +22,11 @@
         the Envoys check for both clusters), the same clients (the Envoy pods' shared
         certificate) and the same CA: the sidecar's one TLS setup (--grpc-tls-*), the Envoys'
         one TLS block (sidecar.grpc_tls).
+    The replicas' pickers are each other's `--picker-peer` (every pod lists every replica; a picker
+        ends the link to itself): the standby knows every placement and in-flight request, so a
+        failover keeps the conversations where their prefixes are. The control plane's certificate
+        is then a client certificate too (clientAuth), signed by the CA it trusts; the
+        NetworkPolicy admits the picker's port from the control plane's own pods.
     The rate limit service (scope: global limits) runs there too, on the same port and TLS: every
         Envoy's checks go to the replica it follows for ADS, which counts in limits.store (with
         kubernetes.redis, the rendered Redis admits the control plane's pods); docs/limits.md says
@@ -41,7 +46,7 @@ import posixpath
 
 from ..balancing import picker_wanted
 from ..limits import needs_store
-from ..model import grpc_tls, split_address
+from ..model import grpc_service_hosts, grpc_tls, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
 
@@ -111,6 +116,12 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     # the picker and the rate limit service for every Envoy, on the same mTLS setup as ADS (the module's
     # docstring says why)
     grpc_args = ["--grpc-listen", f"0.0.0.0:{grpc_port}"] if picker else []
+    # the replicas' pickers are each other's peers (placements and in-flight counts, over the same mTLS):
+    # a standby that takes over knows where every conversation is. Every pod gets every replica; a
+    # picker ends the link to itself (sidecar/outputs/picker/peers.py)
+    if picker_wanted(topo):
+        for host in dict.fromkeys(grpc_service_hosts(topo)):
+            grpc_args += ["--picker-peer", f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"]
     replicas = max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas)
     grpc_ports = [{"name": "grpc", "containerPort": grpc_port}] if picker else []
     container = {
@@ -203,6 +214,9 @@ def _network_policy(plan: k8s_mod._Plan, name: str, ports: list[int]) -> Obj:
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": _selector(plan, "envoy")}}],
                  "ports": [{"protocol": "TCP", "port": port} for port in ports]},
+                *([{"from": [{"podSelector": {"matchLabels": _selector(plan, "control-plane")}}],
+                    "ports": [{"protocol": "TCP", "port": plan.topo.sidecar.grpc_port}]}]
+                  if picker_wanted(plan.topo) else []),  # the replicas' pickers, peers of each other
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(SCRAPER_LABELS)}}],
                  "ports": [{"protocol": "TCP", "port": k8s_mod.SIDECAR_PORT}]},
             ],

@@ -32,6 +32,7 @@ from sidecar.logs import log_event
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.outputs.publisher import Limiter, Publisher
+from sidecar.outputs.service import Service
 
 __all__ = ["Daemon"]
 
@@ -71,7 +72,7 @@ class Daemon:
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
-        self._problem_sources: list[tuple[str, Callable[[], list[str]]]] = []  # the running services'
+        self._services: list[Service] = []  # the running services
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -80,15 +81,13 @@ class Daemon:
 
     # -- startup -----------------------------------------------------------------------
 
-    def adopt_published(self) -> int:
-        """Seed states and weights from what is published already, so a restart changes nothing."""
+    def restore(self) -> tuple[int, int]:
+        """Blocking (reads files): what a restart must not change. The states and weights already
+        published (the endpoints seeded), then the drains set through POST /drain before it
+        (`drains_file_for`; the count kept)."""
         count = self._outputs.adopt(self._topo, self._tracker)
         log_event(_log, logging.INFO, "startup.adopted", endpoints=count)
-        return count
-
-    def load_drains(self) -> int:
-        """Blocking: the drains set through POST /drain before a restart (`drains_file_for`); the count kept."""
-        return self._drains.load(self._topo)
+        return count, self._drains.load(self._topo)
 
     # -- the cycle ------------------------------------------------------------------------
 
@@ -179,17 +178,17 @@ class Daemon:
             reasons.append("nothing published to the proxy yet")
         return reasons
 
-    def add_problem_source(self, name: str, problems: Callable[[], list[str]]) -> None:
-        """List what `problems` returns among `problems()`, each prefixed "name: " (`sidecar.main`
-        adds every gRPC service it started: a `sidecar.outputs.service.Service`'s `problems`)."""
-        self._problem_sources.append((name, problems))
+    def add_service(self, service: Service) -> None:
+        """A running service (`sidecar.main` adds every gRPC service it started): its `problems`
+        listed among `problems()`, each prefixed "name: ", and its `refused` in the view."""
+        self._services.append(service)
 
     def problems(self) -> list[str]:
         """What the proxy does not run of the sidecar's decisions, and why (/state, /readyz's
         body, confgen_sidecar_problems): an update the proxy refused, a write failing, then each
         running service's own ("picker: ..."). Never a readiness failure (see `not_ready`)."""
         return [*self._outputs.publisher.problems(),
-                *(f"{name}: {problem}" for name, source in self._problem_sources for problem in source())]
+                *(f"{svc.name}: {problem}" for svc in self._services for problem in svc.problems())]
 
     def view(self) -> Snapshot:
         """An immutable picture of the fleet now (built per call: cheap, never stale)."""
@@ -205,4 +204,5 @@ class Daemon:
             xds=publisher.xds_view(),
             write_failures=dict(publisher.write_failures),
             external_changes=dict(publisher.external_changes),
+            refused={(svc.name, pool, cls): n for svc in self._services for (pool, cls), n in svc.refused().items()},
         )

@@ -8,7 +8,7 @@ Services that speak gRPC register their servicers on the sidecar's one gRPC serv
 
 `sidecar.main` builds the services the topology needs from
 `sidecar.outputs.registry.SERVICES` (name -> the module's `build(ServiceWiring) -> Service`,
-imported on use), lists each one's `problems` among the daemon's (`Daemon.add_problem_source`)
+imported on use), lists each one's `problems` and `refused` among the daemon's (`Daemon.add_service`)
 and hands each the fleet view after every daemon cycle. This module imports
 no implementation. Adding a service: a package under `sidecar/outputs/` with a class
 satisfying `Service` and a `build` function, plus its line in `SERVICES`.
@@ -16,7 +16,7 @@ satisfying `Service` and a `build` function, plus its line in `SERVICES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -57,6 +57,12 @@ class Service(Protocol):
         """Why it cannot answer as configured ([] when it can), read on every view: listed,
         prefixed with `name`, in the daemon's problems (/readyz's body, /state, the status page,
         confgen_sidecar_problems), never a readiness failure."""
+        ...
+
+    def refused(self) -> Mapping[tuple[str, str], int]:
+        """Requests it answered 429 for overload so far, by (pool, class) (the picker's admission;
+        {} for a service that sheds nothing): counted, as reason `name`, in the one
+        confgen_sidecar_shed_requests_total beside the limiter's."""
         ...
 
     async def close(self) -> None:

@@ -130,7 +130,9 @@ class SidecarCollector(Collector):
                                    "standard: Envoy's DEFAULT priority, standard traffic and the sheddable requests "
                                    "the shed share let through) or cap (the render's safety cap; class any); and "
                                    "reason share, class sheddable: sheddable requests refused at once by the pool's "
-                                   "shed share (Envoy's per-pool local_ratelimit.shed counter; file mode only).",
+                                   "shed share (Envoy's per-pool local_ratelimit.shed counter; file mode only); "
+                                   "reason picker, by class: requests the endpoint picker refused at once, their "
+                                   "predicted delay past their class's budget.",
                                    labels=["pool", "reason", "class"])
         share = GaugeMetricFamily(_PREFIX + "sheddable_refused_ratio", "Share of the pool's sheddable requests this "
                                   "Envoy answers 429 at once (confirmed in Envoy), before its circuit breaker; "
@@ -167,6 +169,9 @@ class SidecarCollector(Collector):
             if pool.sheddable_share is not None:
                 shed.add_metric([pool.name, "share", "sheddable"], pool.shed.get("share", 0))
                 share.add_metric([pool.name], pool.sheddable_share / 100)
+            for (service, where, traffic), n in sorted(snap.refused.items()):
+                if where == pool.name:
+                    shed.add_metric([pool.name, service, traffic], n)
             saturation.add_metric([pool.name], pool.saturation)
             publishes.add_metric([pool.name], pool.publishes)
             rejected.add_metric([pool.name], pool.rejections)

@@ -400,6 +400,30 @@ def test_each_sidecar_takes_its_envoys_share_of_the_limit_from_the_replica_count
     assert "--ingresses" not in control_plane["containers"][0]["args"]
 
 
+def test_the_control_plane_replicas_pickers_are_each_others_peers() -> None:
+    """ADS with a picker pool: every control-plane pod lists every replica as --picker-peer on the
+    picker's port (the mTLS of --grpc-tls-*; a picker ends the link to itself), and the NetworkPolicy
+    admits that port from the control plane's own pods. Without a picker pool: no peers."""
+    two = ADS.replace("servers: [confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000]",
+                      "servers: [confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000, "
+                      "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc:18000]")
+    ads, diags = parse_topology(two.encode(), "ads.yaml")
+    docs = docs_of(render_kubernetes(ads))
+    args = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    config = from_argv(args)
+    port = ads.sidecar.grpc_port
+    assert config.picker_peers == (f"confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:{port}",
+                                   f"confgen-fleet-xds-1.confgen-fleet-xds.inference.svc:{port}")
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    peers = [rule for rule in policy["spec"]["ingress"]
+             if rule["from"][0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+             == "control-plane"]
+    assert [r["ports"] for r in peers] == [[{"protocol": "TCP", "port": port}]]
+    plain, _ = parse_topology(two.replace("engine: vllm", "engine: openai").encode(), "ads.yaml")
+    args = by_kind(docs_of(render_kubernetes(plain)), "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--picker-peer" not in args["args"]
+
+
 def _confgen(*argv: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "confgen", *map(str, argv)], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)

@@ -45,25 +45,27 @@ class _Clock:
 
 
 def test_a_batch_round_trips_and_every_broken_one_is_refused() -> None:
-    data = encode([("chat", "10.0.0.1:8000", [1, 2, 2**64 - 1])], {"chat": {"10.0.0.1:8000": 3}})
+    data = encode("r1", [("chat", "10.0.0.1:8000", [1, 2, 2**64 - 1])], {"chat": {"10.0.0.1:8000": 3}})
     batch = decode(data)
-    assert batch.picks == (("chat", "10.0.0.1:8000", (1, 2, 2**64 - 1)),)
+    assert batch.replica == "r1" and batch.picks == (("chat", "10.0.0.1:8000", (1, 2, 2**64 - 1)),)
     assert batch.in_flight == {"chat": {"10.0.0.1:8000": 3}}
     bad = [
         b"not json",
         b"[" * 100_000,
         json.dumps({"v": 2}).encode(),
-        json.dumps({"v": 1, "picks": {"a": 1}}).encode(),
-        json.dumps({"v": 1, "picks": [["chat", "a", [2**64]]]}).encode(),  # beyond 64 bits
-        json.dumps({"v": 1, "picks": [["chat", "a", [-1]]]}).encode(),
-        json.dumps({"v": 1, "picks": [["chat", "a", [1.5]]]}).encode(),
-        json.dumps({"v": 1, "picks": [["chat", "a", [True]]]}).encode(),
-        json.dumps({"v": 1, "picks": [["chat", "a", list(range(MAX_HASHES + 1))]]}).encode(),
-        json.dumps({"v": 1, "picks": [["chat", "a"]]}).encode(),
-        json.dumps({"v": 1, "in_flight": {"chat": {"a": -1}}}).encode(),
-        json.dumps({"v": 1, "in_flight": {"chat": {"a": 10**7}}}).encode(),
-        json.dumps({"v": 1, "in_flight": {"chat": [1]}}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": {"a": 1}}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a", [2**64]]]}).encode(),  # beyond 64 bits
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a", [-1]]]}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a", [1.5]]]}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a", [True]]]}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a", list(range(MAX_HASHES + 1))]]}).encode(),
+        json.dumps({"v": 1, "replica": "r", "picks": [["chat", "a"]]}).encode(),
+        json.dumps({"v": 1, "replica": "r", "in_flight": {"chat": {"a": -1}}}).encode(),
+        json.dumps({"v": 1, "replica": "r", "in_flight": {"chat": {"a": 10**7}}}).encode(),
+        json.dumps({"v": 1, "replica": "r", "in_flight": {"chat": [1]}}).encode(),
         b" " * (1024 * 1024 + 1),
+        json.dumps({"v": 1, "picks": []}).encode(),  # no replica
+        json.dumps({"v": 1, "replica": "x" * 65}).encode(),
     ]
     for raw in bad:
         with pytest.raises(BatchError):
@@ -158,7 +160,7 @@ async def _share() -> None:
             super().drop(stream)
             ended.set()
 
-    servicer = PeerServicer(receiver, Loads(receiver, clock, stale_s=60.0), on_batch)
+    servicer = PeerServicer(receiver, Loads(receiver, clock, stale_s=60.0), on_batch, replica="receiver")
     sock = _short_socket_dir() / "grpc.sock"
     server = GrpcServer(GrpcSettings(socket=sock))
     server.add(servicer.add_to, "peers")
@@ -198,7 +200,7 @@ async def _broken() -> None:
             call = channel.stream_unary(METHOD)
 
             async def one() -> object:
-                yield json.dumps({"v": 1, "picks": [["chat", "10.0.0.1:8000", [2**70]]]}).encode()
+                yield json.dumps({"v": 1, "replica": "r", "picks": [["chat", "10.0.0.1:8000", [2**70]]]}).encode()
 
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(one(), timeout=10)
@@ -262,4 +264,35 @@ async def _over_mtls(files: object, stranger: object) -> None:
     finally:
         await bad.close()
         await good.close()
+        await server.stop(0)
+
+
+def test_a_link_to_the_replica_itself_stops_and_counts_nothing_twice() -> None:
+    """A peer list naming this replica (the Kubernetes control plane's pods all get the same list):
+    the stream is refused with FAILED_PRECONDITION, the link stops for good and is no problem."""
+    asyncio.run(_itself())
+
+
+async def _itself() -> None:
+    store = _store()
+    links = PeerLinks([], store, replica="me")  # only for its id
+    servicer = PeerServicer(store, PeerLoads(store, _Clock(), stale_s=60.0), replica=links.replica)
+    sock = _short_socket_dir() / "grpc.sock"
+    server = GrpcServer(GrpcSettings(socket=sock))
+    server.add(servicer.add_to, "peers")
+    await server.start()
+    self_link = PeerLinks([f"unix:{sock}"], store, replica="me", limits=PeerLimits(flush_s=0.005))
+    a, _ = store.endpoints("chat")
+    a.in_flight = 4
+    try:
+        self_link.placed("chat", a.address, [5])
+        await self_link.start()
+        await asyncio.wait_for(asyncio.gather(*self_link._tasks), 10)  # the link's task ends by itself
+        (status,) = self_link.status()
+        assert status["itself"] and status["queued"] == 0 and self_link.problems() == []
+        assert a.peers == 0.0  # its own in-flight requests were not counted again as a peer's
+        self_link.placed("chat", a.address, [6])
+        assert self_link.status()[0]["queued"] == 0
+    finally:
+        await self_link.close()
         await server.stop(0)

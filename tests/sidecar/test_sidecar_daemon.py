@@ -137,7 +137,7 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
     cycle and the first whole publish; the publisher's problems are listed, never unready."""
 
     async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
-        assert daemon.adopt_published() == 0
+        assert daemon.restore() == (0, 0)
         assert daemon.not_ready() == ["first probe cycle not done"]
         await daemon.cycle()
         assert rec.calls[-1] == ("publish_all", "*")
@@ -155,21 +155,48 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
     assert [c for c in rec.calls if c[0] == "publish_all"] == [("publish_all", "*")]
 
 
+class _Service:
+    """The part of a `sidecar.outputs.service.Service` the daemon reads."""
+
+    name = "picker"
+
+    def __init__(self) -> None:
+        self.faults: list[str] = []
+        self.refusals: dict[tuple[str, str], int] = {}
+
+    def problems(self) -> list[str]:
+        return list(self.faults)
+
+    def refused(self) -> dict[tuple[str, str], int]:
+        return dict(self.refusals)
+
+
 def test_a_services_problems_are_listed_with_its_name_never_unready(tmp_path: Path, fleet: FleetHandle) -> None:
-    """A service added with `add_problem_source` (what sidecar.main does for every gRPC service it
+    """A service added with `add_service` (what sidecar.main does for every gRPC service it
     started) has its problems listed after the publisher's, prefixed with its name, in
-    `problems()` and the snapshot (/readyz's body, /state, the metric); readiness ignores them."""
-    faults: list[str] = []
+    `problems()` and the snapshot (/readyz's body, /state, the metric); readiness ignores them.
+    Its refusals are in the snapshot by (service, pool, class), and in the one shed counter."""
+    service = _Service()
 
     async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
-        daemon.add_problem_source("picker", lambda: list(faults))
+        daemon.add_service(service)  # type: ignore[arg-type]
         await daemon.cycle()
         assert daemon.problems() == []
-        faults.append("x")
+        service.faults.append("x")
         rec.broken.append("last chat update rejected")
         assert daemon.problems() == ["last chat update rejected", "picker: x"]
         assert daemon.view().problems == ("last chat update rejected", "picker: x")
         assert daemon.not_ready() == []
+        service.refusals[("chat", "sheddable")] = 3
+        assert daemon.view().refused == {("picker", "chat", "sheddable"): 3}
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from sidecar.serve.metrics import SidecarCollector
+
+        registry = CollectorRegistry()
+        registry.register(SidecarCollector(daemon.view))
+        text = generate_latest(registry).decode()
+        assert 'confgen_sidecar_shed_requests_total{class="sheddable",pool="chat",reason="picker"} 3.0' in text
 
     _run(tmp_path, fleet, body)
 

@@ -16,6 +16,7 @@ says nothing or cannot be reached). Pieces:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -132,7 +133,7 @@ class PickerService:
                                on_sent=self.metrics.peer_placements.labels(kind="sent").inc)
         self.metrics.peers_connected.set_function(self.links.connected)
         self.peers = PeerServicer(self.store, PeerLoads(self.store, wiring.clock, limits.stale_s),
-                                  self.metrics.observe_peer_batch)
+                                  self.metrics.observe_peer_batch, replica=self.links.replica)
         self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag,
                                        on_placed=self.links.placed if config.picker_peers else None)
 
@@ -152,6 +153,9 @@ class PickerService:
         # before the first fleet view every request is left to Envoy's own balancer: no problem; a
         # peer not reached is one (its conversations' placements are not shared while it lasts)
         return self.links.problems()
+
+    def refused(self) -> Mapping[tuple[str, str], int]:
+        return dict(self.metrics.refusals)
 
     async def close(self) -> None:
         await self.links.close()

@@ -113,6 +113,7 @@ class PickerMetrics:
                                        "peer replicas: sent, applied, skipped", ["kind"], registry=reg)
         self.peers_connected = Gauge("confgen_picker_peers_connected", "Peer replicas this picker streams to",
                                      registry=reg)
+        self.refusals: dict[tuple[str, str], int] = {}  # (pool, class) -> refused, as `refused` counts
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
@@ -123,6 +124,11 @@ class PickerMetrics:
         self._requested.inc(pick.prompt_blocks)
         self._matched.inc(pick.matched_blocks)
         self.latency.observe(seconds)
+
+    def observe_refused(self, pool: str, traffic_class: str) -> None:
+        self.refused.labels(pool=pool, **{"class": traffic_class}).inc()
+        key = (pool, traffic_class)
+        self.refusals[key] = self.refusals.get(key, 0) + 1
 
     def observe_peer_batch(self, applied: int, skipped: int) -> None:
         self.peer_placements.labels(kind="applied").inc(applied)

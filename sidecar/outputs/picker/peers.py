@@ -17,7 +17,11 @@ server and its one transport (a Unix socket in the private socket directory: a p
 sidecar's user; or mutual TLS: the peer presents the sidecar's own certificate, which the CA
 of `--grpc-client-ca` must sign, and is verified against that CA). A batch is one JSON object:
 
-    {"v": 1, "picks": [[pool, "ip:port", [hash, ...]], ...], "in_flight": {pool: {"ip:port": n}}}
+    {"v": 1, "replica": id, "picks": [[pool, "ip:port", [hash, ...]], ...], "in_flight": {pool: {"ip:port": n}}}
+
+`replica` is a random id each picker draws at start: a stream from the replica itself (a peer list
+that names every replica, as the Kubernetes render gives each control-plane pod, or a mistake) is
+ended with FAILED_PRECONDITION, and that link stops for good instead of counting its own load twice.
 
 Bounded both ways: a sender keeps at most `max_pending` placements per peer (the oldest are
 dropped and counted), sends at most `max_batch` of them a batch; a receiver refuses a batch
@@ -34,6 +38,7 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -67,15 +72,20 @@ class BatchError(ConfgenError):
     """A batch that breaks the format or its caps (the stream is ended)."""
 
 
+SELF = "this is the replica itself"
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
+    replica: str
     picks: tuple[tuple[str, str, tuple[int, ...]], ...]
     in_flight: Mapping[str, Mapping[str, int]]
 
 
-def encode(picks: Sequence[tuple[str, str, Sequence[int]]], in_flight: Mapping[str, Mapping[str, int]]) -> bytes:
-    return json.dumps({"v": 1, "picks": [[p, a, list(h)] for p, a, h in picks], "in_flight": in_flight},
-                      separators=(",", ":")).encode()
+def encode(replica: str, picks: Sequence[tuple[str, str, Sequence[int]]],
+           in_flight: Mapping[str, Mapping[str, int]]) -> bytes:
+    return json.dumps({"v": 1, "replica": replica, "picks": [[p, a, list(h)] for p, a, h in picks],
+                       "in_flight": in_flight}, separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Batch:
@@ -88,6 +98,9 @@ def decode(data: bytes) -> Batch:
         raise BatchError(f"not JSON: {exc}") from exc
     if not isinstance(raw, dict) or raw.get("v") != 1:
         raise BatchError("not a version-1 batch")
+    replica = raw.get("replica")
+    if not isinstance(replica, str) or not 0 < len(replica) <= 64:
+        raise BatchError("replica: a string of 1-64 characters")
     picks, flights = raw.get("picks", []), raw.get("in_flight", {})
     if not isinstance(picks, list) or len(picks) > MAX_PICKS:
         raise BatchError(f"picks: a list of at most {MAX_PICKS}")
@@ -113,7 +126,7 @@ def decode(data: bytes) -> Batch:
         if not all(isinstance(a, str) and type(n) is int and 0 <= n <= MAX_IN_FLIGHT for a, n in per.items()):
             raise BatchError(f"in_flight: counts are integers in 0..{MAX_IN_FLIGHT}")
         loads[pool] = per
-    return Batch(tuple(out), loads)
+    return Batch(replica, tuple(out), loads)
 
 
 class PeerLoads:
@@ -149,7 +162,9 @@ class PeerLoads:
 class PeerServicer:
     """The receiving side: each stream is one peer; its batches go into the datastore."""
 
-    def __init__(self, store: Datastore, loads: PeerLoads, on_batch: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, store: Datastore, loads: PeerLoads, on_batch: Callable[[int, int], None] | None = None,
+                 *, replica: str = "") -> None:
+        self.replica = replica  # this picker's own id: a stream carrying it is refused
         self._store = store
         self._loads = loads
         self._ids = itertools.count()
@@ -166,6 +181,8 @@ class PeerServicer:
                 except BatchError as exc:
                     log_event(_log, logging.WARNING, "picker.peer_refused", reason=str(exc))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"confgen picker peers: {exc}")
+                if batch.replica == self.replica:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"confgen picker peers: {SELF}")
                 applied = self._store.add_placements(batch.picks)
                 self._loads.set(stream, batch.in_flight)
                 if self._on_batch is not None:
@@ -199,13 +216,16 @@ class _Link:
     dropped: int = 0
     connected: bool = False
     error: str | None = None
+    itself: bool = False  # the target is this replica: stopped, never a problem
 
 
 class PeerLinks:
     """The sending side: one stream to each peer target, fed by `placed` (called on every pick)."""
 
     def __init__(self, targets: Sequence[str], store: Datastore, *, tls: TlsFiles | None = None,
-                 limits: PeerLimits | None = None, on_sent: Callable[[int], None] | None = None) -> None:
+                 limits: PeerLimits | None = None, on_sent: Callable[[int], None] | None = None,
+                 replica: str | None = None) -> None:
+        self.replica = replica or secrets.token_hex(8)
         self.limits = limits or PeerLimits()
         self._links = [_Link(t) for t in targets]
         self._store = store
@@ -218,6 +238,8 @@ class PeerLinks:
 
     def placed(self, pool: str, address: str, hashes: Sequence[int]) -> None:
         for link in self._links:
+            if link.itself:
+                continue
             if len(link.pending) >= self.limits.max_pending:
                 link.pending.popleft()
                 link.dropped += 1
@@ -225,11 +247,11 @@ class PeerLinks:
 
     def status(self) -> list[dict[str, Any]]:
         return [{"target": ln.target, "connected": ln.connected, "queued": len(ln.pending), "dropped": ln.dropped,
-                 "error": ln.error} for ln in self._links]
+                 "error": ln.error, "itself": ln.itself} for ln in self._links]
 
     def problems(self) -> list[str]:
         return [f"picker peer {ln.target}: not connected ({ln.error or 'connecting'})"
-                for ln in self._links if not ln.connected]
+                for ln in self._links if not ln.connected and not ln.itself]
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run(ln), name=f"picker-peer {ln.target}") for ln in self._links]
@@ -267,10 +289,16 @@ class PeerLinks:
                     await call(self._batches(link))
             except (grpc.aio.AioRpcError, TimeoutError, OSError, ValueError) as exc:
                 link.error = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                link.itself = (isinstance(exc, grpc.aio.AioRpcError)
+                               and exc.code() == grpc.StatusCode.FAILED_PRECONDITION and SELF in (exc.details() or ""))
             finally:
-                if link.connected:
+                if link.connected and not link.itself:
                     log_event(_log, logging.WARNING, "picker.peer_lost", target=link.target, error=link.error)
                 link.connected = False
+            if link.itself:
+                link.pending.clear()
+                log_event(_log, logging.INFO, "picker.peer_is_self", target=link.target)
+                return
             if time.monotonic() - started > limits.backoff_s[1]:
                 delay = limits.backoff_s[0]  # it held a while: start the backoff again
             await asyncio.sleep(delay)
@@ -283,7 +311,7 @@ class PeerLinks:
             picks = [link.pending.popleft() for _ in range(n)]
             if n and self._on_sent is not None:
                 self._on_sent(n)
-            yield encode(picks, self._store.own_in_flight())
+            yield encode(self.replica, picks, self._store.own_in_flight())
             await asyncio.sleep(limits.flush_s if not link.pending else 0)
 
 

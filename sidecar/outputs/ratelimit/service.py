@@ -33,7 +33,7 @@ import logging
 import math
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -188,6 +188,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     def update(self, fleet: Snapshot) -> None:
         """Budgets do not depend on the fleet's health; the topology is read per request."""
+
+    def refused(self) -> Mapping[tuple[str, str], int]:
+        return {}  # its 429s are budgets spent (confgen_ratelimit_*), not overload
 
     def problems(self) -> list[str]:
         """Nothing: with its store down the service still answers (fail open, or 429 for
