@@ -134,7 +134,7 @@ PICKER = TOPOLOGY.replace('    balancing: {policy: least_request}  # the picker\
 def test_the_control_plane_serves_the_picker_over_mtls() -> None:
     """A prefix_affinity pool: the control plane runs the endpoint picker beyond loopback with the xds Secret's
     certificate as its gRPC certificate (its flags parse into mTLS), exposes it on the headless Service, and the
-    NetworkPolicy admits that port from the Envoy pods only; the Envoys' bootstrap needs nothing new (the picker's
+    NetworkPolicy admits that port from the Envoy pods and, for the replicas' pickers as peers, its own pods; the Envoys' bootstrap needs nothing new (the picker's
     cluster, with its TLS context to the control plane's names, comes over ADS)."""
     from confgen import envoy as envoy_render
 
@@ -152,10 +152,15 @@ def test_the_control_plane_serves_the_picker_over_mtls() -> None:
     assert {"name": "grpc", "containerPort": 9300} in container["ports"]
     svc = by[("Service", "confgen-fleet-xds")]["spec"]
     assert {"name": "grpc", "port": 9300, "targetPort": "grpc", "appProtocol": "grpc"} in svc["ports"]
-    grpc_rule, metrics_rule = by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"]
+    grpc_rule, peer_rule, metrics_rule = by[("NetworkPolicy", "confgen-fleet-xds")]["spec"]["ingress"]
     assert grpc_rule["ports"] == [{"protocol": "TCP", "port": 18000}, {"protocol": "TCP", "port": 9300}]
     assert grpc_rule["from"] == [{"podSelector": {"matchLabels": by[("Deployment", "confgen-fleet")]["spec"][
         "selector"]["matchLabels"]}}]
+    # the replicas' pickers are peers: the picker's port (only) from the control plane's own pods
+    assert peer_rule["ports"] == [{"protocol": "TCP", "port": 9300}]
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": by[("StatefulSet", "confgen-fleet-xds")]["spec"][
+        "selector"]["matchLabels"]}}]
+    assert config.picker_peers and all(t.endswith(":9300") for t in config.picker_peers)
     assert metrics_rule["ports"] == [{"protocol": "TCP", "port": 9109}]
     # What the control plane serves the Envoys: the picker at its per-pod names, over mTLS with the Envoys'
     # certificate (mounted by the Deployment for ADS already).
