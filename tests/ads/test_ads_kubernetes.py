@@ -134,7 +134,8 @@ PICKER = TOPOLOGY.replace('    balancing: {policy: least_request}  # the picker\
 def test_the_control_plane_serves_the_picker_over_mtls() -> None:
     """A prefix_affinity pool: the control plane runs the endpoint picker beyond loopback with the xds Secret's
     certificate as its gRPC certificate (its flags parse into mTLS), exposes it on the headless Service, and the
-    NetworkPolicy admits that port from the Envoy pods and, for the replicas' pickers as peers, its own pods; the Envoys' bootstrap needs nothing new (the picker's
+    NetworkPolicy admits that port from the Envoy pods and, for the replicas' pickers as peers, its own pods;
+    the Envoys' bootstrap needs nothing new (the picker's
     cluster, with its TLS context to the control plane's names, comes over ADS)."""
     from confgen import envoy as envoy_render
 

@@ -407,7 +407,7 @@ def test_the_control_plane_replicas_pickers_are_each_others_peers() -> None:
     two = ADS.replace("servers: [confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000]",
                       "servers: [confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000, "
                       "confgen-fleet-xds-1.confgen-fleet-xds.inference.svc:18000]")
-    ads, diags = parse_topology(two.encode(), "ads.yaml")
+    ads, _ = parse_topology(two.encode(), "ads.yaml")
     docs = docs_of(render_kubernetes(ads))
     args = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     config = from_argv(args)
