@@ -230,13 +230,15 @@ def test_peers_over_mutual_tls_and_a_stranger_is_refused_at_the_handshake(tmp_pa
     files = TlsFiles(own.cert, own.key, ca.cert)
     stranger_ca = CertAuthority.create(tmp_path / "other", name="other-ca")
     stranger = stranger_ca.issue("sidecar", ["IP:127.0.0.1"])
-    asyncio.run(_over_mtls(files, TlsFiles(stranger.cert, stranger.key, stranger_ca.cert)))
+    envoy = ca.issue("envoy", ["DNS:envoy"])  # signed by the same CA: may call the picker, not share
+    asyncio.run(_over_mtls(files, TlsFiles(stranger.cert, stranger.key, stranger_ca.cert),
+                           TlsFiles(envoy.cert, envoy.key, ca.cert)))
 
 
-async def _over_mtls(files: object, stranger: object) -> None:
+async def _over_mtls(files: object, stranger: object, envoy: object) -> None:
     from sidecar.config.tls import TlsFiles
 
-    assert isinstance(files, TlsFiles) and isinstance(stranger, TlsFiles)
+    assert isinstance(files, TlsFiles) and isinstance(stranger, TlsFiles) and isinstance(envoy, TlsFiles)
     receiver = _store()
     got = asyncio.Event()
 
@@ -244,16 +246,30 @@ async def _over_mtls(files: object, stranger: object) -> None:
         if applied:
             got.set()
 
-    servicer = PeerServicer(receiver, PeerLoads(receiver, _Clock(), stale_s=60.0), on_batch)
+    refused = asyncio.Event()
+
+    class Servicer(PeerServicer):
+        async def _is_replica(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> bool:
+            ok = await super()._is_replica(context)
+            if not ok:
+                refused.set()
+            return ok
+
+    servicer = Servicer(receiver, PeerLoads(receiver, _Clock(), stale_s=60.0), on_batch, own_cert=files.cert)
     server = GrpcServer(GrpcSettings("127.0.0.1", 0, tls=files))
     server.add(servicer.add_to, "peers")
     port = await server.start()
     fast = PeerLimits(flush_s=0.005, connect_timeout_s=1.0, backoff_s=(0.05, 0.2))
     bad = PeerLinks([f"127.0.0.1:{port}"], _store(), tls=stranger, limits=fast)
     good = PeerLinks([f"127.0.0.1:{port}"], _store(), tls=files, limits=fast)
+    impostor = PeerLinks([f"127.0.0.1:{port}"], _store(), tls=envoy, limits=fast)
     try:
         bad.placed("chat", "10.0.0.2:8000", [41])
         await bad.start()
+        impostor.placed("chat", "10.0.0.2:8000", [51])
+        a, _ = impostor._store.endpoints("chat")
+        a.in_flight = 9
+        await impostor.start()
         good.placed("chat", "10.0.0.1:8000", [31, 32])
         await good.start()
         await asyncio.wait_for(got.wait(), 10)
@@ -261,7 +277,11 @@ async def _over_mtls(files: object, stranger: object) -> None:
         assert ra.index.match([31, 32]) == 2
         assert rb.index.match([41]) == 0 and bad.connected() == 0  # the stranger never got a stream
         assert bad.problems() and good.problems() == []
+        # the Envoy's certificate: connected (the CA signs it), refused at the stream, nothing moved
+        await asyncio.wait_for(refused.wait(), 10)
+        assert rb.index.match([51]) == 0 and ra.peers == 0.0
     finally:
+        await impostor.close()
         await bad.close()
         await good.close()
         await server.stop(0)
@@ -296,3 +316,4 @@ async def _itself() -> None:
     finally:
         await self_link.close()
         await server.stop(0)
+

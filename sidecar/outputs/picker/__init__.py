@@ -133,7 +133,8 @@ class PickerService:
                                on_sent=self.metrics.peer_placements.labels(kind="sent").inc)
         self.metrics.peers_connected.set_function(self.links.connected)
         self.peers = PeerServicer(self.store, PeerLoads(self.store, wiring.clock, limits.stale_s),
-                                  self.metrics.observe_peer_batch, replica=self.links.replica)
+                                  self.metrics.observe_peer_batch, replica=self.links.replica,
+                                  own_cert=config.grpc_tls.cert if config.grpc_tls is not None else None)
         self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag,
                                        on_placed=self.links.placed if config.picker_peers else None)
 

@@ -23,6 +23,10 @@ of `--grpc-client-ca` must sign, and is verified against that CA). A batch is on
 that names every replica, as the Kubernetes render gives each control-plane pod, or a mistake) is
 ended with FAILED_PRECONDITION, and that link stops for good instead of counting its own load twice.
 
+Over mTLS a peer must present this sidecar's own certificate (the same leaf: the replicas share
+one Secret); an Envoy's certificate, which the same CA signs, may call the picker but is refused
+here (PERMISSION_DENIED). Over the Unix socket only the sidecar's user can connect.
+
 Bounded both ways: a sender keeps at most `max_pending` placements per peer (the oldest are
 dropped and counted), sends at most `max_batch` of them a batch; a receiver refuses a batch
 over `MAX_BATCH_BYTES` or with more than `MAX_PICKS` placements, `MAX_HASHES` hashes a placement
@@ -163,8 +167,12 @@ class PeerServicer:
     """The receiving side: each stream is one peer; its batches go into the datastore."""
 
     def __init__(self, store: Datastore, loads: PeerLoads, on_batch: Callable[[int, int], None] | None = None,
-                 *, replica: str = "") -> None:
+                 *, replica: str = "", own_cert: Path | None = None) -> None:
         self.replica = replica  # this picker's own id: a stream carrying it is refused
+        # over mTLS, a peer presents this sidecar's own certificate (the replicas share one, as a
+        # StatefulSet's or a Deployment's pods do): any other certificate the CA signs (an Envoy's)
+        # may call the picker, never move its index or its loads
+        self._own_cert = own_cert
         self._store = store
         self._loads = loads
         self._ids = itertools.count()
@@ -172,6 +180,10 @@ class PeerServicer:
         self.streams = 0
 
     async def share(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        if self._own_cert is not None and not await self._is_replica(context):
+            log_event(_log, logging.WARNING, "picker.peer_refused", reason="not this sidecar's certificate")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "confgen picker peers: a peer presents this sidecar's own certificate")
         stream = next(self._ids)
         self.streams += 1
         try:
@@ -191,6 +203,16 @@ class PeerServicer:
             self.streams -= 1
             self._loads.drop(stream)
         return b""
+
+    async def _is_replica(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> bool:
+        """Whether the caller's certificate is this sidecar's own (read again per stream: renewals)."""
+        assert self._own_cert is not None
+        presented = list((context.auth_context() or {}).get("x509_pem_cert") or [b""])
+        try:
+            own = await asyncio.to_thread(self._own_cert.read_bytes)
+        except OSError:
+            return False
+        return _leaf(presented[0]) == _leaf(own) != b""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         handler = grpc.method_handlers_generic_handler(SERVICE, {
@@ -317,3 +339,13 @@ class PeerLinks:
 
 def _read_all(paths: Sequence[Path]) -> list[bytes]:
     return [Path(p).read_bytes() for p in paths]
+
+
+def _leaf(pem: bytes) -> bytes:
+    """The first certificate of a PEM chain, whitespace removed (b"" when there is none)."""
+    begin, end = b"-----BEGIN CERTIFICATE-----", b"-----END CERTIFICATE-----"
+    start = pem.find(begin)
+    stop = pem.find(end, start + 1)
+    if start < 0 or stop < 0:
+        return b""
+    return b"".join(pem[start:stop + len(end)].split())
