@@ -174,16 +174,6 @@ def _pod_gaps(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
     if "kubernetes" in sections and not topo.kubernetes.redis:
         for path, message in loopback_store(topo):
             yield path, message, WARNING
-    replicas = topo.kubernetes.replicas
-    picked = [p.name for p in topo.pools if uses_picker(topo, p)]
-    if "kubernetes" in sections and topo.envoy.xds.mode == "files" and replicas > 1 and picked:
-        yield ("kubernetes.replicas",
-               f"{replicas} proxy pods each run their own endpoint picker for {', '.join(picked)}: each knows only "
-               "the requests through its own Envoy, so a conversation whose turns reach two pods loses its "
-               "prefix-cache hits (two pickers alone hit 60 % of prompt tokens where peers hit 87 %, "
-               "bench/results/two-pickers-peers). One control plane picks for every Envoy with envoy.xds.mode: "
-               "ads; the render does not wire --picker-peer across pods (it needs mTLS between the sidecars)",
-               Severity.NOTE)
 
 
 def _port_clashes(topo: Topology) -> Iterator[Finding]:

@@ -248,14 +248,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
-    """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why."""
-    from .balancing import AUTO, POLICIES, choose
+    """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why; and where
+    the Kubernetes proxy pods (a `kubernetes:` section set, file mode) would each pick alone."""
+    from .balancing import AUTO, POLICIES, choose, uses_picker
+    from .model import Kubernetes
 
     notes = []
     for index, pool in enumerate(topo.pools):
         choice = choose(topo, pool)
         if pool.balancing.policy == AUTO and not POLICIES[choice.policy].picker:
             notes.append((f"pools[{index}].balancing.policy", choice.reason))
+    replicas = topo.kubernetes.replicas
+    picked = [p.name for p in topo.pools if uses_picker(topo, p)]
+    if topo.kubernetes != Kubernetes() and topo.envoy.xds.mode == "files" and replicas > 1 and picked:
+        notes.append(("kubernetes.replicas",
+                      f"{replicas} proxy pods each run their own endpoint picker for {', '.join(picked)}: each knows "
+                      "only the requests through its own Envoy, so a conversation whose turns reach two pods loses "
+                      "its prefix-cache hits (two pickers alone hit 60 % of prompt tokens where peers hit 87 %, "
+                      "bench/results/two-pickers-peers). One control plane picks for every Envoy with "
+                      "envoy.xds.mode: ads; the render does not wire --picker-peer across pods (it needs mTLS "
+                      "between the sidecars)"))
     return notes
 
 

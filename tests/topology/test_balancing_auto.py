@@ -131,17 +131,18 @@ def test_the_canonical_topology_keeps_auto_implicit_and_writes_a_named_policy() 
 
 def test_validate_notes_that_several_proxy_pods_each_pick_alone(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """A `kubernetes:` section with 2 proxy pods in file mode: each pod's picker knows only its own
-    requests; validate says so as a note (never a failure), and not for 1 pod or for ADS."""
+    """A `kubernetes:` section (one that sets something: a real one sets at least its image) with 2
+    proxy pods in file mode: each pod's picker knows only its own requests; validate says so as a
+    note (never a failure; render and the loader say nothing), and not for 1 pod or without a picker."""
     path = tmp_path / "t.yaml"
-    path.write_text(_text(top="kubernetes: {replicas: 2}\n"))
+    path.write_text(_text(top="kubernetes: {namespace: inference, replicas: 2}\n"))
     assert main(["validate", "--strict", str(path)]) == 0
     out = capsys.readouterr().out
     assert "kubernetes.replicas: note: 2 proxy pods each run their own endpoint picker for chat" in out
     assert "envoy.xds.mode: ads" in out
-    path.write_text(_text(top="kubernetes: {replicas: 1}\n"))
+    path.write_text(_text(top="kubernetes: {namespace: inference, replicas: 1}\n"))
     assert main(["validate", str(path)]) == 0
     assert "kubernetes.replicas" not in capsys.readouterr().out
-    path.write_text(_text(engine="openai", top="kubernetes: {replicas: 3}\n"))  # no picker pool: nothing to say
+    path.write_text(_text(engine="openai", top="kubernetes: {namespace: inference, replicas: 3}\n"))  # no picker pool: nothing to say
     assert main(["validate", str(path)]) == 0
     assert "kubernetes.replicas" not in capsys.readouterr().out
