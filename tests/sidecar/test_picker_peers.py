@@ -211,11 +211,13 @@ async def _broken() -> None:
 
 
 def test_an_unreachable_peer_is_a_problem_and_its_queue_is_bounded() -> None:
-    links = PeerLinks(["unix:/nonexistent/grpc.sock"], _store(), limits=PeerLimits(max_pending=3))
+    dropped: list[int] = []
+    links = PeerLinks(["unix:/nonexistent/grpc.sock"], _store(), limits=PeerLimits(max_pending=3),
+                      on_dropped=lambda: dropped.append(1))
     for i in range(5):
         links.placed("chat", "10.0.0.1:8000", [i])
     (status,) = links.status()
-    assert status["queued"] == 3 and status["dropped"] == 2
+    assert status["queued"] == 3 and status["dropped"] == 2 and len(dropped) == 2
     assert links.problems() == ["picker peer unix:/nonexistent/grpc.sock: not connected (connecting)"]
 
 

@@ -143,6 +143,7 @@ def test_validate_notes_that_several_proxy_pods_each_pick_alone(tmp_path: Path,
     path.write_text(_text(top="kubernetes: {namespace: inference, replicas: 1}\n"))
     assert main(["validate", str(path)]) == 0
     assert "kubernetes.replicas" not in capsys.readouterr().out
-    path.write_text(_text(engine="openai", top="kubernetes: {namespace: inference, replicas: 3}\n"))  # no picker pool: nothing to say
+    # no picker pool: nothing to say
+    path.write_text(_text(engine="openai", top="kubernetes: {namespace: inference, replicas: 3}\n"))
     assert main(["validate", str(path)]) == 0
     assert "kubernetes.replicas" not in capsys.readouterr().out

@@ -130,7 +130,8 @@ class PickerService:
         limits = peer_limits or PeerLimits()
         config = wiring.config
         self.links = PeerLinks(config.picker_peers, self.store, tls=config.grpc_tls, limits=limits,
-                               on_sent=self.metrics.peer_placements.labels(kind="sent").inc)
+                               on_sent=self.metrics.peer_placements.labels(kind="sent").inc,
+                               on_dropped=self.metrics.peer_placements.labels(kind="dropped").inc)
         self.metrics.peers_connected.set_function(self.links.connected)
         self.peers = PeerServicer(self.store, PeerLoads(self.store, wiring.clock, limits.stale_s),
                                   self.metrics.observe_peer_batch, replica=self.links.replica,

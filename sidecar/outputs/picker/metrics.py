@@ -30,8 +30,9 @@
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
     confgen_picker_peer_placements_total{kind}  placements shared with the peer replicas (peers.py): sent
-                                                (per peer), applied (received, into an index), skipped
-                                                (received, naming an endpoint this replica does not hold)
+                                                (per peer), dropped (per peer, its queue full while its
+                                                stream was down), applied (received, into an index),
+                                                skipped (received, naming an endpoint this replica does not hold)
     confgen_picker_peers_connected              peer replicas this picker streams to now (of --picker-peer)
 
 Envoy counts what the picker cannot see (its calls that failed or timed out and fell back
@@ -110,7 +111,7 @@ class PickerMetrics:
         self.ratio = Histogram("confgen_picker_prediction_ratio", "Observed / predicted time per request",
                                ["pool"], buckets=_RATIO_BUCKETS, registry=reg)
         self.peer_placements = Counter("confgen_picker_peer_placements", "Placements shared with the picker's "
-                                       "peer replicas: sent, applied, skipped", ["kind"], registry=reg)
+                                       "peer replicas: sent, dropped, applied, skipped", ["kind"], registry=reg)
         self.peers_connected = Gauge("confgen_picker_peers_connected", "Peer replicas this picker streams to",
                                      registry=reg)
         self.refusals: dict[tuple[str, str], int] = {}  # (pool, class) -> refused, as `refused` counts

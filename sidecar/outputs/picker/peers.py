@@ -246,13 +246,14 @@ class PeerLinks:
 
     def __init__(self, targets: Sequence[str], store: Datastore, *, tls: TlsFiles | None = None,
                  limits: PeerLimits | None = None, on_sent: Callable[[int], None] | None = None,
-                 replica: str | None = None) -> None:
+                 on_dropped: Callable[[], None] | None = None, replica: str | None = None) -> None:
         self.replica = replica or secrets.token_hex(8)
         self.limits = limits or PeerLimits()
         self._links = [_Link(t) for t in targets]
         self._store = store
         self._tls = tls
         self._on_sent = on_sent
+        self._on_dropped = on_dropped
         self._tasks: list[asyncio.Task[None]] = []
 
     def connected(self) -> int:
@@ -265,6 +266,8 @@ class PeerLinks:
             if len(link.pending) >= self.limits.max_pending:
                 link.pending.popleft()
                 link.dropped += 1
+                if self._on_dropped is not None:
+                    self._on_dropped()
             link.pending.append((pool, address, hashes))
 
     def status(self) -> list[dict[str, Any]]:
