@@ -350,11 +350,20 @@ def test_upstream_refused_by_nginx_t_is_reported_and_the_old_file_kept(tmp_path:
         assert any('invalid parameter "max_fails=x' in line for line in refused[0]["errors"]), refused
         assert "chat" in json.loads(rig.sidecar.get("/readyz")[1])["problems"][0]
         # b's crash may be seen in two steps (failing, then ejected): two different candidates,
-        # each tested once. Once b's state settles, the same refused candidate is not retested.
-        time.sleep(2 * INTERVAL)
+        # each tested once. Once b's state settles (UNHEALTHY, and whole cycles after that have
+        # rendered it), the same refused candidate is not retested: counted in the sidecar's own
+        # cycles, not by the clock (a loaded machine runs fewer cycles per second; CI failed on
+        # settled 1.0 then 2.0 with the sleeps).
+        def cycles() -> int:
+            return int(rig.sidecar.state()["cycles"])
+
+        assert poll(lambda: rig.sidecar.endpoint(pb)["status"] == "UNHEALTHY", timeout=15)
+        ejected_at = cycles()
+        assert poll(lambda: cycles() >= ejected_at + 2, timeout=15)
         settled = rig.metric(failures)
         assert settled <= 2.0
-        time.sleep(4 * INTERVAL)  # several cycles render the same refused candidate
+        seen = cycles()
+        assert poll(lambda: cycles() >= seen + 4, timeout=20)  # cycles render the same refused candidate
         assert rig.metric(failures) == settled
         assert rig.upstream.read_bytes() == original
         assert not list(rig.upstream.parent.glob(".*"))  # no candidate left behind
