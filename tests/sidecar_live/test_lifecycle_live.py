@@ -84,9 +84,14 @@ def test_topology_edit_reaches_envoy_and_broken_edit_keeps_old_config(tmp_path: 
         configmap_publish(tmp_path / "cm", edited)
         assert poll(lambda: rig.envoy_host(pc).get("health_flags") == "healthy", timeout=5, interval=0.1)
         assert poll(lambda: rig.envoy_host(pa) == {}, timeout=3)
-        cds = json.loads((rig.xds_dir / "cds.json").read_text())
-        chat = next(c for c in cds["resources"] if c["name"] == "chat")
-        assert chat["circuit_breakers"]["thresholds"][0]["max_requests"] == 64  # safety cap: 4 x (2 x 8)
+        # the tree is written file by file (EDS before CDS, envoy.layout.write_rank): Envoy may show
+        # c from the new EDS a moment before cds.json is replaced (CI read the old cap, 32, there)
+        def cap() -> int:
+            cds = json.loads((rig.xds_dir / "cds.json").read_text())
+            chat = next(c for c in cds["resources"] if c["name"] == "chat")
+            return int(chat["circuit_breakers"]["thresholds"][0]["max_requests"])
+
+        assert poll(lambda: cap() == 64, timeout=5), cap()  # safety cap: 4 x (2 x 8)
         assert poll(lambda: {name for _, name in (rig.send() for _ in range(6))} == {"b", "c"}, timeout=5)
         metrics = rig.sidecar.metrics()
         assert f'address="127.0.0.1:{pa}"' not in metrics
