@@ -401,3 +401,13 @@ def test_the_prefix_index_costs_what_its_docstring_says() -> None:
     for _ in range(100):  # a hot prefix stays while the cold ones go
         lru.add(hot[:8] + [rng.getrandbits(64) for _ in range(248)])
     assert lru.match(hot) >= 8
+
+
+def test_the_refusals_a_service_reports_are_read_from_its_counter() -> None:
+    """`PickerService.refused` (the daemon's reason="picker" in confgen_sidecar_shed_requests_total)
+    is what confgen_picker_refused_total counted, by (pool, class): one count, not a copy kept beside it."""
+    metrics = PickerMetrics(None)
+    assert metrics.refusals() == {}
+    for pool, cls in (("chat", "standard"), ("chat", "standard"), ("chat", "sheddable"), ("big", "standard")):
+        metrics.refused.labels(pool=pool, **{"class": cls}).inc()
+    assert metrics.refusals() == {("chat", "standard"): 2, ("chat", "sheddable"): 1, ("big", "standard"): 1}

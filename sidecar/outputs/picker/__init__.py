@@ -157,7 +157,7 @@ class PickerService:
         return self.links.problems()
 
     def refused(self) -> Mapping[tuple[str, str], int]:
-        return dict(self.metrics.refusals)
+        return self.metrics.refusals()
 
     async def close(self) -> None:
         await self.links.close()

@@ -263,7 +263,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class,
                                             saturated=self.store.saturated(pool)), self.store.endpoints(pool))
         if pick.refused_for_s is not None:
-            self.metrics.observe_refused(pool, traffic_class)
+            self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
             st.phase = Phase.CLOSED  # the proxy answers and ends the stream
             return _overloaded(pick.refused_for_s)
         if not pick.endpoints:

@@ -114,7 +114,6 @@ class PickerMetrics:
                                        "peer replicas: sent, dropped, applied, skipped", ["kind"], registry=reg)
         self.peers_connected = Gauge("confgen_picker_peers_connected", "Peer replicas this picker streams to",
                                      registry=reg)
-        self.refusals: dict[tuple[str, str], int] = {}  # (pool, class) -> refused, as `refused` counts
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
@@ -126,10 +125,10 @@ class PickerMetrics:
         self._matched.inc(pick.matched_blocks)
         self.latency.observe(seconds)
 
-    def observe_refused(self, pool: str, traffic_class: str) -> None:
-        self.refused.labels(pool=pool, **{"class": traffic_class}).inc()
-        key = (pool, traffic_class)
-        self.refusals[key] = self.refusals.get(key, 0) + 1
+    def refusals(self) -> dict[tuple[str, str], int]:
+        """What `refused` counted so far, by (pool, class)."""
+        return {(s.labels["pool"], s.labels["class"]): int(s.value)
+                for family in self.refused.collect() for s in family.samples if s.name.endswith("_total")}
 
     def observe_peer_batch(self, applied: int, skipped: int) -> None:
         self.peer_placements.labels(kind="applied").inc(applied)
