@@ -146,7 +146,7 @@ def _check_peer(target: str, tls: bool, plaintext_loopback: bool) -> None:
                               "or HOST:PORT with them")
         return
     host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"--picker-peer {target}: expected unix:PATH or HOST:PORT")
     if not tls and not (plaintext_loopback and is_loopback(host.strip("[]"))):
         raise ConfigError(f"--picker-peer {target}: a peer over TCP needs --grpc-tls-cert/--grpc-tls-key/"

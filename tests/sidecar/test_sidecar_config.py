@@ -82,6 +82,7 @@ def test_overrides() -> None:
     (["--picker-peer", "unix:"], "--picker-peer unix:: give unix:PATH"),
     (["--picker-peer", "peer"], "--picker-peer peer: expected unix:PATH or HOST:PORT"),
     (["--picker-peer", "peer:99999"], "expected unix:PATH or HOST:PORT"),
+    (["--picker-peer", "peer:\u00b2"], "expected unix:PATH or HOST:PORT"),  # int("²") raised: ASCII digits only
 ])
 def test_impossible_values_are_config_errors(args: list[str], message: str) -> None:
     """A value of the right type but an impossible meaning raises ConfigError naming it."""
