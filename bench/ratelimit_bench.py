@@ -11,6 +11,15 @@ admitted); the difference of the two halves' end-to-end percentiles is the check
 Also reported: Envoy's own counts of checks that errored or timed out (failure_mode_allowed:
 admitted uncounted) and the sidecar's CPU seconds per round.
 
+Flood (`--flood 500,1000`): 3 Envoys + 3 sidecars as shipped (default flags and timeouts) on one
+Redis and one fleet; one key with a budget of 60 requests an hour sends `--flood-requests` requests
+at each rate over the three Envoys in turn, `--flood-runs` times (a fresh Redis each run). Admitted
+must stay within the budget + the documented fail-open bound (each sidecar's local floor, the
+budget / limits.store.envoys, per window); reported beside it: Redis's own count, the sidecars'
+floor decisions for that key (confgen_sidecar_ratelimit_fail_open_total), the Envoys' checks that
+failed open (failure_mode_allowed: no sidecar answer in time, not bounded), the achieved rate and
+the answers' P50/P99.
+
 Outage: tests.sidecar_live's 3-Envoy rig, a key at 5 requests/s under 20 requests/s, Redis
 killed for `--outage` seconds and started again (empty).
 """
@@ -75,6 +84,52 @@ def latency(rate: float, count: int, rounds: int, workdir: Path) -> dict[str, An
     return result
 
 
+FLOOD_KEY = "reqh"  # 60 requests an hour (tests.sidecar_live.glimits.CLIENTS)
+FLOOD_BUDGET = 60
+
+
+def flood(rate: float, count: int, run: int, workdir: Path) -> dict[str, Any]:
+    """One flood of `count` requests at `rate` on the 60/hour key over 3 Envoys as shipped."""
+    from tests.sidecar_live.glimits import sidecar_metric, wait_for_window
+
+    wait_for_window(count / rate + 30, window=3600, timeout=120)  # one hour window for the whole run
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    headers = {"authorization": f"Bearer {KEYS[FLOOD_KEY]}", "content-type": "application/json"}
+    job = {"targets": None, "path": "/v1/completions", "deadline_s": count / rate + 5, "timeout_s": 10,
+           "max_in_flight": 1000, "requests": [{"i": i, "t": i / rate, "body": body, "headers": headers}
+                                               for i in range(count)]}
+    name = f"flood-{int(rate)}-{run}"
+    with global_rig(workdir / name, envoys=3, check_timeout=None, store_timeout=None, sidecar_args=(),
+                    decode_ms=0.5) as rig:
+        urls = [f"http://127.0.0.1:{pair.port}" for pair in rig.pairs]
+        before = [pair.envoy.stats() for pair in rig.pairs]
+        proc, path = loadgen.start(job, workdir, name)
+        loadgen.go(proc, urls)
+        records = loadgen.collect(proc, path, count / rate + 60)
+        after = [pair.envoy.stats() for pair in rig.pairs]
+        failed_open = sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
+                          for k in a if k.endswith("ratelimit.confgen_global.failure_mode_allowed"))
+        errors = sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
+                     for k in a if k.endswith("ratelimit.confgen_global.error"))
+        floor = sidecar_metric(rig, "confgen_sidecar_ratelimit_fail_open_total", f'client="{FLOOD_KEY}"')
+        counted = rig.counted(f"client/{FLOOD_KEY}/0")
+    statuses = [r["status"] for r in records]
+    sent = [r for r in records if r["start"] is not None]
+    span = (max(r["start"] for r in sent) - min(r["start"] for r in sent)) if len(sent) > 1 else 0.0
+    latencies = [(r["end"] - r["sched"]) * 1000 for r in records if r["end"] is not None and r["status"] in (200, 429)]
+    envoys_in_store = 2  # limits.store.envoys left at its default: the floor is budget / 2 per sidecar
+    bound = FLOOD_BUDGET + 3 * max(1, FLOOD_BUDGET // envoys_in_store)
+    achieved = round(len(sent) / span, 1) if span else None
+    result = {"rate": rate, "requests": count, "run": run, "achieved_rate": achieved,
+              "admitted": statuses.count(200), "refused": statuses.count(429),
+              "other": sum(1 for s in statuses if s not in (200, 429)), "redis_counted": counted,
+              "floor_decisions_for_the_key": floor, "envoy_checks_failed_open": failed_open,
+              "envoy_check_errors": errors, "budget": FLOOD_BUDGET, "bound_with_floors": bound,
+              "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99)}
+    print(f"flood {rate:.0f} req/s run {run}: {result}", flush=True)
+    return result
+
+
 def sse_cost(rate: float, count: int, workdir: Path, max_tokens: int = 64) -> dict[str, Any]:
     """What reading the usage costs a stream: two Envoys on one fleet, the same clients, one
     with token budgets in its topology (json_to_metadata response rules + sse_to_metadata on
@@ -134,6 +189,9 @@ def main() -> int:
     parser.add_argument("--outage", type=float, default=10.0)
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--sse", type=int, default=0, metavar="N", help="also N streams for the usage filters' cost")
+    parser.add_argument("--flood", default="", metavar="RATES", help="comma-separated flood rates, e.g. 500,1000")
+    parser.add_argument("--flood-requests", type=int, default=5000)
+    parser.add_argument("--flood-runs", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="confgen-rl-bench-") as tmp:
@@ -142,6 +200,9 @@ def main() -> int:
             result["latency"] = latency(args.rate, args.requests, args.rounds, Path(tmp))
         if args.sse:
             result["sse"] = sse_cost(40.0, args.sse, Path(tmp))
+        if args.flood:
+            result["flood"] = [flood(float(rate), args.flood_requests, run, Path(tmp))
+                               for rate in args.flood.split(",") for run in range(args.flood_runs)]
         if args.outage > 0:
             result["outage"] = outage(args.outage, Path(tmp))
     text = json.dumps(result, indent=2)
