@@ -32,11 +32,12 @@ from confgen.envoy.eds import static_weight
 from confgen.model import Balancing
 from confgen.simulate import BatchEngine, LatencyModel
 from sidecar.config import SidecarConfig
-from sidecar.decide.hysteresis import HysteresisPolicy, gate
-from sidecar.decide.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.decide.hysteresis import HysteresisPolicy
+from sidecar.decide.weights import Trend, WeightPolicy
 from sidecar.observe.engines import LoadSample
 
 from ._fleets import DECODE_GROWTH, KV_CACHE_TOKENS, PREFILL_MS_PER_1K, Shape
+from ._loop import STEP, Events, Steps, sidecar_weights
 
 _SHIPPED_BALANCING = Balancing()
 _SHIPPED_SIDECAR = SidecarConfig(topology=Path("topology.yaml"))
@@ -155,7 +156,7 @@ class RunResult:
     react_cycles: int | None = None  # slowdown runs: probe cycles until worker 0's weight fell 10 %
 
 
-_STEP, _ARRIVAL, _PROBE, _SLOW = 0, 1, 2, 3
+_ARRIVAL, _PROBE, _SLOW = 1, 2, 3  # after the engines' STEP (0)
 _WARMUP_S = 60.0
 
 
@@ -194,21 +195,14 @@ def run(shape: Shape, router: str, seed: int, knobs: Knobs | None = None) -> Run
     else:
         raise ValueError(f"unknown router {router!r}")
 
-    events: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: int, idx: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, kind, seq, idx))
-
+    events: Events[int] = Events()
     for i, r in enumerate(requests):
-        push(r.arrival, _ARRIVAL, i)
+        events.push(r.arrival, _ARRIVAL, i)
     sidecar_on = envoy is not None and knobs.sidecar
     if sidecar_on:
-        push(knobs.interval_s, _PROBE, 0)
+        events.push(knobs.interval_s, _PROBE, 0)
     if shape.slowdown:
-        push(duration / 2, _SLOW, 0)
+        events.push(duration / 2, _SLOW, 0)
 
     trends = [Trend()] * n
     published: list[int | None] = [None] * n
@@ -218,32 +212,20 @@ def run(shape: Shape, router: str, seed: int, knobs: Knobs | None = None) -> Run
     weight_before = 0
     react: int | None = None
     latencies: list[float] = []
-    scheduled = [-1.0] * n  # the step end each engine has an event for
+    steps = Steps(events, engines)
 
-    def schedule(i: int) -> None:
-        t = engines[i].next_event_time()
-        if t is not None and t != scheduled[i]:
-            scheduled[i] = t
-            push(t, _STEP, i)
-
-    while events:
-        t, kind, _, idx = heapq.heappop(events)
-        if kind == _STEP:
-            eng = engines[idx]
-            if eng.next_event_time() != t:
-                continue
-            for r in eng.advance(t):
-                if r.finished_at is not None:
-                    active[idx] -= 1
-                    latencies.append(t - r.arrival)
-            schedule(idx)
+    for t, kind, idx in events:
+        if kind == STEP:
+            for r in steps.finished(idx, t):
+                active[idx] -= 1
+                latencies.append(t - r.arrival)
         elif kind == _ARRIVAL:
             r = requests[idx]
             h = picker(active)
             active[h] += 1
             routed[h] += 1
             engines[h].submit(r, t)
-            schedule(h)
+            steps.schedule(h)
         elif kind == _PROBE:
             assert envoy is not None
             samples = []
@@ -253,16 +235,10 @@ def run(shape: Shape, router: str, seed: int, knobs: Knobs | None = None) -> Run
                                           kv_usage=eng.kv_usage(), token_latency_s=hist.total,
                                           token_latency_n=float(hist.count)))
                 trends[i] = trends[i].observe(samples[i], t, knobs.policy)
-            speeds = relative_speeds({i: trends[i].token_latency_s for i in range(n)})
-            goals = [target(samples[i], capacity, knobs.policy, speed=speeds[i], queue=trends[i].queue)
-                     for i in range(n)]
             if published[0] is None:
                 published = list(envoy.weights)  # the render's weights are in force before the first cycle
-            nxt = []
-            for i in range(n):
-                g = gate(goals[i], published[i], streaks[i], knobs.hysteresis, max_weight=knobs.policy.max_weight)
-                nxt.append(g.weight)
-                streaks[i] = g.streak
+            nxt, streaks = sidecar_weights(samples, trends, [capacity] * n, published, streaks, knobs.policy,
+                                           knobs.hysteresis, max_weight=knobs.policy.max_weight)
             if slowed_at is not None and react is None and nxt[0] <= 0.9 * weight_before:
                 react = math.ceil((t - slowed_at) / knobs.interval_s - 1e-9)
             if nxt != published:
@@ -271,7 +247,7 @@ def run(shape: Shape, router: str, seed: int, knobs: Knobs | None = None) -> Run
                 writes += 1
                 writes_late += t > _WARMUP_S
             if t + knobs.interval_s <= duration:
-                push(t + knobs.interval_s, _PROBE, 0)
+                events.push(t + knobs.interval_s, _PROBE, 0)
         elif kind == _SLOW:
             engines[0].model = replace(engines[0].model, speed=engines[0].model.speed / 2)
             true_speed[0] /= 2

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import heapq
 import math
 import random
 import sys
@@ -67,7 +66,7 @@ from typing import Protocol
 
 from confgen.envoy.eds import static_weight
 from confgen.simulate import BatchEngine, EngineRequest, LatencyModel
-from sidecar.decide.hysteresis import HysteresisPolicy, gate
+from sidecar.decide.hysteresis import HysteresisPolicy
 from sidecar.decide.saturation import (
     Admission,
     Headroom,
@@ -78,11 +77,12 @@ from sidecar.decide.saturation import (
     admit,
     assess,
 )
-from sidecar.decide.weights import Trend, WeightPolicy, relative_speeds, target
+from sidecar.decide.weights import Trend, WeightPolicy
 from sidecar.observe.engines import LoadSample
 
 from ..scenarios._fleets import MATRIX, FleetPlan
 from ..scenarios.overload import FLEET as OVERLOAD_FLEET
+from ._loop import STEP, Events, Steps, sidecar_weights
 from ._model import _Envoy
 
 FLEETS = (*MATRIX, OVERLOAD_FLEET)
@@ -455,7 +455,7 @@ def _workload(plan: FleetPlan, pattern: Pattern, cap: float, seed: int) -> list[
                                      arrival=t))
 
 
-_STEP, _ARRIVAL, _PROBE, _FAST = 0, 1, 2, 3
+_ARRIVAL, _PROBE, _FAST = 1, 2, 3  # after the engines' STEP (0)
 
 
 def _proportional(previous: Admission | None, pool: PoolSaturation, active: int, refused: bool, cap: int,
@@ -509,53 +509,34 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
     trends = [[Trend()] * n for _ in range(ingresses)]
     streaks = [[0] * n for _ in range(ingresses)]
     states: list[Admission | None] = [None] * ingresses
-    events: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: int, idx: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, kind, seq, idx))
-
+    events: Events[int] = Events()
     for i, r in enumerate(requests):
-        push(r.arrival, _ARRIVAL, i)
+        events.push(r.arrival, _ARRIVAL, i)
     if cand is not None:
         for g in range(ingresses):  # each sidecar has its own phase
-            push(cand.interval_s * (g + 1) / ingresses, _PROBE, g)
+            events.push(cand.interval_s * (g + 1) / ingresses, _PROBE, g)
             if cand.inflight:
-                push(cand.policy.inflight_interval_s * (g + 1) / ingresses, _FAST, g)
+                events.push(cand.policy.inflight_interval_s * (g + 1) / ingresses, _FAST, g)
     fasts = [InflightWatch()] * ingresses
     verdicts: list[PoolSaturation | None] = [None] * ingresses
-    scheduled = [-1.0] * n
+    steps = Steps(events, engines)
     shed_flags = [False] * len(requests)
     latency: dict[int, float] = {}
     first_shed: float | None = None
     end = pattern.duration()
     done_by_end = 0
 
-    def schedule(i: int) -> None:
-        t = engines[i].next_event_time()
-        if t is not None and t != scheduled[i]:
-            scheduled[i] = t
-            push(t, _STEP, i)
-
     index = {id(r): i for i, r in enumerate(requests)}
-    while events:
-        t, kind, _, idx = heapq.heappop(events)
-        if kind == _STEP:
-            eng = engines[idx]
-            if eng.next_event_time() != t:
-                continue
-            for r in eng.advance(t):
-                if r.finished_at is not None:
-                    ri = index[id(r)]
-                    g = owner.pop(ri)
-                    active[g][idx] -= 1
-                    total_active[g] -= 1
-                    completions[g] += 1
-                    latency[ri] = t - r.arrival
-                    done_by_end += t <= end
-            schedule(idx)
+    for t, kind, idx in events:
+        if kind == STEP:
+            for r in steps.finished(idx, t):
+                ri = index[id(r)]
+                g = owner.pop(ri)
+                active[g][idx] -= 1
+                total_active[g] -= 1
+                completions[g] += 1
+                latency[ri] = t - r.arrival
+                done_by_end += t <= end
         elif kind == _ARRIVAL:
             g = idx % ingresses
             arrivals_seen[g] += 1
@@ -576,7 +557,7 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
             total_active[g] += 1
             owner[idx] = g
             engines[h].submit(r, t)
-            schedule(h)
+            steps.schedule(h)
         elif kind == _FAST:  # the product's InflightLimiter.watch
             assert cand is not None
             g = idx
@@ -587,7 +568,7 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
                 states[g] = admit(st, sat, total_active[g], False, safety, ingresses, t, cand.policy)
                 limits[g] = states[g].limit  # type: ignore[union-attr]
             if t + cand.policy.inflight_interval_s <= end:
-                push(t + cand.policy.inflight_interval_s, _FAST, g)
+                events.push(t + cand.policy.inflight_interval_s, _FAST, g)
         else:
             assert cand is not None
             g = idx
@@ -599,19 +580,14 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
                                     token_latency_s=th.total, token_latency_n=float(th.count))
                 probes.append(Probe(sample, qh.total, qh.count, ih.total, ih.count, done))
                 trends[g][i] = trends[g][i].observe(sample, t, wpol)
-            # the shipped weight loop (as in bench/sweep/_model.py)
-            speeds = relative_speeds({i: trends[g][i].token_latency_s for i in range(n)})
+            # the shipped weight loop (_loop.sidecar_weights, as _model and picker run it)
             shedding = states[g] is not None and states[g].shedding  # type: ignore[union-attr]
             queued = sum(p.sample.waiting for p in probes) / sum(caps)
             pressed = cand.queued_weights is not None and queued >= cand.queued_weights
             pol = replace(wpol, speed_exponent=wpol.shedding_speed_exponent) \
                 if (cand.shed_weights and shedding) or pressed else wpol
-            nxt = []
-            for i in range(n):
-                goal = target(probes[i].sample, caps[i], pol, speed=speeds[i], queue=trends[g][i].queue)
-                gt = gate(goal, lbs[g].weights[i], streaks[g][i], hpol, max_weight=wpol.max_weight)
-                nxt.append(gt.weight)
-                streaks[g][i] = gt.streak
+            nxt, streaks[g] = sidecar_weights([p.sample for p in probes], trends[g], caps, lbs[g].weights, streaks[g],
+                                              pol, hpol, max_weight=wpol.max_weight)
             if nxt != lbs[g].weights:
                 lbs[g].set_weights(nxt, active[g])
             sat = dets[g].observe(t, probes, caps, arrivals_seen[g], completions[g])
@@ -632,7 +608,7 @@ def run(plan: FleetPlan, pattern: Pattern, cand: Candidate | None, seed: int,
                               "running": sum(p.sample.running for p in probes), "refused": refused_at[g]})
             step = cand.interval_s / 4 if dets[g].pressed else cand.interval_s
             if t + step <= end:
-                push(t + step, _PROBE, g)
+                events.push(t + step, _PROBE, g)
 
     if pattern.level is None:
         lo, hi, wlo = 20.0, end, 20.0

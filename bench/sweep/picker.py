@@ -27,7 +27,6 @@ is a function of (fleet, workload, router, seed, overrides).
 from __future__ import annotations
 
 import argparse
-import heapq
 import math
 import random
 import statistics
@@ -40,8 +39,7 @@ from pathlib import Path
 
 from confgen.envoy.eds import static_weight
 from confgen.simulate import BatchEngine, EngineRequest, LatencyModel
-from sidecar.decide.hysteresis import gate
-from sidecar.decide.weights import Trend, relative_speeds, target
+from sidecar.decide.weights import Trend
 from sidecar.observe.engines import LoadSample
 from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.predict import Prediction
@@ -49,6 +47,7 @@ from sidecar.outputs.picker.prompt import CHARS_PER_TOKEN, PromptInfo
 from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest
 
 from ._fleets import DECODE_GROWTH, KV_CACHE_TOKENS, MATRIX, MIXES, PREFILL_MS_PER_1K, Shape
+from ._loop import STEP, Events, Steps, sidecar_weights
 from ._model import Knobs, _Envoy
 
 BLOCK = 16  # tokens per prompt block (the engines' and the picker's)
@@ -167,14 +166,9 @@ class _Sim:
         for store in self.stores:
             store.update([PoolFacts("pool", ("m",), tuple(facts))], {"m": "pool", None: "pool"})
         if self.router == "lr":
-            speeds = relative_speeds({i: t.token_latency_s for i, t in enumerate(self.trends)})
-            nxt = []
-            for i, s in enumerate(samples):
-                goal = target(s, self.fleet.seqs, self.knobs.policy, speed=speeds[i], queue=self.trends[i].queue)
-                g = gate(goal, self.published[i], self.streaks[i], self.knobs.hysteresis,
-                         max_weight=self.knobs.policy.max_weight)
-                nxt.append(g.weight)
-                self.streaks[i] = g.streak
+            nxt, self.streaks = sidecar_weights(samples, self.trends, [self.fleet.seqs] * len(samples), self.published,
+                                                self.streaks, self.knobs.policy, self.knobs.hysteresis,
+                                                max_weight=self.knobs.policy.max_weight)
             if nxt != self.published:
                 self.published = nxt
                 self.envoy.set_weights(nxt, self.active)
@@ -223,7 +217,6 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
     of critical and sheddable requests (the rest standard)."""
     sim = _Sim(fleet, router, seed, policy or PickerPolicy())
     rng = random.Random(seed)
-    n = len(fleet.speeds)
     # capacity: requests/s a worker sustains with full batches (as bench.sweep's Shape estimates)
     shot_capacity = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms).capacity_rps()
     out_mean, prompt_mean = 32.0, 3500.0 * 0.5  # half the prompt tokens cached (the bench's HIT_REF)
@@ -231,13 +224,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
     for s in fleet.speeds:
         step = fleet.decode_ms * (1 + DECODE_GROWTH * (fleet.seqs - 1)) / 1000
         conv_capacity += s * fleet.seqs / (out_mean * step + fleet.seqs * PREFILL_MS_PER_1K * prompt_mean / 1e6)
-    events: list[tuple[float, int, int, object]] = []
-    seq = 0
-
-    def push(t: float, kind: int, payload: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, kind, seq, payload))
+    events: Events[object] = Events()  # kinds: STEP, 1 a conversation's next turn, 2 a one-shot, 3 a probe
 
     conv_share = {"chat": 1.0, "hot": 1.0, "oneshot": 0.0, "mix": 0.5}[workload]
     rate = load / (conv_share / conv_capacity + (1 - conv_share) / shot_capacity)
@@ -255,7 +242,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
                              think_rng=random.Random(rng.random()))
             convs.append(c)
             total += c.turns
-            push(t, 1, len(convs) - 1)
+            events.push(t, 1, len(convs) - 1)
     t = 0.0
     shots = 0
     if shot_rate > 0:
@@ -266,20 +253,14 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
             u = rng.random()
             turn.traffic_class = ("critical" if u < classes[0] else
                                   "sheddable" if u < classes[0] + classes[1] else "standard")
-            push(t, 2, turn)
+            events.push(t, 2, turn)
             shots += 1
     shared = _blocks("sys", 2000 // BLOCK)  # "hot": one system prompt shared by every conversation
-    scheduled = [-1.0] * n
+    steps = Steps(events, sim.engines)
     lat: list[float] = []
     ttft: list[float] = []
     pending: dict[int, tuple[Turn, int, int | None, Prediction | None]] = {}
     diag: list[tuple[Prediction, float, float, float]] = []
-
-    def schedule(i: int) -> None:
-        nt = sim.engines[i].next_event_time()
-        if nt is not None and nt != scheduled[i]:
-            scheduled[i] = nt
-            push(nt, 0, i)
 
     records: list[tuple[float, float | None, str]] = []
 
@@ -295,24 +276,18 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
         sim.active[worker] += 1
         sim.routed[worker] += 1
         sim.engines[worker].submit(req, now)
-        schedule(worker)
+        steps.schedule(worker)
         requests_by_id[id(req)] = req
 
     requests_by_id: dict[int, EngineRequest] = {}
     classes_by_id: dict[int, str] = {}
-    push(1.0, 3, None)
+    events.push(1.0, 3, None)
     measured_from = 0.0
-    while events:
-        now, kind, _, payload = heapq.heappop(events)
-        if kind == 0:
+    for now, kind, payload in events:
+        if kind == STEP:
             i = payload
             assert isinstance(i, int)
-            eng = sim.engines[i]
-            if eng.next_event_time() != now:
-                continue
-            for r in eng.advance(now):
-                if r.finished_at is None:
-                    continue
+            for r in steps.finished(i, now):
                 turn, worker, k, predicted = pending.pop(id(r))
                 sim.active[worker] -= 1
                 sim.release(worker, k)
@@ -329,8 +304,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
                     c = convs[turn.conv]
                     c.blocks.extend(_blocks(f"c{turn.conv}.a{turn.turn}", max(1, turn.output // BLOCK)))
                     if c.done_turns < c.turns:
-                        push(now + max(1.0, c.think_rng.expovariate(1 / 2.0)), 1, turn.conv)
-            schedule(i)
+                        events.push(now + max(1.0, c.think_rng.expovariate(1 / 2.0)), 1, turn.conv)
         elif kind == 1:
             ci = payload
             assert isinstance(ci, int)
@@ -351,8 +325,8 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
             submit(payload, now)
         elif kind == 3:
             sim._probe()
-            if any(e[1] != 3 for e in events):
-                push(now + 1.0, 3, None)
+            if events.any_but(3):
+                events.push(now + 1.0, 3, None)
     c_all = [e.counters for e in sim.engines]
     hits = sum(x.prefix_hits_tokens for x in c_all) / max(1, sum(x.prompt_tokens for x in c_all))
     routed = sum(sim.routed) or 1

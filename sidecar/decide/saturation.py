@@ -15,10 +15,8 @@ Per worker (`Headroom.observe`, one call per probe cycle):
   `lookahead_s` ahead along its rise, so a queue that grows cycle after cycle is caught
   before it is long, while a single jump (a burst) is only smoothed.
 - Hysteresis: a worker loses its headroom when the projected queue reaches `queue_enter`
-  (1.5: a batch and a half waiting; at 1.0 a 4-worker fleet of 4-slot engines shed 6-12
-  of ~880 requests in bursts at ~90 % load, at 1.5 none, and overload is caught a cycle
-  or two later), or when its KV use is at least `kv_threshold` while the
-  smoothed queue is at least `queue_exit` of the batch it runs (a KV-bound engine runs
+  (1.5: a batch and a half waiting), or when its KV use is at least `kv_threshold` while
+  the smoothed queue is at least `queue_exit` of the batch it runs (a KV-bound engine runs
   fewer sequences than its slots, so its queue per slot stays short when it is full). It
   regains it only once the smoothed queue is at most `queue_exit` per slot and no KV
   pressure holds it.
@@ -34,13 +32,9 @@ the load the others cannot, so the default 0.8 sheds only when little room is le
 Per pool, the standing queue (`QueueWatch`, the daemon runs it once per cycle and adds its
 verdict): the pool's waiting requests per declared slot (fresh metrics only) at least
 `pool_enter` (1.0) on every probe for `pool_hold_s` (2 s), or `pool_burst` (2.5) at once.
-The per-worker rule alone waited ~20 s into a 118 % surge on an uneven fleet: the speed-
-weighted balancer keeps the slow worker's queue short, so the workers without headroom
-never reached 80 % of the capacity, and the queue on the fast ones grew for the whole
-surge. Chosen over the offered rate against a measured service rate, the queue time
-against the inference time (CoDel's sojourn), a lower level held longer and probing at
-interval/4 near saturation, by their worst case in a virtual-time model of the bench's
-fleets (bench/sweep/overload.py, results in bench/sweep/overload.md).
+It sees the surge the per-worker rule cannot: a queue on the fast workers while the
+speed-weighted balancer keeps the slow worker's short, so the workers without headroom
+hold less than `max_utilization` of the capacity.
 
 While saturated (`admit`), this Envoy's in-flight limit is set at once to its share of
 what the fleet can hold with full batches and half a batch waiting:
@@ -63,17 +57,14 @@ request waits about half a batch, and the excess, not more, is refused. Every En
 sharing the fleet holds the same share (`/ ingresses`: file mode's `--ingresses`, ADS's
 connected Envoys), so together they admit what one Envoy would.
 
-Chosen over the proportional controller shipped first (`limit = active + 0.5 x (target x
-capacity - waiting) / ingresses` per cycle) by the virtual-time model
-(bench/sweep/overload.py): the same false alarms at 78 %, and a 3x spike's backlog drained
-about a cycle sooner (worst shed-share miss from the spike's 5th second 26 -> 21 points),
-because the first saturated cycle goes to the setpoint instead of moving half way; the
-engines' queue, which lags Envoy's in-flight by a probe, no longer steers the limit.
-
 Release: once the pool is no longer saturated the limit stays, and returns to the safety
 cap once it has refused no request for `release_after_s`. A queue kept short by the limit
 itself (requests still refused) is still saturation, so the gate does not open to the
 whole excess, saturate again and swing.
+
+Why these rules and values, what they were chosen over and the measurements behind them:
+docs/architecture.md, "Backpressure sheds measured saturation, not slot counts" and "A
+pool-level standing queue beside the per-worker rule" (the model: bench/sweep/overload.py).
 """
 
 from __future__ import annotations
@@ -282,10 +273,8 @@ class InflightWatch:
     signal has been at least `inflight_enter` on every read for `inflight_hold_s` (2.5 s:
     longer than the 2 s bursts at 1.75x the bench's bursty fleet absorbs), or at once at
     `inflight_burst` (a spike); clear again at `queue_exit` or below. Only while the last
-    verdict had fresh engine metrics: stale or missing metrics never shed. Measured in the
-    virtual-time model (bench/sweep/overload.py): the worst shed-share miss from a surge's
-    5th second 21 -> 16 points (the 3x spike is refused about a second sooner), no more
-    false alarms at 78 %; a 2 s hold shed bursty arrivals at 78 %.
+    verdict had fresh engine metrics: stale or missing metrics never shed. What it gained
+    in the virtual-time model: docs/architecture.md ("A pool-level standing queue").
     """
 
     since: float | None = None

@@ -15,21 +15,14 @@ it slow-moving:
   times its latency (which goes as 1 / speed), so the rate it gets grows slower than its
   weight. Weights proportional to speed would give every worker about its capacity share,
   which P2C already does, and the slowest worker's long requests would still set the P99.
-  The default exponent 3 (a half-speed worker gets 1/8 of a full one's weight: it takes
-  the overflow once the fast workers' batches are full) was chosen by the worst P99 ratio
-  to the best peer over the 12 fleets of bench/sweep (bench/sweep/results.md): 2 and 4
-  were worse in the worst case (exponent 4 had been tuned on one bench fleet).
+  The default exponent 3: a half-speed worker gets 1/8 of a full one's weight, so it takes
+  the overflow once the fast workers' batches are full.
 - `queue_room` = 1 - waiting_penalty * queue / capacity (floored at 0), with `queue` the
   waiting requests smoothed with half-life `queue_half_life_s` (0: the latest count). It
   is for load Envoy cannot see (other clients of the same workers) and is off by default
-  (waiting_penalty 0): Envoy's in-flight counts already include the requests it queued,
-  and counting a fast worker's queue twice moved traffic onto the slow worker (P99 up
-  about 15 % on the bench, with one ingress and with two); in the sweep 0.5 was no better
-  in the worst case and made the weights (and EDS writes) twice as noisy.
+  (waiting_penalty 0): Envoy's in-flight counts already include the requests it queued.
 - `kv_room` is 1 below `kv_knee` and falls linearly to 0 at a full KV cache (new
-  sequences would be preempted). Off by default (kv_knee 1): in the sweep a knee of 0.8
-  (the peers' saturation knee) changed no worst-case P99 and made the weights follow
-  every KV swing of prompt-heavy traffic (more EDS writes). KV pressure still counts for
+  sequences would be preempted). Off by default (kv_knee 1). KV pressure still counts for
   saturation (`pool_saturation`, its own knee of 0.8).
 
 The target is scaled by the slow-start ramp, optionally smoothed with an EWMA over the
@@ -61,6 +54,9 @@ Without a sample (health-only engine, unusable metrics) the target is the static
 `confgen.endpoints.static_weight(capacity, share) * weight_per_slot`, which with the
 default weight_per_slot of 1 is exactly what `confgen render` wrote first; so is an idle
 fleet's, whose speeds are not measured yet.
+
+How each default was chosen, and what the others measured: docs/architecture.md, "Weight
+model and how its defaults were chosen" (the sweep: bench/sweep/, its tables in results.md).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, poll, worker_specs
 
 POOL = """\
   - name: {name}
@@ -46,35 +45,19 @@ def _clusters(proxy: EnvoyProcess) -> str:
 
 @contextlib.contextmanager
 def _running(tmp: Path) -> Iterator[tuple[FleetHandle, list[SidecarProcess], list[EnvoyProcess], Path, list[int], int]]:
-    with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2", "w3"]), seed=5)) as fleet:
+    with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2", "w3"]), seed=5)) as fleet, \
+            contextlib.ExitStack() as stack:
         xds, port = [free_port(), free_port()], free_port()
         topology = tmp / "topology.yaml"
         topology.write_text(_text(fleet, xds, port))
-        sidecars: list[SidecarProcess] = []
-        envoys: list[EnvoyProcess] = []
-        try:
-            for i, grpc_port in enumerate(xds):
-                listen = free_port()
-                sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{grpc_port}",
-                                          "--grpc-plaintext-loopback", "--listen", f"127.0.0.1:{listen}", *FAST_ARGS],
-                                         tmp / f"sidecar-{i}.log", listen)
-                sidecar.start()
-                sidecars.append(sidecar)
-            for sidecar in sidecars:
-                sidecar.wait_ready()
-            for i, protocol in enumerate(("delta", "sotw")):
-                topo, _ = parse_topology(_text(fleet, xds, port, admin=free_port(), protocol=protocol).encode())
-                boot = tmp / f"envoy-{i}.json"
-                boot.write_bytes(envoy.render(topo, config_dir=str(tmp))["bootstrap.json"])
-                proxy = EnvoyProcess(boot, extra_args=["--service-node", f"envoy-{i}"])
-                proxy.start()
-                envoys.append(proxy)
-            yield fleet, sidecars, envoys, topology, xds, port
-        finally:
-            for proxy in envoys:
-                proxy.stop()
-            for sidecar in sidecars:
-                sidecar.stop()
+        # the Envoys are stopped first (the stack unwinds in reverse), then the control planes
+        sidecars = [stack.enter_context(control_plane(topology, grpc_port, tmp / f"sidecar-{i}.log",
+                                                      "--grpc-plaintext-loopback"))
+                    for i, grpc_port in enumerate(xds)]
+        envoys = [stack.enter_context(ads_envoy(_text(fleet, xds, port, admin=free_port(), protocol=protocol),
+                                                tmp / f"envoy-{i}", f"envoy-{i}"))
+                  for i, protocol in enumerate(("delta", "sotw"))]
+        yield fleet, sidecars, envoys, topology, xds, port
 
 
 def _rewrite(path: Path, text: str) -> None:

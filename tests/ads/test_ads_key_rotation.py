@@ -18,10 +18,9 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from confgen import envoy, parse_topology
-from confgen.runtime import EnvoyProcess, free_port
+from confgen.runtime import free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import ads_envoy, control_plane, poll, worker_specs
 
 PHASE = 300  # requests sent in each phase: old key alone, both, new key alone
 OLD, NEW = "sk-old-key-0123456789abcdef", "sk-new-key-fedcba9876543210"
@@ -104,7 +103,7 @@ def test_key_rotation_under_load_fails_no_request_and_rewrites_no_listener(tmp_p
         path.write_text(key)
         path.chmod(0o600)
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2"], max_num_seqs=8), seed=11)) as fleet:
-        xds, listen, port = free_port(), free_port(), free_port()
+        xds, port = free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
 
         def text(*entries: tuple[str, Path]) -> str:
@@ -120,15 +119,8 @@ def test_key_rotation_under_load_fails_no_request_and_rewrites_no_listener(tmp_p
             tmp.write_text(body)
             os.replace(tmp, topology)
 
-        sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
-        sidecar.start()
-        try:
-            sidecar.wait_ready()
-            topo, _ = parse_topology(text(("team", old_file)).encode())
-            boot = json.loads(envoy.render(topo, config_dir=str(tmp_path))["bootstrap.json"])
-            boot["admin"]["address"]["socket_address"]["port_value"] = 0
-            with EnvoyProcess(boot, extra_args=["--service-node", "envoy-0"]) as proxy:
+        with control_plane(topology, xds, tmp_path / "sidecar.log", clean_exit=True) as sidecar:
+            with ads_envoy(text(("team", old_file)), tmp_path / "envoy", "envoy-0", any_admin_port=True) as proxy:
                 assert poll(lambda: _send(port, OLD) == 200, timeout=10)
                 stats = proxy.stats()
                 modified = stats.get("listener_manager.listener_modified", "0")
@@ -166,5 +158,3 @@ def test_key_rotation_under_load_fails_no_request_and_rewrites_no_listener(tmp_p
                     "0")) >= 3
             log = sidecar.log_path.read_text(errors="replace")
             assert OLD not in log and NEW not in log
-        finally:
-            assert sidecar.stop() == 0, sidecar.log_tail()

@@ -18,10 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetHandle, FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, now, poll, worker_specs
+from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, http, now, poll, worker_specs
 
 INTERVAL = 0.5
 JITTER = 0.05
@@ -66,11 +65,8 @@ class AdsRig:
 
     def start_envoy(self, index: int) -> EnvoyProcess:
         """Envoy `envoy-<index>` from the rendered bootstrap, with its own admin port and node id."""
-        topo, _ = parse_topology(self.text(admin=free_port(), protocol=PROTOCOLS[index]).encode())
-        out = self.tmp / f"envoy-{index}"
-        out.mkdir(exist_ok=True)
-        (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-        proxy = EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", f"envoy-{index}"])
+        proxy = ads_envoy(self.text(admin=free_port(), protocol=PROTOCOLS[index]), self.tmp / f"envoy-{index}",
+                          f"envoy-{index}")
         proxy.start()
         self.envoys[f"envoy-{index}"] = proxy
         return proxy
@@ -108,21 +104,16 @@ def _probes(fleet: FleetHandle) -> dict[str, int]:
 @contextlib.contextmanager
 def ads_rig(tmp: Path) -> Iterator[AdsRig]:
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2", "w3"], max_num_seqs=4), seed=3)) as fleet:
-        listen = free_port()
         rig = AdsRig(fleet, None, {}, tmp / "topology.yaml", free_port(), free_port(), tmp)  # type: ignore[arg-type]
         rig.topology.write_text(rig.text())
-        rig.sidecar = SidecarProcess(["--topology", str(rig.topology), "--serve-xds", f"127.0.0.1:{rig.xds}",
-                                      "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp / "sidecar.log", listen)
-        rig.sidecar.start()
-        try:
-            rig.sidecar.wait_ready()
-            for index in range(len(PROTOCOLS)):
-                rig.start_envoy(index)
-            yield rig
-        finally:
-            for proxy in rig.envoys.values():
-                proxy.stop()
-            rig.sidecar.stop()
+        with control_plane(rig.topology, rig.xds, tmp / "sidecar.log") as rig.sidecar:
+            try:
+                for index in range(len(PROTOCOLS)):
+                    rig.start_envoy(index)
+                yield rig
+            finally:
+                for proxy in rig.envoys.values():
+                    proxy.stop()
 
 
 def test_one_control_plane_many_envoys(tmp_path: Path) -> None:

@@ -30,10 +30,9 @@ import grpc
 import pytest
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import SidecarProcess, ads_bootstrap, control_plane, poll, worker_specs
 from tests.support.certs import Cert, CertAuthority
 
 API_KEY = "sk-mtls-test-key-0123456789abcdef"
@@ -84,12 +83,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(ca, ca.issue("xds", ["IP:127.0.0.1"]),
                {name: ca.issue(name, [f"DNS:{name}"]) for name in ("envoy-0", "envoy-1")},
                other.issue("envoy-0", ["DNS:envoy-0"]))
-
-
-def _bootstrap(text: str, out: Path) -> dict[str, Any]:
-    topo, _ = parse_topology(text.encode())
-    rendered: dict[str, Any] = json.loads(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-    return rendered
 
 
 def _tls_context(bootstrap: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +157,7 @@ def test_only_the_envoy_holding_its_certificate_is_served(tmp_path: Path, pki: P
     key_file.write_text(API_KEY)
     key_file.chmod(0o600)
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2"], max_num_seqs=4), seed=5)) as fleet:
-        xds, listen, port = free_port(), free_port(), free_port()
+        xds, port = free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
 
         def text(cert: Cert, protocol: str = "delta") -> str:
@@ -173,13 +166,9 @@ def test_only_the_envoy_holding_its_certificate_is_served(tmp_path: Path, pki: P
 
         topology = tmp_path / "topology.yaml"
         topology.write_text(text(pki.envoys["envoy-0"]))
-        sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--xds-tls-cert", str(pki.server.cert), "--xds-tls-key", str(pki.server.key),
-                                  "--xds-client-ca", str(pki.ca.cert), "--listen", f"127.0.0.1:{listen}",
-                                  *FAST_ARGS], tmp_path / "sidecar.log", listen)
-        sidecar.start()
-        try:
-            sidecar.wait_ready()
+        with control_plane(topology, xds, tmp_path / "sidecar.log",
+                           "--xds-tls-cert", str(pki.server.cert), "--xds-tls-key", str(pki.server.key),
+                           "--xds-client-ca", str(pki.ca.cert), clean_exit=True) as sidecar:
             assert sidecar.state()["xds"]["transport"] == "mtls"
             # the deprecated names (--xds-tls-*, envoy.xds.tls) still work for one release, with a warning
             assert any(e.get("event") == "startup.deprecated" and "--grpc-tls-cert" in str(e.get("note"))
@@ -191,12 +180,10 @@ def test_only_the_envoy_holding_its_certificate_is_served(tmp_path: Path, pki: P
             assert "Traceback" not in log, sidecar.log_tail()
             # refused handshakes are not logged one line each by gRPC core (GRPC_VERBOSITY=ERROR by default)
             assert "Handshake failed" not in log
-        finally:
-            assert sidecar.stop() == 0, sidecar.log_tail()
 
 
 def _check_envoys(sidecar: SidecarProcess, pki: Pki, tmp: Path, text: Any, port: int) -> None:
-    good = _bootstrap(text(pki.envoys["envoy-0"]), tmp / "envoy-0")
+    good = ads_bootstrap(text(pki.envoys["envoy-0"]), tmp / "envoy-0")
     assert _tls_context(good)["validation_context"]["match_typed_subject_alt_names"] == [
         {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}]
     with _envoy(good, "envoy-0") as proxy:
@@ -206,7 +193,7 @@ def _check_envoys(sidecar: SidecarProcess, pki: Pki, tmp: Path, text: Any, port:
         assert proxy.stats().get("cluster.confgen_xds.ssl.handshake", "0") != "0"
 
         # envoy-1 holding envoy-0's certificate (sotw, to cover both protocols): refused, never served.
-        impostor = _bootstrap(text(pki.envoys["envoy-0"], "sotw"), tmp / "envoy-1")
+        impostor = ads_bootstrap(text(pki.envoys["envoy-0"], "sotw"), tmp / "envoy-1")
         before = sidecar.state()["xds"]["refused"].get("PERMISSION_DENIED", 0)
         with _envoy(impostor, "envoy-1", fetch_timeout="1s") as refused:
             assert poll(lambda: sidecar.state()["xds"]["refused"].get("PERMISSION_DENIED", 0) > before, timeout=10)

@@ -3,6 +3,7 @@ every request of both, so a conversation goes back to its worker whichever Envoy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import stat
@@ -13,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from confgen import envoy, parse_topology
-from confgen.runtime import EnvoyProcess, free_port
+from confgen.runtime import free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, poll, worker_specs
 from tests.support.certs import CertAuthority
 
 pytestmark = pytest.mark.timeout(240)
@@ -77,7 +77,7 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
         tls_args += ["--grpc-tls-cert", str(server.cert), "--grpc-tls-key", str(server.key),
                      "--grpc-client-ca", str(ca.cert), "--xds-nodes-per-identity", "2"]
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["a", "b", "c"]), seed=4)) as fleet:
-        port, xds, grpc, listen = free_port(), free_port(), free_port(), free_port()
+        port, xds, grpc = free_port(), free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
 
         def text(admin: int) -> str:
@@ -86,22 +86,11 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
 
         topo_path = tmp_path / "topology.yaml"
         topo_path.write_text(text(9901))
-        sidecar = SidecarProcess(["--topology", str(topo_path), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--listen", f"127.0.0.1:{listen}", *tls_args, *FAST_ARGS],
-                                 tmp_path / "sidecar.log", listen)
-        sidecar.start()
-        envoys: list[EnvoyProcess] = []
-        try:
-            sidecar.wait_ready()
-            for i in range(2):
-                topo, _ = parse_topology(text(free_port()).encode())
-                out = tmp_path / f"envoy-{i}"
-                out.mkdir()
-                (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-                node = f"fleet-envoy/{i}" if mtls else f"envoy-{i}"
-                proxy = EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", node])
-                proxy.start()
-                envoys.append(proxy)
+        with control_plane(topo_path, xds, tmp_path / "sidecar.log", *tls_args) as sidecar, \
+                contextlib.ExitStack() as stack:
+            envoys = [stack.enter_context(ads_envoy(text(free_port()), tmp_path / f"envoy-{i}",
+                                                    f"fleet-envoy/{i}" if mtls else f"envoy-{i}"))
+                      for i in range(2)]
             assert poll(lambda: _chat(port, [{"role": "user", "content": "warm"}])[0] == 200 and _picks(sidecar) > 0,
                         timeout=30), sidecar.log_tail()
             homes: dict[int, Counter[str]] = {}
@@ -139,7 +128,3 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
             # certificate) count once unless the flag says how many share it (mtls: 2)
             assert poll(lambda: sidecar.state()["xds"]["counted_envoys"] == (2 if mtls else 1), timeout=15), \
                 sidecar.state()["xds"]
-        finally:
-            for proxy in envoys:
-                proxy.stop()
-            sidecar.stop()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from confgen import envoy, parse_topology
+from confgen import envoy
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, poll, worker_specs
+from tests.sidecar_live.rig import ads_envoy, control_plane, poll, worker_specs
 from tests.support.classes import TRUSTED, load, post
 
 TOPOLOGY = """\
@@ -56,35 +56,25 @@ def test_the_control_plane_serves_the_shed_share_and_sheddable_traffic_goes_firs
     standard 0 / 0 (58 answered each), critical 31 / 31 answered; shares seen in Envoy 0, 100."""
     specs = worker_specs(["a", "b", "c"], max_num_seqs=2, decode_ms=20.0)
     with run_fleet_in_thread(FleetSpec(workers=specs, seed=3)) as fleet:
-        port, xds, listen = free_port(), free_port(), free_port()
+        port, xds = free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
         topology = tmp_path / "topology.yaml"
         sockets = tmp_path / "sockets"  # ADS over its Unix socket
         text = TOPOLOGY.format(admin=free_port(), port=port, xds=xds, workers=workers, trusted=TRUSTED, sockets=sockets)
         topology.write_text(text)
-        sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
-        sidecar.start()
-        try:
-            sidecar.wait_ready()
-            topo, _ = parse_topology(text.encode())
-            out = tmp_path / "envoy"
-            out.mkdir()
-            (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-            with EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", "envoy-0"]) as proxy:
-                url = f"http://127.0.0.1:{port}/v1/completions"
-                assert poll(lambda: _share(proxy) == "0" and post(url, "bulk")[0] == 200, timeout=20), \
-                    sidecar.log_tail()
-                seen: set[str | None] = set()
-                outcome = load(url, 14.0, lambda: seen.add(_share(proxy)))
-                statuses = outcome.statuses
-                refused = outcome.refused()
-                print(f"statuses {({k: dict(v) for k, v in statuses.items()})}, refused share {refused}, "
-                      f"shares seen in Envoy {sorted(str(s) for s in seen)}")
-                assert all(set(c) <= {200, 429} for c in statuses.values()), statuses
-                assert statuses["critical"][429] == 0 and statuses["critical"][200] > 0, statuses
-                assert any(s not in (None, "0") for s in seen), seen
-                assert statuses["sheddable"][429] > 0 and refused["sheddable"] > refused["standard"], statuses
-                assert poll(lambda: _share(proxy) == "0", timeout=30), sidecar.log_tail()
-        finally:
-            sidecar.stop()
+        with control_plane(topology, xds, tmp_path / "sidecar.log") as sidecar, \
+                ads_envoy(text, tmp_path / "envoy", "envoy-0") as proxy:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            assert poll(lambda: _share(proxy) == "0" and post(url, "bulk")[0] == 200, timeout=20), \
+                sidecar.log_tail()
+            seen: set[str | None] = set()
+            outcome = load(url, 14.0, lambda: seen.add(_share(proxy)))
+            statuses = outcome.statuses
+            refused = outcome.refused()
+            print(f"statuses {({k: dict(v) for k, v in statuses.items()})}, refused share {refused}, "
+                  f"shares seen in Envoy {sorted(str(s) for s in seen)}")
+            assert all(set(c) <= {200, 429} for c in statuses.values()), statuses
+            assert statuses["critical"][429] == 0 and statuses["critical"][200] > 0, statuses
+            assert any(s not in (None, "0") for s in seen), seen
+            assert statuses["sheddable"][429] > 0 and refused["sheddable"] > refused["standard"], statuses
+            assert poll(lambda: _share(proxy) == "0", timeout=30), sidecar.log_tail()

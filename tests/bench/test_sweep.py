@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from bench.sweep._fleets import MATRIX, Shape
+from bench.sweep._loop import Events
 from bench.sweep._model import Knobs, _Envoy, run
 
 SMALL = Shape("3w (1, 1, 0.5), seqs 8", (1.0, 1.0, 0.5), 8, requests=300)
@@ -58,3 +59,19 @@ def test_a_worker_slowing_2x_is_republished_within_three_cycles() -> None:
     for seed in (1, 2, 3):
         react = run(shape, "envoy", seed, Knobs()).react_cycles
         assert react is not None and react <= 3, (seed, react)
+
+
+def test_the_shared_event_loop_pops_by_time_then_kind_then_push_order() -> None:
+    """bench/sweep/_loop.Events, the queue the three models share: at equal times the lower
+    kind first, then the event pushed first; events pushed while iterating are popped too."""
+    events: Events[str] = Events()
+    for t, kind, name in ((2.0, 1, "late"), (1.0, 2, "probe"), (1.0, 1, "a"), (1.0, 1, "b"), (1.0, 0, "step")):
+        events.push(t, kind, name)
+    seen = []
+    for t, _kind, name in events:
+        seen.append(name)
+        if name == "a":
+            events.push(t, 1, "pushed meanwhile")
+            assert events.any_but(1)
+    assert seen == ["step", "a", "b", "pushed meanwhile", "probe", "late"]
+    assert not events.any_but(1)

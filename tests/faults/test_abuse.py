@@ -33,11 +33,10 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from confgen import envoy, parse_topology
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.faults._campaign import Campaign, Row, size
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, poll, worker_specs
+from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, http, poll, worker_specs
 
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -240,30 +239,19 @@ def _send(port: int) -> int:
 
 def test_hostile_ads_clients(tmp_path: Path, campaign: Campaign) -> None:
     with run_fleet_in_thread(FleetSpec(workers=worker_specs(["w1", "w2"], max_num_seqs=4), seed=9)) as fleet:
-        xds, listen, port = free_port(), free_port(), free_port()
+        xds, port = free_port(), free_port()
         workers = "\n".join(f"      - 127.0.0.1:{w.port}" for w in fleet.workers)
         text = TOPOLOGY.format(admin=free_port(), port=port, xds=xds, grpc=free_port(), workers=workers)
         topology = tmp_path / "topology.yaml"
         topology.write_text(text)
-        sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--grpc-plaintext-loopback",
-                                  "--listen", f"127.0.0.1:{listen}", *FAST_ARGS], tmp_path / "sidecar.log", listen)
-        sidecar.start()
-        try:
-            sidecar.wait_ready()
+        with control_plane(topology, xds, tmp_path / "sidecar.log", "--grpc-plaintext-loopback",
+                           clean_exit=True) as sidecar:
             assert sidecar.proc is not None
             pid = sidecar.proc.pid
-            topo, _ = parse_topology(text.encode())
-            out = tmp_path / "envoy"
-            out.mkdir()
-            bootstrap = json.loads(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-            bootstrap["admin"]["address"]["socket_address"]["port_value"] = 0
-            with EnvoyProcess(bootstrap, extra_args=["--service-node", "envoy-0"]) as proxy:
+            with ads_envoy(text, tmp_path / "envoy", "envoy-0", any_admin_port=True) as proxy:
                 _campaign(sidecar, pid, xds, port, proxy, campaign)
             log = sidecar.log_path.read_text(errors="replace")
             assert "Traceback" not in log, sidecar.log_tail()
-        finally:
-            assert sidecar.stop() == 0, sidecar.log_tail()
 
 
 def _campaign(sidecar: SidecarProcess, pid: int, xds: int, port: int, proxy: EnvoyProcess,

@@ -25,7 +25,7 @@ from confgen import envoy, parse_topology
 from confgen.output import write_tree
 from confgen.runtime import EnvoyProcess, RedisProcess, SentinelProcess, free_port
 from confgen.simulate import FleetHandle, FleetSpec, fleet_topology, run_fleet_in_thread
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, worker_specs
+from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, ads_envoy, control_plane, worker_specs
 
 NAME = "glim"
 # client -> its rate_limit YAML (None: no limit of its own)
@@ -301,23 +301,12 @@ def ads_global_rig(tmp: Path, envoys: int = 3, *, clients: dict[str, str | None]
 
         topo_path = tmp / "topology.yaml"
         topo_path.write_text(text(free_port()))
-        control = SidecarProcess(["--topology", str(topo_path), "--serve-xds", f"127.0.0.1:{xds}",
-                                  "--listen", f"127.0.0.1:{listen}", *tls_args, *FAST_ARGS],
-                                 tmp / "control-plane.log", listen, env=env)
-        control.start()
-        try:
-            control.wait_ready()
-            pairs = []
-            for i in range(envoys):
-                topo, _ = parse_topology(text(free_port()).encode())
-                out = tmp / f"envoy{i}"
-                out.mkdir()
-                (out / "bootstrap.json").write_bytes(envoy.render(topo, config_dir=str(out))["bootstrap.json"])
-                node = f"{NAME}-envoy/{i}" if mtls else f"envoy-{i}"
-                proxy = stack.enter_context(EnvoyProcess(out / "bootstrap.json", extra_args=["--service-node", node]))
-                pairs.append(Pair(proxy, None, port, topo_path))
-            yield GlobalRig(fleet, store, pairs, control=control)
-        finally:
-            stack.close()  # the Envoys first: they would fail open against a stopped service
-            code = control.stop()
-        assert code == 0, f"control plane exited {code} on SIGTERM:\n{control.log_tail()}"
+        # the stack stops the Envoys first: they would fail open against a stopped service
+        control = stack.enter_context(control_plane(topo_path, xds, tmp / "control-plane.log", *tls_args,
+                                                    listen=listen, env=env, clean_exit=True))
+        pairs = []
+        for i in range(envoys):
+            node = f"{NAME}-envoy/{i}" if mtls else f"envoy-{i}"
+            proxy = stack.enter_context(ads_envoy(text(free_port()), tmp / f"envoy{i}", node))
+            pairs.append(Pair(proxy, None, port, topo_path))
+        yield GlobalRig(fleet, store, pairs, control=control)

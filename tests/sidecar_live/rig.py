@@ -3,6 +3,11 @@
 The sidecar runs as `python -m sidecar.main` (what the container runs), so a restart is
 a real process restart and SIGTERM is a real signal. Everything binds 127.0.0.1; every
 process started here is stopped here, by its pid.
+
+`live_rig`: files mode (the sidecar writes EDS files one Envoy watches). `control_plane` +
+`ads_envoy` (`ads_bootstrap` to edit one first): the ADS setup of envoy.xds.mode ads, one
+sidecar serving `--serve-xds` and the Envoys started from the render's bootstrap, each with
+its node id.
 """
 
 from __future__ import annotations
@@ -240,6 +245,56 @@ def live_rig(
             finally:
                 code = sidecar.stop()
             assert code == 0, f"sidecar exited {code} on SIGTERM:\n{sidecar.log_tail()}"
+
+
+@contextlib.contextmanager
+def control_plane(
+    topology: Path, xds: int, log_path: Path, *args: str, listen: int | None = None,
+    env: dict[str, str] | None = None, clean_exit: bool = False,
+) -> Iterator[SidecarProcess]:
+    """The ADS control plane the Envoys of a test connect to, ready: `python -m sidecar.main
+    --topology <topology> --serve-xds 127.0.0.1:<xds> --listen 127.0.0.1:<listen>`, then `args`
+    (e.g. TLS flags), then FAST_ARGS; its log at `log_path`; SIGTERM on the way out.
+    `listen`: the sidecar's HTTP port (default: a free one). `clean_exit`: once the test's body has
+    passed, assert that the control plane exited 0 on SIGTERM."""
+    listen = free_port() if listen is None else listen
+    sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
+                              "--listen", f"127.0.0.1:{listen}", *args, *FAST_ARGS], log_path, listen, env=env)
+    sidecar.start()
+    try:
+        sidecar.wait_ready()
+        yield sidecar
+    finally:
+        code = sidecar.stop()
+    if clean_exit:
+        assert code == 0, f"control plane exited {code} on SIGTERM:\n{sidecar.log_tail()}"
+
+
+def _ads_render(text: str, out: Path) -> bytes:
+    topo, _ = parse_topology(text.encode())
+    return envoy.render(topo, config_dir=str(out))["bootstrap.json"]
+
+
+def ads_bootstrap(text: str, out: Path) -> dict[str, Any]:
+    """The bootstrap `confgen render` writes to `out` for the topology `text` in `envoy.xds.mode: ads`
+    (that render's one file: the rest comes over ADS), as JSON to edit."""
+    boot: dict[str, Any] = json.loads(_ads_render(text, out))
+    return boot
+
+
+def ads_envoy(text: str, out: Path, node: str, *, any_admin_port: bool = False) -> EnvoyProcess:
+    """An Envoy of the control plane, not started (start() it, or use it as a context manager):
+    the rendered ADS bootstrap of `text`, written to `out`/bootstrap.json, node id `node`
+    (`--service-node`). `any_admin_port`: its admin on port 0 (EnvoyProcess reads the one it got)."""
+    rendered = _ads_render(text, out)
+    out.mkdir(parents=True, exist_ok=True)
+    boot = out / "bootstrap.json"
+    boot.write_bytes(rendered)
+    if any_admin_port:
+        config = json.loads(rendered)
+        config["admin"]["address"]["socket_address"]["port_value"] = 0
+        return EnvoyProcess(config, extra_args=["--service-node", node])
+    return EnvoyProcess(boot, extra_args=["--service-node", node])
 
 
 def configmap_publish(directory: Path, text: str) -> Path:
