@@ -14,11 +14,13 @@ admitted uncounted) and the sidecar's CPU seconds per round.
 Flood (`--flood 500,1000`): 3 Envoys + 3 sidecars as shipped (default flags and timeouts) on one
 Redis and one fleet; one key with a budget of 60 requests an hour sends `--flood-requests` requests
 at each rate over the three Envoys in turn, `--flood-runs` times (a fresh Redis each run). Admitted
-must stay within the budget + the documented fail-open bound (each sidecar's local floor, the
-budget / limits.store.envoys, per window); reported beside it: Redis's own count, the sidecars'
+must stay within the budget + the documented fail-open bounds (each sidecar's local floor, the
+budget / limits.store.envoys, per window, while Redis is slow or away; each Envoy's ceiling, twice
+the budget, while the sidecar's checks time out); reported beside it: Redis's own count, the sidecars'
 floor decisions for that key (confgen_sidecar_ratelimit_fail_open_total), the Envoys' checks that
 failed open (failure_mode_allowed: no sidecar answer in time, not bounded), the achieved rate and
-the answers' P50/P99.
+the answers' P50/P99. `--flood-busy 2` runs two busy loops beside each flood (the loaded machine
+of docs/limits.md's flood table).
 
 Outage: tests.sidecar_live's 3-Envoy rig, a key at 5 requests/s under 20 requests/s, Redis
 killed for `--outage` seconds and started again (empty).
@@ -27,8 +29,12 @@ killed for `--outage` seconds and started again (empty).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +94,24 @@ FLOOD_KEY = "reqh"  # 60 requests an hour (tests.sidecar_live.glimits.CLIENTS)
 FLOOD_BUDGET = 60
 
 
-def flood(rate: float, count: int, run: int, workdir: Path) -> dict[str, Any]:
-    """One flood of `count` requests at `rate` on the 60/hour key over 3 Envoys as shipped."""
+@contextlib.contextmanager
+def _busy(loops: int, limit_s: float) -> Iterator[None]:
+    """`loops` busy-loop processes beside the run (a loaded machine), each bounded to `limit_s`,
+    stopped by their pid."""
+    procs = [subprocess.Popen([sys.executable, "-c",
+                               f"import time\nend = time.monotonic() + {limit_s}\nwhile time.monotonic() < end: pass"])
+             for _ in range(loops)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def flood(rate: float, count: int, run: int, workdir: Path, busy: int = 0) -> dict[str, Any]:
+    """One flood of `count` requests at `rate` on the 60/hour key over 3 Envoys as shipped
+    (`busy` busy loops beside it: a loaded machine)."""
     from tests.sidecar_live.glimits import sidecar_metric, wait_for_window
 
     wait_for_window(count / rate + 30, window=3600, timeout=120)  # one hour window for the whole run
@@ -104,8 +126,9 @@ def flood(rate: float, count: int, run: int, workdir: Path) -> dict[str, Any]:
         urls = [f"http://127.0.0.1:{pair.port}" for pair in rig.pairs]
         before = [pair.envoy.stats() for pair in rig.pairs]
         proc, path = loadgen.start(job, workdir, name)
-        loadgen.go(proc, urls)
-        records = loadgen.collect(proc, path, count / rate + 60)
+        with _busy(busy, count / rate + 70):
+            loadgen.go(proc, urls)
+            records = loadgen.collect(proc, path, count / rate + 60)
         after = [pair.envoy.stats() for pair in rig.pairs]
         failed_open = sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
                           for k in a if k.endswith("ratelimit.confgen_global.failure_mode_allowed"))
@@ -119,12 +142,17 @@ def flood(rate: float, count: int, run: int, workdir: Path) -> dict[str, Any]:
     latencies = [(r["end"] - r["sched"]) * 1000 for r in records if r["end"] is not None and r["status"] in (200, 429)]
     envoys_in_store = 2  # limits.store.envoys left at its default: the floor is budget / 2 per sidecar
     bound = FLOOD_BUDGET + 3 * max(1, FLOOD_BUDGET // envoys_in_store)
+    ceiling = 3 * 2 * FLOOD_BUDGET  # each Envoy's ceiling (confgen.limits.Ceiling) when its checks fail open
     achieved = round(len(sent) / span, 1) if span else None
-    result = {"rate": rate, "requests": count, "run": run, "achieved_rate": achieved,
+    result = {"rate": rate, "requests": count, "run": run, "busy_loops": busy, "achieved_rate": achieved,
               "admitted": statuses.count(200), "refused": statuses.count(429),
               "other": sum(1 for s in statuses if s not in (200, 429)), "redis_counted": counted,
               "floor_decisions_for_the_key": floor, "envoy_checks_failed_open": failed_open,
               "envoy_check_errors": errors, "budget": FLOOD_BUDGET, "bound_with_floors": bound,
+              "bound_with_ceilings": ceiling,
+              "refused_by_ceilings": sum(int(a.get("confgen_ceiling.http_local_rate_limit.rate_limited", 0))
+                                         - int(b.get("confgen_ceiling.http_local_rate_limit.rate_limited", 0))
+                                         for a, b in zip(after, before, strict=True)),
               "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99)}
     print(f"flood {rate:.0f} req/s run {run}: {result}", flush=True)
     return result
@@ -192,6 +220,8 @@ def main() -> int:
     parser.add_argument("--flood", default="", metavar="RATES", help="comma-separated flood rates, e.g. 500,1000")
     parser.add_argument("--flood-requests", type=int, default=5000)
     parser.add_argument("--flood-runs", type=int, default=2)
+    parser.add_argument("--flood-busy", type=int, default=0, metavar="N",
+                        help="N busy-loop processes beside each flood (a loaded machine)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="confgen-rl-bench-") as tmp:
@@ -201,7 +231,7 @@ def main() -> int:
         if args.sse:
             result["sse"] = sse_cost(40.0, args.sse, Path(tmp))
         if args.flood:
-            result["flood"] = [flood(float(rate), args.flood_requests, run, Path(tmp))
+            result["flood"] = [flood(float(rate), args.flood_requests, run, Path(tmp), args.flood_busy)
                                for rate in args.flood.split(",") for run in range(args.flood_runs)]
         if args.outage > 0:
             result["outage"] = outage(args.outage, Path(tmp))

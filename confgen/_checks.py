@@ -686,8 +686,11 @@ def _limit_floors(topo: Topology) -> Iterator[Finding]:
             f"no local limit beside this global one: while limits.store cannot be reached each of the "
             f"{count} {counters} (limits.store.envoys) admits {share} {what} a {window} on its own, so a client "
             f"can get {share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
-            f"{window} it starts (the store's count before it plus the floors); add a local limit to "
-            f"bound each proxy, or fail_closed: true to refuse instead"), WARNING
+            f"{window} it starts (the store's count before it plus the floors)"
+            + ("" if budget.tokens else
+               f", and while the rate limit service itself does not answer each Envoy admits up to its ceiling "
+               f"of {2 * budget.amount} in that {window} and {budget.amount} a {window} after, per route")
+            + "; add a local limit to bound each proxy, or fail_closed: true to refuse instead"), WARNING
 
 
 def _per_key_replaced(topo: Topology) -> Iterator[Finding]:

@@ -131,6 +131,37 @@ def budgets(topo: Topology) -> list[Budget]:
     return out
 
 
+@dataclass(frozen=True)
+class Ceiling:
+    """Each Envoy's own bound on one requests budget, for when its check fails open (the rate
+    limit service did not answer within limits.store.check_timeout): a token bucket of twice the
+    amount, refilled by the amount every window. It sees only the requests the global check let
+    through, so it never refuses one the budget admits (at most the amount in each fixed window is
+    at most twice the amount in any span of a window, and the amount per window in the long run);
+    while the checks fail open it admits at most that, per Envoy and route, never unlimited."""
+
+    budget: Budget
+    max_tokens: int
+    tokens_per_fill: int
+    fill_seconds: int
+
+
+def ceilings(topo: Topology) -> list[Ceiling]:
+    """The ceiling of every requests budget that fails open (fail_closed budgets are refused by
+    Envoy when the service cannot answer; token budgets are known only at the answer's end)."""
+    return [Ceiling(b, 2 * b.amount, b.amount, b.window_seconds)
+            for b in budgets(topo) if not b.tokens and not b.limit.fail_closed]
+
+
+def budget_clients(topo: Topology, budget: Budget) -> tuple[str, ...]:
+    """The API-key clients a per-client budget counts (its own client, or every client not excepted)."""
+    if budget.clients is not None:
+        return budget.clients
+    if topo.auth is None:
+        return ()
+    return tuple(k.client for k in topo.auth.api_keys if k.client not in budget.except_clients)
+
+
 def _place(path: str, value: object, index: int) -> str:
     return f"{path}[{index}]" if isinstance(value, list) else path
 

@@ -23,6 +23,9 @@ Filter order, and why:
                         budgets and the picker (a refused request uses neither).
   6. ratelimit        - global budgets (confgen-sidecar's rate limit service), per-route
                         descriptors; see _ratelimit.py.
+  6b. local_ratelimit.ceiling - only with requests budgets that fail open: per route, each
+                        budget's (and client's) bucket of twice its amount, after the check:
+                        bounds what a check that fails open admits; see _ratelimit.py.
   7. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
                         picker reads the buffered body and names the worker
                         (x-gateway-destination-endpoint, which header_mutation strips from

@@ -22,6 +22,13 @@ refused request, a stream without usage, an error) and a second one (phase: done
 settles what is left: a reservation still held is charged its estimate, none charges nothing,
 so a stream without usage is charged its estimate. Budgets with fail_closed go through a
 second filter instance with failure_mode_deny, the others fail open.
+
+A check that fails open (the service did not answer within limits.store.check_timeout) is not
+unlimited: after the global filters, each route carries a local rate limit
+(`envoy.filters.http.local_ratelimit.ceiling`, stats `confgen_ceiling.http_local_rate_limit.*`)
+with one bucket per requests budget and client (confgen.limits.Ceiling): it sees only the requests
+the global check let through, never refuses one the budget admits, and bounds each Envoy to twice
+the budget, then the budget per window, on each route while the checks fail open.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ from ..limits import (
     USAGE_KEYS,
     USAGE_NS,
     Budget,
+    budget_clients,
     budgets,
+    ceilings,
     domain,
     hold_seconds,
     max_output_tokens,
@@ -51,6 +60,11 @@ from ._proto import Json, dur, extension, typed
 
 FILTER_OPEN = "envoy.filters.http.ratelimit"
 FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
+CEILING_FILTER = "envoy.filters.http.local_ratelimit.ceiling"
+CEILING_STAT_PREFIX = "confgen_ceiling"
+# The bucket of a request that matches no ceiling: never the one that empties.
+_UNLIMITED = {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"}
+_ALL = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
 
 
 def uses_tokens(topo: Topology) -> bool:
@@ -80,7 +94,39 @@ def filters(topo: Topology) -> list[Json]:
         out.append(_filter(topo, FILTER_OPEN, deny=False))
     if any(b.limit.fail_closed for b in found):
         out.append(_filter(topo, FILTER_CLOSED, deny=True))
+    if ceilings(topo):
+        # No limit here: only the routes' own buckets (typed_per_filter_config) act.
+        out.append(extension(CEILING_FILTER, "extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                             {"stat_prefix": CEILING_STAT_PREFIX}))
     return out
+
+
+def _ceiling_config(topo: Topology) -> Json | None:
+    """The ceilings on one route: one descriptor per requests budget (and client), produced by the
+    same actions as the budget's global descriptor; a request none applies to draws from nothing."""
+    found = ceilings(topo)
+    if not found:
+        return None
+    descriptors: list[Json] = []
+    for ceiling in found:
+        budget = ceiling.budget
+        bucket = {"max_tokens": ceiling.max_tokens, "tokens_per_fill": ceiling.tokens_per_fill,
+                  "fill_interval": f"{ceiling.fill_seconds}s"}
+        first = {"key": LIMIT_KEY, "value": budget.id}
+        if not budget.per_client:
+            descriptors.append({"entries": [first], "token_bucket": bucket})
+            continue
+        descriptors += [{"entries": [first, {"key": CLIENT_KEY, "value": client}], "token_bucket": bucket}
+                        for client in budget_clients(topo, budget)]
+    return typed("extensions.filters.http.local_ratelimit.v3.LocalRateLimit", {
+        "stat_prefix": CEILING_STAT_PREFIX,
+        "token_bucket": _UNLIMITED,
+        "always_consume_default_token_bucket": False,
+        "filter_enabled": _ALL,
+        "filter_enforced": _ALL,
+        "descriptors": descriptors,
+        "rate_limits": [{"actions": _selector(topo, c.budget)} for c in found],
+    })
 
 
 def usage_request_rules() -> list[Json]:
@@ -192,4 +238,7 @@ def per_route(topo: Topology, model: str | None, pool: Pool | None = None) -> Js
         if chosen:
             out[name] = typed("extensions.filters.http.ratelimit.v3.RateLimitPerRoute", {
                 "rate_limits": [entry for b in chosen for entry in _entries(topo, b, model, pool)]})
+    ceiling = _ceiling_config(topo)
+    if ceiling is not None:
+        out[CEILING_FILTER] = ceiling
     return out

@@ -160,6 +160,24 @@ def test_service_unreachable_with_request_and_stream_done_limits_serves_everythi
         assert status in (429, 500), status
 
 
+def test_checks_failing_open_stop_at_each_envoys_ceiling(tmp_path: Path) -> None:
+    """A check that fails open is not unlimited: with the rate limit service unreachable, a key of
+    60 requests an hour gets through one Envoy exactly its ceiling (twice the budget: the bucket
+    that never refuses what the budget admits) and 429 after, counted in the ceiling's stats;
+    another client, without a global limit, is untouched."""
+    closed = free_port()  # nothing listens there: every check fails open
+    with global_rig(tmp_path, envoys=1, sidecars=False, grpc_ports=[closed]) as rig:
+        pair = rig.pairs[0]
+        answers = [call(pair.url, "reqh", _body(1)) for _ in range(150)]
+        statuses = [status for status, _, _ in answers]
+        assert statuses == [200] * 120 + [429] * 30, statuses  # the ceiling, then refusals
+        assert json.loads(answers[-1][2])["error"]["code"] == "rate_limit_exceeded"
+        stats = pair.envoy.stats()
+        assert int(stats["cluster.chat.ratelimit.confgen_global.failure_mode_allowed"]) == 150  # every check
+        assert int(stats["confgen_ceiling.http_local_rate_limit.rate_limited"]) == 30
+        assert [call(pair.url, "free", _body(1))[0] for _ in range(5)] == [200] * 5
+
+
 def _load(rig: GlobalRig, client: str, stop: threading.Event, out: list[tuple[float, int]], rate: float) -> None:
     paced_load(rig, client, _body(1), stop, out, rate)
 

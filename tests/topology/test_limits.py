@@ -107,6 +107,8 @@ def test_global_limits_in_ads_mode_are_counted_by_the_control_plane() -> None:
     assert limits.envoys(topo) == 2
     floor = [w.message for w in warnings if w.path == "limits.per_key"]
     assert floor and "each of the 2 control planes (limits.store.envoys) admits 30 requests a minute" in floor[0], floor
+    # and when the checks themselves fail open: each Envoy's ceiling (twice the budget, then the budget)
+    assert "each Envoy admits up to its ceiling of 120 in that minute and 60 a minute after" in floor[0], floor
     topo, _ = parse(text.replace("window: minute}", "window: minute}\n  store: {redis: '127.0.0.1:6379', envoys: 1}")
                     .replace("  store: {redis: '127.0.0.1:6379'}\n", "", 1).encode(), "t.yaml")
     assert limits.envoys(topo) == 1  # said explicitly: kept
@@ -185,3 +187,16 @@ def test_nginx_refuses_global_and_token_limits_with_the_fields_place(tmp_path: P
     assert checked.returncode == 1
     lines = [line for line in checked.stderr.splitlines() if "open-source nginx cannot call" in line]
     assert [line.split(": ")[0] for line in lines] == [f"{topo}:13:19", f"{topo}:18:15", f"{topo}:19:15"]
+
+
+def test_each_requests_budget_that_fails_open_has_a_ceiling_of_twice_its_amount() -> None:
+    """The bound on checks that fail open (confgen.limits.Ceiling): every requests budget that fails
+    open gets a bucket of twice its amount refilled by its amount each window, for the clients it
+    counts (limits.per_key: every client without its own rate_limit); token budgets (known only at the
+    answer's end) and fail_closed budgets (refused by Envoy when the service cannot answer) get none."""
+    topo, _ = parse((BASE + STORE).encode(), "t.yaml")
+    found = limits.ceilings(topo)
+    assert [(c.budget.id, c.max_tokens, c.tokens_per_fill, c.fill_seconds) for c in found] == [
+        ("per_key/1", 1200, 600, 60)]
+    assert limits.budget_clients(topo, found[0].budget) == ("alice",)  # bob's own rate_limit replaces per_key
+    assert all(b.tokens or b.limit.fail_closed for b in limits.budgets(topo) if b.id != "per_key/1")
