@@ -44,7 +44,9 @@ OWN_S, OWN_WARMUP_S = 30.0, 5.0
 # The targets of issue 29: shed share within 3 points of the excess, admitted P99 <= 1.3x the
 # product's own at 78 % and <= 0.5x vLLM Router's best
 SHARE_POINTS, OWN_P99, PEER_P99 = 0.03, 1.3, 0.5
-QUICK_OWN_S = 8.0  # --quick: the 78 % reference is a harness check, not a figure
+# --quick (the smoke test's and make bench-quick's harness check, not a figure): a shorter 78 %
+# reference, a shorter lead and the 150 % surge for 8 s
+QUICK_OWN_S, QUICK_LEAD_S = 5.0, 5.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ CLASSES = Setup("product_classes", f"confgen render + confgen-sidecar, {CRITICAL
                 "match: {headers: [{name: x-tier, exact: sheddable}]}}]")
 SURGES = (Surge("s118", "118 % for 30 s", 1.18, 30.0), Surge("s150", "150 % for 15 s", 1.5, 15.0),
           Surge("x3", "3x for 5 s", 3.0, 5.0))
+QUICK_SURGE = Surge("s150", "150 % for 8 s", 1.5, 8.0)
 
 
 def setups(ctx: Context) -> list[Setup]:
@@ -90,14 +93,14 @@ def setups(ctx: Context) -> list[Setup]:
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
                    length_s: float = OWN_S + OWN_WARMUP_S, critical_share: float = 0.0,
-                   sheddable_share: float = 0.0) -> list[dict[str, Any]]:
-    """Open-loop Poisson arrivals at BASE x capacity for LEAD_S, then the surge's level for
+                   sheddable_share: float = 0.0, lead_s: float = LEAD_S) -> list[dict[str, Any]]:
+    """Open-loop Poisson arrivals at BASE x capacity for `lead_s`, then the surge's level for
     its length (thinning from the top rate, so one seed gives one arrival sequence); without
     a surge, BASE for `length_s`. Same request shape as the matrix (bench/_workload)."""
     rng = random.Random(seed)
     tier = random.Random(seed + 1)  # its own stream: the same arrivals with or without classes
     level = surge.level if surge is not None else BASE
-    end = LEAD_S + surge.length_s if surge is not None else length_s
+    end = lead_s + surge.length_s if surge is not None else length_s
     top = max(level, BASE) * capacity
     (plo, phi), (olo, ohi) = plan.prompt_tokens, plan.output_range
     out: list[dict[str, Any]] = []
@@ -106,7 +109,7 @@ def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: 
         t += rng.expovariate(top)
         if t >= end:
             break
-        rate = (level if surge is not None and t >= LEAD_S else BASE) * capacity
+        rate = (level if surge is not None and t >= lead_s else BASE) * capacity
         if rng.random() * top >= rate:
             continue
         i = len(out)
@@ -228,7 +231,8 @@ def _span(values: list[float | None], scale: float = 1.0, digits: int = 0) -> st
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     seeds = [ctx.seed + k for k in range(int(ctx.option("overload_seeds", 1 if ctx.quick else 2)))]
-    surges = [s for s in SURGES if (not ctx.quick or s.key == "s150") and ctx.option("overload_surges", 1)]
+    surges = [s for s in ([QUICK_SURGE] if ctx.quick else SURGES) if ctx.option("overload_surges", 1)]
+    lead_s = QUICK_LEAD_S if ctx.quick else LEAD_S
     which = int(ctx.option("overload_fleet", 0))
     if not 0 <= which < len(FLEETS):
         keys = ", ".join(f.key for f in FLEETS)
@@ -246,10 +250,10 @@ def run(ctx: Context) -> Result:
         print(f"  [overload] 78 % seed {seed}: P99 {fmt_ms(row['p99_ms'])} ms, shed {row['shed']}/{row['requests']}",
               flush=True)
         for surge in surges:
-            reqs = surge_requests(fleet, cap, surge, seed + 11)
+            reqs = surge_requests(fleet, cap, surge, seed + 11, lead_s=lead_s)
             for s in setups(ctx):
                 r = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, s,
-                                    f"ov-{surge.key}-{s.key}-{seed}", warmup_s=LEAD_S + FROM_S,
+                                    f"ov-{surge.key}-{s.key}-{seed}", warmup_s=lead_s + FROM_S,
                                     deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
                                     ingresses=2 if s.key == TWO.key else 1)
                 r["seed"] = seed
@@ -287,7 +291,7 @@ def run(ctx: Context) -> Result:
                           _span(ratios, digits=2), _span([r["ttft_p99_ms"] for r in rs]),
                           _span([r.get("tpot_p99_ms") for r in rs], digits=1),
                           str(sum(r["other_errors"] for r in rs))])
-        res.tables.append((f"{surge.label} from {BASE:.0%} ({LEAD_S:g} s before): requests scheduled from the "
+        res.tables.append((f"{surge.label} from {BASE:.0%} ({lead_s:g} s before): requests scheduled from the "
                            f"surge's 5th second to its end; excess {surge.excess:.1%}; mean over seeds {seeds} "
                            "(range)", head, table))
         prod = rows["product"]
