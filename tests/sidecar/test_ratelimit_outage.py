@@ -274,3 +274,69 @@ def test_a_reservation_past_its_hold_leaves_the_running_total(redis: RedisProces
         assert client.zcard(key + b":z") == 1
     finally:
         client.close()
+
+
+def test_replayed_charges_count_per_key_and_fold_what_the_topology_no_longer_names(redis: RedisProcess) -> None:
+    """Charges the journal kept count in the per-key tokens charged when they are replayed, under
+    the topology of that moment: a client it no longer names is folded into "(other)", and a budget
+    it no longer has into "(other)" for budget, client and unit, so the series stay bounded. Dave's
+    charge reached the paused Redis and timed out, Redis ran it once resumed: the replay finds its
+    mark and counts what that call added (once); bob's never left (the store was in its backoff)."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    def text(keys: str) -> Any:
+        topo, _ = parse(f"""\
+version: 1
+name: rl
+listeners: [{{name: public, port: 8080}}]
+pools: [{{name: p, engine: vllm, models: [m1], workers: ["127.0.0.1:8000"]}}]
+auth:
+  api_keys:
+{keys}
+limits:
+  store: {{redis: "{redis.address}", timeout: 200ms, check_timeout: 400ms}}
+  per_key: {{scope: global, unit: output_tokens, tokens: 1000, window: hour}}
+""".encode(), "rl.yaml")
+        return topo
+
+    before = text("    - {client: alice, env: A}\n    - {client: dave, env: D}\n"
+                  "    - {client: bob, env: B, rate_limit: {scope: global, unit: total_tokens, tokens: 3000, "
+                  "window: minute}}")
+    after = text("    - {client: alice, env: A}\n    - {client: bob, env: B}")
+    current = [before]
+
+    def charge(budget: str, client: str, rid: str, usage: int) -> Any:
+        return _request(_descriptor(budget, client, hits=usage, request_id=rid),
+                        _descriptor(budget, client, hits=0, request_id=rid, phase="done"))
+
+    async def run() -> int:
+        service = RateLimitService(lambda: current[0], registry, clock.monotonic, wall=clock.time, backoff_s=0.25,
+                                   flush_interval_s=3600)
+        await service.start()
+        try:
+            assert (await service.ShouldRateLimit(_request(_descriptor("per_key/0", "dave", hits=0, request_id="d")),
+                                                  None)).overall_code == OK
+            assert (await service.ShouldRateLimit(
+                _request(_descriptor("client/bob/0", "bob", hits=0, request_id="b")), None)).overall_code == OK
+            _pause(redis)
+            await service.ShouldRateLimit(charge("per_key/0", "dave", "d", 9), None)  # journaled
+            await service.ShouldRateLimit(charge("client/bob/0", "bob", "b", 13), None)
+            await service.settled()
+            assert registry.get_sample_value("confgen_sidecar_ratelimit_tokens_charged_total",
+                                             {"budget": "per_key/0", "client": "dave", "unit": "output_tokens"}) is None
+            current[0] = after  # dave removed; bob without a budget of his own
+            _pause(redis, resume=True)
+            clock.mono += 0.3
+            return await service.flush()
+        finally:
+            await service.close()
+
+    assert asyncio.run(run()) == 2
+    sample = registry.get_sample_value
+    charged = "confgen_sidecar_ratelimit_tokens_charged_total"
+    assert sample(charged, {"budget": "per_key/0", "client": "(other)", "unit": "output_tokens"}) == 9
+    assert sample(charged, {"budget": "(other)", "client": "(other)", "unit": "(other)"}) == 13
+    assert {s.labels["client"] for m in registry.collect() for s in m.samples if m.name.endswith("tokens_charged")
+            } == {"(other)"}
+    assert asyncio.run(_spent(redis)) == 9 + 13

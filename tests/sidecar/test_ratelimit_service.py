@@ -333,6 +333,62 @@ def test_dead_store_fails_open_except_fail_closed_then_counting_resumes(redis: R
                                      {"budget": "per_key/0", "client": "alice", "code": "over_limit"}) == 8
 
 
+def test_per_key_figures_count_each_budgets_answers_and_the_tokens_charged(redis: RedisProcess) -> None:
+    """Per budget and client: every answer by its code (a request refused by one budget counts
+    over_limit on each budget it carried), and the tokens each answer's end charged the store,
+    by unit (usage, or the estimate when no usage came; a charge replayed with the same id counts
+    once). A client the topology does not name adds no series: the labels stay bounded."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    def check(rid: str) -> Any:
+        return _request(_descriptor("client/bob/0", "bob", "m1", hits=0, request_id=rid, max_output="20",
+                                    body_bytes="0"))
+
+    def end(rid: str, usage: int | None) -> Any:
+        done = _descriptor("client/bob/0", "bob", "m1", hits=0, request_id=rid, phase="done")
+        return _request(done) if usage is None else _request(
+            _descriptor("client/bob/0", "bob", "m1", hits=usage, request_id=rid), done)
+
+    async def run() -> None:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            for _ in range(6):  # per_key/0: 5 a minute, the output-token budget beside it
+                await service.ShouldRateLimit(
+                    _request(_descriptor("per_key/0", "alice"), _descriptor("per_key/1", "alice", hits=0)), None)
+            await service.ShouldRateLimit(check("a"), None)
+            await service.ShouldRateLimit(end("a", 7), None)  # usage 7
+            await service.ShouldRateLimit(end("a", 7), None)  # the same charge again (a replay): applied once
+            await service.ShouldRateLimit(check("b"), None)
+            await service.ShouldRateLimit(end("b", None), None)  # no usage: the estimate, 20
+            await service.ShouldRateLimit(_request(_descriptor("per_key/1", "alice", hits=11)), None)  # no id
+            for forged in ("mallory", "x" * 200, ""):  # not a client of the topology: not counted, no series
+                await service.ShouldRateLimit(_request(_descriptor("per_key/0", forged)), None)
+        finally:
+            await service.close()
+
+    asyncio.run(run())
+    sample = registry.get_sample_value
+    decisions = "confgen_sidecar_ratelimit_key_decisions_total"
+    assert sample(decisions, {"budget": "per_key/0", "client": "alice", "code": "ok"}) == 5
+    assert sample(decisions, {"budget": "per_key/0", "client": "alice", "code": "over_limit"}) == 1
+    # per_key/1 did not refuse the sixth, per_key/0 did: the answer's code on both
+    assert sample(decisions, {"budget": "per_key/1", "client": "alice", "code": "ok"}) == 5
+    assert sample(decisions, {"budget": "per_key/1", "client": "alice", "code": "over_limit"}) == 1
+    assert sample(decisions, {"budget": "client/bob/0", "client": "bob", "code": "ok"}) == 2
+    charged = "confgen_sidecar_ratelimit_tokens_charged_total"
+    assert sample(charged, {"budget": "client/bob/0", "client": "bob", "unit": "total_tokens"}) == 7 + 20
+    assert sample(charged, {"budget": "per_key/1", "client": "alice", "unit": "output_tokens"}) == 11
+    assert asyncio.run(_spent(redis)) == 5 + 7 + 20 + 11  # what the store holds: the same charges
+    series = {(m.name, tuple(sorted(s.labels.items()))) for m in registry.collect() for s in m.samples
+              if "budget" in s.labels}
+    clients = {dict(labels)["client"] for _, labels in series}
+    assert clients == {"alice", "bob"}, series
+    # the answers' own counter keeps its labels and counts answers, not budgets (an end's charge is no answer)
+    assert sample("confgen_sidecar_ratelimit_decisions_total", {"code": "ok", "store": "counted"}) == 5 + 2
+
+
 def test_grpc_round_trip_on_the_sidecars_server(redis: RedisProcess) -> None:
     _flush(redis)
     clock, registry = Clock(), CollectorRegistry()

@@ -67,14 +67,15 @@ class LocalCounter:
                    or (op.mode == "r" and c + h >= op.limit) for op, c, h in zip(ops, current, held, strict=True))
         full = len(self) >= self._max_keys
         over = over or (full and any(op.mode in ("a", "r") for op in ops))
-        out_counts, out_held = [], []
+        out_counts, out_held, out_added = [], [], []
         for op, c, h in zip(ops, current, held, strict=True):
             add = op.cost
             if op.mode == "d" and op.request_id:
                 add = self._release(op.reservations, op.request_id, now) or 0
             value = c
+            applied = 0
             if add > 0 and (op.mode in ("f", "d") or (op.mode == "a" and not over)):
-                value = c + add
+                value, applied = c + add, add
                 previous = self._counts.get(op.key)
                 expiry = previous[1] if previous is not None and previous[1] >= now else now + op.ttl_s
                 self._counts[op.key] = (value, expiry)
@@ -87,7 +88,8 @@ class LocalCounter:
                 self._release(op.reservations, op.request_id, now)
             out_counts.append(value)
             out_held.append(h)
-        return Decision(out_counts, out_held, over)
+            out_added.append(applied)
+        return Decision(out_counts, out_held, over, out_added)
 
     def _release(self, reservations: str, request_id: str, now: float) -> int | None:
         """Drop a reservation; its estimate if it was held and not past its deadline."""

@@ -23,6 +23,13 @@ per request; the first call after it counts again. Meanwhile:
   answers again, so no admitted token goes uncharged.
 
 Envoy's own timeout (check_timeout) and fail-open cover a sidecar that does not answer at all.
+
+Per-key figures: every answer is counted per budget and client it carried
+(confgen_sidecar_ratelimit_key_decisions_total), and every token charge the store applied, at
+an answer's end or replayed from the journal, per budget, client and unit
+(confgen_sidecar_ratelimit_tokens_charged_total; the script returns what each op added). Their
+client label, as the floor's, is a client the topology names, "" for a listener-wide budget, or
+OTHER: the series are bounded by the topology, not by what a descriptor carries.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ __all__ = ["METRIC_NAMES", "RateLimitService"]
 
 METRIC_NAMES = (
     "confgen_sidecar_ratelimit_decisions_total",
+    "confgen_sidecar_ratelimit_key_decisions_total",
+    "confgen_sidecar_ratelimit_tokens_charged_total",
     "confgen_sidecar_ratelimit_store_up",
     "confgen_sidecar_ratelimit_store_failures_total",
     "confgen_sidecar_ratelimit_store_seconds",
@@ -96,6 +105,10 @@ _MAX_DESCRIPTORS = 64  # a request carries one per budget that applies; more is 
 _MAX_ESTIMATE = 10**9  # Envoy's own bound on a hits_addend
 _MAX_HOLD_S = 86400
 _MAX_PENDING_APPENDS = 10_000  # journal writes queued for its thread; past it a charge is dropped (counted)
+OTHER = "(other)"  # the per-key label of a client (or budget) the topology does not name: never a client name
+_PER_KEY = ('budget: a budget id of the topology; client: an API-key client the topology names (auth.api_keys), '
+            '"" for a budget of all the listener\'s requests, "(other)" for any other value, so that the series '
+            'stay bounded by the topology whatever a client sends')
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +138,19 @@ class _Metrics:
         self.decisions = Counter(
             "confgen_sidecar_ratelimit_decisions_total",
             "Rate limit service answers, by code (ok, over_limit) and whether the store counted them "
-            "(counted, fail_open, fail_closed)", ["code", "store"], registry=registry)
+            "(counted, floor, fail_closed)", ["code", "store"], registry=registry)
+        self.key_decisions = Counter(
+            "confgen_sidecar_ratelimit_key_decisions_total",
+            "Rate limit answers per budget and client, by code: the answer's (ok, over_limit; a request refused "
+            "by one of its budgets counts over_limit on each budget it carried), counted in the store, on the "
+            "local floor or fail_closed alike. " + _PER_KEY, ["budget", "client", "code"], registry=registry)
+        self.tokens_charged = Counter(
+            "confgen_sidecar_ratelimit_tokens_charged_total",
+            "Tokens the store was charged per token budget, client and unit (input_tokens, output_tokens, "
+            "total_tokens): each answer's usage, or its estimate, at its end, and the charges the journal kept "
+            "when they are replayed (a charge Redis had applied already counts 0). " + _PER_KEY
+            + '; a replayed charge of a budget the topology no longer has: budget, client and unit "(other)"',
+            ["budget", "client", "unit"], registry=registry)
         self.store_up = Gauge(
             "confgen_sidecar_ratelimit_store_up",
             "1 while the last call to the rate limit store (Redis) succeeded; 0 while global limits go uncounted",
@@ -139,7 +164,7 @@ class _Metrics:
         self.fail_open = Counter(
             "confgen_sidecar_ratelimit_fail_open_total",
             "Decisions made on the sidecar's local floor (the store unreachable or slow), by budget, client "
-            "and code (ok, over_limit)", ["budget", "client", "code"], registry=registry)
+            "and code (ok, over_limit). " + _PER_KEY, ["budget", "client", "code"], registry=registry)
         self.journal = Gauge(
             "confgen_sidecar_ratelimit_journal_entries",
             "Charges kept on disk for the store, waiting for it to answer", registry=registry)
@@ -262,6 +287,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         first store failure (the rest stay for the next try)."""
         async with self._flush_lock:
             counter = self._counter
+            table = self._table_now()
             applied = 0
             while counter is not None and self._journal.size:
                 batch = await self._journal.oldest()
@@ -270,7 +296,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     for row_id, at, ops in batch:
                         if ops:
                             late = max(0, int(self._wall() - at))
-                            await counter.decide([replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops], at)
+                            result = await counter.decide([replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops],
+                                                          at)
+                            self._count_charges(table, ops, result, replayed=True)
                         done.append(row_id)
                 except StoreUnavailable as exc:
                     self._store_failed(counter, exc)
@@ -336,21 +364,25 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=[_status(None) for _ in plan])
         if all(op.mode in ("f", "d") for op in ops):  # an answer's end: charged now, or journaled
             ops = self._settle_local(ops, now)
-            if await self._decide(ops) is None:
+            charged = await self._decide(ops)
+            if charged is None:
                 self._keep(now, ops)
+            else:
+                self._count_charges(table, ops, charged)
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=[_status(None) for _ in plan])
         counts = await self._decide(ops)
         if counts is None:  # store unreachable: the local floor, except fail_closed budgets
             closed = any(entry is not None and entry[0].limit.fail_closed for entry in plan)
             if closed:
                 self._metrics.decisions.labels("over_limit", "fail_closed").inc()
+                self._count_keys(table, plan, ops, "over_limit")
                 return rls_pb2.RateLimitResponse(
                     overall_code=_OVER,
                     statuses=[_status(None) if entry is None else
                               _status(entry[0], code=_OVER if entry[0].limit.fail_closed else _OK, now=now)
                               for entry in plan])
             return self._on_floor(table, plan, ops, now)
-        return self._answer(plan, ops, counts, now, "counted")
+        return self._answer(table, plan, ops, counts, now, "counted")
 
     def _settle_local(self, ops: list[Op], now: float) -> list[Op]:
         """An answer's end ops for the store: a reservation this sidecar's floor held (the
@@ -376,17 +408,43 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         code = "over_limit" if counts.refused else "ok"
         for index, op in enumerate(ops):
             budget = budget_of[index]
-            self._metrics.fail_open.labels(budget.id, _client_of(op, budget), code).inc()
+            self._metrics.fail_open.labels(budget.id, _client_label(table, budget, op), code).inc()
         if not counts.refused:  # the store counts them too once it answers
             self._keep(now, [Op(op.key, "f", op.cost, op.limit, op.ttl_s) for op in ops if op.mode == "a"])
         # the answer's remaining amounts are this sidecar's share's
         shifted = Decision([c + budget_of[i].amount - floors[i] for i, c in enumerate(counts.counts)],
                            counts.reserved, counts.refused)
-        return self._answer(plan, [replace(op, limit=budget_of[i].amount) for i, op in enumerate(ops)], shifted,
-                            now, "floor")
+        return self._answer(table, plan, [replace(op, limit=budget_of[i].amount) for i, op in enumerate(ops)],
+                            shifted, now, "floor")
 
-    def _answer(self, plan: list[tuple[Budget, int] | None], ops: list[Op], counts: Decision, now: float,
-                store: str) -> Any:
+    def _count_keys(self, table: _Table, plan: list[tuple[Budget, int] | None], ops: list[Op], code: str) -> None:
+        """One answer, per budget and client it carried (confgen_sidecar_ratelimit_key_decisions_total)."""
+        for entry in plan:
+            if entry is not None:
+                budget, index = entry
+                self._metrics.key_decisions.labels(budget.id, _client_label(table, budget, ops[index]), code).inc()
+
+    def _count_charges(self, table: _Table, ops: list[Op], applied: Decision, replayed: bool = False) -> None:
+        """The tokens each op of a call added to the store (confgen_sidecar_ratelimit_tokens_charged_total);
+        a requests budget's charge (a request admitted on the floor, replayed) is not tokens. `replayed`:
+        the journal's ops, never counted here before (their call failed), so a charge the store had
+        applied already (that call timed out after Redis ran it) counts what that call added."""
+        earlier = applied.earlier if replayed else []
+        for index, (op, now_added) in enumerate(zip(ops, applied.added, strict=False)):
+            added = now_added + (earlier[index] if index < len(earlier) else 0)
+            if added <= 0:
+                continue
+            parts = op.key.split(":", 4)  # confgen, domain, budget id, client, model:window:start
+            budget = table.budgets.get(parts[2]) if len(parts) == 5 and parts[1] == table.domain else None
+            if budget is None:  # a replayed charge of an older topology's budget
+                if op.reservations:  # only token ops carry a reservations hash
+                    self._metrics.tokens_charged.labels(OTHER, OTHER, OTHER).inc(added)
+            elif budget.tokens:
+                self._metrics.tokens_charged.labels(budget.id, _client_label(table, budget, op),
+                                                    budget.limit.unit).inc(added)
+
+    def _answer(self, table: _Table, plan: list[tuple[Budget, int] | None], ops: list[Op], counts: Decision,
+                now: float, store: str) -> Any:
         statuses = []
         for entry in plan:
             if entry is None:
@@ -398,7 +456,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 (op.mode == "c" and count >= op.limit) or \
                 (op.mode == "r" and count + held - (0 if counts.refused else op.estimate) >= op.limit)
             statuses.append(_status(budget, code=_OVER if over else _OK, count=count + held, now=now))
-        self._metrics.decisions.labels("over_limit" if counts.refused else "ok", store).inc()
+        code = "over_limit" if counts.refused else "ok"
+        self._metrics.decisions.labels(code, store).inc()
+        self._count_keys(table, plan, ops, code)
         if not counts.refused:
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=statuses)
         # retry-after: when the last refusing window resets (Envoy's 429 keeps it)
@@ -499,11 +559,13 @@ def _number(text: str | None) -> int | None:
     return int(value) if 0 <= value <= _MAX_ESTIMATE else None
 
 
-def _client_of(op: Op, budget: Budget) -> str:
-    """The client part of an op's key (confgen:<domain>:<budget id>:<client>:...), "" for a shared budget."""
+def _client_label(table: _Table, budget: Budget, op: Op) -> str:
+    """The per-key metrics' client of an op (its key: confgen:<domain>:<budget id>:<client>:...): "" for
+    a shared budget, a client of the topology, else OTHER (bounded whatever the descriptor said)."""
     if not budget.per_client:
         return ""
-    return op.key.split(f":{budget.id}:", 1)[1].split(":", 1)[0]
+    client = op.key.split(f":{budget.id}:", 1)[1].split(":", 1)[0]
+    return client if client in table.clients else OTHER
 
 
 def _estimate(budget: Budget, entries: dict[str, str], max_body: int) -> int:

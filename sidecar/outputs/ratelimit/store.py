@@ -35,13 +35,16 @@ may end in the next), as request id -> "estimate:deadline", with their running t
 never came) is dropped from the total when the budget is next checked. A check costs O(log n)
 in the reservations held, not a scan of them. (The keys are passed in ARGV, fine for one
 Redis, not for Redis Cluster.) Returned: each counter after the script, the tokens reserved
-beside it, and whether the request was refused.
+beside it, whether the request was refused, what each op added to its counter, and for a
+charge whose id was applied already what that earlier call added (its mark keeps it): the
+service's per-key tokens charged count each charge once, also when the call that applied it
+timed out and the journal's replay finds it done.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -86,7 +89,7 @@ local function release(rkey, rid)
   redis.call('HINCRBY', rkey, '#total', -tonumber(e))
   return tonumber(e), tonumber(deadline)
 end
-local cur, held = {}, {}
+local cur, held, added, earlier = {}, {}, {}, {}
 local over = 0
 for i = 1, n do
   local b = 1 + 9 * (i - 1)
@@ -104,9 +107,14 @@ for i = 1, n do
   local b = 1 + 9 * (i - 1)
   local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
   local est, rkey, hold, cid = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9]
+  local mark = 'confgen-charged:' .. rkey .. ':' .. cid
+  earlier[i] = 0
   if cid ~= '' and (mode == 'f' or mode == 'd') then
-    if not redis.call('SET', 'confgen-charged:' .. rkey .. ':' .. cid, '1', 'NX', 'EX', CHARGE_MARK_S) then
-      mode, add = 'x', 0  -- this charge was applied already (a call that timed out, then replayed)
+    if not redis.call('SET', mark, '=0', 'NX', 'EX', CHARGE_MARK_S) then
+      -- this charge was applied already (a call that timed out after Redis ran it, then replayed):
+      -- the mark holds what that call added
+      earlier[i] = tonumber(string.match(redis.call('GET', mark) or '', '^=(%d+)$') or '0')
+      mode, add = 'x', 0
     end
   end
   if mode == 'd' and rid ~= '' then
@@ -114,9 +122,12 @@ for i = 1, n do
     if e ~= nil and deadline >= now then add = e end
   end
   local v = cur[i]
+  added[i] = 0
   if add > 0 and (mode == 'f' or mode == 'd' or (mode == 'a' and over == 0)) then
     v = redis.call('INCRBY', KEYS[i], add)
     if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
+    added[i] = add
+    if cid ~= '' and mode ~= 'a' then redis.call('SET', mark, '=' .. add, 'EX', CHARGE_MARK_S) end
   end
   if mode == 'r' and over == 0 and est > 0 then
     local before = release(rkey, rid)  -- the same request checked again: one reservation
@@ -136,6 +147,10 @@ for i = 1, n do
   out[2 * i] = held[i]
 end
 out[2 * n + 1] = over
+for i = 1, n do
+  out[2 * n + 1 + i] = added[i]
+  out[3 * n + 1 + i] = earlier[i]
+end
 return out
 """
 
@@ -167,6 +182,8 @@ class Decision:
     counts: list[int]  # each counter after the script
     reserved: list[int]  # tokens reserved beside each counter by requests in flight
     refused: bool
+    added: list[int] = field(default_factory=list)  # what each op added to its counter
+    earlier: list[int] = field(default_factory=list)  # a charge applied already: what its earlier call added
 
 
 class RedisCounter:
@@ -218,7 +235,9 @@ class RedisCounter:
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
         values = [int(v) for v in raw]
-        return Decision(values[0:-1:2], values[1:-1:2], bool(values[-1]))
+        n = len(ops)
+        return Decision(values[0:2 * n:2], values[1:2 * n:2], bool(values[2 * n]), values[2 * n + 1:3 * n + 1],
+                        values[3 * n + 1:])
 
     async def close(self) -> None:
         await self._redis.aclose()
