@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -25,6 +27,7 @@ from confgen.deploy.kubernetes import queue_query
 from confgen.runtime import free_port, stop_process
 from tests.observability.promtools import promtool_parses, tool
 from tests.observability.test_rules import dashboard_exprs, grafana_free
+from tests.sidecar_live.glimits import call, global_rig
 from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, http, live_rig, poll, worker_specs
 from tests.sidecar_live.test_picker_live import chat, conversation_system, picker_rig
 
@@ -137,11 +140,13 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
                 assert firing(prom, "ConfgenPoolWithoutHealthyCapacity") == []
                 # probe errors exist now too: every dashboard query has data, but for what the rig's
                 # topology has none of: token buckets, outlier detection (off), a fallback chain
-                # confgen_sidecar_ratelimit: no global limit in this rig (test_global_limits_live reads them)
+                # confgen_sidecar_ratelimit, ratelimit_confgen_global: no global limit in this rig (the global
+                # limits test below reads them)
                 # sheddable_refused_ratio: no sheddable traffic in this rig (test_priorities_live reads it)
                 # confgen_picker / ext_proc: no prefix_affinity pool here (the picker fleet test below reads them)
                 absent = ("local_rate_limit", "outlier_detection", "failover_upstream_rq_completed",
-                          "confgen_sidecar_ratelimit", "sheddable_refused_ratio", "confgen_picker_", "ext_proc")
+                          "confgen_sidecar_ratelimit", "ratelimit_confgen_global", "sheddable_refused_ratio",
+                          "confgen_picker_", "ext_proc")
                 empty = [e for e in dashboard_exprs() if not query(prom, grafana_free(e))
                          and not any(word in e for word in absent)]
                 assert empty == [], empty
@@ -175,7 +180,8 @@ PICKER_FLEET_ABSENT = {
     "local_rate_limit": "no token bucket in this topology",
     "outlier_detection": "outlier detection is off in the live rigs (the sidecar alone decides health)",
     "failover_upstream_rq_completed": "no fallback chain in this topology",
-    "confgen_sidecar_ratelimit": "no global limit (tests/sidecar_live/test_global_limits_live.py reads them)",
+    "confgen_sidecar_ratelimit": "no global limit (test_prometheus_answers_the_global_limit_panels_per_key reads them)",
+    "ratelimit_confgen_global": "no global limit: Envoy has no rate limit check to fail open",
     "sheddable_refused_ratio": "no sheddable traffic (tests/sidecar_live/test_priorities_live.py reads it)",
     "confgen_picker_refused": "no overload here (tests/sidecar/test_picker_predict.py pins the picker's refusals)",
 }
@@ -236,3 +242,79 @@ def test_prometheus_answers_every_dashboard_panel_for_a_picker_fleet(tmp_path: P
             scrapes = query(prom, "count_over_time(up[1m])")
             down = query(prom, "min_over_time(up[1m]) < 1")
             assert {r["metric"]["job"] for r in scrapes} == {"sidecar", "envoy"} and down == [], (scrapes, down)
+
+
+def global_limit_panels() -> list[dict[str, Any]]:
+    """The dashboard's global limit panels: "Global limits: ..." and every panel of the row "Global limits per key"."""
+    out, in_row = [], False
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            in_row = panel["title"] == "Global limits per key"
+        elif in_row or panel["title"].startswith("Global limits"):
+            out.append(panel)
+    return out
+
+
+def test_prometheus_answers_the_global_limit_panels_per_key(tmp_path: Path) -> None:
+    """One Envoy and its sidecar counting in a real Redis, a real Prometheus scraping the sidecar's
+    /metrics and its relay of Envoy's stats: keys admitted and refused, tokens charged; Redis killed
+    (the sidecar decides on its floor); then the sidecar paused (SIGSTOP, by its pid) for 2 s: Envoy's
+    checks fail open and its ceiling refuses past twice the budget. Every query of every global limit
+    panel (the row "Global limits per key" and the store panel) returns data, so a query naming a
+    metric neither the sidecar nor Envoy exports fails here; the per-key series carry the topology's
+    clients and the figures the traffic made."""
+    body = {"model": "sim-model", "prompt": "hello", "max_tokens": 3}
+    with global_rig(tmp_path, envoys=1) as rig:
+        pair, sidecar = rig.pairs[0], rig.pairs[0].sidecar
+        assert sidecar is not None and sidecar.proc is not None
+        side = sidecar.url.removeprefix("http://")
+        jobs = {"sidecar": ("/metrics", [side]), "envoy": ("/envoy/stats", [side])}
+        with prometheus(tmp_path, jobs) as prom, ThreadPoolExecutor(max_workers=16) as pool:
+            assert poll(lambda: len(query(prom, "up == 1")) == 2, timeout=20, interval=0.2)
+            statuses = [call(pair.url, "sec", body)[0] for _ in range(8)]  # 5 a second
+            assert 200 in statuses and 429 in statuses, statuses
+            assert call(pair.url, "tok", body)[0] == 200  # a token budget: its usage charged at the answer's end
+            assert poll(lambda: "tokens_charged_total{" in sidecar.metrics(), timeout=10, interval=0.2)
+            rig.redis.kill()
+            try:  # the local floor: 60 an hour / 2 (limits.store.envoys' default) on this sidecar
+                assert [call(pair.url, "reqh", body)[0] for _ in range(3)] == [200] * 3
+            finally:
+                rig.redis.restart()
+            os.kill(sidecar.proc.pid, signal.SIGSTOP)
+            try:  # 16 at once on a key of 5 a second, its checks failing open: its ceiling (10) refuses the rest
+                paused = list(pool.map(lambda _: call(pair.url, "sec", body)[0], range(16)))
+            finally:
+                os.kill(sidecar.proc.pid, signal.SIGCONT)
+            assert set(paused) <= {200, 429} and 429 in paused, paused
+            panels = global_limit_panels()
+            assert {p["title"].split(":")[0].split(" (")[0] for p in panels} >= {
+                "Global limits", "Admitted and refused per second per key",
+                "Tokens charged per second per key and unit", "Floor decisions per key", "Envoy"}, panels
+            exprs = [(panel["title"], grafana_free(t["expr"])) for panel in panels for t in panel["targets"]]
+            assert len(exprs) >= 7
+
+            def empty() -> list[tuple[str, str]]:
+                missing = [(title, e) for title, e in exprs if not query(prom, e)]
+                empty.seen = missing  # type: ignore[attr-defined]
+                return missing
+
+            assert poll(lambda: not empty(), timeout=30, interval=1.0), empty.seen  # type: ignore[attr-defined]
+
+            def series(expr: str) -> dict[tuple[str, ...], float]:
+                return {tuple(r["metric"].values()): float(r["value"][1]) for r in query(prom, expr)}
+
+            decided = series("sum by (client, code) "
+                             '(confgen_sidecar_ratelimit_key_decisions_total{budget="client/sec/0"})')
+            assert decided[("sec", "ok")] >= 5 and decided[("sec", "over_limit")] >= 1, decided
+            charged = series("sum by (client, unit) (confgen_sidecar_ratelimit_tokens_charged_total)")
+            assert charged.get(("tok", "total_tokens"), 0) > 0, charged
+            floor = series("sum by (client, code) (confgen_sidecar_ratelimit_fail_open_total)")
+            assert floor == {("reqh", "ok"): 3}, floor
+            clients = {r["metric"]["client"] for r in query(prom, "confgen_sidecar_ratelimit_key_decisions_total")}
+            assert clients == {"sec", "tok", "reqh"}, clients
+            failed_open = series("sum by (envoy_cluster_name) "
+                                 "(envoy_cluster_ratelimit_confgen_global_failure_mode_allowed)")
+            assert failed_open.get(("chat",), 0) >= 16, failed_open
+            ceiling = series("sum(envoy_http_local_rate_limit_rate_limited"
+                             '{envoy_local_http_ratelimit_prefix="confgen_ceiling"})')
+            assert ceiling.get((), 0) == paused.count(429), ceiling

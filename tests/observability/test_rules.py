@@ -90,7 +90,9 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
     assert len(ids) == len(set(ids)), sorted(ids)  # Grafana keys panels (links, edits) by id
     titles = " | ".join(p["title"] for p in panels)
     for needed in ("Healthy workers", "weight", "Queue depth", "Saturation", "429", "P50 / P99", "EDS publishes",
-                   "hit ratio", "Picks per second by pool and reason", "Fallbacks", "Pick latency"):
+                   "hit ratio", "Picks per second by pool and reason", "Fallbacks", "Pick latency",
+                   "Admitted and refused per second per key", "Tokens charged per second per key and unit",
+                   "Floor decisions per key", "checks failed open per pool, ceiling refusals"):
         assert needed in titles, needed
     exprs = dashboard_exprs()
     group: dict[str, Any] = {"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": grafana_free(e)}
@@ -101,6 +103,8 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
     assert done.returncode == 0, done.stdout + done.stderr
     names = (*METRIC_NAMES, *RATELIMIT_METRICS)
     ours = set(names) | {n + s for n in names for s in ("_bucket", "_count", "_sum")} | picker_metric_names()
-    words = {w for e in exprs for w in re.findall(r"\b(llm_[a-z_]+|confgen_[a-z_]+|envoy_[a-z_]+)\b", e)}
+    # metric names: label values ("confgen_ceiling", a stat prefix) are not
+    words = {w for e in exprs for w in re.findall(r"\b(llm_[a-z_]+|confgen_[a-z_]+|envoy_[a-z_]+)\b",
+                                                  re.sub(r'"[^"]*"', '""', e))}
     assert {w for w in words if not w.startswith("envoy_")} <= ours
     assert json.loads(json.dumps(board)) == board
