@@ -148,7 +148,8 @@ class _Metrics:
             "confgen_sidecar_ratelimit_tokens_charged_total",
             "Tokens the store was charged per token budget, client and unit (input_tokens, output_tokens, "
             "total_tokens): each answer's usage, or its estimate, at its end, and the charges the journal kept "
-            "when they are replayed (a charge Redis had applied already counts 0). " + _PER_KEY
+            "when they are replayed; each charge once (a replay that finds its charge applied by a call that timed "
+            "out counts what that call added). " + _PER_KEY
             + '; a replayed charge of a budget the topology no longer has: budget, client and unit "(other)"',
             ["budget", "client", "unit"], registry=registry)
         self.store_up = Gauge(
