@@ -108,6 +108,7 @@ def _ceiling_config(topo: Topology) -> Json | None:
     if not found:
         return None
     descriptors: list[Json] = []
+    clients = 1
     for ceiling in found:
         budget = ceiling.budget
         bucket = {"max_tokens": ceiling.max_tokens, "tokens_per_fill": ceiling.tokens_per_fill,
@@ -116,8 +117,11 @@ def _ceiling_config(topo: Topology) -> Json | None:
         if not budget.per_client:
             descriptors.append({"entries": [first], "token_bucket": bucket})
             continue
-        descriptors += [{"entries": [first, {"key": CLIENT_KEY, "value": client}], "token_bucket": bucket}
-                        for client in budget_clients(topo, budget)]
+        # The client entry without a value is a wildcard: Envoy keeps one bucket per client id it
+        # sees (only api_key_auth's, the client-sent header is removed first), so the config does
+        # not grow with the clients; max_dynamic_descriptors holds every client the budget counts.
+        descriptors.append({"entries": [first, {"key": CLIENT_KEY}], "token_bucket": bucket})
+        clients = max(clients, len(budget_clients(topo, budget)))
     return typed("extensions.filters.http.local_ratelimit.v3.LocalRateLimit", {
         "stat_prefix": CEILING_STAT_PREFIX,
         "token_bucket": _UNLIMITED,
@@ -126,6 +130,7 @@ def _ceiling_config(topo: Topology) -> Json | None:
         "filter_enforced": _ALL,
         "descriptors": descriptors,
         "rate_limits": [{"actions": _selector(topo, c.budget)} for c in found],
+        "max_dynamic_descriptors": clients,
     })
 
 

@@ -49,12 +49,13 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                   clients: dict[str, str | None] | None = None, sockets: Path | None = None, envoys: int | None = None,
                   pool_extra: Sequence[str] = (), ads: str | None = None, grpc_tls: str = "",
-                  sentinel: tuple[str, str] | None = None) -> str:
+                  sentinel: tuple[str, str] | None = None, per_key: str | None = None) -> str:
     """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
     `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>);
     `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool;
     `ads`: the control plane's host:port (envoy.xds.mode ads); `grpc_tls`: sidecar.grpc_tls's flow mapping;
-    `sentinel`: (a Sentinel's host:port, the master's name) instead of `redis` (limits.store.sentinel)."""
+    `sentinel`: (a Sentinel's host:port, the master's name) instead of `redis` (limits.store.sentinel);
+    `per_key`: limits.per_key (every client without a rate_limit of its own)."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -66,6 +67,7 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             + (f", timeout: {store_timeout}" if store_timeout else "")
             + (f", check_timeout: {check_timeout}" if check_timeout else "")
             + (f", envoys: {envoys}" if envoys else "") + "}",
+            *([f"  per_key: {per_key}"] if per_key else []),
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}"
             + (f", grpc_socket_dir: {sockets}" if sockets is not None else "")
             + (f", grpc_tls: {grpc_tls}" if grpc_tls else "") + "}",
@@ -159,7 +161,7 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                clients: Sequence[dict[str, str | None] | None] | None = None,
                default_max_tokens: int = 64, pool_extra: Sequence[str] = (),
                envoys_in_store: int | None = None, sentinel: SentinelProcess | None = None,
-               primary: RedisProcess | None = None) -> Iterator[GlobalRig]:
+               primary: RedisProcess | None = None, per_key: str | None = None) -> Iterator[GlobalRig]:
     """`envoys` pairs (Envoy + sidecar) on one fleet and one Redis; `sidecars=False` starts
     no sidecar (the rate limit service is unreachable); `clients[i]`: pair i's clients. The
     tests give the store and Envoy generous timeouts (a loaded machine must not turn a slow answer into fail-open, which
@@ -184,7 +186,8 @@ def global_rig(tmp: Path, envoys: int = 3, *, sidecars: bool = True, workers: in
                                      listen=listen, grpc=grpc, redis=store.address, check_timeout=check_timeout,
                                      store_timeout=store_timeout, clients=clients[i] if clients else None,
                                      sockets=directory / "sockets", envoys=envoys_in_store, pool_extra=pool_extra,
-                                     sentinel=(sentinel.address, sentinel.master) if sentinel else None)
+                                     sentinel=(sentinel.address, sentinel.master) if sentinel else None,
+                                     per_key=per_key)
                 directory.mkdir(parents=True)
                 topo_path = directory / "topology.yaml"
                 topo_path.write_text(text)

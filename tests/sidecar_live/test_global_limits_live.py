@@ -178,6 +178,18 @@ def test_checks_failing_open_stop_at_each_envoys_ceiling(tmp_path: Path) -> None
         assert [call(pair.url, "free", _body(1))[0] for _ in range(5)] == [200] * 5
 
 
+def test_the_ceiling_of_a_per_key_budget_is_each_clients_own(tmp_path: Path) -> None:
+    """limits.per_key's ceiling is one bucket per client (a wildcard descriptor, not one per client in
+    the config): with every check failing open, two clients on a per-key budget of 10 an hour each
+    get their own 20 through one Envoy, then 429."""
+    closed = free_port()
+    with global_rig(tmp_path, envoys=1, sidecars=False, grpc_ports=[closed], clients=[{"free": None, "loc": None}],
+                    per_key="{scope: global, requests: 10, window: hour}") as rig:
+        url = rig.pairs[0].url
+        got = {client: [call(url, client, _body(1))[0] for _ in range(25)] for client in ("free", "loc")}
+        assert got == {"free": [200] * 20 + [429] * 5, "loc": [200] * 20 + [429] * 5}, got
+
+
 def _load(rig: GlobalRig, client: str, stop: threading.Event, out: list[tuple[float, int]], rate: float) -> None:
     paced_load(rig, client, _body(1), stop, out, rate)
 
