@@ -108,3 +108,17 @@ def test_dashboard_has_a_stable_uid_a_datasource_variable_and_valid_queries(tmp_
                                                   re.sub(r'"[^"]*"', '""', e))}
     assert {w for w in words if not w.startswith("envoy_")} <= ours
     assert json.loads(json.dumps(board)) == board
+
+
+def test_no_two_dashboard_panels_share_a_place_on_the_grid() -> None:
+    """Every panel has its own rectangle on the dashboard's 24-column grid: two panels at one
+    place are stacked by Grafana in whatever order it likes (the store panel once sat on
+    "Requests per second per pool")."""
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard()["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (panel["title"], cells[(x, y)])
+                cells[(x, y)] = panel["title"]
