@@ -20,6 +20,7 @@ from .errors import Severity
 from .limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     budgets,
+    ceilings,
     clients_losing_per_key,
     envoys,
     floor_amount,
@@ -663,6 +664,7 @@ def _limit_floors(topo: Topology) -> Iterator[Finding]:
     if topo.limits.store is None:
         return
     count = envoys(topo)
+    ceiling_of = {c.budget.id: c for c in ceilings(topo)}
     locals_by_place: dict[str, bool] = {}
     for budget in budgets(topo):
         if budget.limit.fail_closed:
@@ -687,9 +689,9 @@ def _limit_floors(topo: Topology) -> Iterator[Finding]:
             f"{count} {counters} (limits.store.envoys) admits {share} {what} a {window} on its own, so a client "
             f"can get {share * count} a {window} during an outage, up to {budget.amount + share * count} in the "
             f"{window} it starts (the store's count before it plus the floors)"
-            + ("" if budget.tokens else
+            + ("" if (ceiling := ceiling_of.get(budget.id)) is None else
                f", and while the rate limit service itself does not answer each Envoy admits up to its ceiling "
-               f"of {2 * budget.amount} in that {window} and {budget.amount} a {window} after, per route")
+               f"of {ceiling.max_tokens} in that {window} and {ceiling.tokens_per_fill} a {window} after, per route")
             + "; add a local limit to bound each proxy, or fail_closed: true to refuse instead"), WARNING
 
 

@@ -169,7 +169,7 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
             {
                 "stat_prefix": "per_key",
                 # Every request also draws from this bucket; make it never the one that empties.
-                "token_bucket": {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"},
+                "token_bucket": _ratelimit.NEVER_EMPTY_BUCKET,
                 "always_consume_default_token_bucket": False,
                 "filter_enabled": _percent("confgen.ratelimit.per_key.enabled"),
                 "filter_enforced": _percent("confgen.ratelimit.per_key.enforced"),

@@ -62,8 +62,8 @@ FILTER_OPEN = "envoy.filters.http.ratelimit"
 FILTER_CLOSED = "envoy.filters.http.ratelimit.fail_closed"
 CEILING_FILTER = "envoy.filters.http.local_ratelimit.ceiling"
 CEILING_STAT_PREFIX = "confgen_ceiling"
-# The bucket of a request that matches no ceiling: never the one that empties.
-_UNLIMITED = {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"}
+# The default bucket of a descriptor filter (per_key, ceiling): never the one that empties.
+NEVER_EMPTY_BUCKET = {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"}
 _ALL = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
 
 
@@ -124,7 +124,7 @@ def _ceiling_config(topo: Topology) -> Json | None:
         clients = max(clients, len(budget_clients(topo, budget)))
     return typed("extensions.filters.http.local_ratelimit.v3.LocalRateLimit", {
         "stat_prefix": CEILING_STAT_PREFIX,
-        "token_bucket": _UNLIMITED,
+        "token_bucket": NEVER_EMPTY_BUCKET,
         "always_consume_default_token_bucket": False,
         "filter_enabled": _ALL,
         "filter_enforced": _ALL,

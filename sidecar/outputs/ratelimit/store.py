@@ -107,9 +107,10 @@ for i = 1, n do
   local b = 1 + 9 * (i - 1)
   local mode, add, ttl, rid = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]), ARGV[b + 5]
   local est, rkey, hold, cid = tonumber(ARGV[b + 6]), ARGV[b + 7], tonumber(ARGV[b + 8]), ARGV[b + 9]
-  local mark = 'confgen-charged:' .. rkey .. ':' .. cid
+  local mark = nil  -- a charge's id mark (only charges carry an id)
   earlier[i] = 0
   if cid ~= '' and (mode == 'f' or mode == 'd') then
+    mark = 'confgen-charged:' .. rkey .. ':' .. cid
     if not redis.call('SET', mark, '=0', 'NX', 'EX', CHARGE_MARK_S) then
       -- this charge was applied already (a call that timed out after Redis ran it, then replayed):
       -- the mark holds what that call added
@@ -127,7 +128,7 @@ for i = 1, n do
     v = redis.call('INCRBY', KEYS[i], add)
     if v == add then redis.call('EXPIRE', KEYS[i], ttl) end
     added[i] = add
-    if cid ~= '' and mode ~= 'a' then redis.call('SET', mark, '=' .. add, 'EX', CHARGE_MARK_S) end
+    if mark then redis.call('SET', mark, '=' .. add, 'EX', CHARGE_MARK_S) end
   end
   if mode == 'r' and over == 0 and est > 0 then
     local before = release(rkey, rid)  -- the same request checked again: one reservation
