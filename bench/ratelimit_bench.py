@@ -41,6 +41,7 @@ from typing import Any
 from bench import loadgen
 from bench._procstat import cpu_s
 from bench._stats import pct, summarize
+from confgen import limits, parse_topology
 from tests.sidecar_live.glimits import KEYS, global_rig
 
 
@@ -91,7 +92,7 @@ def latency(rate: float, count: int, rounds: int, workdir: Path) -> dict[str, An
 
 
 FLOOD_KEY = "reqh"  # 60 requests an hour (tests.sidecar_live.glimits.CLIENTS)
-FLOOD_BUDGET = 60
+FLOOD_BUDGET_ID = f"client/{FLOOD_KEY}/0"
 
 
 @contextlib.contextmanager
@@ -130,29 +131,33 @@ def flood(rate: float, count: int, run: int, workdir: Path, busy: int = 0) -> di
             loadgen.go(proc, urls)
             records = loadgen.collect(proc, path, count / rate + 60)
         after = [pair.envoy.stats() for pair in rig.pairs]
-        failed_open = sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
-                          for k in a if k.endswith("ratelimit.confgen_global.failure_mode_allowed"))
-        errors = sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
-                     for k in a if k.endswith("ratelimit.confgen_global.error"))
         floor = sidecar_metric(rig, "confgen_sidecar_ratelimit_fail_open_total", f'client="{FLOOD_KEY}"')
-        counted = rig.counted(f"client/{FLOOD_KEY}/0")
+        counted = rig.counted(FLOOD_BUDGET_ID)
+        topo, _ = parse_topology(rig.pairs[0].topology.read_bytes())
+
+    def delta(suffix: str) -> int:
+        """An Envoy counter's growth over the run, summed over the Envoys (every stat ending in `suffix`)."""
+        return sum(int(a.get(k, 0)) - int(b.get(k, 0)) for a, b in zip(after, before, strict=True)
+                   for k in a if k.endswith(suffix))
+
     statuses = [r["status"] for r in records]
     sent = [r for r in records if r["start"] is not None]
     span = (max(r["start"] for r in sent) - min(r["start"] for r in sent)) if len(sent) > 1 else 0.0
     latencies = [(r["end"] - r["sched"]) * 1000 for r in records if r["end"] is not None and r["status"] in (200, 429)]
-    envoys_in_store = 2  # limits.store.envoys left at its default: the floor is budget / 2 per sidecar
-    bound = FLOOD_BUDGET + 3 * max(1, FLOOD_BUDGET // envoys_in_store)
-    ceiling = 3 * 2 * FLOOD_BUDGET  # each Envoy's ceiling (confgen.limits.Ceiling) when its checks fail open
+    # the documented bounds, from the rendered topology: the budget plus each sidecar's floor
+    # (Redis away), or each Envoy's ceiling (checks failing open)
+    budget = next(b for b in limits.budgets(topo) if b.id == FLOOD_BUDGET_ID)
+    bound = budget.amount + len(rig.pairs) * limits.floor_amount(budget, limits.envoys(topo))
+    ceiling = len(rig.pairs) * next(c.max_tokens for c in limits.ceilings(topo) if c.budget.id == FLOOD_BUDGET_ID)
     achieved = round(len(sent) / span, 1) if span else None
     result = {"rate": rate, "requests": count, "run": run, "busy_loops": busy, "achieved_rate": achieved,
               "admitted": statuses.count(200), "refused": statuses.count(429),
               "other": sum(1 for s in statuses if s not in (200, 429)), "redis_counted": counted,
-              "floor_decisions_for_the_key": floor, "envoy_checks_failed_open": failed_open,
-              "envoy_check_errors": errors, "budget": FLOOD_BUDGET, "bound_with_floors": bound,
-              "bound_with_ceilings": ceiling,
-              "refused_by_ceilings": sum(int(a.get("confgen_ceiling.http_local_rate_limit.rate_limited", 0))
-                                         - int(b.get("confgen_ceiling.http_local_rate_limit.rate_limited", 0))
-                                         for a, b in zip(after, before, strict=True)),
+              "floor_decisions_for_the_key": floor,
+              "envoy_checks_failed_open": delta("ratelimit.confgen_global.failure_mode_allowed"),
+              "envoy_check_errors": delta("ratelimit.confgen_global.error"), "budget": budget.amount,
+              "bound_with_floors": bound, "bound_with_ceilings": ceiling,
+              "refused_by_ceilings": delta("confgen_ceiling.http_local_rate_limit.rate_limited"),
               "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99)}
     print(f"flood {rate:.0f} req/s run {run}: {result}", flush=True)
     return result
