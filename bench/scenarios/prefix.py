@@ -310,7 +310,9 @@ def run(ctx: Context) -> Result:
     window_s = ctx.option("prefix_window_s", ctx.scale(5, 5))
     own, unknown = policy_setups()
     chosen = [w for w in WORKLOADS if not ctx.quick or w.key in QUICK]
-    # --set prefix_workloads=N: the first N workloads only (plain conversations first)
+    # --set prefix_workloads=N: the first N workloads only (plain conversations first);
+    # --set prefix_skip=K: from the K+1th on (prefix_skip=3 prefix_workloads=1: the mix alone)
+    chosen = chosen[int(ctx.option("prefix_skip", 0)):]
     chosen = chosen[: int(ctx.option("prefix_workloads", len(chosen)))]
     groups: list[str] = []
     series: dict[str, list[float | None]] = {}
