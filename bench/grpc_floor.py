@@ -1,6 +1,6 @@
-"""What one rate limit check costs in transport alone: Envoy -> a Python gRPC server answering OK.
+"""What one rate limit check or picker stream costs in transport alone: Envoy -> a Python gRPC server.
 
-    python -m bench.grpc_floor [--rate 200] [--requests 4000] [--rounds 2] [--kinds aio,sync]
+    python -m bench.grpc_floor [--rate 200] [--requests 4000] [--rounds 2] [--kinds aio,sync,none,extproc]
 
 Issue 30 asks where the check's time goes before choosing how to make it cheaper. This isolates
 the floor under the sidecar's rate limit service: one real Envoy, two listeners with the same
@@ -14,6 +14,10 @@ process of its own that answers OK at once, written two ways:
     sync   grpc.server on a thread pool (grpc's C-core threads call the servicer directly)
     none   the aio server runs but neither route has an action: the A/A row (what two halves
            of one Envoy differ by when nothing is called), the noise under the other two
+    extproc  the same for the endpoint picker (issue 28's cost target): the checked listener runs
+           the product's own ext_proc filter (confgen's rendered settings: headers sent, body
+           buffered, the stream held to the response's end) against a grpc.aio processor that
+           answers every message at once with nothing, the free listener no ext_proc
 
 Nothing of the product's service runs (no descriptors, no Redis): this is the price of the
 gRPC layer a Python service cannot go under, per kind. Bounded: `--requests` per round, each
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import subprocess
 import sys
@@ -40,11 +45,40 @@ from bench._procstat import cpu_s
 from bench._stats import pct
 from confgen.runtime import EnvoyProcess, free_port
 
-KINDS = ("aio", "sync", "none")
+KINDS = ("aio", "sync", "none", "extproc")
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
+def _serve_extproc(port: int) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    answers = {"request_headers": pb.HeadersResponse, "response_headers": pb.HeadersResponse,
+               "request_body": pb.BodyResponse, "response_body": pb.BodyResponse,
+               "request_trailers": pb.TrailersResponse, "response_trailers": pb.TrailersResponse}
+
+    class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+        async def Process(self, request_iterator: Any, context: Any) -> Any:
+            async for request in request_iterator:
+                kind = request.WhichOneof("request")
+                if kind in answers:
+                    yield pb.ProcessingResponse(**{kind: answers[kind]()})
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
 def _serve(kind: str, port: int) -> None:
+    if kind == "extproc":
+        _serve_extproc(port)
+        return
     import grpc
     from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
@@ -101,10 +135,21 @@ def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
     return out
 
 
-def bootstrap(free: int, checked: int, backend: int, rls: int, call: bool = True) -> dict[str, Any]:
+def _extproc_filter() -> dict[str, Any]:
+    """The ext_proc filter confgen renders before the endpoint picker, pointed at this bench's server."""
+    from confgen.envoy._listener import _picker_filter
+
+    config = copy.deepcopy(_picker_filter())
+    config["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "rls"
+    return config
+
+
+def bootstrap(free: int, checked: int, backend: int, rls: int, call: bool = True,
+              extproc: bool = False) -> dict[str, Any]:
     """Listeners `free` and `checked` proxy to `backend` (a direct_response listener of the same
     Envoy: the rate limit filter needs a route with an upstream); only `checked`'s route has a
-    rate limit action, so only its requests call the server on `rls`."""
+    rate limit action, so only its requests call the server on `rls`. With `extproc`, `checked`
+    runs the picker's ext_proc filter instead and `free` none."""
     ratelimit = {"name": "envoy.filters.http.ratelimit", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
         "domain": "floor", "timeout": "0.1s", "failure_mode_deny": False,
@@ -116,11 +161,14 @@ def bootstrap(free: int, checked: int, backend: int, rls: int, call: bool = True
     if not call:
         limited = plain
     answer = {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
+    free_filters, checked_filters = [ratelimit], [ratelimit]
+    if extproc:
+        free_filters, checked_filters, limited = [], [_extproc_filter()], plain
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "static_resources": {
-            "listeners": [_listener("free", free, _hcm("free", plain, [ratelimit])),
-                          _listener("checked", checked, _hcm("checked", limited, [ratelimit])),
+            "listeners": [_listener("free", free, _hcm("free", plain, free_filters)),
+                          _listener("checked", checked, _hcm("checked", limited, checked_filters)),
                           _listener("backend", backend, _hcm("backend", answer, []))],
             "clusters": [_cluster("backend", backend, False), _cluster("rls", rls, True)]},
     }
@@ -160,7 +208,8 @@ def _job(rate: float, count: int) -> dict[str, Any]:
 def _round(kind: str, rate: float, count: int, workdir: Path) -> dict[str, Any]:
     free, checked, backend, rls = free_port(), free_port(), free_port(), free_port()
     with (_server("aio" if kind == "none" else kind, rls) as server,
-          EnvoyProcess(bootstrap(free, checked, backend, rls, call=kind != "none")) as envoy):
+          EnvoyProcess(bootstrap(free, checked, backend, rls, call=kind != "none",
+                                 extproc=kind == "extproc")) as envoy):
         proc, path = loadgen.start(_job(rate, count), workdir, f"{kind}-{time.monotonic_ns()}")
         cpu0 = cpu_s(server.pid)
         loadgen.go(proc, [f"http://127.0.0.1:{free}", f"http://127.0.0.1:{checked}"])
@@ -174,7 +223,10 @@ def _round(kind: str, rate: float, count: int, workdir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": kind, "rate": rate, "requests": count, "failed": failed,
                            "server_cpu_s": round(cpu, 3), "server_cpu_ms_per_call": round(1000 * cpu / (count / 2), 3),
                            "calls_ok": stats.get("cluster.rls.upstream_rq_200", 0),
-                           "checks_failed_open": stats.get("checked.ratelimit.failure_mode_allowed", 0)}
+                           "checks_failed_open": sum(int(stats.get(name, 0)) for name in (
+                               "cluster.backend.ratelimit.failure_mode_allowed",
+                               "http.checked.ext_proc.failure_mode_allowed")),
+                           "extproc_messages_sent": stats.get("http.checked.ext_proc.stream_msgs_sent", 0)}
     for q in (50, 90, 99):
         f, c = pct(halves["free"], q) or 0.0, pct(halves["checked"], q) or 0.0
         out[f"p{q}_free_ms"], out[f"p{q}_checked_ms"] = round(1000 * f, 3), round(1000 * c, 3)
@@ -189,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--out", type=Path)
-    p.add_argument("--serve", choices=KINDS[:2], help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=("aio", "sync", "extproc"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
