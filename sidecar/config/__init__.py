@@ -181,15 +181,17 @@ def parser() -> argparse.ArgumentParser:
                    "sidecar.address:sidecar.port, where the rendered proxy asks it for /v1/models; another port "
                    "is reported as the startup.listen_mismatch error)")
     p.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a HealthPolicy field (repeatable), e.g. --health fall=3")
+                   help="override a HealthPolicy field (repeatable), e.g. --health fall=3; every key: docs/settings.md")
     p.add_argument("--weights", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5")
+                   help="override a WeightPolicy field (repeatable), e.g. --weights smoothing=0.5; every key: "
+                   "docs/settings.md")
     p.add_argument("--hysteresis", action="append", default=[], metavar="KEY=VALUE",
                    help="override a HysteresisPolicy field (repeatable): when a weight change is "
-                   "published, e.g. --hysteresis threshold=0.1 (sustain=1 threshold=0 min_step=0: every change)")
+                   "published, e.g. --hysteresis threshold=0.1 (sustain=1 threshold=0 min_step=0: every change); "
+                   "every key: docs/settings.md")
     p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
                    help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
-                   "(stale_after_s defaults to 2.5 x --interval)")
+                   "(stale_after_s defaults to 2.5 x --interval); every key: docs/settings.md")
     p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
     p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
     p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
@@ -239,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
                    "prefill_ratio, default_output and its admission's budget_standard, budget_sheddable, "
                    "budget_floor_s, admission_gate, pressure_s; the weighted rule's scorer weights (prefix, load, "
                    "kv, cost; 0 turns one off), spill_min, spill_fraction, long_tokens, default_max_tokens, "
-                   "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted")
+                   "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted; every key: docs/settings.md")
     p.add_argument("--picker-peer", action="append", default=[], metavar="TARGET",
                    help="another endpoint picker replica's gRPC services (repeatable): unix:PATH (its Unix socket, "
                    "<its sidecar.grpc_socket_dir>/grpc.sock, on this host) or HOST:PORT (over the mTLS of "

@@ -35,7 +35,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 from typing import Protocol
@@ -44,10 +44,23 @@ from .datastore import Endpoint
 from .predict import CostPolicy, Prediction, Workload, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
-__all__ = ["FILTERS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy", "Pressure", "Scorer"]
+__all__ = ["COST_KEYS", "FILTERS", "POLICY_KEYS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy",
+           "Pressure", "Scorer"]
 
 
 RULES = ("predicted", "weighted")
+
+# What `PickerPolicy.with_overrides` (--picker KEY=VALUE) accepts besides `rule` and a scorer's
+# name (SCORERS: its weight), with each value's type: these PickerPolicy fields ...
+POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
+    "spill_min": float, "spill_fraction": float, "prompt_share": float, "long_tokens": int,
+    "default_max_tokens": int, "fallbacks": int, "tie_s": float, "tie_share": float, "replicas": int,
+    "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "admission_gate": int,
+    "pressure_s": float}
+# ... and these fields of its CostPolicy (predict.py)
+COST_KEYS: Mapping[str, type[float] | type[int]] = {
+    "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
+    "default_output": int}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +104,6 @@ class PickerPolicy:
         weights = dict(self.weights)
         fields: dict[str, float | int] = {}
         cost: dict[str, float | int] = {}
-        numeric = {"spill_min": float, "spill_fraction": float, "prompt_share": float,
-                   "long_tokens": int, "default_max_tokens": int, "fallbacks": int, "tie_s": float,
-                   "tie_share": float, "replicas": int, "budget_standard": float, "budget_sheddable": float,
-                   "budget_floor_s": float, "admission_gate": int,
-                   "pressure_s": float}
-        cost_keys = {"externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
-                     "default_output": int}
         rule = self.rule
         for pair in pairs:
             key, sep, raw = pair.partition("=")
@@ -106,19 +112,19 @@ class PickerPolicy:
                     raise ValueError(f"--picker rule: {raw!r} is not one of {list(RULES)}")
                 rule = raw
                 continue
-            if key in cost_keys and sep:
+            if key in COST_KEYS and sep:
                 try:
-                    number = cost_keys[key](raw)
+                    number = COST_KEYS[key](raw)
                 except ValueError as exc:
-                    raise ValueError(f"--picker {key}: {raw!r} is not a {cost_keys[key].__name__}") from exc
+                    raise ValueError(f"--picker {key}: {raw!r} is not a {COST_KEYS[key].__name__}") from exc
                 if not (0 <= number <= 1e6) or (key == "default_output" and number <= 0):
                     raise ValueError(f"--picker {key}: {raw} is out of range")
                 cost[key] = number
                 continue
-            kind = float if key in SCORERS else numeric.get(key)
+            kind = float if key in SCORERS else POLICY_KEYS.get(key)
             if not sep or kind is None:
                 raise ValueError(f"--picker {pair!r}: expected KEY=VALUE with KEY one of "
-                                 f"{sorted([*SCORERS, *numeric])}")
+                                 f"{sorted([*SCORERS, *POLICY_KEYS])}")
             try:
                 value = kind(raw)
             except ValueError as exc:
