@@ -264,8 +264,8 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
         notes.append(("kubernetes.replicas",
                       f"{replicas} proxy pods each run their own endpoint picker for {', '.join(picked)}: each knows "
                       "only the requests through its own Envoy, so a conversation whose turns reach two pods loses "
-                      "its prefix-cache hits (two pickers alone hit 60 % of prompt tokens where peers hit 87 %, "
-                      "bench/results/two-pickers-peers). One control plane picks for every Envoy with "
+                      "its prefix-cache hits (two pickers alone hit 68-71 % of prompt tokens where peers hit 85-87 %, "
+                      "bench/results/two-pickers-replicas-fix). One control plane picks for every Envoy with "
                       "envoy.xds.mode: ads; the render does not wire --picker-peer across pods (it needs mTLS "
                       "between the sidecars)"))
     return notes

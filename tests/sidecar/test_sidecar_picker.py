@@ -368,6 +368,15 @@ def test_picker_overrides_from_the_command_line() -> None:
     assert len(pick.endpoints) == 1  # fallbacks=0
 
 
+def test_overrides_keep_what_the_sidecar_set_before_them() -> None:
+    """--ingresses sets the predicted rule's replicas before the --picker pairs apply; they used to be
+    rebuilt from the class defaults, so replicas was 1 whatever --ingresses said."""
+    assert PickerPolicy(replicas=3).with_overrides([]).replicas == 3
+    policy = PickerPolicy(replicas=2, tie_s=0.01).with_overrides(["budget_standard=1", "externality=0.5"])
+    assert (policy.replicas, policy.tie_s, policy.budget_standard, policy.cost.externality) == (2, 0.01, 1.0, 0.5)
+    assert PickerPolicy(replicas=2).with_overrides(["replicas=4"]).replicas == 4
+
+
 def test_a_request_without_a_body_is_left_to_the_proxy() -> None:
     svc = _servicer(_facts("10.0.0.1:8000"))
     st = _Stream(None)

@@ -136,8 +136,9 @@ class PickerPolicy:
                 weights[key] = float(value)
             else:
                 fields[key] = value
-        return PickerPolicy(rule=rule, cost=replace(self.cost, **cost),  # type: ignore[arg-type]
-                            weights=tuple(weights.items()), **fields)  # type: ignore[arg-type]
+        # from this policy, not the class defaults: what the caller set (replicas from --ingresses) stays
+        return replace(self, rule=rule, cost=replace(self.cost, **cost),  # type: ignore[arg-type]
+                       weights=tuple(weights.items()), **fields)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
