@@ -1,12 +1,16 @@
 """`confgen-sidecar`: the daemon's lifecycle.
 
     startup   load the topology (refuse to start on an invalid one, printing every
-              diagnostic); adopt the EDS files already published (a restart changes
-              nothing); start the probe session, the admin client, the HTTP server and
-              the topology watcher
-    loop      every interval (+- jitter): resolve, probe, decide, weigh, publish
-    shutdown  on SIGTERM/SIGINT: stop the watcher, let a write in progress finish, close
-              the sessions, stop the server; exit 0
+              diagnostic); start the probe session, the admin client, every output
+              (`sidecar.outputs.registry`: the publisher the flags select, then the ones the
+              topology wants) and the gRPC server their servicers need; adopt what is
+              already published (a restart changes nothing); start the HTTP server and the
+              topology watcher
+    loop      every interval (+- jitter): one daemon cycle (resolve, probe, decide, publish,
+              then the cycle and the fleet view to every output)
+    shutdown  on SIGTERM/SIGINT: everything started is undone in reverse by one exit stack
+              (the watcher, the gRPC server, each output's `close`, the HTTP server, the
+              sessions); exit 0
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -44,11 +48,10 @@ from sidecar.logs import configure, log_event
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
+from sidecar.outputs.contract import Output, Publisher, Wiring
 from sidecar.outputs.envoy_admin import EnvoyAdmin
-from sidecar.outputs.grpc import GrpcServer, settings_for
-from sidecar.outputs.publisher import Limiter, Wiring
-from sidecar.outputs.registry import build_publisher, build_service, wanted
-from sidecar.outputs.service import Service, ServiceWiring
+from sidecar.outputs.grpc import GrpcServer, Servicers, settings_for
+from sidecar.outputs.registry import build, wanted
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
 from sidecar.serve.envoy_relay import add_envoy_relay
 from sidecar.serve.guard import MutationGuard, is_loopback, load_token
@@ -88,46 +91,6 @@ def _warn_unused_service_flags(config: SidecarConfig, topo: Topology) -> None:
                   note="Envoy's calls fail: requests go unpicked (least_request), global limits fail open")
 
 
-async def _start_services(config: SidecarConfig, topo: Topology,
-                          wiring: ServiceWiring) -> tuple[list[Service], GrpcServer]:
-    """The gRPC services the topology needs (SERVICES), on the sidecar's one gRPC server, started.
-    A reload that adds the first prefix_affinity pool or global limit needs a restart to start
-    them. ConfigError or OSError when a service or the server cannot start (nothing left running)."""
-    services = [build_service(name, wiring) for name in wanted(topo)]
-    server = GrpcServer(settings_for(grpc_transport_for(config, topo), grpc_listen_for(config, topo), GRPC_SOCKET))
-    started: list[Service] = []
-    try:
-        for service in services:
-            server.add(service.add_to, service.name)
-            await service.start()
-            started.append(service)
-        await server.start()
-    except (ConfigError, OSError):
-        for service in started:
-            await service.close()
-        raise
-    return services, server
-
-
-async def _watch_limits(limiter: Limiter | None, stop: asyncio.Event, clock: Callable[[], float]) -> None:
-    """Between cycles, the limiter's look at the proxy's own in-flight counts (a surge is
-    refused within `SaturationPolicy.inflight_interval_s` + the hold, not at the next probe)."""
-    interval = limiter.watch_interval_s if limiter is not None else None
-    if limiter is None or interval is None:
-        return
-    while not stop.is_set():
-        started = clock()
-        await limiter.watch(started)
-        await _sleep_or_stop(stop, started + interval - clock())
-
-
-def _report_end(task: asyncio.Task[None]) -> None:
-    """A background task that ended other than by cancellation is logged (once, when it ends)."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log_event(_log, logging.ERROR, "task.failed", task=task.get_name(), error=repr(error),
-                  note="the in-flight watch stopped; limits follow the probe cycle only")
-
-
 class _Refused(Exception):
     """Startup cannot go on: the reason is logged, `code` is the exit code."""
 
@@ -145,8 +108,6 @@ class _Running:
     guard: MutationGuard
     admin_url: str
     xds_dir: Path | None
-    limiter: Limiter | None = None
-    services: list[Service] = field(default_factory=list)
     serving: str | None = None  # --serve-xds: where the control plane listens
     late: contextlib.AsyncExitStack | None = None  # closed after the outputs: the HTTP server
 
@@ -194,7 +155,7 @@ def _check(config: SidecarConfig, topo: Topology) -> tuple[SidecarConfig, Mutati
 
 
 async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> Daemon:
-    """The prober, the publisher (and its limiter), the daemon and the gRPC services, each closed by `stack`."""
+    """The prober, every output (the publisher first) and the daemon, each closed by `stack`."""
     config, topo, loop = run.config, run.topo, asyncio.get_running_loop()
     prober = await stack.enter_async_context(Prober(
         max_concurrency=config.max_concurrency, deadline_s=config.probe_deadline_s,
@@ -202,39 +163,65 @@ async def _start_outputs(run: _Running, stack: contextlib.AsyncExitStack, regist
     admin = await stack.enter_async_context(
         EnvoyAdmin(run.admin_url, timeout_s=min(1.0, config.confirm_timeout_s or 1.0)))
     run.late = await stack.enter_async_context(contextlib.AsyncExitStack())
-    built = build_publisher(config.publisher, Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time))
-    try:
-        await built.publisher.start()
-    except (OSError, ConfgenError) as exc:  # a port it cannot bind, unusable certificates
-        log_event(_log, logging.ERROR, "startup.listen_failed", publisher=config.publisher,
-                  serve_xds=config.serve_xds, error=str(exc))
-        raise _Refused(EXIT_USAGE) from exc
-    stack.push_async_callback(built.publisher.close)
-    xds = built.publisher.xds_view()
-    run.serving = xds.listen if xds is not None else None
-    daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
-                    publisher=built.publisher, clock=loop.time, limiter=built.limiter)
-    await asyncio.to_thread(daemon.restore)  # what is published on disk, the drains of POST /drain
+    servicers = Servicers()
+    wiring = Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time, servicers)
     _warn_unused_service_flags(config, topo)
-    if wanted(topo):
-        try:
-            services, grpc_server = await _start_services(
-                config, topo, ServiceWiring(config, lambda: daemon.topology, registry, loop.time))
-        except (ConfigError, OSError) as exc:
-            log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
-            raise _Refused(EXIT_USAGE) from exc
-        stack.push_async_callback(_close_all, services)
-        stack.push_async_callback(grpc_server.stop)
-        for service in services:
-            daemon.add_service(service)
-        run.services = services
-    run.limiter = built.limiter
+    publisher, others = _build(wiring)
+    daemon = Daemon(config, topo, prober=prober, resolver=Resolver(config.dns_timeout_s),
+                    publisher=publisher, clock=loop.time, outputs=others)  # `wiring.topology` from here on
+    await _start_each(run, publisher, others, stack)
+    if servicers.names:
+        await _serve_grpc(config, topo, servicers, stack)
+    xds = publisher.status().xds
+    run.serving = xds.listen if xds is not None else None
+    await asyncio.to_thread(daemon.restore)  # what is published on disk, the drains of POST /drain
     return daemon
 
 
-async def _close_all(services: Sequence[Service]) -> None:
-    for service in services:
-        await service.close()
+def _build(wiring: Wiring) -> tuple[Publisher, list[Output]]:
+    """The outputs that run: the publisher the flags select (`SidecarConfig.publisher`) with its own
+    (its limiter), then the ones the topology wants (`wanted`), in start order. _Refused (the reason
+    logged) when one of those cannot be built (a bad --picker override)."""
+    first = build(wiring.config.publisher, wiring)
+    assert first.publisher is not None, f"OUTPUTS[{wiring.config.publisher!r}] builds no publisher"
+    try:
+        wanted_ = [build(name, wiring) for name in wanted(wiring.topo)]
+    except ConfigError as exc:
+        log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+        raise _Refused(EXIT_USAGE) from exc
+    return first.publisher, [output for built in (first, *wanted_) for output in built.outputs]
+
+
+async def _start_each(run: _Running, publisher: Publisher, others: Sequence[Output],
+                      stack: contextlib.AsyncExitStack) -> None:
+    """Start the publisher then the others, each closed by `stack` (in reverse); _Refused (the
+    reason logged) when one cannot start: a port it cannot bind, unusable certificates."""
+    for output in (publisher, *others):
+        try:
+            await output.start()
+        except (OSError, ConfgenError) as exc:
+            if output is publisher:
+                log_event(_log, logging.ERROR, "startup.listen_failed", publisher=run.config.publisher,
+                          serve_xds=run.config.serve_xds, error=str(exc))
+            else:
+                log_event(_log, logging.ERROR, "startup.grpc_failed", output=output.name, error=str(exc))
+            raise _Refused(EXIT_USAGE) from exc
+        stack.push_async_callback(output.close)
+
+
+async def _serve_grpc(config: SidecarConfig, topo: Topology, servicers: Servicers,
+                      stack: contextlib.AsyncExitStack) -> None:
+    """The sidecar's services gRPC server with every output's servicers, stopped by `stack` before
+    the outputs close. A reload that adds the first prefix_affinity pool or global limit needs a
+    restart to serve them. _Refused (the reason logged) when it cannot start."""
+    try:
+        settings = settings_for(grpc_transport_for(config, topo), grpc_listen_for(config, topo), GRPC_SOCKET)
+        server = servicers.onto(GrpcServer(settings))
+        await server.start()
+    except (ConfigError, OSError) as exc:
+        log_event(_log, logging.ERROR, "startup.grpc_failed", error=str(exc))
+        raise _Refused(EXIT_USAGE) from exc
+    stack.push_async_callback(server.stop)
 
 
 async def _start_http(run: _Running, daemon: Daemon, stack: contextlib.AsyncExitStack,
@@ -258,31 +245,20 @@ async def _start_http(run: _Running, daemon: Daemon, stack: contextlib.AsyncExit
     return f"{bound[0]}:{bound[1]}"
 
 
-async def _start_watchers(run: _Running, daemon: Daemon, stack: contextlib.AsyncExitStack,
-                          stop: asyncio.Event) -> None:
-    """The topology watcher and the limiter's in-flight watch; the shutdown log comes first on exit."""
+def _start_watcher(run: _Running, daemon: Daemon, stack: contextlib.AsyncExitStack) -> None:
+    """The topology watcher; the shutdown log comes first on exit."""
     watcher = TopologyWatcher(run.config.topology, daemon.reload, debounce_s=run.config.watch_debounce_s)
     watcher.start()
     stack.push_async_callback(watcher.stop)
-    limits = asyncio.create_task(_watch_limits(run.limiter, stop, asyncio.get_running_loop().time),
-                                 name="limits-watch")
-    limits.add_done_callback(_report_end)
-
-    async def end_limits() -> None:
-        limits.cancel()
-        await asyncio.gather(limits, return_exceptions=True)  # a failure was logged when it ended
-
-    stack.push_async_callback(end_limits)
     stack.callback(log_event, _log, logging.INFO, "shutdown.begin")
 
 
-async def _startup(run: _Running, stack: contextlib.AsyncExitStack, stop: asyncio.Event,
-                   registry: CollectorRegistry) -> Daemon:
+async def _startup(run: _Running, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> Daemon:
     """Everything the loop needs, started; what must be undone is on `stack`. _Refused on failure."""
     daemon = await _start_outputs(run, stack, registry)
     assert run.late is not None  # entered by _start_outputs
     listen = await _start_http(run, daemon, run.late, registry)
-    await _start_watchers(run, daemon, stack, stop)
+    _start_watcher(run, daemon, stack)
     guard = run.guard
     log_event(_log, logging.INFO, "startup.done", topology=run.topo.name, xds_dir=str(run.xds_dir),
               serve_xds=run.serving, envoy_admin=run.admin_url, listen=listen, interval_s=run.config.interval_s,
@@ -292,15 +268,11 @@ async def _startup(run: _Running, stack: contextlib.AsyncExitStack, stop: asynci
 
 
 async def _main_loop(run: _Running, daemon: Daemon, stop: asyncio.Event) -> None:
-    """Every interval (+- jitter): one daemon cycle, then its fleet view to every service."""
+    """Every interval (+- jitter): one daemon cycle (which hands every output the cycle and its fleet view)."""
     loop, config, rng = asyncio.get_running_loop(), run.config, random.Random()
     while not stop.is_set():
         started = loop.time()
         await daemon.cycle()
-        if run.services:
-            fleet = daemon.view()
-            for service in run.services:
-                service.update(fleet)
         pause = config.interval_s * (1 + rng.uniform(-config.jitter, config.jitter))
         await _sleep_or_stop(stop, started + pause - loop.time())
 
@@ -319,7 +291,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         running = _Running(config, topo, guard, _admin_url(config, topo.admin.address, topo.admin.port), xds_dir)
         async with contextlib.AsyncExitStack() as stack:  # shutdown: everything started, in reverse
-            daemon = await _startup(running, stack, stop, registry or CollectorRegistry())
+            daemon = await _startup(running, stack, registry or CollectorRegistry())
             await _main_loop(running, daemon, stop)
     except _Refused as refused:
         return refused.code

@@ -92,7 +92,7 @@ class SidecarConfig:
 
     @property
     def publisher(self) -> str:
-        """The publisher the flags select (a key of sidecar.outputs.registry.PUBLISHERS)."""
+        """The publisher the flags select (a key of sidecar.outputs.registry.OUTPUTS)."""
         if self.nginx is not None:
             return "nginx"
         return "ads" if self.serve_xds is not None else "envoy"

@@ -3,12 +3,14 @@
 One `Daemon` owns the mutable picture of the fleet and is driven by `main` (the loop,
 signals), the topology watcher (reloads) and `server` (admin drain calls). It runs on one
 event loop, but a cycle awaits (probes, publishing), so one lock keeps a cycle, a reload
-and a republish from interleaving. It talks to its publisher and limiter only through the
-`sidecar.outputs.publisher` interfaces (`publish.Publishing`); the per-endpoint records and
-steps are in `tracked`, the admin drains in `drains`. A cycle returns one
-`sidecar.fleet.Cycle`. Readers (the metrics collector, /state) get an immutable `Snapshot`
-rebuilt after every change, so a scrape never sees a half-updated cycle and an endpoint that
-left the topology leaves every view with it.
+and a republish from interleaving. It talks to its outputs only through
+`sidecar.outputs.contract` (`publish.Publishing`): the publisher's interface for the endpoints,
+the one `Output` contract for the rest (each cycle applied, the fleet view handed over, a pool
+that left forgotten), and it keeps nothing of theirs: what the view shows of them is their
+`status`. The per-endpoint records and steps are in `tracked`, the admin drains in `drains`.
+A cycle returns one `sidecar.fleet.Cycle`. Readers (the metrics collector, /state, the outputs
+answering per request) get an immutable `Snapshot` rebuilt after every change, so nobody sees a
+half-updated cycle and an endpoint that left the topology leaves every view with it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from confgen.errors import Diagnostic, SecretError, TopologyError
@@ -31,8 +33,7 @@ from sidecar.fleet import Cycle, Snapshot
 from sidecar.logs import log_event
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
-from sidecar.outputs.publisher import Limiter, Publisher
-from sidecar.outputs.service import Service
+from sidecar.outputs.contract import Output, Publisher
 
 __all__ = ["Daemon"]
 
@@ -59,20 +60,21 @@ class Daemon:
         resolver: Resolver,
         publisher: Publisher,
         clock: Callable[[], float],
-        limiter: Limiter | None = None,
+        outputs: Sequence[Output] = (),
     ) -> None:
+        """`publisher` carries the endpoints; `outputs` are the others (limiter, services), applied
+        after it in their order."""
         self.config = config
         self._topo = topo
         self._prober = prober
         self._resolver = resolver
         self._clock = clock
-        self._outputs = Publishing(publisher, limiter)
+        self._outputs = Publishing(publisher, outputs)
         self._tracker = Tracker(config)
         self._drains = Drains(config)
         self._reloads: Counter[str] = Counter()
         self._last_reload_error: str | None = None
         self._cycles = 0
-        self._services: list[Service] = []  # the running services
         self._lock = asyncio.Lock()  # one cycle at a time (loop, reload and admin calls)
 
     @property
@@ -92,8 +94,8 @@ class Daemon:
     # -- the cycle ------------------------------------------------------------------------
 
     async def cycle(self) -> Cycle | None:
-        """Resolve, probe every endpoint once, decide and publish; the cycle's result (None when
-        nothing was publishable yet)."""
+        """Resolve, probe every endpoint once, decide, publish and apply; then the fleet view to
+        every output. The cycle's result (None when nothing was publishable yet)."""
         async with self._lock:
             tracker = self._tracker
             await tracker.sync(eds_pools(self._topo), self._resolver, self._clock)
@@ -108,6 +110,7 @@ class Daemon:
                 tracker.observe(key, report)
             result = await self._outputs.run(self._topo, tracker, self._drains, self._clock)
             self._cycles += 1
+            self._outputs.update(self.view())
             return result
 
     async def republish(self) -> None:
@@ -178,31 +181,26 @@ class Daemon:
             reasons.append("nothing published to the proxy yet")
         return reasons
 
-    def add_service(self, service: Service) -> None:
-        """A running service (`sidecar.main` adds every gRPC service it started): its `problems`
-        listed among `problems()`, each prefixed "name: ", and its `refused` in the view."""
-        self._services.append(service)
-
     def problems(self) -> list[str]:
         """What the proxy does not run of the sidecar's decisions, and why (/state, /readyz's
-        body, confgen_sidecar_problems): an update the proxy refused, a write failing, then each
-        running service's own ("picker: ..."). Never a readiness failure (see `not_ready`)."""
-        return [*self._outputs.publisher.problems(),
-                *(f"{svc.name}: {problem}" for svc in self._services for problem in svc.problems())]
+        body, confgen_sidecar_problems): every output's own, the publisher's first (an update the
+        proxy refused, a write failing), then the others' ("picker: ..."). Never a readiness
+        failure (see `not_ready`)."""
+        return list(self._outputs.status().problems)
 
     def view(self) -> Snapshot:
         """An immutable picture of the fleet now (built per call: cheap, never stale)."""
-        publisher = self._outputs.publisher
+        status = self._outputs.status()
         return Snapshot(
             topology=self._topo.name,
-            pools=tuple(pool_view(pool, self._tracker, self._outputs) for pool in eds_pools(self._topo)),
+            pools=tuple(pool_view(pool, self._tracker, status.pool(pool.name)) for pool in eds_pools(self._topo)),
             reloads=dict(self._reloads),
             cycles=self._cycles,
             not_ready=tuple(self.not_ready()),
-            problems=tuple(self.problems()),
+            problems=status.problems,
             last_reload_error=self._last_reload_error,
-            xds=publisher.xds_view(),
-            write_failures=dict(publisher.write_failures),
-            external_changes=dict(publisher.external_changes),
-            refused={(svc.name, pool, cls): n for svc in self._services for (pool, cls), n in svc.refused().items()},
+            xds=status.xds,
+            write_failures=dict(status.write_failures),
+            external_changes=dict(status.external_changes),
+            refused=dict(status.refused),
         )

@@ -1,14 +1,14 @@
-"""The daemon's outputs for one cycle: the publisher (EDS, the whole tree when due) and the limiter."""
+"""The daemon's outputs for one cycle: the publisher (EDS, the whole tree when due), then every output."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from confgen.model import Pool, Topology
 from sidecar.daemon.drains import Drains
 from sidecar.daemon.tracked import Tracker
-from sidecar.fleet import Cycle, EndpointKey
-from sidecar.outputs.publisher import Limiter, NoLimiter, Publisher
+from sidecar.fleet import Cycle, EndpointKey, Snapshot
+from sidecar.outputs.contract import Output, OutputStatus, Publisher, combine
 
 __all__ = ["Publishing", "eds_pools"]
 
@@ -18,11 +18,12 @@ def eds_pools(topo: Topology) -> list[Pool]:
 
 
 class Publishing:
-    """Feeds each cycle's decisions to the publisher and the limiter, and remembers what it published."""
+    """Feeds each cycle's decisions to the publisher, then the cycle and the fleet view to every
+    output (the publisher first, then `others` in their order); remembers whether it published."""
 
-    def __init__(self, publisher: Publisher, limiter: Limiter | None) -> None:
+    def __init__(self, publisher: Publisher, others: Sequence[Output] = ()) -> None:
         self.publisher = publisher
-        self.limiter: Limiter = limiter if limiter is not None else NoLimiter()
+        self.outputs: tuple[Output, ...] = (publisher, *others)
         self.published = False  # publish_all succeeded once: the proxy has a whole config from us
         self.tree_due = True  # write the whole tree on the first cycle (changes made while we were down)
 
@@ -36,17 +37,22 @@ class Publishing:
         return count
 
     def forget(self, pool: str) -> None:
-        self.publisher.forget(pool)
-        self.limiter.forget(pool)
+        for output in self.outputs:
+            output.forget(pool)
+
+    def status(self) -> OutputStatus:
+        """Every output's status, combined in their order."""
+        return combine(output.status() for output in self.outputs)
 
     async def run(self, topo: Topology, tracker: Tracker, drains: Drains, clock: Callable[[], float]) -> Cycle | None:
-        """Decide every EDS pool's endpoints, publish them, then apply the pools' loads to the
-        limiter; the cycle's result, or None when nothing was publishable yet (retried next cycle)."""
+        """Decide every EDS pool's endpoints (a pool the outputs shed for weighs by throughput),
+        publish them, then apply the cycle to every output; the cycle's result, or None when
+        nothing was publishable yet (retried next cycle; no output applies it)."""
         now = clock()
         drains.apply(topo, tracker.tracked.items(), now)
         pools = eds_pools(topo)
-        per_pool = {pool.name: tracker.decide(pool, now, shedding=self.limiter.shedding(pool.name))
-                    for pool in pools}
+        status = self.status()
+        per_pool = {pool.name: tracker.decide(pool, now, shedding=status.pool(pool.name).shedding) for pool in pools}
         if not await self.publisher.check_published():
             self.tree_due = True  # someone replaced a file we wrote: put ours back
         if self.tree_due:
@@ -57,16 +63,12 @@ class Publishing:
         else:
             for pool_name, endpoints in per_pool.items():
                 self.publisher.offer(pool_name, endpoints)
-        loads = tracker.loads(pools, topo, now)
-        await self.limiter.apply(loads, now)
-        return Cycle(topo, {name: tuple(eps) for name, eps in per_pool.items()}, loads, now)
+        cycle = Cycle(topo, {name: tuple(eps) for name, eps in per_pool.items()}, tracker.loads(pools, topo, now), now)
+        for output in self.outputs:
+            await output.apply(cycle)
+        return cycle
 
-    def saturated(self, pool: str, tracker: Tracker) -> tuple[bool, str]:
-        """The pool's verdict as of the last cycle, and why: the engines' rules, else the
-        limiter's in-flight watch (which also runs between cycles)."""
-        verdict = tracker.verdicts.get(pool)
-        if verdict is not None and verdict.saturated:
-            return True, verdict.reason
-        if self.limiter.inflight_saturated(pool):
-            return True, "inflight"
-        return False, ""
+    def update(self, fleet: Snapshot) -> None:
+        """The fleet view after a cycle, to every output."""
+        for output in self.outputs:
+            output.update(fleet)

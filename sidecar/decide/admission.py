@@ -32,6 +32,10 @@ class Admissions:
         state = self._state.get(pool)
         return state is not None and state.shedding
 
+    def pools(self) -> tuple[str, ...]:
+        """The pools it holds a state for."""
+        return tuple(self._state)
+
     def forget(self, pool: str) -> None:
         self._state.pop(pool, None)
 

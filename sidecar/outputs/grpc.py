@@ -2,7 +2,7 @@
 
     server = GrpcServer(GrpcSettings(host, port, tls=files))         mTLS over TCP
     server = GrpcServer(GrpcSettings(socket=Path(".../grpc.sock")))  a Unix socket, 0600
-    server.add(service.add_to, service.name)   # one line per service (sidecar.outputs.service)
+    server.add(register, name)   # one line per service: `register(grpc_server)` adds its servicers
     port = await server.start()
     ...
     await server.stop()
@@ -21,6 +21,10 @@ servers from this one builder, on one transport (`sidecar.outputs.tls`):
 - plaintext TCP on a loopback bind only, said loudly in the log; any other bind without TLS is
   refused. Whether plaintext TCP is wanted at all is the configuration's explicit choice
   (`SidecarConfig.grpc_plaintext_loopback`), never a default.
+
+The outputs that answer the proxy per request (the picker, the rate limit service) add their
+servicers at build time to the `Servicers` of their `Wiring`; `sidecar.main` puts them all on the
+sidecar's one services server once every output has started.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from sidecar.config.tls import TlsFiles, Transport, is_loopback
 from sidecar.logs import log_event
 from sidecar.outputs.tls import InsecureBindError, TlsError, bind, bind_unix, prepare_socket
 
-__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "TlsFiles", "Transport", "is_loopback", "settings_for"]
+__all__ = ["GrpcLimits", "GrpcServer", "GrpcSettings", "Servicers", "TlsFiles", "Transport", "is_loopback",
+           "settings_for"]
 
 _log = logging.getLogger("sidecar.grpc")
 
@@ -190,3 +195,25 @@ class GrpcServer:
         if self.settings.socket is not None and self.port is not None:
             self.port = None  # ours (checked at start): the next start finds no stale one
             await asyncio.to_thread(self.settings.socket.unlink, missing_ok=True)
+
+
+class Servicers:
+    """The servicers outputs add for the sidecar's services server (`Wiring.grpc`), before it exists:
+    `sidecar.main` builds that server only when one was added."""
+
+    def __init__(self) -> None:
+        self._added: list[tuple[Callable[[grpc.aio.Server], None], str]] = []
+
+    def add(self, register: Callable[[grpc.aio.Server], None], name: str) -> None:
+        """As `GrpcServer.add`: `register` puts the output's servicers on the server."""
+        self._added.append((register, name))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self._added)
+
+    def onto(self, server: GrpcServer) -> GrpcServer:
+        """`server` with every servicer added (before it starts)."""
+        for register, name in self._added:
+            server.add(register, name)
+        return server

@@ -95,7 +95,7 @@ async def _limits(publisher: Any) -> dict[str, int]:
     """The shedding limit a fresh limiter serves after the same five saturated cycles."""
     limiter = RtdsLimiter(publisher)
     for cycle in range(5):
-        await limiter.apply({"chat": _load(40.0)}, now=2.0 * cycle)
+        await limiter.set_limits({"chat": _load(40.0)}, now=2.0 * cycle)
     return dict(limiter.in_force)
 
 

@@ -28,10 +28,10 @@ SIDECAR_LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar.main", "sidecar.drain"),
 )
 # Inside outputs: the interfaces and shared clients every output may use; each output's own package.
-OUTPUT_SHARED = ("sidecar.outputs.publisher", "sidecar.outputs.service", "sidecar.outputs.registry",
+OUTPUT_SHARED = ("sidecar.outputs.contract", "sidecar.outputs.registry",
                  "sidecar.outputs.envoy_admin",
                  "sidecar.outputs.grpc", "sidecar.outputs.tls")
-INTERFACES = ("sidecar.outputs.publisher", "sidecar.outputs.service")
+INTERFACES = ("sidecar.outputs.contract",)
 
 
 def _module_name(path: Path) -> str:
@@ -207,14 +207,14 @@ def test_the_checks_can_fail() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
     found = violations({
         "sidecar.observe.probe": {"sidecar.daemon"},
-        "sidecar.outputs.publisher": {"sidecar.outputs.xds.publisher"},
+        "sidecar.outputs.contract": {"sidecar.outputs.xds.publisher"},
         "sidecar.outputs.nginx.publisher": {"sidecar.outputs.files.tree"},
         "confgen.cli": {"sidecar.main"},
-        "sidecar.daemon": {"sidecar.outputs.publisher", "sidecar.fleet"},
+        "sidecar.daemon": {"sidecar.outputs.contract", "sidecar.fleet"},
     })
     assert [v.split(":")[1].strip() for v in found] == [
         "confgen never imports sidecar",
         "imports a layer above its own",
-        "one output imports another (share through the interfaces)",
         "an interface module imports an implementation",
+        "one output imports another (share through the interfaces)",
     ]

@@ -30,12 +30,13 @@ from sidecar.daemon import Daemon
 from sidecar.decide.state import HealthPolicy
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
+from sidecar.outputs.contract import Wiring
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.files.publisher import EdsPublisher
+from sidecar.outputs.grpc import Servicers
 from sidecar.outputs.picker import PickerService
 from sidecar.outputs.picker.prompt import block_hashes, parse_body
 from sidecar.outputs.picker.scheduling import Picker, PickRequest
-from sidecar.outputs.service import ServiceWiring
 from sidecar.serve.guard import MutationGuard
 from sidecar.serve.metrics import register
 from sidecar.serve.server import build_app
@@ -121,7 +122,7 @@ async def serving(tmp: Path, fleet: FleetHandle, *, cycles: int = 2) -> AsyncIte
     ):
         publisher = EdsPublisher(tmp / "envoy", admin, debounce_s=0.0, confirm_timeout_s=0.0)
         daemon = Daemon(config, topo, prober=prober, resolver=Resolver(1.0), publisher=publisher, clock=loop.time)
-        picker = PickerService(ServiceWiring(config, lambda: daemon.topology, registry, loop.time))
+        picker = PickerService(Wiring(config, topo, lambda: daemon.topology, admin, registry, loop.time, Servicers()))
         register(registry, daemon.view)
         assert daemon.set_drain("chat", f"127.0.0.1:{d}", True)
         for _ in range(cycles):

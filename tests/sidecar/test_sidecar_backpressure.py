@@ -418,40 +418,50 @@ class _Failing:
 
     watch_interval_s = 0.01
 
-    def __init__(self, ok: int, stop_after: int = 0, stop: Any = None) -> None:
-        self.calls, self.ok, self.stop_after, self.stop = 0, ok, stop_after, stop
+    def __init__(self, ok: int, enough: int = 0, seen: Any = None) -> None:
+        self.calls, self.ok, self.enough, self.seen = 0, ok, enough, seen
 
     async def watch(self, now: float) -> None:
         self.calls += 1
-        if self.stop is not None and self.calls == self.stop_after:
-            self.stop.set()  # the event the loop checks: no polling from the test
+        if self.seen is not None and self.calls == self.enough:
+            self.seen.set()  # the event the test waits on: no polling
         if self.calls > self.ok:
             raise RuntimeError("boom")
 
 
-def test_the_watch_loop_runs_until_stopped_and_a_failure_is_logged_not_raised_at_shutdown(
+def test_the_watch_loop_runs_until_cancelled_and_a_failure_is_logged_not_raised_at_close(
         caplog: pytest.LogCaptureFixture) -> None:
-    """sidecar.main's loop calls the limiter's watch every interval until `stop`; if the watch
-    raises, the task ends, the failure is logged once, and gathering it at shutdown does
-    not raise (the rest of the shutdown still runs)."""
+    """The in-flight limiter's loop (`watch_loop`, run from the limiter's start to its close) calls
+    its watch every interval until cancelled; if the watch raises, the task ends, the failure is
+    logged once, and gathering it at close does not raise (the rest of the shutdown still runs).
+    The real limiter's start runs the loop and its close ends it."""
     import asyncio
 
-    from sidecar.main import _report_end, _watch_limits
+    from sidecar.outputs.files.limiter import report_end, watch_loop
 
     async def scenario() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        steady = _Failing(ok=10**6, stop_after=3, stop=stop)
-        await asyncio.wait_for(_watch_limits(steady, stop, loop.time), timeout=5)  # type: ignore[arg-type]
+        seen = asyncio.Event()
+        steady = _Failing(ok=10**6, enough=3, seen=seen)
+        running = asyncio.create_task(watch_loop(steady, loop.time))
+        await asyncio.wait_for(seen.wait(), timeout=5)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        assert running.cancelled()
         failing = _Failing(ok=2)
-        broken = asyncio.create_task(_watch_limits(failing, asyncio.Event(), loop.time),  # type: ignore[arg-type]
-                                     name="limits-watch")
-        broken.add_done_callback(_report_end)
+        broken = asyncio.create_task(watch_loop(failing, loop.time), name="limits-watch")
+        broken.add_done_callback(report_end)
         done = await asyncio.wait_for(asyncio.gather(broken, return_exceptions=True), timeout=5)
         assert isinstance(done[0], RuntimeError)
+        limiter = InflightLimiter(EnvoyAdmin("http://127.0.0.1:1"), 1)
+        await limiter.start()
+        task = limiter._watching
+        assert task is not None and not task.done()
+        await limiter.close()
+        assert task.cancelled() and limiter._watching is None
         return steady.calls, failing.calls
 
-    with caplog.at_level("ERROR", logger="sidecar.main"):
+    with caplog.at_level("ERROR", logger="sidecar.outputs.files.limiter"):
         steady_calls, failing_calls = asyncio.run(scenario())
     assert steady_calls >= 3 and failing_calls == 3
     failed = [r for r in caplog.records if "task.failed" in r.getMessage()]

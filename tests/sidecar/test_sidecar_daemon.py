@@ -22,9 +22,10 @@ from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, fleet_topology,
 from sidecar.config import SidecarConfig
 from sidecar.daemon import Daemon
 from sidecar.decide.state import HealthPolicy
+from sidecar.fleet import Cycle, Snapshot
 from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
-from sidecar.outputs.publisher import Publisher
+from sidecar.outputs.contract import OutputStatus, Publisher, published
 
 SPARE_POOL = ["  - name: spare", "    engine: vllm", "    models: [spare-model]", "    capacity: 4",
               "    workers: [{worker}]"]
@@ -34,14 +35,15 @@ SPARE_POOL = ["  - name: spare", "    engine: vllm", "    models: [spare-model]"
 class Recorder:
     """A `Publisher` that keeps what it was asked to publish."""
 
+    name = "recorder"
     publishes: Counter[str] = field(default_factory=Counter)
     rejections: Counter[str] = field(default_factory=Counter)
     rejected: set[str] = field(default_factory=set)
-    write_failures: Counter[str] = field(default_factory=Counter)
-    external_changes: Counter[str] = field(default_factory=Counter)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, pool or "*")
     latest: dict[str, list[Endpoint]] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)
+    applied: int = 0  # cycles applied (after the publish)
+    updated: int = 0  # fleet views handed over
 
     async def start(self) -> None:
         self.calls.append(("start", "*"))
@@ -50,8 +52,15 @@ class Recorder:
         self.calls.append(("adopt", pool))
         return []
 
-    def xds_view(self) -> None:
-        return None
+    async def apply(self, cycle: Cycle) -> None:
+        self.applied += 1
+
+    def update(self, fleet: Snapshot) -> None:
+        self.updated += 1
+
+    def status(self) -> OutputStatus:
+        return OutputStatus(problems=tuple(self.broken), pools=published(self.publishes, self.rejections,
+                                                                          self.rejected))
 
     def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
         self.calls.append(("offer", pool))
@@ -72,9 +81,6 @@ class Recorder:
 
     async def check_published(self) -> bool:
         return True
-
-    def problems(self) -> list[str]:
-        return list(self.broken)
 
     async def close(self) -> None:
         self.calls.append(("close", "*"))
@@ -109,7 +115,7 @@ def _statuses(endpoints: Sequence[Endpoint], fleet: FleetHandle) -> dict[str, st
 
 
 def _run(tmp: Path, fleet: FleetHandle, body: Callable[[Daemon, Recorder, Clock], Awaitable[None]],
-         *, spare: bool = False) -> Recorder:
+         *, spare: bool = False, outputs: Sequence[object] = ()) -> Recorder:
     topo_path = tmp / "topology.yaml"
     _write(topo_path, fleet, spare=spare)
     # Thresholds the test counts cycles against: 2 failures eject, 2 successes restore.
@@ -124,7 +130,8 @@ def _run(tmp: Path, fleet: FleetHandle, body: Callable[[Daemon, Recorder, Clock]
         clock = Clock()
         publisher: Publisher = recorder
         async with Prober(max_concurrency=8, deadline_s=2.0, body_cap=1 << 20, clock=clock) as prober:
-            daemon = Daemon(config, topo, prober=prober, resolver=Resolver(2.0), publisher=publisher, clock=clock)
+            daemon = Daemon(config, topo, prober=prober, resolver=Resolver(2.0), publisher=publisher, clock=clock,
+                            outputs=outputs)  # type: ignore[arg-type]
             await body(daemon, recorder, clock)
 
     asyncio.run(main())
@@ -141,11 +148,13 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
         assert daemon.not_ready() == ["first probe cycle not done"]
         await daemon.cycle()
         assert rec.calls[-1] == ("publish_all", "*")
+        assert (rec.applied, rec.updated) == (1, 1)  # the cycle applied after the publish, then the view
         assert _statuses(rec.latest["chat"], fleet) == {"a": "HEALTHY", "b": "HEALTHY", "c": "HEALTHY"}
         assert daemon.not_ready() == []
         clock.now += 1.0
         await daemon.cycle()
         assert rec.calls[-1] == ("offer", "chat")
+        assert (rec.applied, rec.updated) == (2, 2)
         rec.broken.append("last chat update rejected")
         assert daemon.view().not_ready == ()
         assert daemon.view().problems == ("last chat update rejected",)
@@ -156,31 +165,44 @@ def test_first_cycle_publishes_everything_later_cycles_offer_per_pool(tmp_path: 
 
 
 class _Service:
-    """The part of a `sidecar.outputs.service.Service` the daemon reads."""
+    """An output beside the publisher (as the picker is): what the daemon hands it and reads of it."""
 
     name = "picker"
 
     def __init__(self) -> None:
         self.faults: list[str] = []
         self.refusals: dict[tuple[str, str], int] = {}
+        self.views: list[Snapshot] = []
+        self.cycles: list[Cycle] = []
+        self.forgotten: list[str] = []
 
-    def problems(self) -> list[str]:
-        return list(self.faults)
+    async def apply(self, cycle: Cycle) -> None:
+        self.cycles.append(cycle)
 
-    def refused(self) -> dict[tuple[str, str], int]:
-        return dict(self.refusals)
+    def update(self, fleet: Snapshot) -> None:
+        self.views.append(fleet)
+
+    def forget(self, pool: str) -> None:
+        self.forgotten.append(pool)
+
+    def status(self) -> OutputStatus:
+        return OutputStatus(problems=tuple(f"picker: {fault}" for fault in self.faults),
+                            refused={("picker", pool, cls): n for (pool, cls), n in self.refusals.items()})
 
 
-def test_a_services_problems_are_listed_with_its_name_never_unready(tmp_path: Path, fleet: FleetHandle) -> None:
-    """A service added with `add_service` (what sidecar.main does for every gRPC service it
-    started) has its problems listed after the publisher's, prefixed with its name, in
-    `problems()` and the snapshot (/readyz's body, /state, the metric); readiness ignores them.
-    Its refusals are in the snapshot by (service, pool, class), and in the one shed counter."""
+def test_an_outputs_problems_are_listed_after_the_publishers_never_unready(tmp_path: Path, fleet: FleetHandle) -> None:
+    """An output beside the publisher (what sidecar.main gives the daemon for the limiter and every
+    gRPC service) is applied each cycle after the publisher and handed the fleet view that cycle
+    left; its problems are listed after the publisher's in `problems()` and the snapshot (/readyz's
+    body, /state, the metric); readiness ignores them. Its refusals are in the snapshot by
+    (output, pool, class), and in the one shed counter."""
     service = _Service()
 
     async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
-        daemon.add_service(service)  # type: ignore[arg-type]
         await daemon.cycle()
+        assert [c.now for c in service.cycles] == [clock.now] and service.cycles[0].endpoints["chat"]
+        assert [v.cycles for v in service.views] == [1]
+        assert {p.name for p in service.views[0].pools} == {"chat"}
         assert daemon.problems() == []
         service.faults.append("x")
         rec.broken.append("last chat update rejected")
@@ -198,7 +220,7 @@ def test_a_services_problems_are_listed_with_its_name_never_unready(tmp_path: Pa
         text = generate_latest(registry).decode()
         assert 'confgen_sidecar_shed_requests_total{class="sheddable",pool="chat",reason="picker"} 3.0' in text
 
-    _run(tmp_path, fleet, body)
+    _run(tmp_path, fleet, body, outputs=[service])
 
 
 def test_a_crashed_worker_is_ejected_after_fall_cycles_and_drain_is_published(
@@ -231,9 +253,10 @@ def test_a_crashed_worker_is_ejected_after_fall_cycles_and_drain_is_published(
 
 
 def test_reload_forgets_a_removed_pool_and_publishes_everything_again(tmp_path: Path, fleet: FleetHandle) -> None:
-    """A reloaded topology without a pool makes the daemon tell the publisher to forget it,
-    publish the whole new output (publish_all), and drop the pool from its view; an invalid
-    edit keeps the previous topology and counts a failed reload."""
+    """A reloaded topology without a pool makes the daemon tell the publisher and every other
+    output to forget it, publish the whole new output (publish_all), and drop the pool from its
+    view; an invalid edit keeps the previous topology and counts a failed reload."""
+    service = _Service()
 
     async def body(daemon: Daemon, rec: Recorder, clock: Clock) -> None:
         await daemon.cycle()
@@ -242,6 +265,7 @@ def test_reload_forgets_a_removed_pool_and_publishes_everything_again(tmp_path: 
         clock.now += 1.0
         assert await daemon.reload()
         assert ("forget", "spare") in rec.calls and ("adopted", "cycle") in rec.calls
+        assert service.forgotten == ["spare"]
         assert rec.calls[-1] == ("publish_all", "*")
         assert {p.name for p in daemon.view().pools} == {"chat"}
         daemon.config.topology.write_text("version: 1\nname: [broken\n")
@@ -250,4 +274,4 @@ def test_reload_forgets_a_removed_pool_and_publishes_everything_again(tmp_path: 
         assert view.reloads == {"ok": 1, "error": 1} and view.last_reload_error
         assert {p.name for p in view.pools} == {"chat"}
 
-    _run(tmp_path, fleet, body, spare=True)
+    _run(tmp_path, fleet, body, spare=True, outputs=[service])

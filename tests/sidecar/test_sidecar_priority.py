@@ -146,11 +146,11 @@ def test_the_rtds_limiter_serves_the_shed_share_of_sheddable_pools_only() -> Non
 
     shares = []
     for i in range(6):
-        asyncio.run(limiter.apply({"chat": load(True, 40.0), "code": load(True, 40.0)}, now=2.0 * i))
+        asyncio.run(limiter.set_limits({"chat": load(True, 40.0), "code": load(True, 40.0)}, now=2.0 * i))
         shares.append(layer.values[shed_runtime_key("chat")])
     assert shed_runtime_key("code") not in layer.values
     assert shares == [100] * 6, shares
     assert limiter.sheddable_share == {"chat": 100}
     for i in range(6, 12):
-        asyncio.run(limiter.apply({"chat": load(False, 2.0), "code": load(False, 2.0)}, now=2.0 * i))
+        asyncio.run(limiter.set_limits({"chat": load(False, 2.0), "code": load(False, 2.0)}, now=2.0 * i))
     assert not limiter.shedding("chat") and layer.values[shed_runtime_key("chat")] == 0, layer.values

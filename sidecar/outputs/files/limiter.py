@@ -19,10 +19,11 @@ that lost the admin layer is repaired), and read back; `in_force` is what Envoy 
 Between probe cycles, `watch` reads this Envoy's in-flight count every
 `SaturationPolicy.inflight_interval_s` (one admin stats call for every pool) and runs the
 `InflightWatch`: a surge past the fleet's batch sets the limit at once instead of at the
-next probe. `apply` and `watch` take turns (one lock), and a refusal seen by either counts
-for the next `apply` (the release rule needs every refusal).
+next probe. The limiter runs that loop itself from `start` to `close` (`watch_loop`). A cycle's
+limits (`set_limits`) and `watch` take turns (one lock), and a refusal seen by either counts
+for the next cycle (the release rule needs every refusal).
 
-Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `apply` (and
+Sheddable first: for the pools the render gives sheddable traffic (`sheddable`), `set_limits` (and
 `watch`, when it starts the shedding) also sets `confgen.envoy.shed_runtime_key(pool)`, the
 percentage of the pool's sheddable requests Envoy refuses at once (`sidecar.decide.priority`:
 100 from the start of shedding, lowered while this limit has room, raised again while it
@@ -39,21 +40,57 @@ import logging
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 from confgen.envoy import breaker_runtime_keys, shed_runtime_key, shed_stat_prefix
 from sidecar.decide.admission import Admissions
 from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import Admission, InflightWatch, PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
+from sidecar.outputs.contract import OutputStatus, PoolStatus
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 
-__all__ = ["InflightLimiter"]
+if TYPE_CHECKING:
+    from sidecar.fleet import Cycle, Snapshot
+
+__all__ = ["InflightLimiter", "watch_loop"]
 
 _log = logging.getLogger("sidecar.outputs.files.limiter")
 
 
+class Watched(Protocol):
+    """What `watch_loop` drives."""
+
+    @property
+    def watch_interval_s(self) -> float | None: ...
+
+    async def watch(self, now: float) -> None: ...
+
+
+async def watch_loop(limiter: Watched, clock: Callable[[], float]) -> None:
+    """`limiter.watch` every `watch_interval_s` until cancelled (at once when the interval is None).
+    A watch that raises ends the loop (`report_end` logs it)."""
+    interval = limiter.watch_interval_s
+    if interval is None:
+        return
+    while True:
+        started = clock()
+        await limiter.watch(started)
+        await asyncio.sleep(max(started + interval - clock(), 0.0))
+
+
+def report_end(task: asyncio.Task[None]) -> None:
+    """The watch ended other than by cancellation: logged once, when it ends."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log_event(_log, logging.ERROR, "task.failed", task=task.get_name(), error=repr(error),
+                  note="the in-flight watch stopped; limits follow the probe cycle only")
+
+
 class InflightLimiter:
-    """Applies the shedding controller (`sidecar.decide.saturation.admit`) to Envoy's runtime layer."""
+    """Applies the shedding controller (`sidecar.decide.saturation.admit`) to Envoy's runtime layer
+    (a `sidecar.outputs.contract.Output`)."""
+
+    name = "inflight"
 
     def __init__(self, admin: EnvoyAdmin, ingresses: int, policy: SaturationPolicy | None = None,
                  sheddable: Callable[[], Collection[str]] = tuple,
@@ -65,8 +102,8 @@ class InflightLimiter:
         self._policy = policy or SaturationPolicy()
         self._admissions = Admissions(self._policy, _log)
         self._overflows: dict[str, int] = {}  # pool -> Envoy's overflow counter at the last read
-        self._refused: set[str] = set()  # pools whose limit refused requests since the last apply
-        self._loads: dict[str, PoolLoad] = {}  # the last apply's, what watch reads the batch from
+        self._refused: set[str] = set()  # pools whose limit refused requests since the last cycle's limits
+        self._loads: dict[str, PoolLoad] = {}  # the last cycle's, what watch reads the batch from
         self._watches: dict[str, InflightWatch] = {}
         self._lock = asyncio.Lock()
         self._sheddable = sheddable  # the pools the current render gives sheddable traffic
@@ -75,6 +112,33 @@ class InflightLimiter:
         self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (confirmed)
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
+        self._watching: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start the in-flight watch between cycles (`watch_loop`; none when the interval is 0)."""
+        task = asyncio.create_task(watch_loop(self, asyncio.get_running_loop().time), name="limits-watch")
+        task.add_done_callback(report_end)
+        self._watching = task
+
+    async def close(self) -> None:
+        """Stop the watch (a failure it ended with was logged when it ended)."""
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
+
+    async def apply(self, cycle: Cycle) -> None:
+        await self.set_limits(cycle.loads, cycle.now)
+
+    def update(self, fleet: Snapshot) -> None:
+        """Nothing: the limits follow the cycle's loads and Envoy's own counts."""
+
+    def status(self) -> OutputStatus:
+        known = {*self._admissions.pools(), *self.in_force, *self.shed, *self.sheddable_share, *self._watches}
+        return OutputStatus(pools={pool: PoolStatus(
+            inflight_limit=self.in_force.get(pool), inflight_past_batch=self.inflight_signal(pool),
+            saturated="inflight" if self.inflight_saturated(pool) else "", shed=dict(self.shed.get(pool, {})),
+            shedding=self.shedding(pool), sheddable_share=self.sheddable_share.get(pool)) for pool in known})
 
     @property
     def watch_interval_s(self) -> float | None:
@@ -105,7 +169,7 @@ class InflightLimiter:
         watch = self._watches.get(pool)
         return watch is not None and watch.on
 
-    async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
+    async def set_limits(self, loads: Mapping[str, PoolLoad], now: float) -> None:
         """Compute every pool's limit and set those Envoy does not hold yet."""
         if not loads:
             return

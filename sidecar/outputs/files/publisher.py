@@ -40,13 +40,13 @@ from confgen.output import atomic_write, diff_tree, write_tree
 from confgen.plan import sheddable_pools
 from sidecar.config import xds_dir_for
 from sidecar.logs import log_event
+from sidecar.outputs.contract import Built, OutputStatus, Wiring, published
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.files.limiter import InflightLimiter
 from sidecar.outputs.files.tree import LdsSource, config_dir_for_tree, keys_for_reload, render_tree
-from sidecar.outputs.publisher import Built, Wiring
 
 if TYPE_CHECKING:
-    from sidecar.fleet import XdsView
+    from sidecar.fleet import Cycle, Snapshot
 
 __all__ = ["EdsPublisher", "build", "read_published"]
 
@@ -81,6 +81,8 @@ def read_published(xds_dir: Path, pool: str) -> tuple[bytes, list[Endpoint]] | N
 
 class EdsPublisher:
     """Writes EDS files and the whole tree; confirms through the admin stats (a `Publisher`)."""
+
+    name = "envoy"
 
     def __init__(self, xds_dir: Path, admin: EnvoyAdmin, *, debounce_s: float, confirm_timeout_s: float) -> None:
         self.xds_dir = xds_dir
@@ -185,8 +187,16 @@ class EdsPublisher:
         return ([f"last {name} update rejected by Envoy" for name in sorted(self.rejected)]
                 + [f"write failing: {why}" for _, why in sorted(self.failing.items())])
 
-    def xds_view(self) -> XdsView | None:
-        return None
+    def status(self) -> OutputStatus:
+        return OutputStatus(problems=tuple(self.problems()),
+                            pools=published(self.publishes, self.rejections, self.rejected),
+                            write_failures=dict(self.write_failures), external_changes=dict(self.external_changes))
+
+    async def apply(self, cycle: Cycle) -> None:
+        """Nothing more: the cycle's endpoints came through `offer` / `publish_all`."""
+
+    def update(self, fleet: Snapshot) -> None:
+        """Nothing: it publishes what the daemon decided, not the fleet view."""
 
     def forget(self, pool: str) -> None:
         """A pool left the topology: drop its bookkeeping (its file goes with the tree)."""
@@ -405,13 +415,14 @@ class EdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The file-xDS publisher (`PUBLISHERS["envoy"]`), limits through Envoy's admin runtime."""
+    """The file-xDS publisher (`OUTPUTS["envoy"]`), and its limits through Envoy's admin runtime."""
     config = wiring.config
     publisher = EdsPublisher(xds_dir_for(config, wiring.topo), wiring.admin, debounce_s=config.publish_debounce_s,
                              confirm_timeout_s=config.confirm_timeout_s)
     topology = wiring.topology
-    return Built(publisher, InflightLimiter(wiring.admin, config.ingresses, config.saturation,
-                                            sheddable=lambda: sheddable_pools(topology())))
+    limiter = InflightLimiter(wiring.admin, config.ingresses, config.saturation,
+                              sheddable=lambda: sheddable_pools(topology()))
+    return Built((limiter,), publisher=publisher)
 
 
 def _render_eds_files(endpoints: Mapping[str, Sequence[Endpoint]], kept: Mapping[str, bytes]) -> dict[str, bytes]:

@@ -21,8 +21,8 @@ clients can race the idle connections old workers close), so:
   (same directory, same prefix, so every other path resolves as for the master). The
   live file is never an untested one, even for a moment. A refused candidate is logged
   at error level, counted (`confgen_sidecar_nginx_reload_failures_total{stage="test"}`),
-  makes /readyz answer 503, and is not tested again until the render changes; the old
-  file and nginx's running config stay.
+  listed in /readyz's body (a problem, never a readiness failure), and not tested again
+  until the render changes; the old file and nginx's running config stay.
 - Reload: the live file is replaced atomically (`confgen.output.atomic_write`), the
   master (pid file or pid) gets SIGHUP, and the reload counts as done only once the
   master has new worker processes (read from /proc). No new workers within
@@ -57,10 +57,10 @@ from confgen.output import atomic_write
 from sidecar.config import ConfigError
 from sidecar.config.nginx import NginxSettings
 from sidecar.logs import log_event
-from sidecar.outputs.publisher import Built, Wiring
+from sidecar.outputs.contract import Built, OutputStatus, Wiring, published
 
 if TYPE_CHECKING:
-    from sidecar.fleet import XdsView
+    from sidecar.fleet import Cycle, Snapshot
 
 __all__ = ["NginxCollector", "NginxPublisher", "build", "register_nginx"]
 
@@ -86,6 +86,8 @@ class NginxPublisher:
     never blocks on a file or a render.
     """
 
+    name = "nginx"
+
     def __init__(self, settings: NginxSettings, topology: Callable[[], Topology]) -> None:
         self.settings = settings
         self._topology = topology
@@ -101,8 +103,6 @@ class NginxPublisher:
         self.publishes: Counter[str] = Counter()  # upstream files replaced, per pool
         self.rejections: Counter[str] = Counter()  # candidates nginx -t refused, per pool
         self.rejected: set[str] = set()  # pools whose newest candidate was refused
-        self.write_failures: Counter[str] = Counter()  # (Publisher interface; not tracked here)
-        self.external_changes: Counter[str] = Counter()
         self.reloads = 0  # confirmed reloads
         self.failures: Counter[str] = Counter()  # by stage: include, test, write, signal, confirm
         self._reload_problem: str | None = None
@@ -137,8 +137,15 @@ class NginxPublisher:
         """Nothing to adopt: the files hold health only, which the first probe cycle re-derives."""
         return []
 
-    def xds_view(self) -> XdsView | None:
-        return None
+    async def apply(self, cycle: Cycle) -> None:
+        """Nothing more: the cycle's endpoints came through `offer` / `publish_all`."""
+
+    def update(self, fleet: Snapshot) -> None:
+        """Nothing: it publishes what the daemon decided, not the fleet view."""
+
+    def status(self) -> OutputStatus:
+        return OutputStatus(problems=tuple(self.problems()),
+                            pools=published(self.publishes, self.rejections, self.rejected))
 
     def offer(self, pool: str, endpoints: Sequence[Endpoint]) -> None:
         """Schedule `pool`'s file if its health picture differs from what nginx has (decided
@@ -173,7 +180,7 @@ class NginxPublisher:
         return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
 
     def problems(self) -> list[str]:
-        """Reasons /readyz answers 503 for, [] when nginx runs what the sidecar decided."""
+        """Why nginx does not run what the sidecar decided ([] when it does)."""
         out = [f"last {pool} upstream refused by nginx -t" for pool in sorted(self.rejected)]
         out += [f"pool {pool} is not in nginx.conf (added by a topology reload?): re-render nginx.conf "
                 "(`confgen render --target nginx`) and reload nginx" for pool in sorted(self.unincluded)]
@@ -467,10 +474,10 @@ def register_nginx(registry: CollectorRegistry, publisher: NginxPublisher) -> Ng
 
 
 def build(wiring: Wiring) -> Built:
-    """The nginx publisher (`sidecar.outputs.registry.PUBLISHERS["nginx"]`), its metrics registered; nginx
+    """The nginx publisher (`sidecar.outputs.registry.OUTPUTS["nginx"]`), its metrics registered; nginx
     keeps its own safety caps (limit_conn), so there is no limiter."""
     if wiring.config.nginx is None:
         raise ConfigError("the nginx publisher needs --target nginx settings")
     publisher = NginxPublisher(wiring.config.nginx, wiring.topology)
     register_nginx(wiring.registry, publisher)
-    return Built(publisher, None)
+    return Built((), publisher=publisher)

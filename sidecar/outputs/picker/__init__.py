@@ -16,7 +16,6 @@ says nothing or cannot be reached). Pieces:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -28,6 +27,7 @@ from confgen.plan import plan
 from sidecar.config import ConfigError
 from sidecar.logs import log_event
 from sidecar.observe.probe import LoopLag
+from sidecar.outputs.contract import Built, OutputStatus
 
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
@@ -38,8 +38,8 @@ from .scheduling import Picker, PickerPolicy
 if TYPE_CHECKING:
     import grpc
 
-    from sidecar.fleet import Snapshot
-    from sidecar.outputs.service import ServiceWiring
+    from sidecar.fleet import Cycle, Snapshot
+    from sidecar.outputs.contract import Wiring
 
 _log = logging.getLogger("sidecar.picker")
 
@@ -114,11 +114,11 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
 
 
 class PickerService:
-    """The picker as a `sidecar.outputs.service.Service`."""
+    """The picker as a `sidecar.outputs.contract.Output`: it answers from the newest fleet view."""
 
     name = "picker"
 
-    def __init__(self, wiring: ServiceWiring, policy: PickerPolicy | None = None,
+    def __init__(self, wiring: Wiring, policy: PickerPolicy | None = None,
                  peer_limits: PeerLimits | None = None) -> None:
         self._topology = wiring.topology
         self.store = Datastore()
@@ -140,6 +140,7 @@ class PickerService:
                                        on_placed=self.links.placed if config.picker_peers else None)
 
     def add_to(self, server: grpc.aio.Server) -> None:
+        """Its servicers (ext_proc, the peers' stream) on the sidecar's gRPC server."""
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         self.peers.add_to(server)
 
@@ -147,25 +148,31 @@ class PickerService:
         self._lag.start()
         await self.links.start()
 
+    async def apply(self, cycle: Cycle) -> None:
+        """Nothing: it answers from the fleet view (`update`)."""
+
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
         self.store.update(facts(fleet, topo), routes(topo), classes(topo))
 
-    def problems(self) -> list[str]:
-        # before the first fleet view every request is left to Envoy's own balancer: no problem; a
-        # peer not reached is one (its conversations' placements are not shared while it lasts)
-        return self.links.problems()
+    def forget(self, pool: str) -> None:
+        """Nothing: the next fleet view no longer has the pool."""
 
-    def refused(self) -> Mapping[tuple[str, str], int]:
-        return self.metrics.refusals()
+    def status(self) -> OutputStatus:
+        """Problems, each "picker: ...": before the first fleet view every request is left to Envoy's own
+        balancer (no problem); a peer not reached is one (its conversations' placements are not shared
+        while it lasts). Refused: the requests its admission answered 429, by (pool, class)."""
+        return OutputStatus(problems=tuple(f"{self.name}: {problem}" for problem in self.links.problems()),
+                            refused={(self.name, pool, cls): n for (pool, cls), n in self.metrics.refusals().items()})
 
     async def close(self) -> None:
         await self.links.close()
         self._lag.stop()
 
 
-def build(wiring: ServiceWiring) -> PickerService:
-    """The picker with the sidecar's --picker overrides; ConfigError when one is bad."""
+def build(wiring: Wiring) -> Built:
+    """The picker with the sidecar's --picker overrides, its servicers added to the sidecar's gRPC
+    server; ConfigError when an override is bad."""
     try:
         # Each Envoy of a file-mode fleet has its own sidecar, so its own picker: --ingresses of them.
         # With peers the placements are shared: nothing is presumed of the other replicas' requests.
@@ -177,4 +184,6 @@ def build(wiring: ServiceWiring) -> PickerService:
         log_event(_log, logging.WARNING, "picker.alone", ingresses=wiring.config.ingresses,
                   hint="give each sidecar the others as --picker-peer: without, each picker knows only its own "
                        "Envoy's requests (two Envoys: 68-71 % prefix-cache hits against 85-87 % as peers, measured)")
-    return PickerService(wiring, policy)
+    service = PickerService(wiring, policy)
+    wiring.grpc.add(service.add_to, service.name)
+    return Built((service,))

@@ -40,7 +40,7 @@ import logging
 import math
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -74,8 +74,9 @@ from confgen.limits import (
     floor_amount,
 )
 from confgen.model import LimitStore, Topology, split_address
-from sidecar.fleet import Snapshot
+from sidecar.fleet import Cycle, Snapshot
 from sidecar.logs import log_event
+from sidecar.outputs.contract import OutputStatus
 from sidecar.outputs.ratelimit.journal import Journal
 from sidecar.outputs.ratelimit.local import LocalCounter
 from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
@@ -180,7 +181,7 @@ class _Metrics:
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
-    """The servicer and its lifecycle (a sidecar.outputs.service.Service)."""
+    """The servicer and its lifecycle (a sidecar.outputs.contract.Output)."""
 
     name = "ratelimit"
 
@@ -208,21 +209,26 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._up = True  # the last store call succeeded (logged on each change)
         self._retired: list[RedisCounter] = []
 
-    # -- Service lifecycle ---------------------------------------------------------------
+    # -- the output's lifecycle --------------------------------------------------------------
     def add_to(self, server: grpc.aio.Server) -> None:
+        """Its servicer on the sidecar's gRPC server."""
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self, server)
 
+    async def apply(self, cycle: Cycle) -> None:
+        """Nothing: budgets do not depend on the fleet's health; the topology is read per request."""
+
     def update(self, fleet: Snapshot) -> None:
-        """Budgets do not depend on the fleet's health; the topology is read per request."""
+        """Nothing, as for `apply`."""
 
-    def refused(self) -> Mapping[tuple[str, str], int]:
-        return {}  # its 429s are budgets spent (confgen_ratelimit_*), not overload
+    def forget(self, pool: str) -> None:
+        """Nothing: budgets are the current topology's, read per request."""
 
-    def problems(self) -> list[str]:
-        """Nothing: with its store down the service still answers (fail open, or 429 for
+    def status(self) -> OutputStatus:
+        """No problem: with its store down the service still answers (fail open, or 429 for
         fail_closed budgets). A readiness failure there would take every proxy out of service
-        at once for a shared Redis; the store's state is a metric and an alert instead."""
-        return []
+        at once for a shared Redis; the store's state is a metric and an alert instead. Nothing
+        refused for overload: its 429s are budgets spent (confgen_ratelimit_*)."""
+        return OutputStatus()
 
     async def start(self) -> None:
         self._table_now()  # connects lazily: a store that is down at start is not an error

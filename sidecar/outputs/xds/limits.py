@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from confgen.envoy import breaker_runtime_keys, shed_runtime_key
 from sidecar.decide.admission import Admissions
 from sidecar.decide.priority import ShedSharePolicy, ShedShares
 from sidecar.decide.saturation import PoolLoad, SaturationPolicy
 from sidecar.logs import log_event
+from sidecar.outputs.contract import OutputStatus, PoolStatus
+
+if TYPE_CHECKING:
+    from sidecar.fleet import Cycle, Snapshot
 
 __all__ = ["RtdsLimiter", "RuntimeLayer"]
 
@@ -50,7 +54,10 @@ class RuntimeLayer(Protocol):
 
 
 class RtdsLimiter:
-    """Same role as `sidecar.outputs.files.limiter.InflightLimiter`, through RTDS instead of the admin API."""
+    """Same role as `sidecar.outputs.files.limiter.InflightLimiter`, through RTDS instead of the admin API
+    (a `sidecar.outputs.contract.Output`)."""
+
+    name = "rtds"
 
     def __init__(self, publisher: RuntimeLayer, policy: SaturationPolicy | None = None,
                  sheddable: Callable[[], Collection[str]] = tuple,
@@ -60,8 +67,26 @@ class RtdsLimiter:
         self._sheddable = sheddable  # the pools the current render gives sheddable traffic
         self._shares = ShedShares(share_policy)
         self.in_force: dict[str, int] = {}  # pool -> limit served (every Envoy gets it)
-        self.shed: dict[str, dict[str, int]] = {}  # the control plane cannot see Envoys' refusals: stays empty
         self.sheddable_share: dict[str, int] = {}  # pool -> percent of sheddable requests refused (served)
+
+    async def start(self) -> None:
+        """Nothing to open: the layer is served by the ADS publisher."""
+
+    async def close(self) -> None:
+        """Nothing to stop."""
+
+    async def apply(self, cycle: Cycle) -> None:
+        await self.set_limits(cycle.loads, cycle.now)
+
+    def update(self, fleet: Snapshot) -> None:
+        """Nothing: the limits follow the cycle's loads."""
+
+    def status(self) -> OutputStatus:
+        """The limits and shares served; no `shed` (the control plane cannot see the Envoys' refusals)."""
+        known = {*self._admissions.pools(), *self.in_force, *self.sheddable_share}
+        return OutputStatus(pools={pool: PoolStatus(inflight_limit=self.in_force.get(pool),
+                                                    shedding=self.shedding(pool),
+                                                    sheddable_share=self.sheddable_share.get(pool)) for pool in known})
 
     def forget(self, pool: str) -> None:
         self.in_force.pop(pool, None)
@@ -72,22 +97,10 @@ class RtdsLimiter:
     def shedding(self, pool: str) -> bool:
         return self._admissions.shedding(pool)
 
-    @property
-    def watch_interval_s(self) -> float | None:
-        """None: the control plane has no Envoy's own in-flight count to watch between probes
-        (the engines' reports, once per cycle, are what it sees)."""
-        return None
-
-    async def watch(self, now: float) -> None:
-        return None
-
-    def inflight_signal(self, pool: str) -> float | None:
-        return None
-
-    def inflight_saturated(self, pool: str) -> bool:
-        return False
-
-    async def apply(self, loads: Mapping[str, PoolLoad], now: float) -> None:
+    async def set_limits(self, loads: Mapping[str, PoolLoad], now: float) -> None:
+        """Every pool's limit (and shed share) for this cycle, into the RTDS layer. The control plane
+        has no Envoy's own in-flight count to watch between probes: the engines' reports, once per
+        cycle, are what it sees."""
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
         shares: dict[str, int] = {}

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confgen.endpoints import Endpoint
 from confgen.envoy import ads, build_cla
@@ -28,13 +28,16 @@ from confgen.secrets import resolve as resolve_secrets
 from sidecar.config import grpc_transport_for
 from sidecar.fleet import XdsView
 from sidecar.logs import log_event
+from sidecar.outputs.contract import Built, OutputStatus, Wiring, published
 from sidecar.outputs.grpc import GrpcServer, GrpcSettings, settings_for
-from sidecar.outputs.publisher import Built, Wiring
 from sidecar.outputs.xds.cache import CDS, ECDS, EDS, LDS, RTDS, SHORT, XdsCache
 from sidecar.outputs.xds.limits import RtdsLimiter
 from sidecar.outputs.xds.metrics import register_xds
 from sidecar.outputs.xds.nodes import Nodes
 from sidecar.outputs.xds.server import AdsBounds, AdsServicer, ads_server
+
+if TYPE_CHECKING:
+    from sidecar.fleet import Cycle, Snapshot
 
 __all__ = ["AdsPublisher", "XdsView", "build"]
 
@@ -42,7 +45,9 @@ _log = logging.getLogger("sidecar.outputs.xds")
 
 
 class AdsPublisher:
-    """Serves the fleet's resources to every connected Envoy over ADS."""
+    """Serves the fleet's resources to every connected Envoy over ADS (a `Publisher`)."""
+
+    name = "ads"
 
     def __init__(self, settings: GrpcSettings, *, clock: Callable[[], float],
                  on_nodes_changed: Callable[[], None] | None = None, max_nodes: int = 1000,
@@ -56,8 +61,6 @@ class AdsPublisher:
         self.publishes: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()  # file publisher's view; NACKs are per node here
         self.rejected: set[str] = set()
-        self.write_failures: Counter[str] = Counter()  # (Publisher interface: nothing is written here)
-        self.external_changes: Counter[str] = Counter()
         self.versions: dict[str, str] = {}
         self._keys_missing: str | None = None  # why the listeners cannot be served yet
 
@@ -95,7 +98,14 @@ class AdsPublisher:
         return []
 
     async def check_published(self) -> bool:
-        return True  # (Publisher interface) what is served is held in memory or re-derived each cycle
+        return True  # what is served is held in memory or re-derived each cycle
+
+    async def apply(self, cycle: Cycle) -> None:
+        """Nothing more: the cycle's endpoints came through `offer` / `publish_all`, its limits
+        through the RTDS limiter (`set_runtime`)."""
+
+    def update(self, fleet: Snapshot) -> None:
+        """Nothing: it serves what the daemon decided, not the fleet view."""
 
     def problems(self) -> list[str]:
         # A NACK does not make the sidecar not-ready (see the module docstring); `rejected` stays empty.
@@ -110,8 +120,10 @@ class AdsPublisher:
             resolve_secrets(new)
         return lambda: None
 
-    def xds_view(self) -> XdsView | None:
-        return self.view()
+    def status(self) -> OutputStatus:
+        """Nothing is written here (no write failures, no external changes); the control plane's view."""
+        return OutputStatus(problems=tuple(self.problems()),
+                            pools=published(self.publishes, self.rejections, self.rejected), xds=self.view())
 
     async def publish_all(self, topo: Topology, endpoints: Mapping[str, Sequence[Endpoint]]) -> bool:
         """After a topology (re)load: the resources confgen renders for it (in a thread), with
@@ -182,7 +194,7 @@ class AdsPublisher:
 
 
 def build(wiring: Wiring) -> Built:
-    """The ADS publisher (`sidecar.outputs.registry.PUBLISHERS["ads"]`), limits served over RTDS."""
+    """The ADS publisher (`sidecar.outputs.registry.OUTPUTS["ads"]`), and its limits served over RTDS."""
     config = wiring.config
     assert config.serve_xds is not None  # SidecarConfig.publisher named "ads"
     settings = settings_for(grpc_transport_for(config, wiring.topo), config.serve_xds, XDS_SOCKET)
@@ -190,5 +202,5 @@ def build(wiring: Wiring) -> Built:
                              per_credential=config.xds_nodes_per_identity)
     register_xds(wiring.registry, publisher.view)
     topology = wiring.topology
-    return Built(publisher, RtdsLimiter(publisher, wiring.config.saturation,
-                                        sheddable=lambda: sheddable_pools(topology())))
+    limiter = RtdsLimiter(publisher, wiring.config.saturation, sheddable=lambda: sheddable_pools(topology()))
+    return Built((limiter,), publisher=publisher)
