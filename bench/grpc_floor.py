@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,6 @@ _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_man
 
 
 def _serve_extproc(port: int) -> None:
-    import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -65,9 +64,16 @@ def _serve_extproc(port: int) -> None:
                 if kind in answers:
                     yield pb.ProcessingResponse(**{kind: answers[kind]()})
 
+    _run_aio(lambda server: pb_grpc.add_ExternalProcessorServicer_to_server(Processor(), server), port)
+
+
+def _run_aio(register: Callable[[Any], None], port: int) -> None:
+    """A grpc.aio server on loopback `port` with what `register` adds, until it is terminated."""
+    import grpc
+
     async def main() -> None:
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
+        register(server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -89,14 +95,7 @@ def _serve(kind: str, port: int) -> None:
             async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
                 return ok
 
-        async def main() -> None:
-            server = grpc.aio.server()
-            rls_pb2_grpc.add_RateLimitServiceServicer_to_server(AioServicer(), server)
-            server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            await server.wait_for_termination()
-
-        asyncio.run(main())
+        _run_aio(lambda server: rls_pb2_grpc.add_RateLimitServiceServicer_to_server(AioServicer(), server), port)
         return
 
     class SyncServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]

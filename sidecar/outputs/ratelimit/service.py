@@ -160,6 +160,10 @@ class _Metrics:
         self.store_failures = Counter(
             "confgen_sidecar_ratelimit_store_failures_total",
             "Calls to the rate limit store that failed or timed out", registry=registry)
+        self.store_in_flight = Gauge(
+            "confgen_sidecar_ratelimit_store_calls_in_flight",
+            "Decision scripts sent to the rate limit store and not answered yet (rising: a slow store)",
+            registry=registry)
         self.latency = Histogram(
             "confgen_sidecar_ratelimit_store_seconds", "Time of one decision script in the store",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25), registry=registry)
@@ -371,7 +375,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             return rls_pb2.RateLimitResponse(overall_code=_OK, statuses=[_status(None) for _ in plan])
         if all(op.mode in ("f", "d") for op in ops):  # an answer's end: charged now, or journaled
             ops = self._settle_local(ops, now)
-            charged = await self._decide(ops)
+            try:
+                charged = await self._decide(ops)
+            except asyncio.CancelledError:
+                # Envoy gave up on the call (its check_timeout) while the store was slow: whether or not
+                # the script reached Redis, the charge is journaled; its id's mark makes the replay of one
+                # Redis ran a no-op (a charge without a request id could be counted twice: over, never under)
+                self._keep(now, ops)
+                raise
             if charged is None:
                 self._keep(now, ops)
             else:
@@ -519,11 +530,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 self._metrics.store_up.set(0)
             return None
         started = self._clock()
+        self._metrics.store_in_flight.inc()
         try:
             result = await counter.decide(ops, self._wall())
         except StoreUnavailable as exc:
             self._store_failed(counter, exc)
             return None
+        finally:
+            self._metrics.store_in_flight.dec()
         self._metrics.latency.observe(self._clock() - started)
         if not self._up:
             log_event(_log, logging.INFO, "ratelimit.store_up", redis=counter.address)
