@@ -32,7 +32,8 @@ from confgen.runtime import EnvoyProcess
 from confgen.topology import parse
 
 from .._harness import Context, Result, Target, wait_until
-from .sidecar_cost import _cpu_s, _metrics_servers, _pad, _rss_mb, _sim_body
+from .._procstat import cpu_s, rss_mb
+from .sidecar_cost import _metrics_servers, _pad, _sim_body
 
 NAME = "ads"
 TITLE = "ADS: one control plane, 20 Envoys; 1,000 pools over ADS"
@@ -217,10 +218,10 @@ def run(ctx: Context) -> Result:
             try:
                 wait_until(lambda: len(sidecar.get("/state")["xds"]["nodes"]) == envoys_n, 30)
                 time.sleep(ctx.scale(5, 2))
-                cpu0, t0 = _cpu_s(sidecar.proc.pid), time.monotonic()
+                cpu0, t0 = cpu_s(sidecar.proc.pid), time.monotonic()
                 time.sleep(window)
-                cores = (_cpu_s(sidecar.proc.pid) - cpu0) / (time.monotonic() - t0)
-                rss, hwm = _rss_mb(sidecar.proc.pid)
+                cores = (cpu_s(sidecar.proc.pid) - cpu0) / (time.monotonic() - t0)
+                rss, hwm = rss_mb(sidecar.proc.pid)
                 spans, rounds, posts = asyncio.run(_fanout(sidecar, [e.admin_url for e in envoys], pools, changes))
                 state = sidecar.get("/state")["xds"]
             finally:
