@@ -2,7 +2,7 @@
 
 Every `import` / `from ... import` in confgen/ and sidecar/ counts, wherever it stands
 (module level, inside a function, under TYPE_CHECKING): a lazy import that closes a loop
-is still a loop a reader has to untangle. The sidecar's layers are the ones drawn in
+is still a loop a reader has to untangle. The layers of both packages are the ones drawn in
 docs/architecture.md; a module may import its own layer or the ones below it, never above.
 """
 
@@ -26,6 +26,26 @@ SIDECAR_LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar.daemon",),
     ("sidecar.serve",),
     ("sidecar.main", "sidecar.drain"),
+)
+# confgen's layers, bottom first (docs/architecture.md "Layers of confgen"): a name is a module or
+# a package with everything in it; "confgen" alone is the package's own __init__ (the public API).
+CONFGEN_LAYERS: tuple[tuple[str, ...], ...] = (
+    # foundations: the error tree, names and field specs, YAML, atomic output, the binaries, endpoints
+    ("confgen.errors", "confgen._names", "confgen._fields", "confgen._diff", "confgen._yaml_words",
+     "confgen._yaml", "confgen.binaries", "confgen.output", "confgen.endpoints"),
+    # the typed model and what is derived from its types alone
+    ("confgen.model", "confgen._decode", "confgen.schema"),
+    # resolved once from the model: the plan, policies, limits, secrets, and the checks over them
+    ("confgen.plan", "confgen.balancing", "confgen.limits", "confgen.secrets", "confgen._pod_fit",
+     "confgen._rejection", "confgen._openai", "confgen._edge_checks", "confgen._checks"),
+    # the front door: load / parse, and the public API
+    ("confgen.topology", "confgen"),
+    # pure renderers (model + plan -> files) and the simulated engines
+    ("confgen.envoy", "confgen.nginx", "confgen.deploy", "confgen.simulate"),
+    # real-proxy checks, the target registry, the process rig
+    ("confgen.proxycheck", "confgen.targets", "confgen.verify", "confgen.runtime"),
+    # commands
+    ("confgen.demo", "confgen.cli", "confgen.__main__"),
 )
 # Inside outputs: the interfaces and shared clients every output may use; each output's own package.
 OUTPUT_SHARED = ("sidecar.outputs.contract", "sidecar.outputs.registry",
@@ -146,6 +166,13 @@ def _layer(module: str) -> int | None:
     return None
 
 
+def _confgen_layer(module: str) -> int | None:
+    for rank, names in enumerate(CONFGEN_LAYERS):
+        if module in names or any(n != "confgen" and _within(module, n) for n in names):
+            return rank
+    return None
+
+
 def _output_package(module: str) -> str | None:
     """sidecar.outputs.<name> for a module of one output (None for the shared modules)."""
     if not _within(module, "sidecar.outputs") or any(_within(module, s) for s in OUTPUT_SHARED):
@@ -161,6 +188,13 @@ def violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
         for dst in sorted(targets):
             if _within(src, "confgen") and _within(dst, "sidecar"):
                 bad.append(f"{src} -> {dst}: confgen never imports sidecar")
+                continue
+            if _within(src, "confgen") and _within(dst, "confgen"):
+                ranks = _confgen_layer(src), _confgen_layer(dst)
+                if ranks[0] is None or ranks[1] is None:
+                    bad.append(f"{src} -> {dst}: a confgen module outside the documented layers")
+                elif ranks[1] > ranks[0]:
+                    bad.append(f"{src} -> {dst}: imports a layer above its own")
                 continue
             if not (_within(src, "sidecar") and _within(dst, "sidecar")) or src == "sidecar":
                 continue
@@ -201,6 +235,11 @@ def test_every_sidecar_module_is_in_a_layer() -> None:
     assert stray == []
 
 
+def test_every_confgen_module_is_in_a_layer() -> None:
+    stray = [m for m in modules() if _within(m, "confgen") and _confgen_layer(m) is None]
+    assert stray == []
+
+
 def test_the_checks_can_fail() -> None:
     """A cycle and each kind of upward import are seen (the checks above are not vacuous)."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -210,10 +249,14 @@ def test_the_checks_can_fail() -> None:
         "sidecar.outputs.contract": {"sidecar.outputs.xds.publisher"},
         "sidecar.outputs.nginx.publisher": {"sidecar.outputs.files.tree"},
         "confgen.cli": {"sidecar.main"},
+        "confgen.model": {"confgen.plan", "confgen._fields"},
+        "confgen.envoy._listener": {"confgen.targets", "confgen.envoy._proto", "confgen.plan"},
         "sidecar.daemon": {"sidecar.outputs.contract", "sidecar.fleet"},
     })
     assert [v.split(":")[1].strip() for v in found] == [
         "confgen never imports sidecar",
+        "imports a layer above its own",
+        "imports a layer above its own",
         "imports a layer above its own",
         "an interface module imports an implementation",
         "one output imports another (share through the interfaces)",
