@@ -41,6 +41,7 @@ from sidecar.config import (
     grpc_transport_for,
     listen_for,
     listen_mismatch,
+    publisher_mismatch,
     xds_dir_for,
 )
 from sidecar.daemon import Daemon
@@ -134,6 +135,9 @@ def _check(config: SidecarConfig, topo: Topology) -> tuple[SidecarConfig, Mutati
     config = listen_for(config, topo)
     for note in config.deprecations:
         log_event(_log, logging.WARNING, "startup.deprecated", note=note)
+    if (problem := publisher_mismatch(config, topo)) is not None:
+        log_event(_log, logging.ERROR, "startup.publisher_mismatch", problem=problem)
+        raise _Refused(EXIT_USAGE)
     try:  # the gRPC surfaces' transport: the flags and the topology agree, or nothing starts
         if config.serve_xds is not None or wanted(topo):
             grpc_transport_for(config, topo)

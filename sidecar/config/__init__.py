@@ -26,7 +26,7 @@ from sidecar.decide.weights import WeightPolicy
 
 __all__ = ["UNIX", "ConfigError", "SidecarConfig", "drains_file_for", "from_argv", "grpc_listen_for",
            "grpc_listen_mismatch", "grpc_transport_for", "listen_for",
-           "listen_mismatch", "parser", "xds_dir_for"]
+           "listen_mismatch", "parser", "publisher_mismatch", "xds_dir_for"]
 
 LogFormat = Literal["json", "text"]
 _P = TypeVar("_P", HealthPolicy, WeightPolicy, SaturationPolicy, HysteresisPolicy)
@@ -456,6 +456,21 @@ def xds_dir_for(config: SidecarConfig, topo: Topology) -> Path:
 
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+def publisher_mismatch(config: SidecarConfig, topo: Topology) -> str | None:
+    """Why the publisher the flags select cannot reach the proxies the topology renders; None when it can.
+
+    With envoy.xds.mode ads the rendered Envoys ask the control plane (envoy.xds.servers) for
+    everything and read no file: a sidecar started without --serve-xds would write EDS files no Envoy
+    reads while every Envoy waits for a control plane. (--serve-xds on a files topology is allowed:
+    the Gateway API endpoint picker serves ADS on its loopback as the publisher that needs no Envoy.)"""
+    if config.nginx is None and config.serve_xds is None and topo.envoy.xds.mode == "ads":
+        servers = ", ".join(topo.envoy.xds.servers) or "none"
+        return ("the topology's envoy.xds.mode is ads (the Envoys ask the control plane at envoy.xds.servers: "
+                f"{servers}), but --serve-xds is not given: this sidecar would write xDS files no Envoy reads. "
+                "Start it with --serve-xds HOST:PORT (or --serve-xds unix) to be that control plane")
+    return None
 
 
 def listen_for(config: SidecarConfig, topo: Topology) -> SidecarConfig:

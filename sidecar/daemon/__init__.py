@@ -24,7 +24,7 @@ from pathlib import Path
 from confgen.errors import Diagnostic, SecretError, TopologyError
 from confgen.model import Topology
 from confgen.topology import load as load_topology
-from sidecar.config import ConfigError, SidecarConfig, xds_dir_for
+from sidecar.config import ConfigError, SidecarConfig, publisher_mismatch, xds_dir_for
 from sidecar.daemon.drains import Drains
 from sidecar.daemon.publish import Publishing, eds_pools
 from sidecar.daemon.tracked import Tracker
@@ -43,6 +43,8 @@ _log = logging.getLogger("sidecar.daemon")
 def _load(config: SidecarConfig, path: Path) -> tuple[Topology, list[Diagnostic]]:
     """Load a topology for a reload (blocking: run in a thread)."""
     topo, warnings = load_topology(path)
+    if (problem := publisher_mismatch(config, topo)) is not None:
+        raise ConfigError(problem)  # the reload is refused; the running topology stays
     if config.nginx is None and config.serve_xds is None:
         xds_dir_for(config, topo)  # the file target needs somewhere to write
     return topo, warnings

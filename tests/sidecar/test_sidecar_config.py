@@ -169,3 +169,41 @@ def test_a_listen_the_proxy_cannot_reach_is_named(listen: str, tail: str, proble
         assert found is None
     else:
         assert found is not None and found.startswith(problem), found
+
+
+_ADS_TOPOLOGY = """\
+version: 1
+name: t
+listeners: [{name: public, port: 18080}]
+envoy: {xds: {mode: ads, servers: ["127.0.0.1:18001", "127.0.0.1:18002"]}, config_dir: /tmp/unused}
+pools:
+  - {name: p, engine: vllm, models: [m], workers: ["127.0.0.1:8000"]}
+"""
+
+
+def test_an_ads_topology_needs_the_sidecar_to_serve_ads(tmp_path: Path) -> None:
+    """envoy.xds.mode ads without --serve-xds: the Envoys wait for a control plane and read no file.
+    The sidecar refuses to start (exit 2, the reason logged) and refuses such a reload."""
+    import subprocess
+    import sys
+
+    from confgen.runtime import free_port
+    from sidecar.config import publisher_mismatch
+    from sidecar.daemon import _load
+
+    topo, _ = parse_topology(_ADS_TOPOLOGY.encode(), "t.yaml")
+    problem = publisher_mismatch(from_argv(["--topology", "t.yaml"]), topo)
+    assert problem is not None and "--serve-xds" in problem and "127.0.0.1:18001, 127.0.0.1:18002" in problem
+    assert publisher_mismatch(from_argv(["--topology", "t.yaml", "--serve-xds", "unix"]), topo) is None
+    files, _ = parse_topology(_ADS_TOPOLOGY.replace("mode: ads, ", "").encode(), "t.yaml")
+    assert publisher_mismatch(from_argv(["--topology", "t.yaml"]), files) is None
+    path = tmp_path / "topology.yaml"
+    path.write_text(_ADS_TOPOLOGY)
+    with pytest.raises(ConfigError, match="--serve-xds"):
+        _load(from_argv(["--topology", str(path)]), path)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.main", "--topology", str(path), "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=root)
+    assert result.returncode == 2, result
+    assert "startup.publisher_mismatch" in result.stderr + result.stdout

@@ -124,7 +124,7 @@ class PickerPolicy:
             kind = float if key in SCORERS else POLICY_KEYS.get(key)
             if not sep or kind is None:
                 raise ValueError(f"--picker {pair!r}: expected KEY=VALUE with KEY one of "
-                                 f"{sorted([*SCORERS, *POLICY_KEYS])}")
+                                 f"{sorted(['rule', *SCORERS, *POLICY_KEYS, *COST_KEYS])}")
             try:
                 value = kind(raw)
             except ValueError as exc:
