@@ -223,17 +223,11 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
         base.mkdir(parents=True, exist_ok=True)
         port, admin, sidecar_port = runtime.free_port(), runtime.free_port(), runtime.free_port()
         text = demo_topology(admin, port, [f"127.0.0.1:{w.port}" for w in fleet.workers], sidecar_port)
-        topology = base / "topology.yaml"
-        topology.write_text(text)
-        topo, _ = parse(text.encode(), str(topology))
-        out = base / "envoy"
-        files = envoy.render(topo, config_dir=str(out.resolve()))
-        write_tree(files, out)
-        print(f"1. rendered {topology} -> {out}/: " + ", ".join(sorted(files)))
-        problems = runtime.validate_envoy_static(envoy.static_bootstrap(files))
-        if problems:
-            print("the real Envoy rejected the configuration:\n" + "\n".join(problems), file=sys.stderr)
+        rendered = _render_validated(base, text)
+        if rendered is None:
             return 1
+        topology, out, names = rendered
+        print(f"1. rendered {topology} -> {out}/: " + ", ".join(names))
         print("2. the real Envoy accepts it (envoy --mode validate on the inlined config)")
         proxy = stack.enter_context(runtime.EnvoyProcess(out / "bootstrap.json"))
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -335,7 +329,9 @@ def _prefix_topology(name: str, admin: int, port: int, workers: list[str], polic
                           pool=[f"balancing: {{policy: {policy}}}"], tail=tail)
 
 
-def _start_envoy(stack: contextlib.ExitStack, base: Path, text: str) -> tuple[Path, runtime.EnvoyProcess] | None:
+def _render_validated(base: Path, text: str) -> tuple[Path, Path, list[str]] | None:
+    """`text` written to base/topology.yaml, rendered into base/envoy and checked by the real Envoy:
+    (the topology file, the Envoy directory, the files written), or None (the refusal printed)."""
     topology = base / "topology.yaml"
     topology.write_text(text)
     topo, _ = parse(text.encode(), str(topology))
@@ -346,6 +342,14 @@ def _start_envoy(stack: contextlib.ExitStack, base: Path, text: str) -> tuple[Pa
     if problems:
         print("the real Envoy rejected the configuration:\n" + "\n".join(problems), file=sys.stderr)
         return None
+    return topology, out, sorted(files)
+
+
+def _start_envoy(stack: contextlib.ExitStack, base: Path, text: str) -> tuple[Path, runtime.EnvoyProcess] | None:
+    rendered = _render_validated(base, text)
+    if rendered is None:
+        return None
+    topology, out, _ = rendered
     return topology, stack.enter_context(runtime.EnvoyProcess(out / "bootstrap.json"))
 
 
