@@ -467,3 +467,15 @@ def test_the_unpublished_default_sidecar_image_is_said_at_render_time(tmp_path: 
                                                "  namespace: inference\n  sidecar_image: registry.example/c:1\n"))
     done = _confgen("render", own, "--target", "kubernetes", "-o", tmp_path / "b")
     assert done.returncode == 0 and "sidecar_image" not in done.stderr, done.stderr
+
+
+def test_compose_refuses_an_ads_topology_with_its_place_in_the_file(tmp_path: Path) -> None:
+    """Compose runs one Envoy beside its sidecar on the xDS files; with envoy.xds.mode ads its Envoy
+    would wait for a control plane nobody runs (and the sidecar now refuses to start that way):
+    `render --target compose` exits 1 naming the field and writes nothing."""
+    path = tmp_path / "ads.yaml"
+    path.write_text(ADS)
+    out = tmp_path / "c"
+    refused = _confgen("render", path, "--target", "compose", "-o", out)
+    assert refused.returncode == 1 and not out.exists()
+    assert re.search(r"ads\.yaml:\d+:\d+: envoy\.xds\.mode: the compose target runs one Envoy", refused.stderr)
