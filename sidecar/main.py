@@ -117,6 +117,9 @@ def _load(config: SidecarConfig) -> tuple[Topology, list[Diagnostic], Path | Non
     """Blocking: the topology and the file target's directory; _Refused when invalid."""
     try:
         topo, warnings = load_topology(config.topology)
+        if (problem := publisher_mismatch(config, topo)) is not None:  # before the xDS directory it needs not
+            log_event(_log, logging.ERROR, "startup.publisher_mismatch", problem=problem)
+            raise _Refused(EXIT_USAGE)
         if config.nginx is not None:
             return topo, warnings, config.nginx.directory
         return topo, warnings, xds_dir_for(config, topo) if config.serve_xds is None else None
@@ -135,9 +138,6 @@ def _check(config: SidecarConfig, topo: Topology) -> tuple[SidecarConfig, Mutati
     config = listen_for(config, topo)
     for note in config.deprecations:
         log_event(_log, logging.WARNING, "startup.deprecated", note=note)
-    if (problem := publisher_mismatch(config, topo)) is not None:
-        log_event(_log, logging.ERROR, "startup.publisher_mismatch", problem=problem)
-        raise _Refused(EXIT_USAGE)
     try:  # the gRPC surfaces' transport: the flags and the topology agree, or nothing starts
         if config.serve_xds is not None or wanted(topo):
             grpc_transport_for(config, topo)

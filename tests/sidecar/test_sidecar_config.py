@@ -175,7 +175,7 @@ _ADS_TOPOLOGY = """\
 version: 1
 name: t
 listeners: [{name: public, port: 18080}]
-envoy: {xds: {mode: ads, servers: ["127.0.0.1:18001", "127.0.0.1:18002"]}, config_dir: /tmp/unused}
+envoy: {xds: {mode: ads, servers: ["127.0.0.1:18001", "127.0.0.1:18002"]}}  # no config_dir, as an ADS topology
 pools:
   - {name: p, engine: vllm, models: [m], workers: ["127.0.0.1:8000"]}
 """
