@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
+from bench._harness import wait_until
 from bench._procstat import cpu_s
 from bench._stats import pct
+from confgen.binaries import stop_process
 from confgen.runtime import EnvoyProcess, free_port
 
 KINDS = ("aio", "sync", "none", "extproc")
@@ -177,23 +180,15 @@ def bootstrap(free: int, checked: int, backend: int, rls: int, call: bool = True
 def _server(kind: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", kind, "--port", str(port)])
     try:
-        deadline = time.monotonic() + 15
-        while not _listening(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{kind} server did not start")
-            time.sleep(0.05)
+        wait_until(lambda: proc.poll() is not None or _listening(port), 15)
+        if proc.poll() is not None or not _listening(port):
+            raise RuntimeError(f"{kind} server did not start")
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=5)
 
 
 def _listening(port: int) -> bool:
-    import socket
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
