@@ -214,9 +214,11 @@ class RedisCounter:
     def via_sentinel(cls, addresses: list[tuple[str, int]], master: str, timeout_s: float,
                      max_connections: int = 64) -> RedisCounter:
         """The primary of `master` as the Sentinels at `addresses` see it (each asked within `timeout_s`)."""
-        sentinel = Sentinel(addresses, sentinel_kwargs={"socket_timeout": timeout_s,
-                                                        "socket_connect_timeout": timeout_s,
-                                                        "retry": Retry(NoBackoff(), 0)})  # type: ignore[no-untyped-call]
+        # redis-py types these from 8.2 on and not before: called untyped, mypy passes on either
+        untyped_sentinel: Any = Sentinel
+        untyped_retry: Any = Retry
+        sentinel: Sentinel = untyped_sentinel(addresses, sentinel_kwargs={
+            "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": untyped_retry(NoBackoff(), 0)})
         client = sentinel.master_for(master, **_client_options(timeout_s, max_connections))
         counter = cls.__new__(cls)
         names = ",".join(f"{h}:{p}" for h, p in addresses)
