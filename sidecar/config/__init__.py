@@ -18,7 +18,7 @@ from confgen.model import Topology, grpc_service_hosts, grpc_socket_dir, grpc_tr
 from sidecar.config.nginx import NginxSettings
 from sidecar.config.nginx import add_arguments as add_nginx_arguments
 from sidecar.config.nginx import from_args as nginx_from_args
-from sidecar.config.tls import TlsFiles, Transport, is_loopback
+from sidecar.config.tls import DNS, TlsFiles, Transport, is_loopback, split_dns
 from sidecar.decide.hysteresis import HysteresisPolicy
 from sidecar.decide.saturation import SaturationPolicy
 from sidecar.decide.state import HealthPolicy
@@ -139,7 +139,15 @@ class SidecarConfig:
 
 def _check_peer(target: str, tls: bool, plaintext_loopback: bool) -> None:
     """A --picker-peer target this transport dials safely: unix:PATH, or HOST:PORT over mTLS (or over
-    plaintext on loopback when --grpc-plaintext-loopback says so); ConfigError otherwise."""
+    plaintext on loopback when --grpc-plaintext-loopback says so), or dns:HOST:PORT (every address of
+    HOST) over mTLS; ConfigError otherwise."""
+    if target.startswith(DNS):
+        if split_dns(target) is None:
+            raise ConfigError(f"--picker-peer {target}: expected dns:HOST:PORT")
+        if not tls:
+            raise ConfigError(f"--picker-peer {target}: peers found by DNS are dialed over TCP beyond this host: "
+                              "give --grpc-tls-cert/--grpc-tls-key/--grpc-client-ca")
+        return
     if target.startswith("unix:"):
         if len(target) == len("unix:") or tls:
             raise ConfigError(f"--picker-peer {target}: give unix:PATH (a peer's socket) without --grpc-tls-*, "
@@ -244,8 +252,10 @@ def parser() -> argparse.ArgumentParser:
                    "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted; every key: docs/settings.md")
     p.add_argument("--picker-peer", action="append", default=[], metavar="TARGET",
                    help="another endpoint picker replica's gRPC services (repeatable): unix:PATH (its Unix socket, "
-                   "<its sidecar.grpc_socket_dir>/grpc.sock, on this host) or HOST:PORT (over the mTLS of "
-                   "--grpc-tls-*: this sidecar presents its own certificate, which --grpc-client-ca must sign). "
+                   "<its sidecar.grpc_socket_dir>/grpc.sock, on this host), HOST:PORT (over the mTLS of "
+                   "--grpc-tls-*: this sidecar presents its own certificate, which --grpc-client-ca must sign) or "
+                   "dns:HOST:PORT (every address HOST resolves to, looked up again every 5 s, each checked against "
+                   "the name HOST over the same mTLS: a Kubernetes headless Service of the proxy pods). "
                    "Each placement (the prompt's block hashes) and the requests in flight are streamed to every "
                    "peer, so a conversation whose turns come through different Envoys still goes where its "
                    "history is, and every replica counts the others' load. With peers the picker's replicas "

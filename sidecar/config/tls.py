@@ -11,7 +11,20 @@ from pathlib import Path
 
 from confgen.model import is_loopback_host
 
-__all__ = ["TlsFiles", "Transport", "is_loopback"]
+__all__ = ["DNS", "TlsFiles", "Transport", "is_loopback", "split_dns"]
+
+DNS = "dns:"  # a --picker-peer target naming every address a DNS name resolves to
+
+
+def split_dns(target: str) -> tuple[str, int] | None:
+    """(host, port) of a `dns:HOST:PORT` target; None when `target` is not one or is malformed."""
+    if not target.startswith(DNS):
+        return None
+    host, sep, port = target[len(DNS):].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or "/" in host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True)

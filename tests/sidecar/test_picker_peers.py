@@ -309,7 +309,7 @@ async def _itself() -> None:
     try:
         self_link.placed("chat", a.address, [5])
         await self_link.start()
-        await asyncio.wait_for(asyncio.gather(*self_link._tasks), 10)  # the link's task ends by itself
+        await asyncio.wait_for(asyncio.gather(*self_link._tasks.values()), 10)  # the link's task ends by itself
         (status,) = self_link.status()
         assert status["itself"] and status["queued"] == 0 and self_link.problems() == []
         assert a.peers == 0.0  # its own in-flight requests were not counted again as a peer's
@@ -319,3 +319,140 @@ async def _itself() -> None:
         await self_link.close()
         await server.stop(0)
 
+
+
+def test_dns_peers_follow_the_answer_and_are_checked_against_the_name(tmp_path: Path) -> None:
+    """dns:HOST:PORT (the Kubernetes render's headless Service of the proxy pods): a link per address
+    HOST resolves to, dialed by address over mutual TLS and checked against HOST (the certificate
+    names only the DNS name, no IP); each replica's own address ends as a link to itself; an
+    address that leaves the answer is closed; a failed lookup keeps the links and is a problem.
+    The only stand-in is the DNS answer (two loopback addresses for one name: this machine's
+    resolver has no such record); the servers, links, TLS and streams are the real ones."""
+    from sidecar.config.tls import TlsFiles
+    from tests.support.certs import CertAuthority
+
+    ca = CertAuthority.create(tmp_path / "ca")
+    own = ca.issue("pickers", ["DNS:confgen-x-pickers"])
+    asyncio.run(_dns_peers(TlsFiles(own.cert, own.key, ca.cert)))
+
+
+async def _dns_peers(files: object) -> None:
+    import socket
+
+    from confgen.runtime import free_port
+    from sidecar.config.tls import TlsFiles
+
+    assert isinstance(files, TlsFiles)
+    port = free_port()
+    answer: set[str] = {"127.0.0.1", "127.0.0.2"}
+    failing = False
+    lookups = asyncio.Event()
+
+    async def resolver(host: str, p: int) -> set[str]:
+        assert (host, p) == ("confgen-x-pickers", port)
+        lookups.set()
+        if failing:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return set(answer)
+
+    stores, links, servers, learned, dropped = [], [], [], [], []
+    limits = PeerLimits(flush_s=0.005, connect_timeout_s=1.0, backoff_s=(0.05, 0.2), resolve_s=0.02)
+    for host in ("127.0.0.1", "127.0.0.2"):
+        store = _store()
+        got, gone = asyncio.Event(), asyncio.Event()
+
+        class Loads(PeerLoads):
+            def drop(self, stream: int, gone: asyncio.Event = gone) -> None:
+                super().drop(stream)
+                gone.set()
+
+        link = PeerLinks([f"dns:confgen-x-pickers:{port}"], store, tls=files, limits=limits, resolver=resolver)
+        servicer = PeerServicer(store, Loads(store, _Clock(), stale_s=60.0),
+                                lambda applied, _skipped, got=got: got.set() if applied else None,
+                                replica=link.replica, own_cert=files.cert)
+        server = GrpcServer(GrpcSettings(host, port, tls=files))
+        server.add(servicer.add_to, "peers")
+        await server.start()
+        stores.append(store)
+        links.append(link)
+        servers.append(server)
+        learned.append(got)
+        dropped.append(gone)
+    a, b = links
+
+    async def settled(link: PeerLinks) -> list[dict[str, object]]:
+        for _ in range(500):  # one address known to be this replica, the other connected
+            status = link.status()
+            if sorted((bool(s["itself"]), bool(s["connected"])) for s in status) == [(False, True), (True, False)]:
+                return status
+            await asyncio.sleep(0.01)
+        raise AssertionError(link.status())
+
+    try:
+        await a.start()
+        await b.start()
+        for link, mine in ((a, f"127.0.0.1:{port}"), (b, f"127.0.0.2:{port}")):
+            status = await settled(link)
+            assert {s["target"] for s in status if s["itself"]} == {mine}
+            assert all(s["source"] == f"dns:confgen-x-pickers:{port}" for s in status)
+            assert link.problems() == [] and link.connected() == 1
+        a.placed("chat", "10.0.0.1:8000", [71, 72])
+        b.placed("chat", "10.0.0.2:8000", [81])
+        await asyncio.wait_for(asyncio.gather(learned[0].wait(), learned[1].wait()), 10)
+        assert stores[1].endpoints("chat")[0].index.match([71, 72]) == 2  # b learned a's placement
+        assert stores[0].endpoints("chat")[1].index.match([81]) == 1  # and a learned b's
+        assert stores[0].endpoints("chat")[0].index.match([71]) == 0  # a's own never came back to it
+        # b's pod goes away: a closes its link to b (b counts a's stream gone), b sees itself alone
+        answer.discard("127.0.0.2")
+        await asyncio.wait_for(dropped[1].wait(), 10)
+        for _ in range(500):
+            if [s["target"] for s in a.status()] == [f"127.0.0.1:{port}"]:
+                break
+            await asyncio.sleep(0.01)
+        assert [s["target"] for s in a.status()] == [f"127.0.0.1:{port}"] and a.connected() == 0
+        # a lookup that fails keeps what is there and says so
+        failing = True
+        lookups.clear()
+        await asyncio.wait_for(lookups.wait(), 10)
+        for _ in range(500):
+            if a.problems():
+                break
+            await asyncio.sleep(0.01)
+        assert [s["target"] for s in a.status()] == [f"127.0.0.1:{port}"]
+        assert a.problems() and "lookup failed" in a.problems()[0] and "kept" in a.problems()[0]
+    finally:
+        for link in links:
+            await link.close()
+        for server in servers:
+            await server.stop(0)
+
+
+def test_dns_peers_past_the_cap_are_not_dialed() -> None:
+    """An answer larger than max_peers dials the first max_peers addresses (each peer is a stream
+    every flush): bounded whatever the DNS says."""
+    asyncio.run(_capped())
+
+
+async def _capped() -> None:
+    answered = asyncio.Event()
+
+    async def resolver(host: str, port: int) -> set[str]:
+        answered.set()
+        return {f"127.0.1.{i}" for i in range(1, 40)}
+
+    links = PeerLinks(["dns:many:9"], _store(), tls=None, resolver=resolver,
+                      limits=PeerLimits(max_peers=5, connect_timeout_s=0.2, backoff_s=(0.5, 1.0)))
+    try:
+        await links.start()
+        await asyncio.wait_for(answered.wait(), 10)
+        await asyncio.sleep(0)  # the reconcile runs right after the answer, in the same task
+        assert len(links.status()) == 5
+    finally:
+        await links.close()
+
+
+def test_the_system_resolver_answers_for_a_dns_peer() -> None:
+    """The default lookup is the system resolver, off the event loop: localhost answers loopback."""
+    from sidecar.outputs.picker.peers import resolve
+
+    assert "127.0.0.1" in asyncio.run(resolve("localhost", 9110))

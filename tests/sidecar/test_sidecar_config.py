@@ -83,6 +83,12 @@ def test_overrides() -> None:
     (["--picker-peer", "peer"], "--picker-peer peer: expected unix:PATH or HOST:PORT"),
     (["--picker-peer", "peer:99999"], "expected unix:PATH or HOST:PORT"),
     (["--picker-peer", "peer:\u00b2"], "expected unix:PATH or HOST:PORT"),  # int("²") raised: ASCII digits only
+    # peers found by DNS are other hosts: mutual TLS only, whatever the name
+    (["--picker-peer", "dns:pickers:9110"], "--picker-peer dns:pickers:9110: peers found by DNS"),
+    (["--grpc-plaintext-loopback", "--picker-peer", "dns:localhost:9110"], "give --grpc-tls-cert"),
+    (["--picker-peer", "dns:pickers"], "--picker-peer dns:pickers: expected dns:HOST:PORT"),
+    (["--picker-peer", "dns::9110"], "expected dns:HOST:PORT"),
+    (["--picker-peer", "dns:pickers:0"], "expected dns:HOST:PORT"),
 ])
 def test_impossible_values_are_config_errors(args: list[str], message: str) -> None:
     """A value of the right type but an impossible meaning raises ConfigError naming it."""

@@ -12,6 +12,15 @@ streams to each peer, every `flush_s`:
   which the peer counts as load beside its own until the next batch replaces it, or drops
   when the stream ends or falls silent for `stale_s`.
 
+Targets: `unix:PATH` (a peer on this host), `HOST:PORT` (one peer over mTLS), or `dns:HOST:PORT`:
+every address HOST resolves to, resolved again every `resolve_s` (a Kubernetes headless Service
+names every proxy pod of a Deployment that scales). A link per address: one that leaves the
+answer is closed, a new one dialed; a failed or timed-out lookup keeps the links as they are;
+at most `max_peers` addresses (the rest are logged, not dialed). Over mTLS each address is
+checked against HOST, the name the shared certificate carries. This replica's own address is in
+the answer too: that link ends as any link to itself does (below) and is not dialed again while
+the address stays.
+
 Wire: one client-streaming RPC, `/confgen.picker.v1.Peers/Share`, on the sidecar's one gRPC
 server and its one transport (a Unix socket in the private socket directory: a process of the
 sidecar's user; or mutual TLS: the peer presents the sidecar's own certificate, which the CA
@@ -43,9 +52,10 @@ import itertools
 import json
 import logging
 import secrets
+import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,12 +63,12 @@ from typing import Any
 import grpc
 
 from confgen.errors import ConfgenError
-from sidecar.config.tls import TlsFiles
+from sidecar.config.tls import TlsFiles, split_dns
 from sidecar.logs import log_event
 
 from .datastore import Datastore
 
-__all__ = ["MAX_HASHES", "METHOD", "PeerLimits", "PeerLinks", "PeerServicer", "decode", "encode"]
+__all__ = ["MAX_HASHES", "METHOD", "PeerLimits", "PeerLinks", "PeerServicer", "decode", "encode", "resolve"]
 
 _log = logging.getLogger("sidecar.picker.peers")
 
@@ -77,6 +87,14 @@ class BatchError(ConfgenError):
 
 
 SELF = "this is the replica itself"
+
+Resolver = Callable[[str, int], Awaitable[Collection[str]]]
+
+
+async def resolve(host: str, port: int) -> Collection[str]:
+    """The addresses `host` resolves to (the system resolver, in the loop's executor: never blocks the loop)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,11 +247,16 @@ class PeerLimits:
     max_batch: int = 512
     connect_timeout_s: float = 2.0
     backoff_s: tuple[float, float] = (0.1, 5.0)  # reconnect delay: first, at most (doubling)
+    resolve_s: float = 5.0  # a dns: target is resolved again this often
+    resolve_timeout_s: float = 2.0  # a lookup that takes longer keeps the links as they are
+    max_peers: int = 64  # addresses of one dns: target dialed at most (each costs a stream every flush_s)
 
 
 @dataclass(slots=True)
 class _Link:
     target: str
+    source: str | None = None  # the dns: target it comes from (None: named by --picker-peer itself)
+    server_name: str | None = None  # over mTLS: the name the peer's certificate is checked against
     pending: deque[tuple[str, str, Sequence[int]]] = field(default_factory=deque)
     dropped: int = 0
     connected: bool = False
@@ -241,26 +264,34 @@ class _Link:
     itself: bool = False  # the target is this replica: stopped, never a problem
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class PeerLinks:
     """The sending side: one stream to each peer target, fed by `placed` (called on every pick)."""
 
     def __init__(self, targets: Sequence[str], store: Datastore, *, tls: TlsFiles | None = None,
                  limits: PeerLimits | None = None, on_sent: Callable[[int], None] | None = None,
-                 on_dropped: Callable[[], None] | None = None, replica: str | None = None) -> None:
+                 on_dropped: Callable[[], None] | None = None, replica: str | None = None,
+                 resolver: Resolver = resolve) -> None:
         self.replica = replica or secrets.token_hex(8)
         self.limits = limits or PeerLimits()
-        self._links = [_Link(t) for t in targets]
+        self._names = [(t, named) for t in targets if (named := split_dns(t)) is not None]
+        self._links = {t: _Link(t) for t in targets if split_dns(t) is None}
+        self._lookups: dict[str, str | None] = {t: "not resolved yet" for t, _ in self._names}  # source -> error
+        self._resolver = resolver
         self._store = store
         self._tls = tls
         self._on_sent = on_sent
         self._on_dropped = on_dropped
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # a link's target, or a dns: source's -> its task
 
     def connected(self) -> int:
-        return sum(1 for ln in self._links if ln.connected)
+        return sum(1 for ln in self._links.values() if ln.connected)
 
     def placed(self, pool: str, address: str, hashes: Sequence[int]) -> None:
-        for link in self._links:
+        for link in self._links.values():
             if link.itself:
                 continue
             if len(link.pending) >= self.limits.max_pending:
@@ -271,29 +302,74 @@ class PeerLinks:
             link.pending.append((pool, address, hashes))
 
     def status(self) -> list[dict[str, Any]]:
-        return [{"target": ln.target, "connected": ln.connected, "queued": len(ln.pending), "dropped": ln.dropped,
-                 "error": ln.error, "itself": ln.itself} for ln in self._links]
+        return [{"target": ln.target, "source": ln.source, "connected": ln.connected, "queued": len(ln.pending),
+                 "dropped": ln.dropped, "error": ln.error, "itself": ln.itself} for ln in self._links.values()]
 
     def problems(self) -> list[str]:
-        return [f"picker peer {ln.target}: not connected ({ln.error or 'connecting'})"
-                for ln in self._links if not ln.connected and not ln.itself]
+        return [*(f"picker peer {ln.target}: not connected ({ln.error or 'connecting'})"
+                  for ln in self._links.values() if not ln.connected and not ln.itself),
+                *(f"picker peers {source}: {error}" for source, error in self._lookups.items() if error)]
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(ln), name=f"picker-peer {ln.target}") for ln in self._links]
+        for link in self._links.values():
+            self._dial(link)
+        for source, (host, port) in self._names:
+            self._tasks[source] = asyncio.create_task(self._follow(source, host, port), name=f"picker-peers {source}")
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks = []
 
-    async def _channel(self, target: str) -> grpc.aio.Channel:
-        options = [("grpc.max_send_message_length", MAX_BATCH_BYTES), ("grpc.keepalive_time_ms", 30_000),
-                   ("grpc.keepalive_timeout_ms", 10_000)]
+    def _dial(self, link: _Link) -> None:
+        self._tasks[link.target] = asyncio.create_task(self._run(link), name=f"picker-peer {link.target}")
+
+    async def _follow(self, source: str, host: str, port: int) -> None:
+        """Resolve `host` every `resolve_s` and keep one link per address it answers (`_reconcile`)."""
+        limits = self.limits
+        while True:
+            try:
+                found = await asyncio.wait_for(self._resolver(host, port), limits.resolve_timeout_s)
+            except (OSError, TimeoutError) as exc:  # socket.gaierror is an OSError
+                error = f"lookup failed ({type(exc).__name__}: {exc}); its links kept"
+                if self._lookups.get(source) != error:
+                    log_event(_log, logging.WARNING, "picker.peers_lookup_failed", source=source, error=str(exc))
+                self._lookups[source] = error
+            else:
+                self._lookups[source] = None if found else "resolves to no address"
+                self._reconcile(source, host, port, found)
+            await asyncio.sleep(limits.resolve_s)
+
+    def _reconcile(self, source: str, host: str, port: int, found: Collection[str]) -> None:
+        """One link per address of `found` (at most `max_peers`): new ones dialed, gone ones closed."""
+        addresses = sorted(found)
+        if len(addresses) > self.limits.max_peers:
+            log_event(_log, logging.WARNING, "picker.peers_capped", source=source, found=len(addresses),
+                      dialed=self.limits.max_peers)
+            addresses = addresses[: self.limits.max_peers]
+        wanted = {_address(a, port) for a in addresses}
+        for target in [t for t, ln in self._links.items() if ln.source == source and t not in wanted]:
+            del self._links[target]
+            task = self._tasks.pop(target, None)
+            if task is not None:
+                task.cancel()
+            log_event(_log, logging.INFO, "picker.peer_gone", source=source, target=target)
+        for target in sorted(wanted - self._links.keys()):
+            link = self._links[target] = _Link(target, source=source, server_name=host)
+            self._dial(link)
+
+    async def _channel(self, link: _Link) -> grpc.aio.Channel:
+        target = link.target
+        options: list[tuple[str, str | int]] = [
+            ("grpc.max_send_message_length", MAX_BATCH_BYTES), ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000)]
         if self._tls is None:
             return grpc.aio.insecure_channel(target, options=options)
+        if link.server_name is not None:  # dialed by address: the certificate names the DNS name
+            options.append(("grpc.ssl_target_name_override", link.server_name))
         # re-read at every connection (cert-manager renews them in place), off the event loop
         files = self._tls
         ca, key, cert = await asyncio.to_thread(_read_all, (files.client_ca, files.key, files.cert))
@@ -306,7 +382,7 @@ class PeerLinks:
         while True:
             started = time.monotonic()
             try:
-                async with await self._channel(link.target) as channel:
+                async with await self._channel(link) as channel:
                     await asyncio.wait_for(channel.channel_ready(), limits.connect_timeout_s)
                     link.connected, link.error = True, None
                     log_event(_log, logging.INFO, "picker.peer_connected", target=link.target)
