@@ -250,7 +250,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
     """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why; and where
     the Kubernetes proxy pods (a `kubernetes:` section set, file mode) would each pick alone."""
+    from ._names import dns_label
     from .balancing import AUTO, POLICIES, choose, uses_picker
+    from .deploy.kubernetes import pickers_peered, pickers_service
     from .model import Kubernetes
 
     notes = []
@@ -261,13 +263,21 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
     replicas = topo.kubernetes.replicas
     picked = [p.name for p in topo.pools if uses_picker(topo, p)]
     if topo.kubernetes != Kubernetes() and topo.envoy.xds.mode == "files" and replicas > 1 and picked:
-        notes.append(("kubernetes.replicas",
-                      f"{replicas} proxy pods each run their own endpoint picker for {', '.join(picked)}: each knows "
-                      "only the requests through its own Envoy, so a conversation whose turns reach two pods loses "
-                      "its prefix-cache hits (two pickers alone hit 68-71 % of prompt tokens where peers hit 85-87 %, "
-                      "bench/results/two-pickers-replicas-fix). One control plane picks for every Envoy with "
-                      "envoy.xds.mode: ads; the render does not wire --picker-peer across pods (it needs mTLS "
-                      "between the sidecars)"))
+        base = dns_label(f"confgen-{topo.name}")
+        if pickers_peered(topo):
+            notes.append(("kubernetes.replicas",
+                          f"the {replicas} proxy pods' endpoint pickers ({', '.join(picked)}) are each other's peers "
+                          f"through the headless Service {pickers_service(base)}: the sidecar certificate (Secret "
+                          f"{base}-sidecar-tls) must name {pickers_service(base)} (each peer checks it) besides what "
+                          "Envoy checks, and allow client use (clientAuth); docs/kubernetes.md"))
+        else:
+            notes.append(("kubernetes.replicas",
+                          f"{replicas} proxy pods each run their own endpoint picker for {', '.join(picked)}: each "
+                          "knows only the requests through its own Envoy, so a conversation whose turns reach two pods "
+                          "loses its prefix-cache hits (two pickers alone hit 68-71 % of prompt tokens where peers hit "
+                          "85-87 %, bench/results/two-pickers-replicas-fix). With sidecar.grpc_tls the render makes "
+                          "the pods' pickers peers (mutual TLS between the sidecars); or one control plane picks for "
+                          "every Envoy with envoy.xds.mode: ads"))
     return notes
 
 

@@ -224,19 +224,6 @@ def _network_policy(plan: k8s_mod._Plan, name: str, ports: list[int]) -> Obj:
     }
 
 
-def _envoy_tls_mounts(plan: k8s_mod._Plan) -> tuple[list[Obj], list[Obj]]:
-    """The Envoys' certificate Secret: one volume whose entries take the file names sidecar.grpc_tls gives,
-    mounted at each directory it names; (volumes, mounts)."""
-    tls = grpc_tls(plan.topo)
-    assert tls is not None  # ads_problems
-    items = [{"key": key, "path": posixpath.basename(path)}
-             for key, path in (("tls.crt", tls.cert), ("tls.key", tls.key), ("ca.crt", tls.ca))]
-    volume = {"name": "envoy-tls", "secret": {"secretName": f"{plan.base}-envoy-tls", "defaultMode": 0o440,
-                                              "items": items}}
-    dirs = sorted({posixpath.dirname(p) for p in (tls.cert, tls.key, tls.ca)})
-    return [volume], [{"name": "envoy-tls", "mountPath": d, "readOnly": True} for d in dirs]
-
-
 def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
     topo = plan.topo
     k8s = topo.kubernetes
@@ -255,7 +242,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         "securityContext": k8s_mod._restricted(),
     }
     grace = k8s.termination_grace_seconds
-    tls_volumes, tls_mounts = _envoy_tls_mounts(plan)
+    tls_volumes, tls_mounts = k8s_mod.envoy_tls_mounts(plan)
     envoy = {
         "name": "envoy",
         "image": k8s.envoy_image,

@@ -16,7 +16,7 @@ from typing import Any
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
 from ..limits import needs_store
-from ..model import Topology
+from ..model import Topology, grpc_tls
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
 XDS_DIR = "/var/run/confgen/envoy"
@@ -143,6 +143,19 @@ def _key_mounts(plan: _Plan) -> list[Obj]:
         {"name": "api-keys", "mountPath": path, "subPath": entry, "readOnly": True}
         for _, path, entry in _key_files(plan)
     ]
+
+
+def envoy_tls_mounts(plan: _Plan) -> tuple[list[Obj], list[Obj]]:
+    """The Envoys' certificate Secret <base>-envoy-tls (cert-manager's entries): one volume whose entries
+    take the file names sidecar.grpc_tls gives, mounted at each directory it names; (volumes, mounts)."""
+    tls = grpc_tls(plan.topo)
+    assert tls is not None  # only called with mutual TLS
+    items = [{"key": key, "path": posixpath.basename(path)}
+             for key, path in (("tls.crt", tls.cert), ("tls.key", tls.key), ("ca.crt", tls.ca))]
+    volume = {"name": "envoy-tls", "secret": {"secretName": f"{plan.base}-envoy-tls", "defaultMode": 0o440,
+                                              "items": items}}
+    dirs = sorted({posixpath.dirname(p) for p in (tls.cert, tls.key, tls.ca)})
+    return [volume], [{"name": "envoy-tls", "mountPath": d, "readOnly": True} for d in dirs]
 
 
 def envoy_liveness(topo: Topology) -> Obj:

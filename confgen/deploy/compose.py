@@ -40,7 +40,9 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             "image": k8s.sidecar_image,
             "entrypoint": ["confgen-sidecar"],
             "command": ["--topology", topology_file, "--xds-dir", XDS_DIR,
-                        "--listen", f"127.0.0.1:{topo.sidecar.port}"],
+                        "--listen", f"127.0.0.1:{topo.sidecar.port}",
+                        # as the topology has Envoy call the gRPC services (mutual TLS is refused: targets)
+                        *(["--grpc-plaintext-loopback"] if wanted and grpc_transport(topo) == "plaintext" else [])],
             "volumes": [*shared, *sockets],
             "environment": key_env,
             # host networking: it reaches Envoy's admin on loopback and the workers as Envoy

@@ -9,6 +9,19 @@ Output (every file plain YAML from `yaml.safe_dump`, so no topology value change
     keda/kustomization.yaml + keda/kubernetes.yaml + keda/scaledobjects.yaml
                           a second base: the same objects with KEDA ScaledObjects instead of the pools' HPAs
 
+The sidecar's gRPC services (the endpoint picker, the rate limit service) as the topology says
+Envoy calls them: on the pod's Unix sockets (the default: a shared emptyDir), on its loopback in
+plaintext (`sidecar.grpc_plaintext_loopback`: `--grpc-plaintext-loopback`), or over mutual TLS
+(`sidecar.grpc_tls`): the Envoy container mounts the Secret <base>-envoy-tls where grpc_tls names
+its files, the sidecar mounts <base>-sidecar-tls (cert-manager's tls.crt, tls.key, ca.crt) at
+SIDECAR_TLS_DIR for its --grpc-tls-* flags. With mutual TLS, a picker pool and more than one proxy
+pod, the pods' pickers are each other's peers (`pickers_peered`): a headless Service
+<base>-pickers names every proxy pod, each sidecar listens on its pod's address and follows
+`--picker-peer dns:<base>-pickers:<grpc_port>` (placements and in-flight counts, so a conversation
+whose turns reach two pods still goes home); the sidecar certificate must then carry the name
+<base>-pickers too (each peer checks it) and serve as a client certificate (clientAuth), and a
+NetworkPolicy admits the gRPC port only from the proxy pods themselves.
+
 Pod hardening meets Pod Security "restricted" on every container; the preStop hooks drain Envoy
 (fail its health, drain listeners, wait for the streams) within terminationGracePeriodSeconds.
 The pieces are small functions over a `_Plan` (names, labels) so another mode (an ADS control
@@ -50,11 +63,26 @@ from ._kubernetes_base import (
     _token_env,
     dns_label,
     envoy_liveness,
+    envoy_tls_mounts,
     sidecar_resources,
     spread,
 )
 
-__all__ = ["dns_label", "render_kubernetes"]
+__all__ = ["SIDECAR_TLS_DIR", "dns_label", "pickers_peered", "pickers_service", "render_kubernetes"]
+
+SIDECAR_TLS_DIR = "/etc/confgen/sidecar-tls"  # the sidecar's own certificate (Secret <base>-sidecar-tls)
+
+
+def pickers_peered(topo: Topology) -> bool:
+    """Whether the render makes the proxy pods' pickers each other's peers: a pool on the endpoint
+    picker, more than one proxy pod, and mutual TLS between the sidecars (sidecar.grpc_tls; peers
+    reach each other beyond the pod, which nothing else may do)."""
+    return picker_wanted(topo) and grpc_transport(topo) == "mtls" and topo.kubernetes.replicas > 1
+
+
+def pickers_service(base: str) -> str:
+    """The headless Service naming every proxy pod, which the pickers follow as their peers."""
+    return f"{base}-pickers"
 
 
 def _key_problems(plan: _Plan) -> list[tuple[str, str]]:
@@ -124,7 +152,8 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # shedding budget (README, Backpressure). ADS needs no flag (the control plane counts its Envoys).
         "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
                  "--ingresses", str(topo.kubernetes.replicas),
-                 *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else [])],
+                 *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else []),
+                 *_grpc_args(plan)],
         "workingDir": WORK_DIR,
         "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
@@ -138,6 +167,78 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # Fail Envoy's health, drain its listeners, wait for the streams; then tell Envoy's hook.
         "lifecycle": {"preStop": {"exec": {"command": drain}}},
     }
+
+
+def _grpc_args(plan: _Plan) -> list[str]:
+    """The sidecar's gRPC transport as the topology has Envoy call it (`grpc_transport`), and with
+    `pickers_peered` its pod-wide listen and its peers, the headless Service's addresses."""
+    topo = plan.topo
+    if not (needs_store(topo) or picker_wanted(topo)):
+        return []
+    transport = grpc_transport(topo)
+    if transport == "plaintext":
+        return ["--grpc-plaintext-loopback"]
+    if transport != "mtls":
+        return []
+    args = ["--grpc-tls-cert", f"{SIDECAR_TLS_DIR}/tls.crt", "--grpc-tls-key", f"{SIDECAR_TLS_DIR}/tls.key",
+            "--grpc-client-ca", f"{SIDECAR_TLS_DIR}/ca.crt"]
+    if pickers_peered(topo):
+        port = topo.sidecar.grpc_port
+        args += ["--grpc-listen", f"0.0.0.0:{port}", "--picker-peer", f"dns:{pickers_service(plan.base)}:{port}"]
+    return args
+
+
+def _mount_grpc_tls(plan: _Plan, envoy: Obj, sidecar: Obj, volumes: list[Obj]) -> None:
+    """With mutual TLS to the sidecar's gRPC services: Envoy's client certificate where sidecar.grpc_tls
+    names it, the sidecar's own at SIDECAR_TLS_DIR (the files `_grpc_args` gives its flags)."""
+    topo = plan.topo
+    if not (needs_store(topo) or picker_wanted(topo)) or grpc_transport(topo) != "mtls":
+        return
+    tls_volumes, tls_mounts = envoy_tls_mounts(plan)
+    volumes += tls_volumes
+    envoy["volumeMounts"] += tls_mounts
+    volumes.append({"name": "sidecar-tls", "secret": {"secretName": f"{plan.base}-sidecar-tls", "defaultMode": 0o440}})
+    sidecar["volumeMounts"].append({"name": "sidecar-tls", "mountPath": SIDECAR_TLS_DIR, "readOnly": True})
+    if pickers_peered(topo):
+        sidecar["ports"].append({"name": "grpc", "containerPort": topo.sidecar.grpc_port})
+
+
+def _proxy_pods(plan: _Plan) -> dict[str, str]:
+    """The proxy pods' labels to select them by (not the Redis or another component's pods)."""
+    return {**plan.selector, "app.kubernetes.io/component": "proxy"}
+
+
+def _pickers_objects(plan: _Plan) -> list[Obj]:
+    """With `pickers_peered`: the headless Service the pickers resolve (every proxy pod, ready or
+    starting: a new pod learns the placements before it takes traffic) and the NetworkPolicy that
+    admits the gRPC port only from the proxy pods (the listeners and the metrics port as before)."""
+    if not pickers_peered(plan.topo):
+        return []
+    topo = plan.topo
+    port = topo.sidecar.grpc_port
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": plan.meta(pickers_service(plan.base), "proxy"),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _proxy_pods(plan),
+                 "ports": [{"name": "grpc", "port": port, "targetPort": "grpc"}]},
+    }
+    open_ports = sorted({lst.port for lst in topo.listeners} | {topo.sidecar.port})
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": plan.meta(pickers_service(plan.base), "proxy"),
+        "spec": {
+            "podSelector": {"matchLabels": _proxy_pods(plan)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": p} for p in open_ports]},
+                {"from": [{"podSelector": {"matchLabels": _proxy_pods(plan)}}],
+                 "ports": [{"protocol": "TCP", "port": port}]},
+            ],
+        },
+    }
+    return [service, policy]
 
 
 def _share_grpc_socket(topo: Topology, envoy: Obj, sidecar: Obj, volumes: list[Obj]) -> None:
@@ -180,6 +281,7 @@ def _deployment(plan: _Plan) -> Obj:
     envoy = _envoy_container(plan, f"{XDS_DIR}/bootstrap.json")
     sidecar = _sidecar_container(plan, topology_file, mounts)
     _share_grpc_socket(topo, envoy, sidecar, volumes)
+    _mount_grpc_tls(plan, envoy, sidecar, volumes)
     init = {
         "name": "render",
         "image": k8s.sidecar_image,
@@ -490,7 +592,8 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
         docs = [_configmap(plan), *ads_objects(plan), *hpas]
         scraped = "control-plane"  # its Service carries the metrics port
     else:
-        docs = [_configmap(plan), _deployment(plan), _service(plan), _metrics_service(plan), _pdb(plan), *hpas]
+        docs = [_configmap(plan), _deployment(plan), _service(plan), _metrics_service(plan), _pdb(plan),
+                *_pickers_objects(plan), *hpas]
         scraped = "metrics"
     if topo.kubernetes.monitoring:
         docs += _observability.kubernetes_objects(

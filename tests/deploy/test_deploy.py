@@ -479,3 +479,126 @@ def test_compose_refuses_an_ads_topology_with_its_place_in_the_file(tmp_path: Pa
     refused = _confgen("render", path, "--target", "compose", "-o", out)
     assert refused.returncode == 1 and not out.exists()
     assert re.search(r"ads\.yaml:\d+:\d+: envoy\.xds\.mode: the compose target runs one Envoy", refused.stderr)
+
+
+PICKER = """version: 1
+name: agents
+listeners: [{name: public, port: 8080}]
+pools:
+  - name: chat
+    engine: vllm
+    models: [m]
+    capacity: 64
+    balancing: {policy: prefix_affinity}
+    workers: [10.0.2.11:8000, 10.0.2.12:8000]
+sidecar:
+  grpc_port: 9110
+%s
+kubernetes: {replicas: %d}
+"""
+MTLS = "  grpc_tls: {cert: /etc/envoy-tls/tls.crt, key: /etc/envoy-tls/tls.key, ca: /etc/envoy-tls/ca.crt}"
+
+
+@pytest.mark.parametrize(("transport", "block"), [("unix", ""), ("plaintext", "  grpc_plaintext_loopback: true"),
+                                                  ("mtls", MTLS)])
+def test_the_rendered_sidecars_serve_grpc_as_the_rendered_envoy_calls_it(transport: str, block: str) -> None:
+    """Each transport the topology can give Envoy's calls to the picker (Unix socket, loopback
+    plaintext, mutual TLS) starts the Kubernetes render's sidecar with the flags that agree: its own
+    startup check (grpc_transport_for, grpc_listen_mismatch) passes on the rendered arguments. The
+    render passed no transport flag, so a topology with sidecar.grpc_tls or grpc_plaintext_loopback
+    gave pods whose sidecar refused to start. With mutual TLS both containers mount their Secret
+    where the flags and sidecar.grpc_tls name the files."""
+    from confgen.deploy.kubernetes import SIDECAR_TLS_DIR
+    from confgen.model import grpc_transport
+    from sidecar.config import grpc_listen_mismatch, grpc_transport_for
+
+    topo, _ = parse_topology((PICKER % (block, 1)).encode(), "t.yaml")
+    assert grpc_transport(topo) == transport
+    pod = pod_of(docs_of(render_kubernetes(topo)))
+    envoy, sidecar = pod["containers"]
+    config = from_argv(sidecar["args"])
+    assert grpc_transport_for(config, topo).kind == transport
+    assert grpc_listen_mismatch(config, topo) is None
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if transport == "mtls":
+        assert config.grpc_tls is not None and str(config.grpc_tls.cert).startswith(SIDECAR_TLS_DIR)
+        assert volumes["sidecar-tls"]["secret"]["secretName"] == "confgen-agents-sidecar-tls"
+        assert volumes["envoy-tls"]["secret"]["secretName"] == "confgen-agents-envoy-tls"
+        assert {"name": "sidecar-tls", "mountPath": SIDECAR_TLS_DIR, "readOnly": True} in sidecar["volumeMounts"]
+        assert {"name": "envoy-tls", "mountPath": "/etc/envoy-tls", "readOnly": True} in envoy["volumeMounts"]
+    else:
+        assert "sidecar-tls" not in volumes and "envoy-tls" not in volumes
+    assert config.picker_peers == ()  # one proxy pod: nobody to share with
+
+
+def test_proxy_pods_pickers_are_peers_through_a_headless_service_over_mutual_tls() -> None:
+    """Several proxy pods with a picker pool and sidecar.grpc_tls: each sidecar listens on its pod's
+    address and follows dns:<base>-pickers:<grpc port>, a headless Service of the proxy pods only
+    (not the Redis beside them) whose port is the sidecar's; a NetworkPolicy keeps the listeners
+    and the metrics port open as before and admits the gRPC port only from the proxy pods.
+    Without mutual TLS (the Unix socket is the pod's own) or with one pod: no peers, no objects,
+    and validate's note says why."""
+    topo, _ = parse_topology((PICKER % (MTLS, 3)).encode(), "t.yaml")
+    docs = docs_of(render_kubernetes(topo))
+    for doc in docs:
+        if doc["kind"] in CORE_KINDS | {"NetworkPolicy"}:
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    assert violations(pod_of(docs)) == []
+    sidecar = pod_of(docs)["containers"][1]
+    config = from_argv(sidecar["args"])
+    assert config.picker_peers == ("dns:confgen-agents-pickers:9110",)
+    assert config.grpc_listen == ("0.0.0.0", 9110)
+    assert {"name": "grpc", "containerPort": 9110} in sidecar["ports"]
+    proxy = by_kind(docs, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "confgen-agents-pickers"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= proxy.items()
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "proxy"
+    assert service["spec"]["ports"] == [{"name": "grpc", "port": 9110, "targetPort": "grpc"}]
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    open_rule, peers_rule = policy["spec"]["ingress"]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {8080, topo.sidecar.port}
+    assert peers_rule == {"from": [{"podSelector": {"matchLabels": service["spec"]["selector"]}}],
+                          "ports": [{"protocol": "TCP", "port": 9110}]}
+    for block, replicas in (("", 3), (MTLS, 1)):
+        alone, _ = parse_topology((PICKER % (block, replicas)).encode(), "t.yaml")
+        docs = docs_of(render_kubernetes(alone))
+        assert from_argv(pod_of(docs)["containers"][1]["args"]).picker_peers == ()
+        assert by_kind(docs, "NetworkPolicy") == []
+        assert [s["metadata"]["name"] for s in by_kind(docs, "Service")] == ["confgen-agents", "confgen-agents-metrics"]
+
+
+def test_validate_says_whether_the_proxy_pods_pickers_are_peers(tmp_path: Path) -> None:
+    peered = tmp_path / "peered.yaml"
+    peered.write_text(PICKER % (MTLS, 3))
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(PICKER % ("", 3))
+    out = _confgen("validate", peered)
+    assert out.returncode == 0, out.stderr
+    assert "are each other's peers through the headless Service confgen-agents-pickers" in out.stdout + out.stderr
+    assert "must name confgen-agents-pickers" in out.stdout + out.stderr
+    out = _confgen("validate", alone)
+    assert out.returncode == 0, out.stderr
+    assert "each run their own endpoint picker" in out.stdout + out.stderr
+    assert "With sidecar.grpc_tls the render makes the pods' pickers peers" in out.stdout + out.stderr
+
+
+def test_compose_serves_grpc_as_envoy_calls_it_and_refuses_mutual_tls(tmp_path: Path) -> None:
+    """Compose runs Envoy and the sidecar on one host: the Unix socket (shared volume) or loopback
+    plaintext (--grpc-plaintext-loopback, which the sidecar's startup check wants); mutual TLS has
+    no certificates there, so the target refuses it with its place (exit 1, nothing written)."""
+    from sidecar.config import grpc_transport_for
+
+    for block, kind in (("", "unix"), ("  grpc_plaintext_loopback: true", "plaintext")):
+        topo, _ = parse_topology((PICKER % (block, 1)).encode(), "t.yaml")
+        compose = yaml.safe_load(render_compose(topo)["compose.yaml"])
+        config = from_argv(compose["services"]["sidecar"]["command"])
+        assert grpc_transport_for(config, topo).kind == kind
+    path = tmp_path / "t.yaml"
+    path.write_text(PICKER % (MTLS, 1))
+    out = _confgen("render", path, "--target", "compose", "-o", tmp_path / "out")
+    assert out.returncode == 1
+    assert re.search(r"t\.yaml:\d+:\d+: sidecar\.grpc_tls: .*compose target runs Envoy and the sidecar on one host",
+                     out.stderr), out.stderr
+    assert not (tmp_path / "out").exists()
