@@ -298,6 +298,8 @@ def _deployment(plan: _Plan) -> Obj:
         "metadata": plan.meta(plan.base, "proxy"),
         "spec": {
             "replicas": k8s.replicas,
+            # name + instance (not the component): a Deployment's selector cannot change on upgrade, and its
+            # ReplicaSets own their pods by reference, so the Redis pods beside it are never its own
             "selector": {"matchLabels": plan.selector},
             # never below the replica count during a rollout: a new pod first, then a drain
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -313,7 +315,7 @@ def _deployment(plan: _Plan) -> Obj:
                 "spec": {
                     "securityContext": _pod_security(),
                     "automountServiceAccountToken": False,
-                    "topologySpreadConstraints": spread(plan.selector),
+                    "topologySpreadConstraints": spread(_proxy_pods(plan)),
                     "initContainers": [init],
                     "containers": [envoy, sidecar],
                     "volumes": volumes,
@@ -332,7 +334,7 @@ def _service(plan: _Plan) -> Obj:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": plan.meta(plan.base, "proxy"),
-        "spec": {"selector": plan.selector, "ports": ports},
+        "spec": {"selector": _proxy_pods(plan), "ports": ports},
     }
 
 
@@ -343,7 +345,7 @@ def _metrics_service(plan: _Plan) -> Obj:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": plan.meta(f"{plan.base}-metrics", "metrics"),
-        "spec": {"clusterIP": "None", "selector": plan.selector,
+        "spec": {"clusterIP": "None", "selector": _proxy_pods(plan),
                  "ports": [{"name": "metrics", "port": plan.topo.sidecar.port, "targetPort": "metrics"}]},
     }
 
@@ -354,7 +356,7 @@ def _pdb(plan: _Plan) -> Obj:
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": plan.meta(plan.base, "proxy"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": plan.selector}},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _proxy_pods(plan)}},
     }
 
 

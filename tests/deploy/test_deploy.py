@@ -602,3 +602,27 @@ def test_compose_serves_grpc_as_envoy_calls_it_and_refuses_mutual_tls(tmp_path: 
     assert re.search(r"t\.yaml:\d+:\d+: sidecar\.grpc_tls: .*compose target runs Envoy and the sidecar on one host",
                      out.stderr), out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_proxys_services_and_budget_never_select_the_redis_pods_beside_it() -> None:
+    """With kubernetes.redis the Redis pods carry the topology's name and instance labels too: the
+    clients' Service, the metrics Service, the PodDisruptionBudget and the spread selected them by
+    those alone, so the clients' Service sent a share of its connections to Redis's pod (nothing
+    listens there on the listeners' ports) and Prometheus scraped it for the sidecar. Each selects
+    the proxy pods by their component now (the Deployment's own selector stays: it cannot change on
+    an upgrade, and its ReplicaSets own their pods by reference)."""
+    docs = docs_of(render_kubernetes(_with_store("confgen-global-limits-redis:6379")))
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+                   for d in by_kind(docs, "Deployment")}
+    proxy, redis = deployments["confgen-global-limits"], deployments["confgen-global-limits-redis"]
+    selectors = {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["selector"] for d in by_kind(docs, "Service")}
+    selectors.update({f"PodDisruptionBudget/{d['metadata']['name']}": d["spec"]["selector"]["matchLabels"]
+                      for d in by_kind(docs, "PodDisruptionBudget")})
+    pod = pod_of(docs)
+    selectors.update({f"spread/{c['topologyKey']}": c["labelSelector"]["matchLabels"]
+                      for c in pod["topologySpreadConstraints"]})
+    assert len(selectors) == 6  # clients', metrics, redis Services; the proxy's budget; two spreads
+    for name, selector in selectors.items():
+        picks_proxy, picks_redis = selector.items() <= proxy.items(), selector.items() <= redis.items()
+        assert picks_proxy != picks_redis, (name, selector)  # one kind of pod, never both
+        assert picks_redis == (name == "Service/confgen-global-limits-redis"), name
