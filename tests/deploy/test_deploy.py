@@ -125,10 +125,12 @@ def test_every_container_has_resources_probes_and_a_drain_on_stop() -> None:
     wait = envoy["lifecycle"]["preStop"]["exec"]["command"]
     assert wait[:2] == ["/bin/sh", "-c"] and marker in wait[2]
     assert int(re.search(r"-lt (\d+)", wait[2]).group(1)) < grace  # type: ignore[union-attr]
-    pdb = by_kind(docs, "PodDisruptionBudget")[0]["spec"]
-    assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": by_kind(docs, "Deployment")[0]["spec"]["selector"]
-                                                     ["matchLabels"]}}
     public, metrics = by_kind(docs, "Service")
+    pdb = by_kind(docs, "PodDisruptionBudget")[0]["spec"]
+    assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": public["spec"]["selector"]}}
+    template = by_kind(docs, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert public["spec"]["selector"].items() <= template.items()  # the proxy pods: the budget's and clients'
+    assert public["spec"]["selector"]["app.kubernetes.io/component"] == "proxy"
     assert "metrics" not in [p["name"] for p in public["spec"]["ports"]]  # clients never reach the sidecar
     assert metrics["spec"] == {"clusterIP": "None", "selector": public["spec"]["selector"],
                                "ports": [{"name": "metrics", "port": 9109, "targetPort": "metrics"}]}
