@@ -134,6 +134,28 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
     }
 
 
+def timeline(records: list[dict[str, Any]], start_s: float, end_s: float) -> list[dict[str, Any]]:
+    """Second by second from `start_s` to `end_s` (load-relative times): the requests scheduled in it
+    (offered) and those of them answered 429 (shed), the requests that completed in it (by their end),
+    and the requests in flight at its end (started, not yet ended). Where a surge's shedding and its
+    backlog show: a second that admits everything, then seconds that drain what it let in."""
+    out = []
+    second = start_s
+    while second < end_s:
+        nxt = second + 1.0
+        scheduled = [r for r in records if second <= r["sched"] < nxt]
+        out.append({
+            "t": round(second, 3),
+            "offered": len(scheduled),
+            "shed": sum(1 for r in scheduled if shed(r)),
+            "completed": sum(1 for r in records if ok(r) and r["end"] is not None and second <= r["end"] < nxt),
+            "in_flight": sum(1 for r in records if r["start"] is not None and r["start"] < nxt
+                             and (r["end"] is None or r["end"] >= nxt) and not shed(r)),
+        })
+        second = nxt
+    return out
+
+
 def spread(counts: dict[str, int]) -> float | None:
     """max/mean of per-worker request counts (1.0 = perfectly even by count)."""
     values = [v for k, v in counts.items() if k != "-"]

@@ -161,8 +161,10 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
             tag: str, *, warmup_s: float, deadline_s: float, ingresses: int = 1, timeout_s: float = 60.0,
             during: Callable[[FleetHandle, Front, float], dict[str, Any]] | None = None,
             path: str = "/v1/completions",
-            classify: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
-    """One run: fleet, setup, load; the summary of the requests scheduled after `warmup_s`.
+            classify: Callable[[dict[str, Any]], str] | None = None,
+            timeline: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One run: fleet, setup, load; the summary of the requests scheduled after `warmup_s`
+    (with `timeline` (start s, end s): also second by second over that span, `_stats.timeline`).
 
     `during(fleet, front, t0)` runs in a thread while the load runs (t0 = time.monotonic() at
     the load's start, give or take the load generator's start-up) and returns extra figures."""
@@ -206,6 +208,8 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
         for rec in records:
             by_class.setdefault(classify(requests[rec["i"]]), []).append(rec)
         summary["by_class"] = {k: _stats.summarize(v, warmup_s) for k, v in sorted(by_class.items())}
+    if timeline is not None:
+        summary["timeline"] = _stats.timeline(records, *timeline)
     delta = stats_delta(snapshots.get("warm", {}), after)
     summary.update(extra)
     summary["fleet_by_worker"] = delta["by_worker"]

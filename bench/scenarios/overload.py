@@ -214,6 +214,36 @@ def _every_fleet(ctx: Context, res: Result, seeds: list[int], length_s: float) -
                               str(shed), float(shed), shed == 0, 0.0))
 
 
+def _timeline_table(res: Result, surge: Surge, prod: list[dict[str, Any]], cap: float, lead_s: float) -> None:
+    """The product second by second through the surge (mean over seeds): what it offered, shed and
+    completed, and what was in flight. Where the shed share's error comes from: the seconds that
+    admit everything before the admission reacts, the seconds that drain what they let in, and
+    what the fleet serves once saturated against the capacity the excess is computed from."""
+    lines = [r["timeline"] for r in prod if r.get("timeline")]
+    if not lines:
+        return
+    rows = []
+    for k, second in enumerate(lines[0]):
+        got = [line[k] for line in lines if k < len(line)]
+
+        def mean(key: str, got: list[dict[str, Any]] = got) -> float:
+            return statistics.fmean(g[key] for g in got)
+
+        offered = mean("offered")
+        rows.append([f"{second['t'] - lead_s:+.0f}", f"{offered:.0f}", f"{mean('shed'):.0f}",
+                     f"{mean('shed') / offered:.0%}" if offered else "-",
+                     f"{mean('completed'):.0f} ({mean('completed') / cap:.2f}x)", f"{mean('in_flight'):.0f}"])
+    # once saturated (the surge's seconds that shed), what the fleet served against the nominal capacity
+    served = [line[k]["completed"] / cap for line in lines for k in range(len(line))
+              if line[k]["shed"] and 0 <= line[k]["t"] - lead_s < surge.length_s]
+    res.tables.append((f"{surge.label}: the product second by second (second 0 is the surge's first; mean over "
+                       f"{len(lines)} seed(s)); completed as a multiple of the capacity the excess is computed from "
+                       f"({cap:.0f} req/s). Served while shedding: "
+                       + (f"{statistics.fmean(served):.2f}x that capacity" if served else "-"),
+                       ["second", "offered", "shed (429)", "shed share", "completed (x capacity)",
+                        "in flight at its end"], rows))
+
+
 def _mean(values: list[float | None]) -> float | None:
     got = [v for v in values if v is not None]
     return statistics.fmean(got) if got else None
@@ -255,7 +285,9 @@ def run(ctx: Context) -> Result:
                 r = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, s,
                                     f"ov-{surge.key}-{s.key}-{seed}", warmup_s=lead_s + FROM_S,
                                     deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
-                                    ingresses=2 if s.key == TWO.key else 1)
+                                    ingresses=2 if s.key == TWO.key else 1,
+                                    timeline=(lead_s - 2.0, lead_s + surge.length_s + 2.0)
+                                    if s.key == PRODUCT.key else None)
                 r["seed"] = seed
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
@@ -317,6 +349,7 @@ def run(ctx: Context) -> Result:
             res.targets.append(Target(f"[overload] {surge.label}: two Envoys' shed share vs the excess",
                                       "within +-3 points", f"{share2:.1%}", abs(share2 - surge.excess),
                                       abs(share2 - surge.excess) <= SHARE_POINTS, SHARE_POINTS))
+        _timeline_table(res, surge, prod, cap, lead_s)
         raw["surges"][surge.key] = {"label": surge.label, "excess": surge.excess, "results": rows}
     res.raw = raw
     if surges:
