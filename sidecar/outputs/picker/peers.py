@@ -333,7 +333,7 @@ class PeerLinks:
         while True:
             try:
                 found = await asyncio.wait_for(self._resolver(host, port), limits.resolve_timeout_s)
-            except (OSError, TimeoutError) as exc:  # socket.gaierror is an OSError
+            except (OSError, TimeoutError, ValueError) as exc:  # gaierror is an OSError; a bad IDNA name a ValueError
                 error = f"lookup failed ({type(exc).__name__}: {exc}); its links kept"
                 if self._lookups.get(source) != error:
                     log_event(_log, logging.WARNING, "picker.peers_lookup_failed", source=source, error=str(exc))
