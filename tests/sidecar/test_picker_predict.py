@@ -436,3 +436,37 @@ def test_the_pressure_keeps_observing_while_the_verdict_holds() -> None:
         picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=True), store.endpoints("chat"))
     pressure = picker.pressure("chat")
     assert pressure is not None and pressure.held
+
+
+def test_a_spike_opens_admission_at_once_where_the_pressure_would_wait() -> None:
+    """Requests arriving at spike_ratio times what the pool serves (at least spike_min of them in
+    spike_s) while the best predicted start is past the standard budget open admission at once: the
+    pressure alone would admit everything for most of pressure_s, a backlog the rest of a short spike
+    then sheds while it drains. Without a queue past the budget, or at the rate of a burst at normal
+    load, it stays shut; spike_ratio=0 (the default: opt-in) turns the rule off."""
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+
+    def run(overrides: list[str], gap_s: float, running: float, waiting: float, n: int,
+            pickers: int | None = None) -> list[bool]:
+        now = [100.0]
+        picker = Picker(PickerPolicy().with_overrides(["spike_ratio=2", *overrides]), rng=random.Random(1),
+                        clock=lambda: now[0], pickers=(lambda: pickers) if pickers is not None else None)
+        store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=running, waiting=waiting)
+                         for i in range(2)))
+        out = []
+        for k in range(n):
+            now[0] = 100.0 + k * gap_s
+            req = PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False)
+            out.append(picker.pick(req, store.endpoints("chat")).refused_for_s is not None)
+        return out
+
+    spike = run([], 0.01, 2, 6, 60)  # 100 requests/s on a pool that serves about one a second
+    assert not any(spike[:19]) and all(spike[19:]), spike  # the 20th arrival in half a second opens it
+    assert not any(run(["spike_ratio=0"], 0.01, 2, 6, 60))  # the pressure has not opened yet (0.6 s)
+    assert not any(run([], 0.01, 1, 0, 60))  # as fast, but nothing waits: nothing to refuse
+    assert not any(run([], 0.1, 2, 6, 12))  # a queue at 10 requests/s: 5 in the window, no spike
+    # one of two pickers (peers, or --ingresses 2) sees half the arrivals: 20/s here is 40/s in all
+    assert not any(run([], 0.05, 2, 6, 24))  # (before the pressure opens, 1.4 s)
+    halves = run([], 0.05, 2, 6, 24, pickers=2)
+    assert not any(halves[:9]) and all(halves[9:]), halves
+    assert run(["replicas=2"], 0.05, 2, 6, 24) == halves  # without peers, --ingresses says how many

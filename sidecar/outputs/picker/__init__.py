@@ -122,7 +122,9 @@ class PickerService:
                  peer_limits: PeerLimits | None = None) -> None:
         self._topology = wiring.topology
         self.store = Datastore()
-        picker = Picker(policy)
+        # with peers, the arrivals are split among this picker and the peers it streams to (the
+        # spike rule counts its own times that many); without, --ingresses of them (the policy's)
+        picker = Picker(policy, pickers=(lambda: 1 + self.links.connected()) if wiring.config.picker_peers else None)
         self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.pressures)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
