@@ -45,7 +45,6 @@ from __future__ import annotations
 import posixpath
 
 from ..balancing import picker_wanted
-from ..limits import needs_store
 from ..model import grpc_service_hosts, grpc_tls, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
@@ -81,7 +80,7 @@ def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
 def serves_grpc(plan: k8s_mod._Plan) -> bool:
     """Whether the control plane runs gRPC services for the Envoys: the endpoint picker (a pool with
     policy prefix_affinity), the rate limit service (scope: global limits), or both."""
-    return needs_store(plan.topo) or picker_wanted(plan.topo)
+    return k8s_mod.grpc_wanted(plan.topo)
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:

@@ -8,11 +8,10 @@ tests/deploy/test_compose_run.py resolves each service as Docker does and runs t
 
 from __future__ import annotations
 
-from ..balancing import picker_wanted
 from ..errors import DeployError
-from ..limits import needs_store
 from ..model import Topology, grpc_socket_dir, grpc_transport, is_ip, split_address
 from ._canonical import dump, topology_yaml
+from ._kubernetes_base import grpc_wanted
 
 XDS_DIR = "/var/run/confgen/envoy"
 
@@ -24,7 +23,7 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
     shared = ["./topology.yaml:/etc/confgen/topology.yaml:ro", "xds:" + XDS_DIR]
     # Envoy calls the sidecar's gRPC services on its Unix socket: one volume at the socket directory's
     # parent in both (the sidecar makes its 0700 directory there; both images run as uid 101)
-    wanted = needs_store(topo) or picker_wanted(topo)
+    wanted = grpc_wanted(topo)
     sockets = [f"grpc-sockets:{grpc_socket_dir(topo).rsplit('/', 1)[0] or '/'}"] \
         if wanted and grpc_transport(topo) == "unix" else []
     services = {

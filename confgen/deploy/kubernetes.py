@@ -37,7 +37,6 @@ from collections.abc import Callable
 
 from ..balancing import picker_wanted
 from ..errors import DeployError
-from ..limits import needs_store
 from ..model import Pool, Topology, grpc_socket_dir, grpc_transport
 from . import _observability
 from ._canonical import dump, topology_yaml
@@ -64,6 +63,7 @@ from ._kubernetes_base import (
     dns_label,
     envoy_liveness,
     envoy_tls_mounts,
+    grpc_wanted,
     sidecar_resources,
     spread,
 )
@@ -173,7 +173,7 @@ def _grpc_args(plan: _Plan) -> list[str]:
     """The sidecar's gRPC transport as the topology has Envoy call it (`grpc_transport`), and with
     `pickers_peered` its pod-wide listen and its peers, the headless Service's addresses."""
     topo = plan.topo
-    if not (needs_store(topo) or picker_wanted(topo)):
+    if not grpc_wanted(topo):
         return []
     transport = grpc_transport(topo)
     if transport == "plaintext":
@@ -192,7 +192,7 @@ def _mount_grpc_tls(plan: _Plan, envoy: Obj, sidecar: Obj, volumes: list[Obj]) -
     """With mutual TLS to the sidecar's gRPC services: Envoy's client certificate where sidecar.grpc_tls
     names it, the sidecar's own at SIDECAR_TLS_DIR (the files `_grpc_args` gives its flags)."""
     topo = plan.topo
-    if not (needs_store(topo) or picker_wanted(topo)) or grpc_transport(topo) != "mtls":
+    if not grpc_wanted(topo) or grpc_transport(topo) != "mtls":
         return
     tls_volumes, tls_mounts = envoy_tls_mounts(plan)
     volumes += tls_volumes
@@ -246,8 +246,7 @@ def _share_grpc_socket(topo: Topology, envoy: Obj, sidecar: Obj, volumes: list[O
     (sidecar.grpc_socket_dir) unless sidecar.grpc_tls says mTLS: both containers then mount one
     emptyDir at the socket directory's parent (the pod's tmp volume for the default /tmp/...), where
     the sidecar makes its 0700 directory; both run as the pod's user (runAsUser), so Envoy may enter."""
-    wanted = needs_store(topo) or picker_wanted(topo)
-    if not wanted or grpc_transport(topo) != "unix":
+    if not grpc_wanted(topo) or grpc_transport(topo) != "unix":
         return
     parent = grpc_socket_dir(topo).rsplit("/", 1)[0] or "/"
     mounted = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
