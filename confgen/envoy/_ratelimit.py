@@ -33,9 +33,14 @@ the budget, then the budget per window, on each route while the checks fail open
 
 from __future__ import annotations
 
+from ..balancing import picker_wanted
 from ..limits import (
     ANY_MODEL,
     BODY_BYTES_KEY,
+    BUDGET_HEADERS,
+    BUDGET_NS,
+    CHECK_KEY,
+    CHECKED_HEADER,
     CLIENT_KEY,
     HOLD_KEY,
     LIMIT_KEY,
@@ -191,18 +196,31 @@ def _selector(topo: Topology, budget: Budget) -> list[Json]:
     return [first, {"request_headers": {"header_name": header, "descriptor_key": CLIENT_KEY}}]
 
 
+def picker_checks(topo: Topology) -> bool:
+    """The endpoint picker decides the budgets (its ext_proc call) and Envoy's filter only the requests
+    it did not check: with global limits and the picker in the chain."""
+    return picker_wanted(topo) and bool(budgets(topo))
+
+
+# Produces the descriptor only while the request is not marked checked by the picker (see limits.CHECKED_HEADER).
+_UNCHECKED: Json = {"header_value_match": {
+    "descriptor_key": CHECK_KEY, "descriptor_value": "envoy", "expect_match": False,
+    "headers": [{"name": CHECKED_HEADER, "present_match": True}]}}
+
+
 def _entries(topo: Topology, budget: Budget, model: str | None, pool: Pool | None) -> list[Json]:
     actions = _selector(topo, budget)
     chain: list[Pool | None] = [*_chain(topo, pool)] or [None]
     if budget.limit.per_model:
         actions.append({"generic_key": {"descriptor_key": MODEL_KEY, "descriptor_value": model or ANY_MODEL}})
+    unchecked = [_UNCHECKED] if picker_checks(topo) else []
     if not budget.tokens:
-        return [{"actions": actions}]
+        return [{"actions": [*actions, *unchecked]}]
     # Envoy sets x-request-id itself on outside requests (use_remote_address, ids not preserved):
     # it ties the request's reservation to its charge, and no client can choose it.
     request_id = {"request_headers": {"header_name": "x-request-id", "descriptor_key": REQUEST_ID_KEY}}
     hold = max(hold_seconds(p) for p in chain)
-    check = [*actions, request_id,
+    check = [*actions, *unchecked, request_id,
              {"metadata": {"descriptor_key": MAX_OUTPUT_KEY, "source": "DYNAMIC",
                            "metadata_key": {"key": USAGE_NS, "path": [{"key": MAX_OUTPUT_KEY}]},
                            "default_value": str(max(max_output_tokens(p) for p in chain))}},
@@ -247,3 +265,31 @@ def per_route(topo: Topology, model: str | None, pool: Pool | None = None) -> Js
     if ceiling is not None:
         out[CEILING_FILTER] = ceiling
     return out
+
+
+def checks_of(route: Json) -> tuple[tuple[tuple[Json, ...], int | None], ...]:
+    """The request-time descriptors of a rendered route (both filters', fail_closed last), in the order
+    Envoy evaluates them, each as (its actions, its fixed hits_addend or None for the request's 1): what
+    the picker evaluates for a request on that route when it checks the budgets itself. The stream-done
+    descriptors (the charges) stay Envoy's."""
+    out: list[tuple[tuple[Json, ...], int | None]] = []
+    per_filter = route.get("typed_per_filter_config", {})
+    for name in (FILTER_OPEN, FILTER_CLOSED):
+        config = per_filter.get(name)
+        if config is None:
+            continue
+        for entry in config["rate_limits"]:
+            if not entry.get("apply_on_stream_done"):
+                hits = entry.get("hits_addend", {}).get("number")
+                out.append((tuple(entry["actions"]), None if hits is None else int(hits)))
+    return tuple(out)
+
+
+def budget_response_headers(topo: Topology) -> list[Json]:
+    """The route table's x-ratelimit-* response headers from the picker's check (BUDGET_NS metadata);
+    empty, and so left out, when the picker did not check (Envoy's filter then adds its own)."""
+    if not picker_checks(topo):
+        return []
+    return [{"header": {"key": header, "value": f"%DYNAMIC_METADATA({BUDGET_NS}:{key})%"},
+             "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}
+            for key, header in BUDGET_HEADERS.items()]

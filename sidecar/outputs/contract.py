@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from sidecar.outputs.envoy_admin import EnvoyAdmin
     from sidecar.outputs.grpc import Servicers
 
-__all__ = ["Built", "Output", "OutputStatus", "PoolStatus", "Publisher", "Wiring", "combine", "published"]
+__all__ = ["BudgetAnswer", "BudgetCheck", "Budgets", "Built", "Descriptor", "Output", "OutputStatus", "PoolStatus",
+           "Publisher", "Wiring", "combine", "published"]
 
 _T = TypeVar("_T")
 _K = TypeVar("_K")
@@ -213,6 +214,42 @@ class Publisher(Output, Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetAnswer:
+    """A decision on one request's global budgets."""
+
+    allowed: bool
+    # x-ratelimit-* as Envoy's filter would add them; retry-after too when refused
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One rate limit descriptor as Envoy's filter sends it: its entries and its own hits_addend
+    (None: the request's, 1)."""
+
+    entries: tuple[tuple[str, str], ...]
+    hits: int | None = None
+
+
+class BudgetCheck(Protocol):
+    """Decides a request's global budgets from the descriptors Envoy's rate limit filter would send."""
+
+    async def check(self, descriptors: Sequence[Descriptor]) -> BudgetAnswer:
+        ...
+
+
+class Budgets:
+    """Where an output that answers every request (the endpoint picker) finds the sidecar's decider of
+    global budgets, to check them in its own call: set by the rate limit service's build, None without
+    global limits. Read per request, so the order the outputs are built in does not matter."""
+
+    __slots__ = ("check",)
+
+    def __init__(self) -> None:
+        self.check: BudgetCheck | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Wiring:
     """What `sidecar.main` hands every output's `build`."""
 
@@ -223,6 +260,7 @@ class Wiring:
     registry: CollectorRegistry  # for the output's own metrics, if any
     clock: Callable[[], float]  # the event loop's
     grpc: Servicers  # the sidecar's gRPC server: an output answering over gRPC adds its servicers here
+    budgets: Budgets = field(default_factory=Budgets)  # the global budgets' decider, for outputs checking them
 
 
 @dataclass(frozen=True, slots=True)

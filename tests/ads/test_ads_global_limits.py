@@ -55,6 +55,15 @@ def _checks(rig: GlobalRig) -> list[tuple[int, int]]:
     return out
 
 
+def _ext_proc_streams(stats: dict[str, Any]) -> int:
+    return sum(v for k, v in stats.items() if isinstance(v, int) and k.endswith(".ext_proc.streams_started"))
+
+
+def _metric_value(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
 def test_one_control_plane_counts_a_request_budget_for_three_envoys(tmp_path: Path) -> None:
     limit = 60
     with ads_global_rig(tmp_path, clients={"req": f"{{scope: global, requests: {limit}, window: minute}}"}) as rig:
@@ -68,8 +77,14 @@ def test_one_control_plane_counts_a_request_budget_for_three_envoys(tmp_path: Pa
               f"{checks}")
         assert statuses.count(429) + admitted == len(statuses), statuses
         assert abs(admitted - limit) <= 0.05 * limit, (admitted, limit)
-        assert all(failed == 0 for _, failed in checks), checks  # every check answered, none admitted uncounted
-        assert all(answered > 0 for answered, _ in checks), checks  # each Envoy asked the one service
+        assert all(failed == 0 for _, failed in checks), checks  # none admitted uncounted
+        # The pools are on the endpoint picker (the default), which the control plane serves every Envoy:
+        # it decided each request's budgets in its ext_proc call, so no Envoy's rate limit filter called
+        # the service; each Envoy's requests went through it (ext_proc streams) and it counted them all.
+        assert all(answered == 0 for answered, _ in checks), checks
+        assert all(_ext_proc_streams(p.envoy.stats()) > 0 for p in rig.pairs)
+        assert rig.control is not None
+        assert _metric_value(rig.control.metrics(), "confgen_picker_budget_checks_total") == len(statuses)
         assert rig.counted("client/req/0") == admitted
 
 

@@ -49,13 +49,14 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
                   check_timeout: str | None = "500ms", store_timeout: str | None = "200ms",
                   clients: dict[str, str | None] | None = None, sockets: Path | None = None, envoys: int | None = None,
                   pool_extra: Sequence[str] = (), ads: str | None = None, grpc_tls: str = "",
-                  sentinel: tuple[str, str] | None = None, per_key: str | None = None) -> str:
+                  sentinel: tuple[str, str] | None = None, per_key: str | None = None,
+                  listener: str | None = None) -> str:
     """None for a timeout: the product's default; `clients` (default CLIENTS): client -> its rate_limit;
     `sockets`: the sidecar's Unix socket directory (the default transport; without it /tmp/confgen-<name>);
     `envoys`: limits.store.envoys (the local floor's divisor); `pool_extra`: more lines of the pool;
     `ads`: the control plane's host:port (envoy.xds.mode ads); `grpc_tls`: sidecar.grpc_tls's flow mapping;
     `sentinel`: (a Sentinel's host:port, the master's name) instead of `redis` (limits.store.sentinel);
-    `per_key`: limits.per_key (every client without a rate_limit of its own)."""
+    `per_key`: limits.per_key (every client without a rate_limit of its own); `listener`: limits.global."""
     auth = ["auth:", "  api_keys:"]
     for client, limit in (CLIENTS if clients is None else clients).items():
         auth.append(f"    - {{client: {client}, env: CONFGEN_GLIM_{client.upper()}"
@@ -68,6 +69,7 @@ def topology_text(workers: Sequence[str], *, admin: int, port: int, listen: int,
             + (f", check_timeout: {check_timeout}" if check_timeout else "")
             + (f", envoys: {envoys}" if envoys else "") + "}",
             *([f"  per_key: {per_key}"] if per_key else []),
+            *([f"  global: {listener}"] if listener else []),
             f"sidecar: {{address: 127.0.0.1, port: {listen}, grpc_port: {grpc}"
             + (f", grpc_socket_dir: {sockets}" if sockets is not None else "")
             + (f", grpc_tls: {grpc_tls}" if grpc_tls else "") + "}",

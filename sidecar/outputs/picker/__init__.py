@@ -9,6 +9,7 @@ says nothing or cannot be reached). Pieces:
     datastore   endpoints per pool: the fleet view's facts + in-flight counts + prefix indexes
     scheduling  filters, scorers (prefix, load, kv, cost) and the picker
     extproc     the gRPC ext_proc servicer (protocol, bounds)
+    budgets     the global budgets' check, decided in the ext_proc call (Envoy's filter checks the rest)
     peers       the other picker replicas: placements and in-flight counts streamed both ways
     metrics     Prometheus
 """
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from confgen.balancing import uses_picker
-from confgen.envoy import route_classes
+from confgen.envoy import route_checks, route_classes
 from confgen.model import Topology
 from confgen.plan import plan
 from sidecar.config import ConfigError
@@ -29,6 +30,7 @@ from sidecar.logs import log_event
 from sidecar.observe.probe import LoopLag
 from sidecar.outputs.contract import Built, OutputStatus
 
+from .budgets import RouteChecks
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
@@ -43,7 +45,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("sidecar.picker")
 
-__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "build", "facts", "routes"]
+__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "budget_checks", "build", "facts",
+           "routes"]
 
 
 def routes(topo: Topology) -> dict[str | None, str]:
@@ -79,6 +82,14 @@ def classes(topo: Topology) -> Classes:
     named = {name: (rc.traffic_class, rc.pool) for name, rc in route_classes(topo, plan(topo)).items()}
     return Classes(topo.auth.client_header if topo.auth is not None else None, clients, by_model, frozenset(blind),
                    named)
+
+
+def budget_checks(topo: Topology) -> RouteChecks | None:
+    """The global budgets the picker decides in its own call, per route (None: the topology has none)."""
+    checks = RouteChecks(route_checks(topo, plan(topo)))
+    for route, why in sorted(checks.left.items()):
+        log_event(_log, logging.WARNING, "picker.budgets_left_to_envoy", route=route, reason=why)
+    return checks if len(checks) else None
 
 
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
@@ -139,7 +150,10 @@ class PickerService:
                                   self.metrics.observe_peer_batch, replica=self.links.replica,
                                   own_cert=config.grpc_tls.cert if config.grpc_tls is not None else None)
         self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag,
-                                       on_placed=self.links.placed if config.picker_peers else None)
+                                       on_placed=self.links.placed if config.picker_peers else None,
+                                       budgets=wiring.budgets)
+        self._checks_of: Topology | None = None
+        self._follow(wiring.topo)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Its servicers (ext_proc, the peers' stream) on the sidecar's gRPC server."""
@@ -155,7 +169,14 @@ class PickerService:
 
     def update(self, fleet: Snapshot) -> None:
         topo = self._topology()
+        self._follow(topo)
         self.store.update(facts(fleet, topo), routes(topo), classes(topo))
+
+    def _follow(self, topo: Topology) -> None:
+        """The routes' budget checks of `topo`, compiled when the topology changes."""
+        if topo is not self._checks_of:
+            self._checks_of = topo
+            self.servicer.checks = budget_checks(topo)
 
     def forget(self, pool: str) -> None:
         """Nothing: the next fleet view no longer has the pool."""

@@ -72,8 +72,11 @@ from google.protobuf import struct_pb2
 from confgen._openai import error_body
 from confgen.envoy import ROUTE_NAME_ATTRIBUTE
 from confgen.errors import ConfgenError
+from confgen.limits import BUDGET_NS, CHECKED_HEADER
 from sidecar.observe.probe import LoopLag
+from sidecar.outputs.contract import Budgets
 
+from .budgets import RouteChecks, budget_metadata, refusal_headers
 from .datastore import Datastore, Endpoint
 from .metrics import PickerMetrics
 from .prompt import MAX_ITEMS, block_hashes, parse_body
@@ -136,8 +139,9 @@ class ProtocolError(ConfgenError):
 class _Stream:
     """One request's passage through the picker."""
 
-    __slots__ = ("body", "body_ended", "client", "endpoint", "expired", "first", "mode", "phase", "picked_at", "pool",
-                 "predicted", "response_ended", "route", "skip", "streamed_response", "subset", "task", "trailers")
+    __slots__ = ("body", "body_ended", "checked", "client", "endpoint", "expired", "first", "headers", "mode", "phase",
+                 "picked_at", "pool", "predicted", "response_ended", "route", "skip", "streamed_response", "subset",
+                 "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -158,6 +162,8 @@ class _Stream:
         self.route: str | None = None  # the name of the route Envoy matched (ext_proc attribute)
         self.picked_at = 0.0
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
+        self.headers: dict[str, str] | None = None  # the request headers its budgets' check reads (a route with one)
+        self.checked: tuple[tuple[str, str], ...] | None = None  # its budgets admitted it: the x-ratelimit-* headers
 
     @property
     def decided(self) -> bool:
@@ -197,6 +203,26 @@ def _chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
 
 
 _OVERLOADED = json.dumps(error_body("overloaded"), separators=(",", ":")).encode()
+_RATE_LIMITED = json.dumps(error_body("rate_limited"), separators=(",", ":")).encode()
+
+
+def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+def _rate_limited(headers: Sequence[tuple[str, str]]) -> pb.ProcessingResponse:
+    """429 at once: a global budget of the request is spent (the answer Envoy's rate limit filter gives)."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
+        headers=pb.HeaderMutation(set_headers=[_set(k, v) for k, v in refusal_headers(headers)]),
+        body=_RATE_LIMITED, details="confgen picker: a global budget is spent"))
+
+
+def _forwarded(msg: pb.ProcessingRequest) -> dict[str, dict[str, str]]:
+    """The dynamic metadata the proxy forwarded with the message (its string values)."""
+    return {ns: {k: v.string_value for k, v in struct.fields.items() if v.WhichOneof("kind") == "string_value"}
+            for ns, struct in msg.metadata_context.filter_metadata.items()}
 
 
 def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
@@ -216,8 +242,11 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
                  limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
                  honour_subset_hint: bool = False, lag: LoopLag | None = None,
-                 on_placed: Callable[[str, str, Sequence[int]], None] | None = None) -> None:
+                 on_placed: Callable[[str, str, Sequence[int]], None] | None = None,
+                 budgets: Budgets | None = None) -> None:
         self.store = store
+        self.budgets = budgets  # the sidecar's decider of global budgets (its `check`, None without)
+        self.checks: RouteChecks | None = None  # the routes' budget descriptors (set per topology)
         self.on_placed = on_placed  # (pool, address, block hashes) of every pick: the peer replicas' share
         self.picker = picker
         self.metrics = metrics
@@ -328,7 +357,43 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         result = self.choose(st)
         if isinstance(result, pb.ProcessingResponse):
             return result
-        return self._answer(kind, *result)
+        out = self._answer(kind, *result)
+        if st.checked is not None:  # its budgets admitted it here: Envoy's filter must not check it again
+            common = out.request_body.response if kind == "body" else out.request_headers.response
+            common.header_mutation.set_headers.append(_set(CHECKED_HEADER, "1"))
+            values = budget_metadata(st.checked)
+            if values:
+                out.dynamic_metadata.fields[BUDGET_NS].struct_value.update(values)
+        return out
+
+    # -- the global budgets, decided in this call (budgets.py) --------------------------
+
+    def _check_due(self, st: _Stream, msg: pb.ProcessingRequest) -> bool:
+        """The request's budgets are checked here: its route has some, the body is the one BUFFERED message
+        (the pick rides on its answer), the stream is tracked, and the loop is not behind (then Envoy's
+        filter checks it: no request waits on a late picker)."""
+        return (st.headers is not None and st.phase is Phase.BODY and st.mode is BodyMode.BUFFERED
+                and msg.HasField("request_body") and st.skip != "busy"
+                and not (self.lag is not None and self.lag.behind_s() > self.limits.behind_s))
+
+    async def _check_budgets(self, st: _Stream, msg: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        """None: go on (admitted, `st.checked` set; or left to Envoy's filter); else the 429."""
+        decider = self.budgets.check if self.budgets is not None else None
+        checks = self.checks
+        if decider is None or checks is None or st.route is None or st.route not in checks:
+            return None
+        assert st.headers is not None  # _check_due
+        descriptors = checks.descriptors(st.route, st.headers, _forwarded(msg))
+        if not descriptors:  # none applies (Envoy's filter would send none either)
+            st.checked = ()
+            return None
+        answer = await decider.check(descriptors)
+        self.metrics.budget_checks.labels(code="ok" if answer.allowed else "over_limit").inc()
+        if answer.allowed:
+            st.checked = answer.headers
+            return None
+        st.phase = Phase.CLOSED  # the proxy answers and ends the stream; nothing was picked
+        return _rate_limited(answer.headers)
 
     # -- the stream ---------------------------------------------------------------------
 
@@ -356,6 +421,11 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             async for msg in request_iterator:
                 was_decided = st.decided
+                if self._check_due(st, msg):
+                    refused = await self._check_budgets(st, msg)
+                    if refused is not None:
+                        yield refused
+                        break
                 try:
                     answers = self._step(st, msg)
                 except ProtocolError as exc:
@@ -429,6 +499,12 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if client_header is not None:  # set by the proxy's api_key_auth, a client's own copy removed first
             st.client = next((h.raw_value.decode("utf-8", "replace") or h.value
                               for h in headers.headers.headers if h.key == client_header), None)
+        checks = self.checks
+        if checks is not None and st.route is not None and st.route in checks:
+            st.headers = {}
+            for h in headers.headers.headers:
+                if h.key in checks.headers:
+                    st.headers.setdefault(h.key, h.raw_value.decode("utf-8", "replace") or h.value)
         if headers.end_of_stream:
             st.body_ended = True
             # No body: not an inference request (GET /v1/models, /health). Leave it to the proxy,

@@ -34,6 +34,9 @@
                                                 stream was down), applied (received, into an index),
                                                 skipped (received, naming an endpoint this replica does not hold)
     confgen_picker_peers_connected              peer replicas this picker streams to now (of --picker-peer)
+    confgen_picker_budget_checks_total{code}    global budgets decided in the picker's call (budgets.py): ok,
+                                                over_limit (answered 429 here); a request it did not check
+                                                is checked by Envoy's rate limit filter
 
 Envoy counts what the picker cannot see (its calls that failed or timed out and fell back
 to Envoy's own balancer): ext_proc's `failure_mode_allowed` statistic.
@@ -114,6 +117,8 @@ class PickerMetrics:
                                        "peer replicas: sent, dropped, applied, skipped", ["kind"], registry=reg)
         self.peers_connected = Gauge("confgen_picker_peers_connected", "Peer replicas this picker streams to",
                                      registry=reg)
+        self.budget_checks = Counter("confgen_picker_budget_checks", "Global budgets decided in the picker's "
+                                     "call, by answer", ["code"], registry=reg)
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:

@@ -29,4 +29,5 @@ def build(wiring: Wiring) -> Built:
     topology has a global limit: `sidecar.outputs.registry.wanted`)."""
     service = RateLimitService(wiring.topology, wiring.registry, wiring.clock, journal=journal_path(wiring))
     wiring.grpc.add(service.add_to, service.name)
+    wiring.budgets.check = service  # the endpoint picker decides the budgets in its own call with it
     return Built((service,))

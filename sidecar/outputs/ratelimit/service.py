@@ -40,7 +40,7 @@ import logging
 import math
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, wrappers_pb2
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
@@ -76,12 +76,12 @@ from confgen.limits import (
 from confgen.model import LimitStore, Topology, split_address
 from sidecar.fleet import Cycle, Snapshot
 from sidecar.logs import log_event
-from sidecar.outputs.contract import OutputStatus
+from sidecar.outputs.contract import BudgetAnswer, Descriptor, OutputStatus
 from sidecar.outputs.ratelimit.journal import Journal
 from sidecar.outputs.ratelimit.local import LocalCounter
 from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
 
-__all__ = ["METRIC_NAMES", "RateLimitService"]
+__all__ = ["METRIC_NAMES", "RateLimitService", "rate_limit_headers"]
 
 METRIC_NAMES = (
     "confgen_sidecar_ratelimit_decisions_total",
@@ -356,6 +356,24 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                           budgets=len(self._current.budgets))
         return self._current
 
+    # -- in process: the endpoint picker's check (sidecar.outputs.contract.BudgetCheck) -------
+    async def check(self, descriptors: Sequence[Descriptor]) -> BudgetAnswer:
+        """The decision Envoy's filter would get for these descriptors, without its gRPC call: the
+        same counting, floor and metrics; the answer's headers as Envoy would write them."""
+        request = rls_pb2.RateLimitRequest(domain=self._table_now().domain)
+        for d in descriptors:
+            out = request.descriptors.add()
+            for key, value in d.entries:
+                out.entries.add(key=key, value=value)
+            if d.hits is not None:  # present even at 0: a token budget's check costs nothing
+                out.hits_addend.CopyFrom(wrappers_pb2.UInt64Value(value=d.hits))
+        answer = await self.ShouldRateLimit(request, None)
+        headers = rate_limit_headers(answer.statuses)
+        if answer.overall_code != _OVER:
+            return BudgetAnswer(True, headers)
+        extra = tuple((h.key, h.value) for h in answer.response_headers_to_add)
+        return BudgetAnswer(False, (*headers, *extra))
+
     # -- the RPC ---------------------------------------------------------------------------
     async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
         table = self._table_now()
@@ -601,6 +619,25 @@ def _estimate(budget: Budget, entries: dict[str, str], max_body: int) -> int:
     unit = budget.limit.unit
     estimate = output if unit == "output_tokens" else prompt if unit == "input_tokens" else output + prompt
     return max(1, min(estimate, _MAX_ESTIMATE))
+
+
+_WINDOWS = {unit: seconds for seconds, unit in _UNITS.items()}
+
+
+def rate_limit_headers(statuses: Sequence[Any]) -> tuple[tuple[str, str], ...]:
+    """x-ratelimit-limit, -remaining and -reset (IETF draft 03) of an answer's statuses, as Envoy's rate
+    limit filter writes them: the status with the least remaining names the limit and the reset, and
+    every limit follows as a quota policy (`, <amount>;w=<window s>;name="<budget>"`)."""
+    limited = [s for s in statuses if s.HasField("current_limit")]
+    if not limited:
+        return ()
+    low = min(limited, key=lambda s: s.limit_remaining)  # the first of the least, as Envoy
+    policy = "".join(f', {s.current_limit.requests_per_unit};w={_WINDOWS[s.current_limit.unit]}'
+                     + (f';name="{s.current_limit.name}"' if s.current_limit.name else "")
+                     for s in limited if s.current_limit.unit in _WINDOWS)
+    return (("x-ratelimit-limit", f"{low.current_limit.requests_per_unit}{policy}"),
+            ("x-ratelimit-remaining", str(low.limit_remaining)),
+            ("x-ratelimit-reset", str(low.duration_until_reset.seconds)))
 
 
 def _status(budget: Budget | None, code: int = _OK, count: int = 0, now: float = 0.0) -> Any:
