@@ -15,6 +15,12 @@ One gRPC stream per HTTP request. What it answers:
 A client-sent `x-gateway-destination-endpoint` is never passed on: the picker overwrites
 or removes it (a client must not choose the endpoint).
 
+Global budgets (with `budgets` and the topology's route checks, budgets.py): on a BUFFERED body,
+before the pick, the route's budgets are decided in this call; spent: a 429 ImmediateResponse and
+no pick; admitted: the answer also marks the request checked (limits.CHECKED_HEADER) and carries
+the x-ratelimit-* values in metadata (limits.BUDGET_NS). Not checked here (loop behind, busy, no
+body, another body mode): no mark, so Envoy's rate limit filter checks it.
+
 Each stream is a state machine (`Phase`):
 
     HEADERS --request_headers--> BODY --body read / cap passed--> DECIDED --response--> RESPONSE
