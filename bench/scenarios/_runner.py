@@ -44,6 +44,7 @@ class Setup:
     # product with several ingresses: the sidecars' pickers are each other's --picker-peer (as the
     # README says to run them); True leaves each picker alone (the comparison row)
     alone: bool = False
+    sidecar_args: tuple[str, ...] = ()  # product: more confgen-sidecar flags (a diagnostic row's override)
 
 
 PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
@@ -123,7 +124,8 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                         if j != i and other.sockets is not None:
                             peers += ["--picker-peer", f"unix:{other.sockets / GRPC_SOCKET}"]
                 sidecars.append(stack.enter_context(
-                    _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None, (*extra, *peers))))
+                    _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None,
+                                         (*extra, *peers, *setup.sidecar_args))))
 
         def extras() -> dict[str, Any]:
             out: dict[str, Any] = {}

@@ -108,9 +108,17 @@ TWO_ALONE = Setup("product2alone", "confgen render + confgen-sidecar, two Envoys
                   "requests alternate)", "product", diagnostic=True, alone=True)
 
 
+# --set prefix_weighted=1: the endpoint picker on its earlier rule (`--picker rule=weighted`: the weighted
+# sum of prefix, load, KV and cost scores that `prefix_affinity` ran before the predicted finish time),
+# the row issue 28's mixed workload compares with
+WEIGHTED = Setup("product_weighted", "confgen render + confgen-sidecar --picker rule=weighted (the earlier "
+                 "prefix_affinity)", "product", diagnostic=True, sidecar_args=("--picker", "rule=weighted"))
+
+
 def setups(ctx: Context, w: Workload, first_seed: bool = True) -> list[Setup]:
     own, _ = policy_setups()
     two = [TWO, TWO_ALONE][:int(ctx.option("prefix_two", 0))]
+    two += [WEIGHTED] if ctx.option("prefix_weighted", 0) else []
     if ctx.quick:  # the harness check: the product as shipped and one peer
         return [PRODUCT, *two, *(vllm(p) for p in QUICK_PEERS)]
     # --set prefix_peers=0: the product rows alone (a diagnostic run)

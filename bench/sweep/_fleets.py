@@ -13,6 +13,7 @@ MIXES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "chat": ((100, 1500), (40, 300)),
     "prompt": ((1500, 6000), (16, 96)),
     "output": ((50, 400), (200, 600)),
+    "bench": ((64, 1024), (16, 64)),  # the real bench's one-shot requests (bench._workload.WorkloadSpec)
 }
 PREFILL_MS_PER_1K = 60.0
 DECODE_GROWTH = 0.03

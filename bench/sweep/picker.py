@@ -133,8 +133,9 @@ class _Sim:
         pickers = 2 if router == "predicted2" else 1
         rule = "weighted" if router == "weighted" else "predicted"
         self.stores = [Datastore() for _ in range(pickers)]
-        self.pickers = [Picker(replace(policy, rule=rule, replicas=pickers), rng=random.Random(seed * 31 + k))
-                        for k in range(pickers)]
+        self.now = 0.0  # virtual time: the pickers' clock (their pressure and spike rules average over it)
+        self.pickers = [Picker(replace(policy, rule=rule, replicas=pickers), rng=random.Random(seed * 31 + k),
+                               clock=lambda: self.now) for k in range(pickers)]
         self.trends = [Trend()] * n
         knobs = Knobs()
         self.knobs = knobs
@@ -212,9 +213,11 @@ def _oneshot(rng: random.Random, mix: str, t: float, i: int) -> Turn:
 
 def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.8, requests: int = 2400,
         policy: PickerPolicy | None = None, mix: str = "chat",
-        surge: tuple[float, float, float] | None = None, classes: tuple[float, float] = (0.0, 0.0)) -> Result:
+        surge: tuple[float, float, float] | None = None, classes: tuple[float, float] = (0.0, 0.0),
+        bursty: bool = False) -> Result:
     """`surge`: (start s, seconds, load) of a one-shot surge over `load`; `classes`: the shares
-    of critical and sheddable requests (the rest standard)."""
+    of critical and sheddable requests (the rest standard); `bursty`: the one-shot arrivals on/off
+    as the real bench's bursty fleet (bench._workload.bursty: 2 s at 1.75x the mean, 2 s at 0.25x)."""
     sim = _Sim(fleet, router, seed, policy or PickerPolicy())
     rng = random.Random(seed)
     # capacity: requests/s a worker sustains with full batches (as bench.sweep's Shape estimates)
@@ -248,7 +251,12 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
     if shot_rate > 0:
         while shots < requests * (1 - conv_share):
             factor = surge[2] / load if surge is not None and surge[0] <= t < surge[0] + surge[1] else 1.0
-            t += rng.expovariate(shot_rate * factor)
+            if bursty:  # thinning of a 1.75x process: every arrival on, 0.25 / 1.75 of them off
+                t += rng.expovariate(shot_rate * factor * BURST_PEAK)
+                if (t % BURST_PERIOD_S) >= BURST_PERIOD_S / 2 and rng.random() >= (2 - BURST_PEAK) / BURST_PEAK:
+                    continue
+            else:
+                t += rng.expovariate(shot_rate * factor)
             turn = _oneshot(rng, mix, t, shots)
             u = rng.random()
             turn.traffic_class = ("critical" if u < classes[0] else
@@ -284,6 +292,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
     events.push(1.0, 3, None)
     measured_from = 0.0
     for now, kind, payload in events:
+        sim.now = now
         if kind == STEP:
             i = payload
             assert isinstance(i, int)
@@ -363,9 +372,19 @@ OVERLOAD_FLEETS = (
     Fleet("4 equal, seqs 8", (1.0,) * 4, 8, 30.0, KV_CACHE_TOKENS),
     Fleet("12 mixed (6x1, 3x0.75, 3x0.5), seqs 4", (1.0,) * 6 + (0.75,) * 3 + (0.5,) * 3, 4, 30.0, KV_CACHE_TOKENS),
 )
+# The real bench's overload fleets (bench/scenarios/overload.py: decode 20 ms, its one-shot mix; the
+# 12-worker fleet's 16/8 slots as 12 each here); the uneven one is also its bursty fleet.
+BENCH_FLEETS = (
+    Fleet("bench uneven (1, 1, 0.5), seqs 8", (1.0, 1.0, 0.5), 8, 20.0, KV_CACHE_TOKENS),
+    Fleet("bench 4 equal, seqs 8", (1.0,) * 4, 8, 20.0, KV_CACHE_TOKENS),
+    Fleet("bench 12 (4x1, 4x0.75, 4x0.5), seqs 12", (1.0,) * 4 + (0.75,) * 4 + (0.5,) * 4, 12, 20.0,
+          KV_CACHE_TOKENS),
+)
 SURGES = ((1.18, 30.0), (1.5, 15.0), (3.0, 5.0))
 BASE = 0.78
 SURGE_AT = 60.0
+FROM_S = 4.0  # measured from the surge's 5th second (a 5 s spike: its last second), as the real bench
+BURST_PERIOD_S, BURST_PEAK = 4.0, 1.75  # bench._workload.WorkloadSpec's bursty arrivals
 
 
 def _q(values: Sequence[float], p: float) -> float:
@@ -373,30 +392,36 @@ def _q(values: Sequence[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, int(p * len(s) + 0.5) - 1))] if s else math.nan
 
 
-def overload(seeds: Sequence[int], policy: PickerPolicy) -> list[str]:
-    """Per fleet: the steady run at 78 % (its refusals, its P99), then each surge: the share refused
-    from the surge's 5th second on against the excess, the admitted P99 against the steady one;
-    then three classes at 150 % (20 % critical, 30 % sheddable)."""
+def overload(seeds: Sequence[int], policy: PickerPolicy, fleets: Sequence[Fleet] = OVERLOAD_FLEETS,
+             mix: str = "chat") -> list[str]:
+    """Per fleet: the steady run at 78 % (its refusals, its P99) and a bursty one (refusals), then each
+    surge: the share refused from the surge's 5th second on against the excess, the admitted P99
+    against the steady one; then three classes at 150 % (20 % critical, 30 % sheddable)."""
     lines = ["| fleet | surge | shed (excess) | admitted P99 / own at 78 % | classes: critical / sheddable / "
              "standard shed "
              "(standard's share of the excess not absorbed by sheddable) |", "|---|---|---|---|---|"]
-    for fleet in OVERLOAD_FLEETS:
-        cap = Shape("x", fleet.speeds, fleet.seqs, decode_ms=fleet.decode_ms).capacity_rps()
-        steady = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=int(cap * BASE * 120), policy=policy)
-                  for s in seeds]
+    for fleet in fleets:
+        cap = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms).capacity_rps()
+        steady = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=int(cap * BASE * 120), policy=policy,
+                      mix=mix) for s in seeds]
         own = statistics.median(_q([lat for at, lat, _c in r.records if lat is not None and at > SURGE_AT], 0.99)
                                 for r in steady)
         refused78 = sum(1 for r in steady for _, lat, _ in r.records if lat is None)
         total78 = sum(len(r.records) for r in steady)
         lines.append(f"| {fleet.name} | 78 % steady | {refused78} of {total78} | P99 {own:.2f} s | |")
         print(lines[-1], file=sys.stderr, flush=True)
+        burst = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=int(cap * BASE * 120), policy=policy,
+                     mix=mix, bursty=True) for s in seeds]
+        refused = sum(1 for r in burst for _, lat, _ in r.records if lat is None)
+        lines.append(f"| {fleet.name} | 78 % bursty | {refused} of {sum(len(r.records) for r in burst)} | | |")
+        print(lines[-1], file=sys.stderr, flush=True)
         for load, dur in (*SURGES, (1.5, 15.0)):
             with_classes = (load, dur) == (1.5, 15.0) and lines[-1].startswith(f"| {fleet.name} | 300")
             count = int(cap * BASE * (SURGE_AT + dur + 30) + cap * (load - BASE) * dur)
-            runs = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=count, policy=policy,
+            runs = [run(fleet, "oneshot", "predicted", s, load=BASE, requests=count, policy=policy, mix=mix,
                         surge=(SURGE_AT, dur, load), classes=(0.2, 0.3) if with_classes else (0.0, 0.0))
                     for s in seeds]
-            window = [rec for r in runs for rec in r.records if SURGE_AT + min(5.0, dur / 2) <= rec[0] < SURGE_AT + dur]
+            window = [rec for r in runs for rec in r.records if SURGE_AT + FROM_S <= rec[0] < SURGE_AT + dur]
             shed = sum(1 for rec in window if rec[1] is None) / max(1, len(window))
             p99 = _q([rec[1] for rec in window if rec[1] is not None], 0.99)
             excess = 1 - 1 / load
@@ -434,6 +459,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--overload", action="store_true", help="the admission table instead of the routing tables")
+    ap.add_argument("--bench-fleets", action="store_true",
+                    help="--overload on the real bench's fleets and one-shot mix (decode 20 ms)")
     args = ap.parse_args(argv)
     global DIAGNOSE
     DIAGNOSE = args.diagnose
@@ -441,7 +468,8 @@ def main(argv: Sequence[str]) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     lines: list[str] = []
     if args.overload:
-        text = "\n".join(overload(seeds, policy)) + "\n"
+        fleets, mix = (BENCH_FLEETS, "bench") if args.bench_fleets else (OVERLOAD_FLEETS, "chat")
+        text = "\n".join(overload(seeds, policy, fleets, mix)) + "\n"
         if args.out:
             args.out.write_text(text)
         print(text)
