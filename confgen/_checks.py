@@ -15,7 +15,7 @@ from . import _edge_checks
 from ._fields import COMPILED
 from ._names import dns_label
 from ._pod_fit import loopback_store
-from .balancing import POLICIES, is_hashing, picker_wanted, uses_picker
+from .balancing import POLICIES, grpc_wanted, is_hashing, picker_wanted, uses_picker
 from .errors import Severity
 from .limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -185,7 +185,7 @@ def _port_clashes(topo: Topology) -> Iterator[Finding]:
     Envoy's host when its server is on loopback. Clashes the other checks report (two listeners, a listener on
     the admin port, gRPC on the HTTP port) are not repeated. The second program to bind dies at start
     ("address already in use")."""
-    grpc_used = picker_wanted(topo) or needs_store(topo)
+    grpc_used = grpc_wanted(topo)
     ads = topo.envoy.xds.mode == "ads"
     envoy = [(f"listeners[{i}].port", f"listener {lst.name!r}", lst.port) for i, lst in enumerate(topo.listeners)]
     envoy.append(("admin.port", "Envoy's admin (admin.port)", topo.admin.port))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .limits import needs_store
 from .model import (
     PICKER_MAX_BODY_BYTES,
     Balancing,
@@ -29,7 +30,7 @@ from .model import (
     split_address,
 )
 
-__all__ = ["AUTO", "POLICIES", "BalancingPolicy", "Choice", "choose", "is_hashing", "nginx_method",
+__all__ = ["AUTO", "POLICIES", "BalancingPolicy", "Choice", "choose", "grpc_wanted", "is_hashing", "nginx_method",
            "picker_pools", "picker_wanted", "policy_of", "uses_picker"]
 
 AUTO = "auto"
@@ -142,3 +143,10 @@ def is_hashing(policy: str) -> bool:
 def nginx_method(bal: Balancing) -> str:
     """nginx's method for a pool (nginx has no picker: `auto` and prefix_affinity balance as least_request)."""
     return POLICIES["least_request" if bal.policy == AUTO else bal.policy].nginx(bal)
+
+
+def grpc_wanted(topo: Topology) -> bool:
+    """THE test for "the sidecar (or the control plane) serves gRPC to Envoy": the endpoint picker (a pool
+    on it), the rate limit service (global limits), or both. Its cluster, ports, transport and
+    deployment follow from it."""
+    return picker_wanted(topo) or needs_store(topo)

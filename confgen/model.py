@@ -787,6 +787,11 @@ class Topology:
         raise KeyError(name)
 
 
+def join_address(host: str, port: int) -> str:
+    """host:port, the host in brackets when it is an IPv6 address ([::1]:8000): `split_address`'s inverse."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def split_address(text: str) -> tuple[str, int] | None:
     """Split host:port ([v6]:port for IPv6); None when it is not of that form."""
     if text.startswith("["):

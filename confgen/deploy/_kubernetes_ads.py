@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import posixpath
 
-from ..balancing import picker_wanted
-from ..model import grpc_service_hosts, grpc_tls, split_address
+from ..balancing import grpc_wanted, picker_wanted
+from ..model import grpc_service_hosts, grpc_tls, join_address, split_address
 from . import _kubernetes_base as k8s_mod
 from ._kubernetes_base import Obj
 
@@ -80,7 +80,7 @@ def ads_problems(plan: k8s_mod._Plan) -> list[tuple[str, str]]:
 def serves_grpc(plan: k8s_mod._Plan) -> bool:
     """Whether the control plane runs gRPC services for the Envoys: the endpoint picker (a pool with
     policy prefix_affinity), the rate limit service (scope: global limits), or both."""
-    return k8s_mod.grpc_wanted(plan.topo)
+    return grpc_wanted(plan.topo)
 
 
 def xds_port(plan: k8s_mod._Plan) -> int:
@@ -120,7 +120,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
     # picker ends the link to itself (sidecar/outputs/picker/peers.py)
     if picker_wanted(topo):
         for host in dict.fromkeys(grpc_service_hosts(topo)):
-            grpc_args += ["--picker-peer", f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"]
+            grpc_args += ["--picker-peer", join_address(host, grpc_port)]
     replicas = max(topo.kubernetes.replicas, topo.kubernetes.envoy_max_replicas)
     grpc_ports = [{"name": "grpc", "containerPort": grpc_port}] if picker else []
     container = {

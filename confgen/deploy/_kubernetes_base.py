@@ -15,7 +15,6 @@ from typing import Any
 
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
-from ..balancing import picker_wanted
 from ..limits import needs_store
 from ..model import Topology, grpc_tls
 
@@ -144,12 +143,6 @@ def _key_mounts(plan: _Plan) -> list[Obj]:
         {"name": "api-keys", "mountPath": path, "subPath": entry, "readOnly": True}
         for _, path, entry in _key_files(plan)
     ]
-
-
-def grpc_wanted(topo: Topology) -> bool:
-    """Whether the sidecar (or the control plane) serves gRPC to Envoy: the endpoint picker (a pool
-    on it), the rate limit service (global limits), or both."""
-    return needs_store(topo) or picker_wanted(topo)
 
 
 def envoy_tls_mounts(plan: _Plan) -> tuple[list[Obj], list[Obj]]:

@@ -8,10 +8,10 @@ tests/deploy/test_compose_run.py resolves each service as Docker does and runs t
 
 from __future__ import annotations
 
+from ..balancing import grpc_wanted
 from ..errors import DeployError
 from ..model import Topology, grpc_socket_dir, grpc_transport, is_ip, split_address
 from ._canonical import dump, topology_yaml
-from ._kubernetes_base import grpc_wanted
 
 XDS_DIR = "/var/run/confgen/envoy"
 

@@ -35,7 +35,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from ..balancing import picker_wanted
+from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
 from ..model import Pool, Topology, grpc_socket_dir, grpc_transport
 from . import _observability
@@ -63,7 +63,6 @@ from ._kubernetes_base import (
     dns_label,
     envoy_liveness,
     envoy_tls_mounts,
-    grpc_wanted,
     sidecar_resources,
     spread,
 )

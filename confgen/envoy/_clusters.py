@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ..balancing import POLICIES, picker_wanted, policy_of
+from ..balancing import POLICIES, grpc_wanted, policy_of
 from ..endpoints import Endpoint, static_weight
-from ..limits import needs_store
 from ..model import (
     ENVOY_CAP_MAX,
     GRPC_SOCKET,
@@ -238,7 +237,7 @@ def clusters(topo: Topology, plan: Plan, config_dir: str | None) -> list[Json]:
     out += [failover_cluster(plan, pool) for pool in topo.pools if pool.fallback is not None]
     if topo.models_endpoint and topo.sidecar.models:
         out.append(sidecar_cluster(topo))
-    if picker_wanted(topo) or needs_store(topo):  # the sidecar's gRPC services: picker, rate limits
+    if grpc_wanted(topo):  # the sidecar's gRPC services: picker, rate limits
         out.append(picker_cluster(topo))
     return out
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from confgen.model import join_address
 from sidecar.config import ConfigError
 from sidecar.config.tls import TlsFiles, Transport, is_loopback
 from sidecar.logs import log_event
@@ -111,7 +112,7 @@ class GrpcSettings:
     def address(self) -> str:
         if self.socket is not None:
             return f"unix:{self.socket}"
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return join_address(self.host, self.port)
 
     @property
     def transport(self) -> str:

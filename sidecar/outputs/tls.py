@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 
 from confgen.errors import ConfgenError
-from confgen.model import MAX_SOCKET_PATH
+from confgen.model import MAX_SOCKET_PATH, join_address
 from sidecar.config.tls import TlsFiles, is_loopback
 from sidecar.logs import log_event
 
@@ -130,7 +130,7 @@ def bind(server: grpc.aio.Server, host: str, port: int, files: TlsFiles | None, 
 
     InsecureBindError for plaintext beyond loopback, TlsError for unusable files, OSError when
     the address cannot be bound."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = join_address(host, port)
     if files is None:
         if not is_loopback(host):
             raise InsecureBindError(

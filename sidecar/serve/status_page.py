@@ -32,7 +32,7 @@ from typing import Any
 
 from confgen import __version__
 from confgen.balancing import policy_of
-from confgen.model import ENVOY_CAP_MAX, RateLimit, Topology, limit_list
+from confgen.model import ENVOY_CAP_MAX, RateLimit, Topology, join_address, limit_list
 from sidecar.fleet import EndpointView, PoolView, Snapshot
 
 __all__ = ["HEADERS", "REFRESH_S", "render"]
@@ -153,7 +153,7 @@ def _pool_header(pool: PoolView, topo: Topology | None, picker: Mapping[str, Any
 
 def _endpoint(ep: EndpointView, in_flight: Mapping[str, int]) -> str:
     s = ep.sample
-    address = f"[{ep.key.address}]:{ep.key.port}" if ":" in ep.key.address else f"{ep.key.address}:{ep.key.port}"
+    address = join_address(ep.key.address, ep.key.port)
     errors = ", ".join(f"{kind} {n}" for kind, n in sorted(ep.errors.items())) or "0"
     latency = "-" if ep.probe_latency_s is None else f"{1000 * ep.probe_latency_s:.0f} ms"
     reason = ep.reason or "-"

@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from confgen.balancing import uses_picker
 from confgen.envoy import route_checks, route_classes
-from confgen.model import Topology
+from confgen.model import Topology, join_address
 from confgen.plan import plan
 from sidecar.config import ConfigError
 from sidecar.logs import log_event
@@ -104,8 +104,7 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
         for ev in pv.endpoints:
             s = ev.sample
             endpoints.append(EndpointFacts(
-                address=f"[{ev.key.address}]:{ev.key.port}" if ":" in ev.key.address else
-                f"{ev.key.address}:{ev.key.port}",
+                address=join_address(ev.key.address, ev.key.port),
                 serving=ev.serving and ev.status in ("HEALTHY", "DEGRADED"),
                 capacity=max(1, ev.capacity or 1),
                 running=s.running if s else 0.0,

@@ -63,6 +63,7 @@ from typing import Any
 import grpc
 
 from confgen.errors import ConfgenError
+from confgen.model import join_address
 from sidecar.config.tls import TlsFiles, split_dns
 from sidecar.logs import log_event
 
@@ -264,10 +265,6 @@ class _Link:
     itself: bool = False  # the target is this replica: stopped, never a problem
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class PeerLinks:
     """The sending side: one stream to each peer target, fed by `placed` (called on every pick)."""
 
@@ -350,7 +347,7 @@ class PeerLinks:
             log_event(_log, logging.WARNING, "picker.peers_capped", source=source, found=len(addresses),
                       dialed=self.limits.max_peers)
             addresses = addresses[: self.limits.max_peers]
-        wanted = {_address(a, port) for a in addresses}
+        wanted = {join_address(a, port) for a in addresses}
         for target in [t for t, ln in self._links.items() if ln.source == source and t not in wanted]:
             del self._links[target]
             task = self._tasks.pop(target, None)
