@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import _workload as wl
@@ -78,9 +78,25 @@ SURGES = (Surge("s118", "118 % for 30 s", 1.18, 30.0), Surge("s150", "150 % for 
 QUICK_SURGE = Surge("s150", "150 % for 8 s", 1.5, 8.0)
 
 
+def product(ctx: Context) -> Setup:
+    """The product row: as shipped, unless an experiment sets the picker's spike rule
+    (--set overload_spike_ratio=R [overload_spike_s=S] [overload_spike_min=N]: a diagnostic, its label says so)."""
+    ratio = ctx.option("overload_spike_ratio", 0)
+    if not ratio:
+        return PRODUCT
+    args = [f"spike_ratio={ratio:g}"]
+    for key in ("spike_s", "spike_min"):
+        value = ctx.option(f"overload_{key}", 0)
+        if value:
+            args.append(f"{key}={int(value) if key == 'spike_min' else value:g}")
+    flags = tuple(x for a in args for x in ("--picker", a))
+    return replace(PRODUCT, label=f"{PRODUCT.label} (experiment: --picker {' '.join(args)})", diagnostic=True,
+                   sidecar_args=flags)
+
+
 def setups(ctx: Context) -> list[Setup]:
     if ctx.quick:
-        return [PRODUCT, vllm("power_of_two")]
+        return [product(ctx), vllm("power_of_two")]
     extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
     two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
     # --set overload_fallback=1: the pools on least_request, as Envoy balances them when the picker is
@@ -88,7 +104,7 @@ def setups(ctx: Context) -> list[Setup]:
     fallback = [FALLBACK] if ctx.option("overload_fallback", 0) else []
     # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
     peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
-    return [PRODUCT, *two, *fallback, *extra, *peers]
+    return [product(ctx), *two, *fallback, *extra, *peers]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
@@ -197,11 +213,12 @@ def _every_fleet(ctx: Context, res: Result, seeds: list[int], length_s: float) -
     mistakes bursts for a surge has time to show it."""
     rows = []
     shed = 0
-    for plan in MATRIX:
+    pick = int(ctx.option("overload_fleets_pick", 0))  # --set overload_fleets_pick=N: the Nth matrix fleet alone
+    for plan in MATRIX[pick - 1:pick] if pick else MATRIX:
         for seed in seeds:
             rate = plan.capacity_rps() * BASE
             reqs = wl.build(plan.workload(rate, int(rate * length_s) + 1, seed + 23))
-            r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), reqs, PRODUCT,
+            r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), reqs, product(ctx),
                                 f"ov78-{plan.key}-{seed}", warmup_s=0.0, deadline_s=reqs[-1]["t"] + 1.0,
                                 timeout_s=60.0, ingresses=plan.ingresses)
             shed += r["shed"]
@@ -262,6 +279,8 @@ def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     seeds = [ctx.seed + k for k in range(int(ctx.option("overload_seeds", 1 if ctx.quick else 2)))]
     surges = [s for s in ([QUICK_SURGE] if ctx.quick else SURGES) if ctx.option("overload_surges", 1)]
+    only = int(ctx.option("overload_surge", 0))  # --set overload_surge=N: the Nth surge alone (3: the 3x spike)
+    surges = surges[only - 1:only] if only else surges
     lead_s = QUICK_LEAD_S if ctx.quick else LEAD_S
     which = int(ctx.option("overload_fleet", 0))
     if not 0 <= which < len(FLEETS):
@@ -274,7 +293,7 @@ def run(ctx: Context) -> Result:
     own_s = QUICK_OWN_S if ctx.quick else OWN_S
     for seed in seeds:
         reqs = surge_requests(fleet, cap, None, seed + 11, length_s=own_s + OWN_WARMUP_S)
-        row = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, PRODUCT, f"ov78-{seed}",
+        row = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, product(ctx), f"ov78-{seed}",
                               warmup_s=OWN_WARMUP_S, deadline_s=reqs[-1]["t"] + 1.0, timeout_s=60.0)
         own.append(row)
         print(f"  [overload] 78 % seed {seed}: P99 {fmt_ms(row['p99_ms'])} ms, shed {row['shed']}/{row['requests']}",
