@@ -184,7 +184,7 @@ PICKER_FLEET_ABSENT = {
     "ratelimit_confgen_global": "no global limit: Envoy has no rate limit check to fail open",
     "sheddable_refused_ratio": "no sheddable traffic (tests/sidecar_live/test_priorities_live.py reads it)",
     "confgen_picker_refused": "no overload here (tests/sidecar/test_picker_predict.py pins the picker's refusals)",
-    "confgen_picker_budget_checks": "no global limit (test_prometheus_answers_the_global_limit_panels_per_key reads it)",
+    "confgen_picker_budget_checks": "no global limit (test_prometheus_answers_the_global_limit_panels_per_key)",
 }
 
 
