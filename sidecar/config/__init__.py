@@ -247,8 +247,9 @@ def parser() -> argparse.ArgumentParser:
                    "fallback where no endpoint has a measured time per token); the predicted rule's tie_s, "
                    "tie_share, replicas (default --ingresses), externality, queue_externality, growth, "
                    "prefill_ratio, default_output and its admission's budget_standard, budget_sheddable, "
-                   "budget_floor_s, admission_gate, pressure_s; the weighted rule's scorer weights (prefix, load, "
-                   "kv, cost; 0 turns one off), spill_min, spill_fraction, long_tokens, default_max_tokens, "
+                   "budget_floor_s, admission_gate, pressure_s, hold_ratio, spike_ratio, spike_s, spike_min; "
+                   "the weighted rule's scorer weights (prefix, load, kv, cost; 0 turns one off), spill_min, "
+                   "spill_fraction, long_tokens, default_max_tokens, "
                    "prompt_share; either rule's fallbacks, e.g. --picker rule=weighted; every key: docs/settings.md")
     p.add_argument("--picker-peer", action="append", default=[], metavar="TARGET",
                    help="another endpoint picker replica's gRPC services (repeatable): unix:PATH (its Unix socket, "

@@ -14,6 +14,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from confgen.deploy._observability import alert_rules, dashboard
 from sidecar.outputs.picker.metrics import PickerMetrics
+from sidecar.outputs.picker.scheduling import Pressure
 from sidecar.outputs.ratelimit.service import METRIC_NAMES as RATELIMIT_METRICS
 from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool
@@ -35,7 +36,7 @@ def dashboard_exprs() -> list[str]:
 def picker_metric_names() -> set[str]:
     """Every series name the endpoint picker's metrics can export, from a real scrape of them."""
     registry = CollectorRegistry()
-    metrics = PickerMetrics(registry, lambda: {})
+    metrics = PickerMetrics(registry, lambda: {}, lambda: {"p": Pressure()})
     metrics.picks.labels(pool="p", reason="load").inc()
     metrics.unpicked.labels(reason="no_body").inc()
     metrics.refused.labels(pool="p", **{"class": "standard"}).inc()

@@ -356,7 +356,8 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     """With the saturation verdict not (yet) given, the picker refuses once the pool's best
     predicted start stayed past the standard budget for most of `pressure_s`: a burst of a few
     tenths of a second does not open it, a surge does within a second, and it holds while the
-    queue stands between the budgets (the equilibrium admission keeps), until the queue drains."""
+    queue stands between the budgets (the equilibrium admission keeps), and while requests arrive
+    faster than the pool serves them even with the queue held at nothing; it closes once both end."""
     now = [0.0]
     picker = Picker(rng=random.Random(1), clock=lambda: now[0])
     tau = picker.policy.pressure_s
@@ -393,9 +394,42 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     standing = [(offer(start + t / 10, 2, 0), offer(start + t / 10, 2, 0, "sheddable")) for t in range(30)]
     assert picker.pressure("chat").held
     assert not any(std for std, _ in standing) and all(shed for _, shed in standing)
+    # a free slot again (admission holds the queue at nothing), but requests still arrive at 10 a
+    # second where the pool serves ~0.8 (2 x 2 slots over ~5 s of 256 tokens at 20 ms): still a
+    # surge, so the pressure holds and each request is judged by its own predicted delay
     start += 3
-    drained = [offer(start + t / 10, 1, 0, "sheddable") for t in range(int(60 * tau))]
-    assert not any(drained) and not picker.pressure("chat").held
+    held = [offer(start + t / 10, 1, 0, "sheddable") for t in range(int(60 * tau))]
+    pressure = picker.pressure("chat")
+    assert not any(held) and pressure.held and pressure.level_s < 0.01, pressure
+    assert 9.0 < pressure.rate < 11.0 and 10.0 < pressure.offered < 15.0, pressure
+    assert registry.get_sample_value("confgen_picker_offered_load", {"pool": "chat"}) == pressure.offered
+    # arrivals under what the pool serves (one every 2 s): it closes
+    start += 6 * tau
+    drained = [offer(start + 2 * t, 1, 0, "sheddable") for t in range(int(5 * tau))]
+    assert not any(drained) and not picker.pressure("chat").held, picker.pressure("chat")
+
+
+def test_without_the_rate_hold_the_pressure_closes_once_admission_emptied_the_queue() -> None:
+    """hold_ratio=0: the queue alone decides; a surge that admission held at nothing closes the
+    pressure, and the next requests are admitted whole until a backlog reopens it (what 12 workers
+    at 118 % did every 10-15 s before the hold: in flight up to twice their slots)."""
+    now = [0.0]
+    policy = PickerPolicy().with_overrides(["hold_ratio=0"])
+    picker = Picker(policy, rng=random.Random(1), clock=lambda: now[0])
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+
+    def offer(t: float, running: float, waiting: float) -> bool:
+        now[0] = t
+        store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=running, waiting=waiting)
+                         for i in range(2)))
+        return picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False),
+                           store.endpoints("chat")).refused_for_s is not None
+
+    tau = policy.pressure_s
+    assert any(offer(t / 10, 2, 6) for t in range(int(20 * tau)))
+    assert picker.pressure("chat").held
+    assert not any(offer(2 * tau + 3 + t / 10, 1, 0) for t in range(int(60 * tau)))
+    assert not picker.pressure("chat").held
 
 
 def test_without_its_own_pressure_the_picker_waits_for_the_verdict() -> None:

@@ -29,6 +29,9 @@
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (scheduling.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
+    confgen_picker_offered_load{pool}           requests arriving (through every picker sharing the pool,
+                                                smoothed alike) over what the pool serves: 1 = full; the
+                                                pressure does not close at hold_ratio or more
     confgen_picker_peer_placements_total{kind}  placements shared with the peer replicas (peers.py): sent
                                                 (per peer), dropped (per peer, its queue full while its
                                                 stream was down), applied (received, into an index),
@@ -82,11 +85,16 @@ class _Live(Collector):
                                       "smoothed over the picker's pressure_s", labels=["pool"])
             held = GaugeMetricFamily("confgen_picker_admitting", "1 while the picker's own pressure holds: "
                                      "per-request admission is on", labels=["pool"])
+            offered = GaugeMetricFamily("confgen_picker_offered_load", "Requests arriving at the pool (through "
+                                        "every picker sharing it, smoothed over pressure_s) over what it serves: "
+                                        "1 = full", labels=["pool"])
             for pool, p in sorted(self._pressure().items()):
                 level.add_metric([pool], p.level_s)
                 held.add_metric([pool], 1.0 if p.held else 0.0)
+                offered.add_metric([pool], p.offered)
             yield level
             yield held
+            yield offered
 
 
 class PickerMetrics:
