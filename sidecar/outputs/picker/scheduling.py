@@ -454,12 +454,12 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
-        service = statistics.median(est.out * est.tpot(_slots(e)) + est.k * est.prompt
-                                    for e, est in zip(cands, estimates, strict=True))
+        # each endpoint's slots and how long one request holds one of them
+        slots = [_slots(e) for e in cands]
+        holds = [est.out * est.tpot(n) + est.k * est.prompt for n, est in zip(slots, estimates, strict=True)]
+        service = statistics.median(holds)
         budget = _budget(policy, req.traffic_class, service)
-        # requests per second the pool serves: each endpoint's slots over its service time
-        serves = sum(_slots(e) / max(1e-3, est.out * est.tpot(_slots(e)) + est.k * est.prompt)
-                     for e, est in zip(cands, estimates, strict=True))
+        serves = sum(n / max(1e-3, h) for n, h in zip(slots, holds, strict=True))  # requests per second
         pressed = self._pressed(req.pool, preds, service, serves)  # observed on every pick, saturated or not
         spiking = self._spiking(req.pool, preds, service, serves)
         gated = policy.admission_gate and not (req.saturated or pressed or spiking)
