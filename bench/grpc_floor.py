@@ -18,6 +18,8 @@ process of its own that answers OK at once, written two ways:
            the product's own ext_proc filter (confgen's rendered settings: headers sent, body
            buffered, the stream held to the response's end) against a grpc.aio processor that
            answers every message at once with nothing, the free listener no ext_proc
+    extproc-grpclib  the same processor on grpclib (pure-Python HTTP/2 by h2, all on the asyncio
+           loop, no poller thread): what another Python gRPC stack would save (bench extra)
 
 Nothing of the product's service runs (no descriptors, no Redis): this is the price of the
 gRPC layer a Python service cannot go under, per kind. Bounded: `--requests` per round, each
@@ -48,7 +50,7 @@ from bench._stats import pct
 from confgen.binaries import stop_process
 from confgen.runtime import EnvoyProcess, free_port
 
-KINDS = ("aio", "sync", "none", "extproc")
+KINDS = ("aio", "sync", "none", "extproc", "extproc-grpclib")
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
@@ -70,6 +72,35 @@ def _serve_extproc(port: int) -> None:
     _run_aio(lambda server: pb_grpc.add_ExternalProcessorServicer_to_server(Processor(), server), port)
 
 
+def _serve_extproc_grpclib(port: int) -> None:
+    """The same do-nothing processor on grpclib (HTTP/2 by h2, on the asyncio loop; no poller thread)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from grpclib.const import Cardinality, Handler
+    from grpclib.server import Server
+
+    answers = {"request_headers": pb.HeadersResponse, "response_headers": pb.HeadersResponse,
+               "request_body": pb.BodyResponse, "response_body": pb.BodyResponse,
+               "request_trailers": pb.TrailersResponse, "response_trailers": pb.TrailersResponse}
+
+    class Processor:
+        async def process(self, stream: Any) -> None:
+            async for request in stream:
+                kind = request.WhichOneof("request")
+                if kind in answers:
+                    await stream.send_message(pb.ProcessingResponse(**{kind: answers[kind]()}))
+
+        def __mapping__(self) -> dict[str, Any]:
+            return {"/envoy.service.ext_proc.v3.ExternalProcessor/Process": Handler(
+                self.process, Cardinality.STREAM_STREAM, pb.ProcessingRequest, pb.ProcessingResponse)}
+
+    async def main() -> None:
+        server = Server([Processor()])
+        await server.start("127.0.0.1", port)
+        await server.wait_closed()
+
+    asyncio.run(main())
+
+
 def _run_aio(register: Callable[[Any], None], port: int) -> None:
     """A grpc.aio server on loopback `port` with what `register` adds, until it is terminated."""
     import grpc
@@ -87,6 +118,9 @@ def _run_aio(register: Callable[[Any], None], port: int) -> None:
 def _serve(kind: str, port: int) -> None:
     if kind == "extproc":
         _serve_extproc(port)
+        return
+    if kind == "extproc-grpclib":
+        _serve_extproc_grpclib(port)
         return
     import grpc
     from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
@@ -203,7 +237,7 @@ def _round(kind: str, rate: float, count: int, workdir: Path) -> dict[str, Any]:
     free, checked, backend, rls = free_port(), free_port(), free_port(), free_port()
     with (_server("aio" if kind == "none" else kind, rls) as server,
           EnvoyProcess(bootstrap(free, checked, backend, rls, call=kind != "none",
-                                 extproc=kind == "extproc")) as envoy):
+                                 extproc=kind.startswith("extproc"))) as envoy):
         proc, path = loadgen.start(_job(rate, count), workdir, f"{kind}-{time.monotonic_ns()}")
         cpu0 = cpu_s(server.pid)
         loadgen.go(proc, [f"http://127.0.0.1:{free}", f"http://127.0.0.1:{checked}"])
@@ -235,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--out", type=Path)
-    p.add_argument("--serve", choices=("aio", "sync", "extproc"), help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=("aio", "sync", "extproc", "extproc-grpclib"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
