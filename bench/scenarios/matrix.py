@@ -192,6 +192,12 @@ def predictor_table(raw: dict[str, Any]) -> tuple[str, list[str], list[list[str]
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
     plans = [p for p in _fleets.MATRIX if not ctx.quick or p.key in _fleets.QUICK]
+    pick = int(ctx.option("matrix_pick", 0))  # --set matrix_pick=N: the Nth fleet alone (longer windows, fewer fleets)
+    if pick:
+        if not 1 <= pick <= len(_fleets.MATRIX):
+            raise ValueError(f"--set matrix_pick={pick}: one of 1..{len(_fleets.MATRIX)} "
+                             f"({', '.join(p.key for p in _fleets.MATRIX)})")
+        plans = [_fleets.MATRIX[pick - 1]]
     warmup_s = ctx.option("matrix_warmup_s", ctx.scale(4, 3))
     window_s = ctx.option("matrix_window_s", ctx.scale(WINDOW_FULL, 3))
     seeds = seeds_for(ctx)
