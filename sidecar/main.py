@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import ConfgenError, Diagnostic, TopologyError
-from confgen.model import GRPC_SOCKET, Topology
+from confgen.model import GRPC_SOCKET, Topology, join_address
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import (
@@ -69,7 +69,7 @@ def _admin_url(config: SidecarConfig, host: str, port: int) -> str:
     if config.envoy_admin:
         return config.envoy_admin
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{join_address(host, port)}"
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
-from ..model import Pool, Topology, grpc_socket_dir, grpc_transport
+from ..model import Pool, Topology, grpc_socket_dir, grpc_transport, join_address
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems
@@ -133,7 +133,7 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
 
 def _admin_url(topo: Topology) -> str:
     host = _admin_host(topo)
-    return f"http://[{host}]:{topo.admin.port}" if ":" in host else f"http://{host}:{topo.admin.port}"
+    return f"http://{join_address(host, topo.admin.port)}"
 
 
 def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Obj:
