@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _workload as wl
 from .._harness import Context, Result, Target, fmt_ms, ratio
-from ._fleets import MATRIX, FleetPlan
+from ._fleets import BY_KEY, MATRIX, FleetPlan
 from ._runner import BARE, PRODUCT, Setup, measure_or_fail, vllm
 
 NAME = "overload"
@@ -207,6 +207,37 @@ def _classes(ctx: Context, res: Result, seeds: list[int], cap: float,
     return classes
 
 
+def _classes_at_base(ctx: Context, res: Result, seeds: list[int], length_s: float) -> None:
+    """Three classes at 78 % (the bursty fleet's 2 s bursts, and the uneven fleet's Poisson arrivals)
+    for `length_s`: what a normal load's bursts cost each class. Not a target of issue 29 (which
+    asks for nothing shed at 78 % without classes); the price of sheddable traffic giving way first."""
+    rows = []
+    for plan in (BY_KEY["bursty"], FLEET):
+        for seed in seeds:
+            rate = plan.capacity_rps() * BASE
+            reqs = wl.build(plan.workload(rate, int(rate * length_s) + 1, seed + 23))
+            tier = random.Random(seed + 29)
+            for q in reqs:
+                draw = tier.random()
+                q["headers"] = {**q.get("headers", {}), **(
+                    {"x-tier": "critical"} if draw < CRITICAL_SHARE
+                    else {"x-tier": "sheddable"} if draw < CRITICAL_SHARE + SHEDDABLE_SHARE else {})}
+            r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), reqs, CLASSES,
+                                f"ov78-classes-{plan.key}-{seed}", warmup_s=0.0, deadline_s=reqs[-1]["t"] + 1.0,
+                                timeout_s=60.0, classify=_classify)
+            by = r.get("by_class", {})
+            print(f"  [overload] classes at 78 % {plan.key} seed {seed}: " + ", ".join(
+                f"{k} shed {v['shed']}/{v['requests']} P99 {fmt_ms(v['p99_ms'])} ms" for k, v in by.items()),
+                  flush=True)
+            rows.append([plan.key, str(seed), plan.arrivals] + [
+                f"{by[k]['shed']} / {by[k]['requests']}" if k in by else "-" for k in CLASS_NAMES]
+                + [fmt_ms(by[k]["p99_ms"]) if k in by else "-" for k in CLASS_NAMES])
+    res.tables.append((f"Three classes at 78 % for {length_s:g} s ({CRITICAL_SHARE:.0%} critical, "
+                       f"{SHEDDABLE_SHARE:.0%} sheddable): what a normal load's bursts cost each class",
+                       ["fleet", "seed", "arrivals", *(f"{k} shed" for k in CLASS_NAMES),
+                        *(f"{k} P99 ms" for k in CLASS_NAMES)], rows))
+
+
 def _every_fleet(ctx: Context, res: Result, seeds: list[int], length_s: float) -> None:
     """The product alone at 78 % on every matrix fleet (its arrivals: bursty where the matrix's
     are) for `length_s`, every seed: longer than the matrix's 10 s, so that a detector that
@@ -313,6 +344,9 @@ def run(ctx: Context) -> Result:
                       f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})} ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
         _classes(ctx, res, seeds, cap, fleet)
+    classes_s = ctx.option("overload_classes78_s", 0)  # --set overload_classes78_s=60: three classes at 78 %
+    if classes_s > 0:
+        _classes_at_base(ctx, res, seeds, classes_s)
     fleets_s = ctx.option("overload_fleets_s", 0)  # --set overload_fleets_s=60: the product alone at 78 %
     if fleets_s > 0:
         _every_fleet(ctx, res, seeds, fleets_s)
