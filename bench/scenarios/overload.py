@@ -210,7 +210,8 @@ def _classes(ctx: Context, res: Result, seeds: list[int], cap: float,
 def _classes_at_base(ctx: Context, res: Result, seeds: list[int], length_s: float) -> None:
     """Three classes at 78 % (the bursty fleet's 2 s bursts, and the uneven fleet's Poisson arrivals)
     for `length_s`: what a normal load's bursts cost each class. Not a target of issue 29 (which
-    asks for nothing shed at 78 % without classes); the price of sheddable traffic giving way first."""
+    asks for nothing shed at 78 % without classes); it priced the sheddable-first experiment
+    (bench/results/sheddable-first)."""
     rows = []
     for plan in (BY_KEY["bursty"], FLEET):
         for seed in seeds:
