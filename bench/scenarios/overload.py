@@ -132,14 +132,19 @@ def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: 
         prompt = int(math.exp(rng.uniform(math.log(plo), math.log(phi))))
         body = {"model": "sim-model", "prompt": f"[request {i}] " + wl.text(rng, prompt),
                 "max_tokens": rng.randint(olo, ohi), "stream": True}
-        draw = tier.random()
-        headers = ({"x-tier": "critical"} if draw < critical_share
-                   else {"x-tier": "sheddable"} if draw < critical_share + sheddable_share else {})
+        headers = _tier(tier.random(), critical_share, sheddable_share)
         out.append({"i": i, "t": round(t, 6), "body": body, "headers": headers, "session": None})
     return out
 
 
 CLASS_NAMES = ("critical", "standard", "sheddable")
+
+
+def _tier(draw: float, critical_share: float, sheddable_share: float) -> dict[str, str]:
+    """The class header of a request whose uniform draw is `draw` (none: standard)."""
+    if draw < critical_share:
+        return {"x-tier": "critical"}
+    return {"x-tier": "sheddable"} if draw < critical_share + sheddable_share else {}
 
 
 def _classify(request: dict[str, Any]) -> str:
@@ -219,10 +224,7 @@ def _classes_at_base(ctx: Context, res: Result, seeds: list[int], length_s: floa
             reqs = wl.build(plan.workload(rate, int(rate * length_s) + 1, seed + 23))
             tier = random.Random(seed + 29)
             for q in reqs:
-                draw = tier.random()
-                q["headers"] = {**q.get("headers", {}), **(
-                    {"x-tier": "critical"} if draw < CRITICAL_SHARE
-                    else {"x-tier": "sheddable"} if draw < CRITICAL_SHARE + SHEDDABLE_SHARE else {})}
+                q["headers"] = {**q.get("headers", {}), **_tier(tier.random(), CRITICAL_SHARE, SHEDDABLE_SHARE)}
             r = measure_or_fail(ctx, plan.spec(seed), list(plan.max_num_seqs), reqs, CLASSES,
                                 f"ov78-classes-{plan.key}-{seed}", warmup_s=0.0, deadline_s=reqs[-1]["t"] + 1.0,
                                 timeout_s=60.0, classify=_classify)

@@ -57,8 +57,8 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "spill_min": float, "spill_fraction": float, "prompt_share": float, "long_tokens": int,
     "default_max_tokens": int, "fallbacks": int, "tie_s": float, "tie_share": float, "replicas": int,
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
-    "admission_gate": int,
-    "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float, "spike_min": int}
+    "admission_gate": int, "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float,
+    "spike_min": int}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
