@@ -235,7 +235,16 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
 
 PICKER_FILTER = "envoy.filters.http.ext_proc"
 ROUTE_NAME_ATTRIBUTE = "xds.route_name"
+# when Envoy received the request (RFC 3339, microseconds): the picker answers a request that
+# reached it late without a pick (PICKER_LATE_MODE), so Envoy balances it now
+REQUEST_TIME_ATTRIBUTE = "request.time"
 PICKER_TIMEOUT = "0.2s"  # per message; then Envoy's own balancer picks (failure_mode_allow)
+# The one mode the picker may switch a stream to, on its answer to the request headers: nothing
+# more sent to it (no body, no response), so the stream ends with that answer. The picker's way
+# to shed its own work when requests reach it late; Envoy refuses any other override.
+PICKER_LATE_MODE: Json = {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                          "request_trailer_mode": "SKIP", "response_header_mode": "SKIP",
+                          "response_body_mode": "NONE", "response_trailer_mode": "SKIP"}
 
 
 def _picker_filter(metadata: Json | None = None) -> Json:
@@ -268,7 +277,9 @@ def _picker_filter(metadata: Json | None = None) -> Json:
         "metadata_options": metadata or {"receiving_namespaces": {"untyped": [PICKER_METADATA_NS]}},
         # the matched route's name (the route known after json_to_metadata: checked on Envoy 1.40),
         # which the picker looks up in `route_classes` for the request's class and pool
-        "request_attributes": [ROUTE_NAME_ATTRIBUTE],
+        "request_attributes": [ROUTE_NAME_ATTRIBUTE, REQUEST_TIME_ATTRIBUTE],
+        "allow_mode_override": True,
+        "allowed_override_modes": [PICKER_LATE_MODE],
         "route_cache_action": "RETAIN",  # the destination header matches no route: no re-match
     })
 

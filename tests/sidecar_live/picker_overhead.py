@@ -1,6 +1,9 @@
 """What the endpoint picker adds per request: the same fleet behind the same Envoy render,
 least_request vs prefix_affinity (ext_proc to the sidecar's picker), an open loop at a fixed
-rate (bounded in count), end-to-end latency P50/P99 and the sidecar's CPU per 1,000 req/s.
+rate (bounded in count), end-to-end latency P50/P99/max, the requests that took longer than the
+picker's message timeout (200 ms: what Envoy waits for an answer before it balances alone), the
+picker's answers without a pick by reason (`confgen_picker_unpicked_total`) and the sidecar's CPU
+per 1,000 req/s, and the cores the sidecar and Envoy (one worker thread) used.
 
     PYTHONPATH=$PWD python -m tests.sidecar_live.picker_overhead --rate 300 --seconds 10
 """
@@ -11,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -65,6 +69,12 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _unpicked(metrics: str) -> dict[str, int]:
+    """The picker's answers without a pick so far, by reason (warm-up second included)."""
+    found = re.findall(r'^confgen_picker_unpicked_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$', metrics, re.M)
+    return {reason: int(float(v)) for reason, v in found if float(v)}
+
+
 def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
     workers = worker_specs(["a", "b", "c", "d"], decode_ms=1.0, prefill_ms_per_1k=1.0, max_num_seqs=64)
     with run_fleet_in_thread(FleetSpec(workers=workers, seed=1)) as fleet, \
@@ -81,24 +91,28 @@ def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
         write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
         sidecar = SidecarProcess(["--topology", str(tmp / "t.yaml"), "--xds-dir", str(xds), "--listen",
                                   f"127.0.0.1:{listen}", *FAST_ARGS], tmp / "sidecar.log", listen)
-        with EnvoyProcess(xds / "bootstrap.json"):
+        with EnvoyProcess(xds / "bootstrap.json") as proxy:
             sidecar.start()
             try:
                 sidecar.wait_ready()
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 asyncio.run(_load(url, rate, int(rate)))  # warm-up second
                 assert sidecar.proc is not None
-                cpu0, t0 = cpu_s(sidecar.proc.pid), time.perf_counter()
+                cpu0, envoy0, t0 = cpu_s(sidecar.proc.pid), cpu_s(proxy.pid), time.perf_counter()
                 latencies, failures = asyncio.run(_load(url, rate, int(rate * seconds)))
                 cpu = cpu_s(sidecar.proc.pid) - cpu0
+                envoy_cpu = cpu_s(proxy.pid) - envoy0
                 wall = time.perf_counter() - t0
+                unpicked = _unpicked(sidecar.metrics())
             finally:
                 sidecar.stop()
     achieved = len(latencies) / wall
     return {"requests": len(latencies), "failures": failures, "achieved_rps": round(achieved, 1),
             "p50_ms": round(_pct(latencies, 0.5) * 1000, 2), "p99_ms": round(_pct(latencies, 0.99) * 1000, 2),
-            "mean_ms": round(statistics.fmean(latencies) * 1000, 2),
-            "sidecar_cpu_per_1000_rps": round(cpu / wall / max(achieved, 1e-9) * 1000, 3)}
+            "mean_ms": round(statistics.fmean(latencies) * 1000, 2), "max_ms": round(max(latencies) * 1000, 2),
+            "over_200ms": sum(1 for x in latencies if x >= 0.2), "unpicked": unpicked,
+            "sidecar_cpu_per_1000_rps": round(cpu / wall / max(achieved, 1e-9) * 1000, 3),
+            "sidecar_cores": round(cpu / wall, 2), "envoy_cores": round(envoy_cpu / wall, 2)}
 
 
 def main() -> int:

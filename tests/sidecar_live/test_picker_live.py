@@ -220,6 +220,54 @@ def test_picker_down_costs_no_request_and_routing_resumes_when_it_returns(tmp_pa
         assert len(results) > 100 and set(results) == {200}, Counter(results)
 
 
+def _ext_proc(rig: Rig, counter: str) -> int:
+    """One of Envoy's ext_proc counters, summed over its listeners."""
+    return sum(v for k, v in rig.envoy.stats().items() if k.endswith(f".ext_proc.{counter}") and isinstance(v, int))
+
+
+def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers_without_a_pick(
+        tmp_path: Path) -> None:
+    """The fault: the sidecar's process stopped (SIGSTOP) while requests arrive, as a CPU-starved or paused
+    picker; their headers reach it late once it runs again. Each is answered on its headers alone, with
+    the override that ends the stream (Envoy sends it no body: one message a stream, not two), so Envoy
+    balances them at once instead of after its 200 ms message timeout; every request is served."""
+    import signal
+    import time
+
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        for _ in range(5):  # on time: picked on the body (two messages a stream); the floor of ages is set
+            assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 200
+        behind = _unpicked(rig.sidecar, "behind")
+        started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
+        timeouts = _ext_proc(rig, "message_timeouts")
+        assert rig.sidecar.proc is not None
+        pid = rig.sidecar.proc.pid
+        results: list[int] = []
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stalled_at = time.monotonic()
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
+                # every stream has sent its headers to the stopped picker, and they have waited 60 ms
+                assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
+                time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
+                os.kill(pid, signal.SIGCONT)
+                results = [f.result(timeout=30)[0] for f in futures]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert results == [200] * 8
+        assert _unpicked(rig.sidecar, "behind") - behind == 8, rig.sidecar.log_tail()
+        assert _ext_proc(rig, "streams_started") - started == 8
+        assert _ext_proc(rig, "stream_msgs_sent") - sent == 8  # the headers only: no body sent to the picker
+        assert _ext_proc(rig, "message_timeouts") == timeouts  # none waited Envoy's timeout
+        assert chat(rig, [{"role": "user", "content": "after"}])[0] == 200
+
+
+def _unpicked(sidecar: SidecarProcess, reason: str) -> float:
+    prefix = f'confgen_picker_unpicked_total{{reason="{reason}"}} '
+    return sum(float(line[len(prefix):]) for line in sidecar.metrics().splitlines() if line.startswith(prefix))
+
+
 def _plain_envoy_bootstrap(listen: int, admin: int, picker: str) -> dict[str, Any]:
     """Envoy as the inference extension's standalone chart configures it for an EPP:
     ext_proc in FULL_DUPLEX_STREAMED mode, an ORIGINAL_DST cluster routed by the header."""

@@ -148,7 +148,8 @@ class PickerService:
         self.peers = PeerServicer(self.store, PeerLoads(self.store, wiring.clock, limits.stale_s),
                                   self.metrics.observe_peer_batch, replica=self.links.replica,
                                   own_cert=config.grpc_tls.cert if config.grpc_tls is not None else None)
-        self.servicer = PickerServicer(self.store, picker, self.metrics, limits=ExtProcLimits(), lag=self._lag,
+        self.servicer = PickerServicer(self.store, picker, self.metrics,
+                                       limits=ExtProcLimits(late_s=picker.policy.late_s), lag=self._lag,
                                        on_placed=self.links.placed if config.picker_peers else None,
                                        budgets=wiring.budgets)
         self._checks_of: Topology | None = None

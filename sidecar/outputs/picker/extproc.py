@@ -73,10 +73,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from confgen._openai import error_body
-from confgen.envoy import ROUTE_NAME_ATTRIBUTE
+from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
 from confgen.errors import ConfgenError
 from confgen.limits import BUDGET_NS, CHECKED_HEADER
 from sidecar.observe.probe import LoopLag
@@ -84,6 +84,7 @@ from sidecar.outputs.contract import Budgets
 
 from .budgets import RouteChecks, budget_metadata, refusal_headers
 from .datastore import Datastore, Endpoint
+from .lateness import LATE_S, Lateness, parse_request_time
 from .metrics import PickerMetrics
 from .prompt import MAX_ITEMS, block_hashes, parse_body
 from .scheduling import Pick, Picker, PickRequest
@@ -99,6 +100,8 @@ POOL_METADATA = "x-confgen-pool"  # gRPC initial metadata confgen's render sends
 
 _MODE = processing_mode_pb2.ProcessingMode
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# the one override confgen's render allows (`allowed_override_modes`): nothing more to the picker
+_LATE_MODE = json_format.ParseDict(PICKER_LATE_MODE, _MODE())
 _log = logging.getLogger("sidecar.picker")
 
 
@@ -114,6 +117,10 @@ class ExtProcLimits:
     # The loop this late (the proxy's 200 ms message timeout is running on every queued message):
     # answer at once without a pick, so Envoy uses its own balancer now rather than after the timeout.
     behind_s: float = 0.05
+    # A request that reaches the picker this late (its age past the floor of recent ages, from the
+    # `request.time` confgen's render has Envoy send; `lateness`): answered at once without a pick,
+    # on its headers with the stream ended there (PICKER_LATE_MODE), or on its body.
+    late_s: float = LATE_S
 
 
 class Phase(StrEnum):
@@ -146,8 +153,8 @@ class _Stream:
     """One request's passage through the picker."""
 
     __slots__ = ("body", "body_ended", "checked", "client", "endpoint", "expired", "first", "headers", "mode", "phase",
-                 "picked_at", "pool", "predicted", "response_ended", "route", "skip", "streamed_response", "subset",
-                 "task", "trailers")
+                 "picked_at", "pool", "predicted", "response_ended", "route", "sent_at", "skip", "streamed_response",
+                 "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -166,6 +173,7 @@ class _Stream:
         self.task: asyncio.Task[Any] | None = None  # the RPC's, to end it when past its bound
         self.client: str | None = None  # the authenticated client id the proxy forwarded
         self.route: str | None = None  # the name of the route Envoy matched (ext_proc attribute)
+        self.sent_at: float | None = None  # when the proxy received the request (ext_proc attribute)
         self.picked_at = 0.0
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
         self.headers: dict[str, str] | None = None  # the request headers its budgets' check reads (a route with one)
@@ -196,6 +204,14 @@ def _route_name(msg: pb.ProcessingRequest) -> str | None:
         return None
     value = attrs.fields.get(ROUTE_NAME_ATTRIBUTE)
     return (value.string_value or None) if value is not None else None
+
+
+def _request_time(msg: pb.ProcessingRequest) -> float | None:
+    """When the proxy received the request (`confgen.envoy.REQUEST_TIME_ATTRIBUTE`), seconds since
+    the epoch; None when absent or not a time."""
+    attrs = msg.attributes.get(PICKER_FILTER_NAME)
+    value = attrs.fields.get(REQUEST_TIME_ATTRIBUTE) if attrs is not None else None
+    return parse_request_time(value.string_value) if value is not None else None
 
 
 def _remove_destination() -> pb.CommonResponse:
@@ -247,7 +263,7 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
                  limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
-                 honour_subset_hint: bool = False, lag: LoopLag | None = None,
+                 honour_subset_hint: bool = False, lag: LoopLag | None = None, wall: Callable[[], float] = time.time,
                  on_placed: Callable[[str, str, Sequence[int]], None] | None = None,
                  budgets: Budgets | None = None) -> None:
         self.store = store
@@ -259,6 +275,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.limits = limits or ExtProcLimits()
         self.honour_subset_hint = honour_subset_hint
         self.lag = lag  # the picker's loop's lateness (None: never considered behind)
+        self.lateness = Lateness()  # how late requests reach it (from the proxy's request.time)
+        self._wall = wall  # the clock request.time is compared with
         self._clock = clock
         self._open: set[_Stream] = set()  # streams tracked (not over max_open_streams)
 
@@ -277,7 +295,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.skip is not None:
             self.metrics.unpicked.labels(reason=st.skip).inc()
             return None, None
-        if self.lag is not None and self.lag.behind_s() > self.limits.behind_s:
+        if self._behind(st):
             self.metrics.unpicked.labels(reason="behind").inc()  # no parse, no score: the proxy decides now
             return None, None
         started = self._clock()
@@ -324,6 +342,20 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics.observe_pick(pool, pick, self._clock() - started)
         header = base_pb2.HeaderValue(key=DESTINATION, raw_value=chosen.address.encode())
         return base_pb2.HeaderValueOption(header=header, append_action=_OVERWRITE), pick
+
+    def _behind(self, st: _Stream) -> bool:
+        """The picker's loop runs late, or this request reached it late (`late_s` past the floor)."""
+        if self.lag is not None and self.lag.behind_s() > self.limits.behind_s:
+            return True
+        return st.sent_at is not None and self.lateness.since(st.sent_at, self._wall()) > self.limits.late_s
+
+    def _late_headers(self, st: _Stream) -> list[pb.ProcessingResponse]:
+        """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
+        stream ends with this answer, so shedding costs one message, not a body and a response)."""
+        st.skip = "behind"
+        out = self._picked(st, "headers")
+        out.mode_override.CopyFrom(_LATE_MODE)
+        return [out]
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
         """The stream's request no longer in flight; idempotent. `finished`: its response ended
@@ -379,8 +411,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         (the pick rides on its answer), the stream is tracked, and the loop is not behind (then Envoy's
         filter checks it: no request waits on a late picker)."""
         return (st.headers is not None and st.phase is Phase.BODY and st.mode is BodyMode.BUFFERED
-                and msg.HasField("request_body") and st.skip != "busy"
-                and not (self.lag is not None and self.lag.behind_s() > self.limits.behind_s))
+                and msg.HasField("request_body") and st.skip != "busy" and not self._behind(st))
 
     async def _check_budgets(self, st: _Stream, msg: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
         """None: go on (admitted, `st.checked` set; or left to Envoy's filter); else the 429."""
@@ -484,6 +515,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             st.route = _route_name(msg)
+            st.sent_at = _request_time(msg)
             return self._headers(st, msg.request_headers)
         if kind == "request_body":
             return self._body(st, msg.request_body)
@@ -522,6 +554,10 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return [self._picked(st, "headers")]  # decided at once; the body passes unread
         if st.mode is BodyMode.NONE:
             return [self._picked(st, "headers")]  # the router reads these headers next: load alone
+        if st.sent_at is not None:
+            late = self.lateness.observe(st.sent_at, self._wall())
+            if late > self.limits.late_s and st.skip is None and st.mode is BodyMode.BUFFERED:
+                return self._late_headers(st)
         st.phase = Phase.BODY
         if st.mode is BodyMode.DUPLEX:
             return []  # held until the pick

@@ -7,8 +7,9 @@
                                                 pool), none_ready, no_body (GET), timeout (no body in
                                                 time), stream_timeout (past max_stream_s, after the
                                                 pick), body_too_large (over the body cap), busy (over
-                                                max_open_streams), behind (the loop ran past ExtProcLimits.behind_s
-                                                late: answered at once, before the proxy's 200 ms timeout)
+                                                max_open_streams), behind (the request reached the picker
+                                                late_s late, or the loop ran behind_s late: answered at once,
+                                                before the proxy's 200 ms timeout)
     confgen_picker_streams_total                ext_proc streams opened (one per request)
     confgen_picker_stream_errors_total{reason}  streams ended for breaking the protocol (INVALID_ARGUMENT):
                                                 order (a message out of order for the stream's mode),

@@ -42,6 +42,7 @@ from hashlib import blake2b
 from typing import Protocol
 
 from .datastore import Endpoint
+from .lateness import LATE_S
 from .predict import CostPolicy, Prediction, Workload, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
@@ -58,7 +59,7 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "default_max_tokens": int, "fallbacks": int, "tie_s": float, "tie_share": float, "replicas": int,
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
     "admission_gate": int, "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float,
-    "spike_min": int}
+    "spike_min": int, "late_s": float}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
@@ -126,6 +127,10 @@ class PickerPolicy:
     default_max_tokens: int = 256  # when the request says nothing
     prompt_share: float = 0.5  # prefix counts fully while prompt tokens >= this x max_tokens
     fallbacks: int = 2  # endpoints after the first, for retries
+    # A request that reaches the picker this many seconds late (its age, from the proxy's
+    # request.time, past the floor of recent ages: lateness.py) is answered at once without a
+    # pick: at a rate the picker cannot keep up with it sheds its own work, not the client's time.
+    late_s: float = LATE_S
 
 
     def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:

@@ -1,0 +1,151 @@
+"""A request that reaches the picker late is answered at once without a pick (lateness.py): its
+age from the proxy's `request.time` past the floor of recent ages, so the clocks' offset does not
+count. On its headers the answer also ends the stream (the one mode override the render allows).
+With a real Envoy (the override honoured, every request served): tests/sidecar_live/test_picker_live.py."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import json_format, struct_pb2
+
+from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
+from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer
+from sidecar.outputs.picker.lateness import SANE_S, Lateness, parse_request_time
+from sidecar.outputs.picker.metrics import PickerMetrics
+from sidecar.outputs.picker.scheduling import Picker
+
+T0 = 1_796_474_520.0  # 2026-12-05 12:42:00 UTC
+
+
+def _stamp(t: float) -> str:
+    """`t` as Envoy writes request.time."""
+    return datetime.fromtimestamp(t, UTC).isoformat()
+
+
+def test_request_time_is_read_as_envoy_writes_it() -> None:
+    assert parse_request_time("2026-12-05T12:42:00.471307+00:00") == pytest.approx(T0 + 0.471307)
+    assert parse_request_time(_stamp(T0 + 1.5)) == pytest.approx(T0 + 1.5)
+    for bad in ("", "yesterday", "2026-12-05T12:42:00", "2026-12-05T12:42:00+00:00" + " " * 64):
+        assert parse_request_time(bad) is None, bad  # no zone: whose clock?
+
+
+@pytest.mark.parametrize("offset", [0.0, 3.0, -3.0])
+def test_lateness_is_the_age_past_the_floor_whatever_the_clocks_offset(offset: float) -> None:
+    """`offset`: how far the picker's clock is ahead of the proxy's (the age read includes it)."""
+    late = Lateness(window_s=30.0)
+    transport = 0.001
+    assert late.observe(T0, T0 + offset + transport) == 0.0  # the first sets the floor
+    assert late.observe(T0 + 1, T0 + 1 + offset + transport + 0.004) == pytest.approx(0.004, abs=1e-6)
+    assert late.observe(T0 + 2, T0 + 2 + offset + transport + 0.050) == pytest.approx(0.050, abs=1e-6)
+    assert late.observe(T0 + 3, T0 + 3 + offset + transport / 2) == 0.0  # a new floor
+    assert late.since(T0 + 4, T0 + 4 + offset + transport / 2 + 0.030) == pytest.approx(0.030, abs=1e-6)
+
+
+def test_the_floor_forgets_after_two_windows_and_a_clock_step_is_not_a_queue() -> None:
+    late = Lateness(window_s=10.0)
+    late.observe(T0, T0 + 0.001)
+    # the proxy's clock stepped back 2 s: every age reads 2 s longer; within SANE_S that could be a
+    # backlog, so it counts until the floor has moved (after one to two windows)
+    assert late.observe(T0 + 5, T0 + 7.001) == pytest.approx(2.0, abs=1e-6)
+    late.observe(T0 + 12, T0 + 14.001)  # a new window: the previous one still holds the old floor
+    assert late.observe(T0 + 13, T0 + 15.001) == pytest.approx(2.0, abs=1e-6)
+    late.observe(T0 + 22, T0 + 24.001)  # another: the old floor is gone
+    assert late.observe(T0 + 23, T0 + 25.001) == 0.0
+    # a step past SANE_S is a clock, not a queue (Envoy gives up on a message after 0.2 s)
+    assert late.observe(T0 + 24, T0 + 26.001 + SANE_S + 1) == 0.0
+    assert late.since(T0 + 25, T0 + 27.001 + SANE_S + 1) == 0.0
+    assert Lateness().since(T0, T0 + 5) == 0.0  # nothing observed yet: no floor, never late
+
+
+ADDRESSES = ("10.0.0.1:8000", "10.0.0.2:8000")
+
+
+class _Wall:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _servicer(wall: _Wall) -> PickerServicer:
+    store = Datastore()
+    store.update([PoolFacts("chat", ("m",), tuple(EndpointFacts(a, serving=True, capacity=4) for a in ADDRESSES))])
+    return PickerServicer(store, Picker(), PickerMetrics(None), limits=ExtProcLimits(late_s=0.02), wall=wall)
+
+
+def _headers(sent_at: float | None) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=DESTINATION, raw_value=b"6.6.6.6:1")])))
+    attrs = struct_pb2.Struct()
+    attrs.update({ROUTE_NAME_ATTRIBUTE: "chat-route"})
+    if sent_at is not None:
+        attrs.update({REQUEST_TIME_ATTRIBUTE: _stamp(sent_at)})
+    msg.attributes[PICKER_FILTER_NAME].CopyFrom(attrs)
+    return msg
+
+
+_BODY = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model": "m", "prompt": "hello"}', end_of_stream=True))
+
+
+async def _stream(svc: PickerServicer, wall: _Wall, steps: list[tuple[float, pb.ProcessingRequest]]
+                  ) -> list[pb.ProcessingResponse]:
+    """Each message sent at its wall time (the answers are read in between, as Envoy would)."""
+    async def requests() -> Any:
+        for at, msg in steps:
+            wall.now = at
+            yield msg
+
+    class _Context:
+        def invocation_metadata(self) -> tuple[()]:
+            return ()
+
+    return [out async for out in svc.Process(requests(), _Context())]  # type: ignore[arg-type]
+
+
+def _picked(answer: pb.ProcessingResponse) -> str | None:
+    common = answer.request_body.response if answer.HasField("request_body") else answer.request_headers.response
+    values = [h.header.raw_value.decode() for h in common.header_mutation.set_headers if h.header.key == DESTINATION]
+    return values[0] if values else None
+
+
+def test_late_headers_end_the_stream_without_a_pick_and_late_bodies_get_none() -> None:
+    wall = _Wall()
+    svc = _servicer(wall)
+    behind = svc.metrics.unpicked.labels(reason="behind")
+    # on time (the floor: 1 ms of transport): picked on its body
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 0.001, _headers(T0)), (T0 + 0.002, _BODY)]))
+    assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
+    # 5 ms late: still picked
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 1.006, _headers(T0 + 1)), (T0 + 1.007, _BODY)]))
+    assert _picked(answers[-1]) in ADDRESSES and behind._value.get() == 0
+    # headers 50 ms late: one answer, no pick (the client's header removed), and the override that ends the stream
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 2.051, _headers(T0 + 2))]))
+    assert len(answers) == 1 and _picked(answers[0]) is None
+    assert DESTINATION in answers[0].request_headers.response.header_mutation.remove_headers
+    assert answers[0].mode_override == json_format.ParseDict(PICKER_LATE_MODE, processing_mode_pb2.ProcessingMode())
+    assert answers[0].mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
+    assert behind._value.get() == 1
+    # headers on time, the body 40 ms late: no pick on the body
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 3.002, _headers(T0 + 3)), (T0 + 3.041, _BODY)]))
+    assert not answers[0].HasField("mode_override") and _picked(answers[-1]) is None
+    assert behind._value.get() == 2
+    # nothing held in flight by any of them but the two picked streams, which ended
+    assert sum(e.in_flight for e in svc.store.endpoints("chat")) == 0 and svc.open_streams() == 0
+
+
+def test_without_request_time_nothing_is_late() -> None:
+    """A proxy that does not send request.time (an Envoy configured as the extension documents): only the
+    loop's own lateness counts."""
+    wall = _Wall()
+    svc = _servicer(wall)
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 5.0, _headers(None)), (T0 + 9.0, _BODY)]))
+    assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
