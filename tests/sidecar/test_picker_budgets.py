@@ -135,6 +135,9 @@ async def _run(svc: PickerServicer, messages: list[pb.ProcessingRequest]) -> lis
         def invocation_metadata(self) -> tuple[()]:
             return ()
 
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:40000"
+
     return [out async for out in svc.Process(requests(), _Context())]  # type: ignore[arg-type]
 
 

@@ -17,7 +17,7 @@ from google.protobuf import json_format, struct_pb2
 
 from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
 from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
-from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer
+from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer, _proxy_host
 from sidecar.outputs.picker.lateness import SANE_S, Lateness, parse_request_time
 from sidecar.outputs.picker.metrics import PickerMetrics
 from sidecar.outputs.picker.scheduling import Picker
@@ -96,9 +96,10 @@ def _headers(sent_at: float | None) -> pb.ProcessingRequest:
 _BODY = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model": "m", "prompt": "hello"}', end_of_stream=True))
 
 
-async def _stream(svc: PickerServicer, wall: _Wall, steps: list[tuple[float, pb.ProcessingRequest]]
-                  ) -> list[pb.ProcessingResponse]:
-    """Each message sent at its wall time (the answers are read in between, as Envoy would)."""
+async def _stream(svc: PickerServicer, wall: _Wall, steps: list[tuple[float, pb.ProcessingRequest]],
+                  peer: str = "ipv4:127.0.0.1:40000") -> list[pb.ProcessingResponse]:
+    """Each message sent at its wall time (the answers are read in between, as Envoy would), by the
+    proxy at `peer`."""
     async def requests() -> Any:
         for at, msg in steps:
             wall.now = at
@@ -107,6 +108,9 @@ async def _stream(svc: PickerServicer, wall: _Wall, steps: list[tuple[float, pb.
     class _Context:
         def invocation_metadata(self) -> tuple[()]:
             return ()
+
+        def peer(self) -> str:
+            return peer
 
     return [out async for out in svc.Process(requests(), _Context())]  # type: ignore[arg-type]
 
@@ -149,3 +153,27 @@ def test_without_request_time_nothing_is_late() -> None:
     svc = _servicer(wall)
     answers = asyncio.run(_stream(svc, wall, [(T0 + 5.0, _headers(None)), (T0 + 9.0, _BODY)]))
     assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
+
+
+def test_each_proxy_host_is_timed_on_its_own_clock() -> None:
+    """Two Envoys on one picker (ADS), one clock 50 ms behind the other: its requests read 50 ms older.
+    Each host has its own floor, so neither is late for its clock; a late one of either still is."""
+    wall = _Wall()
+    svc = _servicer(wall)
+    fast, slow = "ipv4:10.0.0.7:41234", "ipv4:10.0.0.8:50000"
+    for i in range(3):
+        for peer, behind_s in ((fast, 0.0), (slow, 0.05)):
+            t = T0 + i
+            answers = asyncio.run(_stream(svc, wall, [(t + 0.001, _headers(t - behind_s)), (t + 0.002, _BODY)],
+                                          peer=peer.replace(":4", ":5") if i else peer))  # another port: same host
+            assert _picked(answers[-1]) in ADDRESSES, (peer, i)
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 9.031, _headers(T0 + 9 - 0.05))], peer=slow))
+    assert answers[0].HasField("mode_override")  # 30 ms late on its own clock
+    assert set(svc.lateness) == {"ipv4:10.0.0.7", "ipv4:10.0.0.8"}
+
+
+@pytest.mark.parametrize(("peer", "host"), [("ipv4:10.0.0.7:41234", "ipv4:10.0.0.7"), ("ipv6:[::1]:5", "ipv6:[::1]"),
+                                            ("unix:/run/confgen/grpc.sock", "unix:/run/confgen/grpc.sock"),
+                                            ("unix:", "unix:"), ("", "")])
+def test_the_proxy_host_is_the_peer_without_its_port(peer: str, host: str) -> None:
+    assert _proxy_host(peer) == host

@@ -103,6 +103,9 @@ class _Context:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("x-confgen-pool", self.pool),) if self.pool else ()
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code = code
         raise _Aborted(details)
