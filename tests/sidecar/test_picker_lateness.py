@@ -17,7 +17,7 @@ from google.protobuf import json_format, struct_pb2
 
 from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
 from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
-from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer, _proxy_host
+from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer
 from sidecar.outputs.picker.lateness import SANE_S, Lateness, parse_request_time
 from sidecar.outputs.picker.metrics import PickerMetrics
 from sidecar.outputs.picker.scheduling import Picker
@@ -155,25 +155,33 @@ def test_without_request_time_nothing_is_late() -> None:
     assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
 
 
-def test_each_proxy_host_is_timed_on_its_own_clock() -> None:
+def test_each_connection_is_timed_on_its_own_clock_and_cannot_move_another() -> None:
     """Two Envoys on one picker (ADS), one clock 50 ms behind the other: its requests read 50 ms older.
-    Each host has its own floor, so neither is late for its clock; a late one of either still is."""
+    Each connection has its own floor, so neither is late for its clock (a late one of either still
+    is), and a connection sending a request.time in the future moves no other connection's floor."""
     wall = _Wall()
     svc = _servicer(wall)
-    fast, slow = "ipv4:10.0.0.7:41234", "ipv4:10.0.0.8:50000"
+    fast, slow, forger = "ipv4:10.0.0.7:41234", "ipv4:10.0.0.8:50000", "ipv4:10.0.0.7:41999"
     for i in range(3):
+        t = T0 + i
         for peer, behind_s in ((fast, 0.0), (slow, 0.05)):
-            t = T0 + i
-            answers = asyncio.run(_stream(svc, wall, [(t + 0.001, _headers(t - behind_s)), (t + 0.002, _BODY)],
-                                          peer=peer.replace(":4", ":5") if i else peer))  # another port: same host
+            answers = asyncio.run(_stream(svc, wall, [(t + 0.001, _headers(t - behind_s)), (t + 0.002, _BODY)], peer))
             assert _picked(answers[-1]) in ADDRESSES, (peer, i)
-    answers = asyncio.run(_stream(svc, wall, [(T0 + 9.031, _headers(T0 + 9 - 0.05))], peer=slow))
+    asyncio.run(_stream(svc, wall, [(T0 + 5, _headers(T0 + 5 + 9.0))], forger))  # 9 s ahead: a floor of -9 s
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 6.001, _headers(T0 + 6)), (T0 + 6.002, _BODY)], fast))
+    assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 9.031, _headers(T0 + 9 - 0.05))], slow))
     assert answers[0].HasField("mode_override")  # 30 ms late on its own clock
-    assert set(svc.lateness) == {"ipv4:10.0.0.7", "ipv4:10.0.0.8"}
+    assert set(svc.lateness) == {fast, slow, forger}
 
 
-@pytest.mark.parametrize(("peer", "host"), [("ipv4:10.0.0.7:41234", "ipv4:10.0.0.7"), ("ipv6:[::1]:5", "ipv6:[::1]"),
-                                            ("unix:/run/confgen/grpc.sock", "unix:/run/confgen/grpc.sock"),
-                                            ("unix:", "unix:"), ("", "")])
-def test_the_proxy_host_is_the_peer_without_its_port(peer: str, host: str) -> None:
-    assert _proxy_host(peer) == host
+def test_past_max_peers_connections_every_floor_starts_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.outputs.picker import extproc
+
+    monkeypatch.setattr(extproc, "MAX_PEERS", 3)
+    wall = _Wall()
+    svc = _servicer(wall)
+    for n in range(4):
+        asyncio.run(_stream(svc, wall, [(T0 + n + 0.001, _headers(T0 + n)), (T0 + n + 0.002, _BODY)],
+                            f"ipv4:10.0.0.9:{4000 + n}"))
+    assert set(svc.lateness) == {"ipv4:10.0.0.9:4003"}

@@ -103,7 +103,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # the one override confgen's render allows (`allowed_override_modes`): nothing more to the picker
 _LATE_MODE = json_format.ParseDict(PICKER_LATE_MODE, _MODE())
 _log = logging.getLogger("sidecar.picker")
-MAX_PROXIES = 4096  # proxy hosts whose clocks are told apart (ADS: every Envoy of the fleet)
+MAX_PEERS = 4096  # gRPC connections whose request ages are floored apart (then all start over)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,7 @@ class _Stream:
     """One request's passage through the picker."""
 
     __slots__ = ("body", "body_ended", "checked", "client", "endpoint", "expired", "first", "headers", "lateness",
-                 "mode", "phase", "picked_at", "pool", "predicted", "proxy", "response_ended", "route", "sent_at",
+                 "mode", "peer", "phase", "picked_at", "pool", "predicted", "response_ended", "route", "sent_at",
                  "skip", "streamed_response", "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
@@ -175,8 +175,8 @@ class _Stream:
         self.client: str | None = None  # the authenticated client id the proxy forwarded
         self.route: str | None = None  # the name of the route Envoy matched (ext_proc attribute)
         self.sent_at: float | None = None  # when the proxy received the request (ext_proc attribute)
-        self.proxy = ""  # the proxy's host, as the transport names it (its clock is the one sent_at is on)
-        self.lateness: Lateness | None = None  # the ages of that proxy's requests (None: no request.time)
+        self.peer = ""  # the gRPC connection it came on (one proxy's: its clock is the one sent_at is on)
+        self.lateness: Lateness | None = None  # the ages of that connection's requests (None: no request.time)
         self.picked_at = 0.0
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
         self.headers: dict[str, str] | None = None  # the request headers its budgets' check reads (a route with one)
@@ -215,14 +215,6 @@ def _request_time(msg: pb.ProcessingRequest) -> float | None:
     attrs = msg.attributes.get(PICKER_FILTER_NAME)
     value = attrs.fields.get(REQUEST_TIME_ATTRIBUTE) if attrs is not None else None
     return parse_request_time(value.string_value) if value is not None else None
-
-
-def _proxy_host(peer: str | None) -> str:
-    """The host of a gRPC peer (`ipv4:10.0.0.7:41234`, `ipv6:[::1]:41234`, `unix:/path`): its port dropped."""
-    if not peer or peer.startswith("unix"):
-        return peer or ""
-    host, sep, port = peer.rpartition(":")
-    return host if sep and port.isdigit() else peer
 
 
 def _remove_destination() -> pb.CommonResponse:
@@ -286,7 +278,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.limits = limits or ExtProcLimits()
         self.honour_subset_hint = honour_subset_hint
         self.lag = lag  # the picker's loop's lateness (None: never considered behind)
-        # how late requests reach it (from the proxy's request.time), per proxy host: each has its own clock
+        # how late requests reach it (from the proxy's request.time), per gRPC connection: each proxy has
+        # its own clock, and a connection's ages never move another's floor
         self.lateness: dict[str, Lateness] = {}
         self._wall = wall  # the clock request.time is compared with
         self._clock = clock
@@ -447,13 +440,14 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # -- the stream ---------------------------------------------------------------------
 
-    def _lateness_of(self, proxy: str) -> Lateness:
-        """The ages of the requests from one proxy host (its clock); past MAX_PROXIES hosts they share one."""
-        found = self.lateness.get(proxy)
+    def _lateness_of(self, peer: str) -> Lateness:
+        """The ages of the requests on one gRPC connection (one proxy's clock). Past MAX_PEERS connections
+        seen, every floor starts over (each learns again from its next request)."""
+        found = self.lateness.get(peer)
         if found is None:
-            if len(self.lateness) >= MAX_PROXIES:
-                proxy = "*"
-            found = self.lateness.setdefault(proxy, Lateness())
+            if len(self.lateness) >= MAX_PEERS:
+                self.lateness.clear()
+            found = self.lateness[peer] = Lateness()
         return found
 
     def open(self, pool: str | None) -> _Stream:
@@ -472,7 +466,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
         pool = next((v for k, v in context.invocation_metadata() or () if k == POOL_METADATA), None)
         st = self.open(pool if isinstance(pool, str) else None)
-        st.proxy = _proxy_host(context.peer())
+        st.peer = context.peer() or ""
         loop = asyncio.get_running_loop()
         st.task = asyncio.current_task()
         # One timer per stream, not one per message: the body's bound, then the generation's.
@@ -578,7 +572,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.mode is BodyMode.NONE:
             return [self._picked(st, "headers")]  # the router reads these headers next: load alone
         if st.sent_at is not None:
-            st.lateness = lateness = self._lateness_of(st.proxy)
+            st.lateness = lateness = self._lateness_of(st.peer)
             late = lateness.observe(st.sent_at, self._wall())
             if late > self.limits.late_s and st.skip is None and st.mode is BodyMode.BUFFERED:
                 return self._late_headers(st)

@@ -12,7 +12,8 @@ answer: the stream ends with it), so the picker sheds its own work and not the c
 The two clocks may differ (the picker in a control plane on another host): the age counted
 is the age less the least age seen in the last one to two windows (`window_s`), which is the
 offset between the clocks plus the transport's floor. The servicer keeps one `Lateness` per
-proxy host, so Envoys whose clocks differ are each timed on their own. An age past `SANE_S`
+gRPC connection, so Envoys whose clocks differ are each timed on their own, and a connection
+that sends a request.time in the future lowers only its own floor. An age past `SANE_S`
 beyond the floor is a clock that stepped, not a queue, and counts as on time. Pure: the clock
 is passed in.
 """
