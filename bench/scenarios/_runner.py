@@ -141,6 +141,10 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                         name = "picker" if label == "picker" else f"limiter_{label}"
                         layers[name] = layers.get(name, 0.0) + n
                 out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
+                # requests the picker answered without a pick because they (or its loop) were late: a row
+                # where many were is not a measure of the picker's routing
+                unpicked = [s.metric_by("confgen_picker_unpicked", "reason") or {} for s in sidecars]
+                out["picker_late"] = int(sum(u.get("behind", 0.0) for u in unpicked))
                 # the picker's observed / predicted finish time per request (cumulative buckets by le;
                 # the _count and _sum samples have no le)
                 ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)

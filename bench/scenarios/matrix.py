@@ -66,7 +66,8 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
             r["seed"] = seed
             per_seed.setdefault(s.key, []).append(r)
             print(f"  [{plan.key} seed {seed}] {s.label}: p50 {fmt_ms(r['p50_ms'])} p99 {fmt_ms(r['p99_ms'])} ms, "
-                  f"ok {r['ok']}/{r['requests']}, 429 {r['shed']} ({r['wall_s']:.0f}s: start {r.get('startup_s')}, "
+                  f"ok {r['ok']}/{r['requests']}, 429 {r['shed']}, picker late {r.get('picker_late', '-')} "
+                  f"({r['wall_s']:.0f}s: start {r.get('startup_s')}, "
                   f"load {r.get('load_s')}, stop {r.get('teardown_s')})", flush=True)
     rows = {k: {**_stats.pooled(v), "label": v[0]["label"].split(" (FAILED")[0], "fleet_by_worker": _sum_workers(v),
                 "send_lag_p99_ms": max((r.get("send_lag_p99_ms") or 0.0 for r in v), default=None),

@@ -344,7 +344,8 @@ def run(ctx: Context) -> Result:
                 r["seed"] = seed
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
-                      f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})} ({r['wall_s']:.0f}s)", flush=True)
+                      f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})}, picker late "
+                      f"{r.get('picker_late', '-')} ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
         _classes(ctx, res, seeds, cap, fleet)
     classes_s = ctx.option("overload_classes78_s", 0)  # --set overload_classes78_s=60: three classes at 78 %

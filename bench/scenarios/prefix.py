@@ -193,7 +193,8 @@ def run_workload(ctx: Context, w: Workload, seeds: list[int], warmup_s: float, w
             per_seed.setdefault(s.key, []).append(row)
             print(f"  [{w.key} seed {seed}] {s.label}: p99 {fmt_ms(row['p99_ms'])} ttft p99 "
                   f"{fmt_ms(row['ttft_p99_ms'])} ms, hit {_pct(row['prefix_hit_rate'])}, 429 {row['shed']}, "
-                  f"ok {row['ok']}/{row['requests']} ({row['wall_s']:.0f}s)", flush=True)
+                  f"ok {row['ok']}/{row['requests']}, picker late {row.get('picker_late', '-')} "
+                  f"({row['wall_s']:.0f}s)", flush=True)
     pooled = {k: {**_stats.pooled(rows), "label": rows[0]["label"].split(" (FAILED")[0],
                   "fleet_by_worker": _sum_workers(rows)} for k, rows in per_seed.items()}
     return {"workload": w.key, "label": w.label, "rate_rps": rate, "capacity_rps": cap, "seeds": seeds,
