@@ -111,12 +111,17 @@ def test_three_envoys_admit_one_budget_of_requests(tmp_path: Path) -> None:
         ok = next(r for r in results if r[0] == 200)
         assert "x-ratelimit-remaining" in ok[1]
         assert ok[1]["x-ratelimit-limit"].startswith("60, 60;w=60"), ok[1]
-        # the pool is on the endpoint picker (the default): it decided every check in its own call, and
-        # Envoy's rate limit filter made none (every decision the services counted is the pickers')
+        # the pool is on the endpoint picker (the default): it decided every check in its own call, except
+        # a request it answered without a pick because it reached it late (a loaded machine: the picker's
+        # late rule), whose check Envoy's rate limit filter made instead; each counted once, none lost
         picker_checks = _metric(rig, "confgen_picker_budget_checks_total")
         decisions = _metric(rig, "confgen_sidecar_ratelimit_decisions_total")
-        assert picker_checks == decisions == len(statuses), (picker_checks, decisions)
-        assert _metric(rig, "confgen_picker_budget_checks_total", 'code="over_limit"') == statuses.count(429)
+        behind = _metric(rig, "confgen_picker_unpicked_total", 'reason="behind"')
+        assert decisions == len(statuses), (decisions, len(statuses))
+        assert picker_checks + behind == decisions, (picker_checks, behind, decisions)
+        assert picker_checks >= 0.9 * decisions, (picker_checks, decisions)
+        assert _metric(rig, "confgen_sidecar_ratelimit_decisions_total", 'code="over_limit"') == statuses.count(429)
+        assert _metric(rig, "confgen_picker_budget_checks_total", 'code="over_limit"') <= statuses.count(429)
         # the baseline: a local limit of 60 a minute is 60 per Envoy
         local = spread(rig, "loc", [_body(1)] * (4 * limit), concurrency=6)
         local_admitted = [r[0] for r in local].count(200)
