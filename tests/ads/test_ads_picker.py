@@ -54,6 +54,12 @@ def _chat(port: int, messages: list[dict[str, str]]) -> tuple[int, str]:
         return err.code, "-"
 
 
+def _late(sidecar: SidecarProcess) -> float:
+    """Requests the picker left to Envoy for reaching it late (`unpicked{reason="behind"}`)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in sidecar.metrics().splitlines()
+               if line.startswith("confgen_picker_unpicked_total{") and 'reason="behind"' in line)
+
+
 def _picks(sidecar: SidecarProcess) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in sidecar.metrics().splitlines()
                if line.startswith("confgen_picker_picks_total{"))
@@ -93,6 +99,7 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
                       for i in range(2)]
             assert poll(lambda: _chat(port, [{"role": "user", "content": "warm"}])[0] == 200 and _picks(sidecar) > 0,
                         timeout=30), sidecar.log_tail()
+            late_before = _late(sidecar)
             homes: dict[int, Counter[str]] = {}
             for c in range(6):
                 messages = [{"role": "system", "content": f"Agent {c}. " + "shared context " * 40}]
@@ -106,8 +113,10 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
             # Both Envoys called the picker (the kernel spreads new connections over them) ...
             started = [int(p.stats().get("http.public.ext_proc.streams_started", 0)) for p in envoys]
             assert all(n > 0 for n in started), started
-            # ... and each conversation stayed on one worker across both.
+            # ... and each conversation stayed on one worker across both (but for a turn Envoy balanced:
+            # the picker failed, or the turn reached it late on a loaded machine)
             fallbacks = sum(int(p.stats().get("http.public.ext_proc.failure_mode_allowed", 0)) for p in envoys)
+            fallbacks += int(_late(sidecar) - late_before)
             moved = sum(4 - c.most_common(1)[0][1] for c in homes.values())
             assert moved <= fallbacks, (homes, fallbacks)
             if mtls:  # the picker's cluster came over ADS with its TLS context, and both ports are mTLS

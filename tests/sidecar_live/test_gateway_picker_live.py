@@ -18,7 +18,7 @@ from confgen.deploy.gateway_api import EPP_TLS_DIR, render_gateway_api
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, fleet_topology, run_fleet_in_thread
 from tests.sidecar_live.rig import FAST_ARGS, Rig, SidecarProcess, poll, worker_specs
-from tests.sidecar_live.test_picker_live import _plain_envoy_bootstrap, chat, conversation_system, picks
+from tests.sidecar_live.test_picker_live import _plain_envoy_bootstrap, chat, conversation_system, picks, unpicked
 from tests.support.certs import CertAuthority
 
 pytestmark = pytest.mark.timeout(240)
@@ -95,7 +95,7 @@ def test_a_documented_envoy_routes_through_the_rendered_gateway_picker_over_mtls
                 warm = [{"role": "user", "content": "warm up"}]
                 assert poll(lambda: chat(plain, warm)[0] == 200 and picks(sidecar) > 0, timeout=30), \
                     sidecar.log_tail()
-                before = picks(sidecar)
+                before, behind = picks(sidecar), unpicked(sidecar, "behind")
                 homes: dict[int, Counter[str]] = {}
                 for i in range(6):
                     messages = [{"role": "system", "content": conversation_system(300 + i)}]
@@ -106,8 +106,12 @@ def test_a_documented_envoy_routes_through_the_rendered_gateway_picker_over_mtls
                         assert status == 200, (status, sidecar.log_tail())
                         homes[i][worker] += 1
                         messages.append({"role": "assistant", "content": "ok"})
-                assert picks(sidecar) - before == 18  # every request picked, none fell open
-                assert all(len(c) == 1 for c in homes.values()), homes
+                # every request picked, none fell open; but one the picker's loop took up late (a loaded
+                # machine: Envoy balances it)
+                late = unpicked(sidecar, "behind") - behind
+                assert picks(sidecar) - before + late == 18 and late <= 2, (late, sidecar.log_tail())
+                moved = sum(3 - c.most_common(1)[0][1] for c in homes.values())
+                assert moved <= late, homes
         finally:
             code = sidecar.stop()
         assert code == 0, f"sidecar exited {code} on SIGTERM:\n{sidecar.log_tail()}"

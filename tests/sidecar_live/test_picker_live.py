@@ -237,7 +237,7 @@ def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers
     with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
         for _ in range(5):  # on time: picked on the body (two messages a stream); the floor of ages is set
             assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 200
-        behind = _unpicked(rig.sidecar, "behind")
+        behind = unpicked(rig.sidecar, "behind")
         started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
         timeouts = _ext_proc(rig, "message_timeouts")
         assert rig.sidecar.proc is not None
@@ -256,14 +256,14 @@ def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers
         finally:
             os.kill(pid, signal.SIGCONT)
         assert results == [200] * 8
-        assert _unpicked(rig.sidecar, "behind") - behind == 8, rig.sidecar.log_tail()
+        assert unpicked(rig.sidecar, "behind") - behind == 8, rig.sidecar.log_tail()
         assert _ext_proc(rig, "streams_started") - started == 8
         assert _ext_proc(rig, "stream_msgs_sent") - sent == 8  # the headers only: no body sent to the picker
         assert _ext_proc(rig, "message_timeouts") == timeouts  # none waited Envoy's timeout
         assert chat(rig, [{"role": "user", "content": "after"}])[0] == 200
 
 
-def _unpicked(sidecar: SidecarProcess, reason: str) -> float:
+def unpicked(sidecar: SidecarProcess, reason: str) -> float:
     prefix = f'confgen_picker_unpicked_total{{reason="{reason}"}} '
     return sum(float(line[len(prefix):]) for line in sidecar.metrics().splitlines() if line.startswith(prefix))
 
@@ -322,7 +322,7 @@ def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_
         boot = _plain_envoy_bootstrap(listen, free_port(), rig.extra["socket"])  # the picker's Unix socket
         with EnvoyProcess(boot):
             plain = Rig(rig.fleet, rig.envoy, rig.sidecar, rig.topology_path, rig.xds_dir, listen, rig.admin)
-            before, behind = picks(rig.sidecar), _unpicked(rig.sidecar, "behind")
+            before, behind = picks(rig.sidecar), unpicked(rig.sidecar, "behind")
             homes: dict[int, Counter[str]] = {}
             for i in range(6):
                 messages = [{"role": "system", "content": conversation_system(200 + i)}]
@@ -334,7 +334,7 @@ def test_a_plain_envoy_configured_as_the_extension_documents_routes_through_the_
                     homes[i][worker] += 1
                     messages.append({"role": "assistant", "content": "ok"})
             # every request picked, but one the picker's loop took up late (a loaded machine: Envoy balances it)
-            late = _unpicked(rig.sidecar, "behind") - behind
+            late = unpicked(rig.sidecar, "behind") - behind
             assert picks(rig.sidecar) - before + late == 18 and late <= 2, (late, rig.sidecar.log_tail())
             moved = sum(3 - c.most_common(1)[0][1] for c in homes.values())
             assert moved <= late, homes  # each conversation stayed home
