@@ -22,6 +22,7 @@ from ..plan import plan
 from . import ads, layout
 from ._clusters import assignments, breaker_runtime_keys, clusters
 from ._listener import (
+    PICKER_BYPASS_RUNTIME_KEY,
     PICKER_LATE_MODE,
     REQUEST_TIME_ATTRIBUTE,
     ROUTE_NAME_ATTRIBUTE,
@@ -37,7 +38,8 @@ from ._proto import Json, dumps
 from .eds import build_cla, eds_document, parse_eds, render_eds
 
 __all__ = [
-    "PICKER_LATE_MODE", "REQUEST_TIME_ATTRIBUTE", "ROUTE_NAME_ATTRIBUTE", "Endpoint", "RouteClass", "ads",
+    "PICKER_BYPASS_RUNTIME_KEY", "PICKER_LATE_MODE", "REQUEST_TIME_ATTRIBUTE", "ROUTE_NAME_ATTRIBUTE", "Endpoint",
+    "RouteClass", "ads",
     "ads_static_bootstrap", "breaker_runtime_keys", "build_cla", "eds_document", "layout", "parse_eds", "render",
     "render_eds", "route_checks", "route_classes", "shed_runtime_key", "shed_stat_prefix", "static_bootstrap",
 ]

@@ -247,7 +247,34 @@ PICKER_LATE_MODE: Json = {"request_header_mode": "SEND", "request_body_mode": "N
                           "response_body_mode": "NONE", "response_trailer_mode": "SKIP"}
 
 
+# The share (a percentage, 0 by default) of requests that skip the picker altogether: Envoy balances
+# them with least_request without a round trip to it. The sidecar raises it while requests reach its
+# picker late (it cannot keep up: sustained, not a burst) and lowers it once they no longer do (admin
+# runtime in file mode, the RTDS layer in ADS mode). Drawn on a hash of x-request-id, which Envoy sets
+# itself on requests from outside (use_remote_address; a client's is not preserved).
+PICKER_BYPASS_RUNTIME_KEY = "confgen.picker.bypass"
+
+
 def _picker_filter(metadata: Json | None = None) -> Json:
+    """The picker's ext_proc filter, skipped for the runtime share PICKER_BYPASS_RUNTIME_KEY of requests
+    (an ExtensionWithMatcher around it: the generic way to skip an HTTP filter per request; ext_proc has no
+    runtime switch of its own). Inner and outer names are the filter's own, so its per-route settings
+    and the attributes it sends are filed under the same name either way."""
+    bypass = {"single_predicate": {
+        "input": extension("request-id", "type.matcher.v3.HttpRequestHeaderMatchInput",
+                           {"header_name": "x-request-id"}),
+        "custom_match": extension("bypass", "extensions.matching.input_matchers.runtime_fraction.v3.RuntimeFraction", {
+            "runtime_fraction": {"default_value": {"numerator": 0, "denominator": "HUNDRED"},
+                                 "runtime_key": PICKER_BYPASS_RUNTIME_KEY}}),
+    }}
+    skip = extension("skip", "extensions.filters.common.matcher.action.v3.SkipFilter", {})
+    return extension(PICKER_FILTER, "extensions.common.matching.v3.ExtensionWithMatcher", {
+        "extension_config": _ext_proc(metadata),
+        "xds_matcher": {"matcher_list": {"matchers": [{"predicate": bypass, "on_match": {"action": skip}}]}},
+    })
+
+
+def _ext_proc(metadata: Json | None = None) -> Json:
     """ext_proc to the sidecar's endpoint picker, for every request of the listener.
 
     Not per route: the route depends on the body's model (json_to_metadata), and Envoy

@@ -24,7 +24,7 @@ output is its module and that line (and, when the topology selects it, its test 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from sidecar.outputs.envoy_admin import EnvoyAdmin
     from sidecar.outputs.grpc import Servicers
 
-__all__ = ["BudgetAnswer", "BudgetCheck", "Budgets", "Built", "Descriptor", "Output", "OutputStatus", "PoolStatus",
-           "Publisher", "Wiring", "combine", "published"]
+__all__ = ["BudgetAnswer", "BudgetCheck", "Budgets", "Built", "Descriptor", "EnvoyRuntime", "Output", "OutputStatus",
+           "PoolStatus", "Publisher", "Wiring", "combine", "published"]
 
 _T = TypeVar("_T")
 _K = TypeVar("_K")
@@ -249,6 +249,21 @@ class Budgets:
         self.check: BudgetCheck | None = None
 
 
+class EnvoyRuntime:
+    """Runtime values an output other than the publisher's limiter sets on the Envoys (the picker's
+    bypass share): the publisher's build installs `writer` (Envoy's admin runtime in file mode, a part of
+    its RTDS layer in ADS mode); until one is installed nothing is written (`set` answers False)."""
+
+    __slots__ = ("writer",)
+
+    def __init__(self) -> None:
+        self.writer: Callable[[Mapping[str, int]], Awaitable[bool]] | None = None
+
+    async def set(self, values: Mapping[str, int]) -> bool:
+        """True once the Envoys (file mode: Envoy's admin; ADS: the layer served) hold `values`."""
+        return False if self.writer is None else await self.writer(values)
+
+
 @dataclass(frozen=True, slots=True)
 class Wiring:
     """What `sidecar.main` hands every output's `build`."""
@@ -261,6 +276,7 @@ class Wiring:
     clock: Callable[[], float]  # the event loop's
     grpc: Servicers  # the sidecar's gRPC server: an output answering over gRPC adds its servicers here
     budgets: Budgets = field(default_factory=Budgets)  # the global budgets' decider, for outputs checking them
+    runtime: EnvoyRuntime = field(default_factory=EnvoyRuntime)  # runtime values outside the limiter's
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,17 @@ def test_the_pool_uses_override_host_with_least_request_as_fallback() -> None:
     filters = lds[0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     names = [f["name"] for f in filters]
     assert names[-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    ext = filters[-2]["typed_config"]
+    wrapper = filters[-2]["typed_config"]
+    # skipped for the runtime share of requests the sidecar sends past a picker that cannot keep up
+    assert wrapper["@type"].endswith("extensions.common.matching.v3.ExtensionWithMatcher")
+    (matcher,) = wrapper["xds_matcher"]["matcher_list"]["matchers"]
+    fraction = matcher["predicate"]["single_predicate"]["custom_match"]["typed_config"]["runtime_fraction"]
+    assert fraction == {"default_value": {"numerator": 0, "denominator": "HUNDRED"},
+                        "runtime_key": "confgen.picker.bypass"}
+    assert matcher["predicate"]["single_predicate"]["input"]["typed_config"]["header_name"] == "x-request-id"
+    assert matcher["on_match"]["action"]["typed_config"]["@type"].endswith("matcher.action.v3.SkipFilter")
+    assert wrapper["extension_config"]["name"] == "envoy.filters.http.ext_proc"
+    ext = wrapper["extension_config"]["typed_config"]
     assert ext["failure_mode_allow"] is True and ext["message_timeout"] == "0.2s"
     assert ext["grpc_service"]["envoy_grpc"]["cluster_name"] == "confgen_sidecar_grpc"
     assert ext["processing_mode"]["request_header_mode"] == "SEND"  # holds the headers until the pick

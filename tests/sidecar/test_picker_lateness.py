@@ -138,6 +138,8 @@ def test_late_headers_end_the_stream_without_a_pick_and_late_bodies_get_none() -
     assert answers[0].mode_override == json_format.ParseDict(PICKER_LATE_MODE, processing_mode_pb2.ProcessingMode())
     assert answers[0].mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
     assert behind._value.get() == 1
+    # what the bypass share is computed from (bypass.py): every stream, and those answered late
+    assert (svc.seen, svc.late) == (3, 1)
     # headers on time, the body 40 ms late: no pick on the body
     answers = asyncio.run(_stream(svc, wall, [(T0 + 3.002, _headers(T0 + 3)), (T0 + 3.041, _BODY)]))
     assert not answers[0].HasField("mode_override") and _picked(answers[-1]) is None

@@ -75,6 +75,10 @@ def _unpicked(metrics: str) -> dict[str, int]:
     return {reason: int(float(v)) for reason, v in found if float(v)}
 
 
+def _streams(stats: dict[str, int | str]) -> int:
+    return sum(v for k, v in stats.items() if k.endswith(".ext_proc.streams_started") and isinstance(v, int))
+
+
 def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
     workers = worker_specs(["a", "b", "c", "d"], decode_ms=1.0, prefill_ms_per_1k=1.0, max_num_seqs=64)
     with run_fleet_in_thread(FleetSpec(workers=workers, seed=1)) as fleet, \
@@ -98,12 +102,17 @@ def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 asyncio.run(_load(url, rate, int(rate)))  # warm-up second
                 assert sidecar.proc is not None
+                streams0 = _streams(proxy.stats())
                 cpu0, envoy0, t0 = cpu_s(sidecar.proc.pid), cpu_s(proxy.pid), time.perf_counter()
                 latencies, failures = asyncio.run(_load(url, rate, int(rate * seconds)))
                 cpu = cpu_s(sidecar.proc.pid) - cpu0
                 envoy_cpu = cpu_s(proxy.pid) - envoy0
                 wall = time.perf_counter() - t0
-                unpicked = _unpicked(sidecar.metrics())
+                metrics = sidecar.metrics()
+                unpicked = _unpicked(metrics)
+                # requests Envoy sent past the picker (the bypass share): no ext_proc stream opened
+                bypassed = len(latencies) + failures - (_streams(proxy.stats()) - streams0)
+                share = re.search(r"^confgen_picker_bypass_percent ([0-9.e+]+)$", metrics, re.M)
             finally:
                 sidecar.stop()
     achieved = len(latencies) / wall
@@ -111,6 +120,7 @@ def run(policy: str, rate: float, seconds: float) -> dict[str, float]:
             "p50_ms": round(_pct(latencies, 0.5) * 1000, 2), "p99_ms": round(_pct(latencies, 0.99) * 1000, 2),
             "mean_ms": round(statistics.fmean(latencies) * 1000, 2), "max_ms": round(max(latencies) * 1000, 2),
             "over_200ms": sum(1 for x in latencies if x >= 0.2), "unpicked": unpicked,
+            "bypassed": bypassed, "bypass_percent_at_end": float(share.group(1)) if share else None,
             "sidecar_cpu_per_1000_rps": round(cpu / wall / max(achieved, 1e-9) * 1000, 3),
             "sidecar_cores": round(cpu / wall, 2), "envoy_cores": round(envoy_cpu / wall, 2)}
 

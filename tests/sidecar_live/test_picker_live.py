@@ -263,6 +263,44 @@ def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers
         assert chat(rig, [{"role": "user", "content": "after"}])[0] == 200
 
 
+def _runtime(rig: Rig) -> dict[str, str]:
+    status, body = rig.envoy.admin_get("/runtime")
+    assert status == 200, body
+    return {k: str(v.get("final_value", "")) for k, v in json.loads(body)["entries"].items()}
+
+
+def _set_runtime(rig: Rig, values: dict[str, str]) -> None:
+    import urllib.parse
+    import urllib.request
+
+    url = f"{rig.envoy.admin_url}/runtime_modify?{urllib.parse.urlencode(values)}"
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_envoy_sends_the_bypass_share_of_requests_past_the_picker(tmp_path: Path) -> None:
+    """The Envoy-side switch the picker sheds its work with when it cannot keep up (bypass.py): Envoy skips
+    the ext_proc filter for the runtime share `confgen.picker.bypass` of requests, which least_request
+    balances (served, no stream opened, nothing picked); the sidecar wrote 0 at its start."""
+    key = envoy.PICKER_BYPASS_RUNTIME_KEY
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        assert poll(lambda: _runtime(rig).get(key) == "0", timeout=10), rig.sidecar.log_tail()
+        assert 'confgen_picker_bypass_percent 0.0' in rig.sidecar.metrics()
+        shares = {"100": (20, 0, 0), "50": (60, 10, 50), "0": (10, 10, 10)}  # requests, least and most streams
+        for percent, (n, least, most) in shares.items():
+            _set_runtime(rig, {key: percent})
+            assert _runtime(rig)[key] == percent
+            started, picked = _ext_proc(rig, "streams_started"), picks(rig.sidecar)
+            late = unpicked(rig.sidecar, "behind")
+            statuses = [chat(rig, [{"role": "user", "content": f"bypass {percent} {i}"}])[0] for i in range(n)]
+            assert statuses == [200] * n, (percent, statuses)
+            streams = _ext_proc(rig, "streams_started") - started
+            assert least <= streams <= most, (percent, streams)
+            # the requests that reached the picker were picked (no late rule here): the rest never reached it
+            late = unpicked(rig.sidecar, "behind") - late
+            assert picks(rig.sidecar) - picked + late >= streams, (percent, streams, late)
+
+
 def unpicked(sidecar: SidecarProcess, reason: str) -> float:
     prefix = f'confgen_picker_unpicked_total{{reason="{reason}"}} '
     return sum(float(line[len(prefix):]) for line in sidecar.metrics().splitlines() if line.startswith(prefix))

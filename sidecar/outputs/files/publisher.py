@@ -422,6 +422,17 @@ def build(wiring: Wiring) -> Built:
     topology = wiring.topology
     limiter = InflightLimiter(wiring.admin, config.ingresses, config.saturation,
                               sheddable=lambda: sheddable_pools(topology()))
+    admin = wiring.admin
+
+    async def write(values: Mapping[str, int]) -> bool:
+        """Other outputs' runtime values, into Envoy's admin layer; read back to confirm."""
+        wanted = {key: str(value) for key, value in values.items()}
+        if not await admin.set_runtime(wanted):
+            return False
+        held = await admin.runtime()
+        return held is not None and all(held.get(key) == value for key, value in wanted.items())
+
+    wiring.runtime.writer = write
     return Built((limiter,), publisher=publisher)
 
 

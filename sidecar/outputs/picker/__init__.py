@@ -10,19 +10,22 @@ says nothing or cannot be reached). Pieces:
     scheduling  filters, scorers (prefix, load, kv, cost) and the picker
     extproc     the gRPC ext_proc servicer (protocol, bounds)
     budgets     the global budgets' check, decided in the ext_proc call (Envoy's filter checks the rest)
+    lateness    how late requests reach it; bypass: the share Envoy sends past it while it cannot keep up
     peers       the other picker replicas: placements and in-flight counts streamed both ways
     metrics     Prometheus
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from confgen.balancing import uses_picker
-from confgen.envoy import route_checks, route_classes
+from confgen.envoy import PICKER_BYPASS_RUNTIME_KEY, route_checks, route_classes
 from confgen.model import Topology, join_address
 from confgen.plan import plan
 from sidecar.config import ConfigError
@@ -31,6 +34,7 @@ from sidecar.observe.probe import LoopLag
 from sidecar.outputs.contract import Built, OutputStatus
 
 from .budgets import RouteChecks
+from .bypass import Bypass, BypassPolicy
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
@@ -154,6 +158,11 @@ class PickerService:
                                        budgets=wiring.budgets)
         self._checks_of: Topology | None = None
         self._follow(wiring.topo)
+        self._runtime = wiring.runtime
+        self._bypass = Bypass(BypassPolicy(max_percent=picker.policy.bypass_max))
+        self._bypass_task: asyncio.Task[None] | None = None
+        self._bypass_held: int | None = None  # the share the Envoys hold
+        self._counted = (0, 0)  # the servicer's (seen, late) at the last tick
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Its servicers (ext_proc, the peers' stream) on the sidecar's gRPC server."""
@@ -163,6 +172,30 @@ class PickerService:
     async def start(self) -> None:
         self._lag.start()
         await self.links.start()
+        if self._bypass.policy.max_percent > 0:
+            self._bypass_task = asyncio.create_task(self._bypass_loop(), name="picker-bypass")
+
+    async def _bypass_loop(self) -> None:
+        while True:
+            await self.bypass_tick()
+            await asyncio.sleep(self._bypass.policy.interval_s)
+
+    async def bypass_tick(self) -> int | None:
+        """One interval of the share of requests Envoy sends past the picker (bypass.py), from the requests
+        that reached it since the last tick, written when it differs from what the Envoys hold (first: 0,
+        whatever a picker before this one left in their runtime); a write not confirmed is tried again
+        next tick. The share the Envoys hold (None: not known yet)."""
+        servicer = self.servicer
+        percent = self._bypass.step(servicer.seen - self._counted[0], servicer.late - self._counted[1])
+        self._counted = (servicer.seen, servicer.late)
+        held = self._bypass_held
+        if percent != held and await self._runtime.set({PICKER_BYPASS_RUNTIME_KEY: percent}):
+            if held is not None or percent:
+                log_event(_log, logging.WARNING if percent > (held or 0) else logging.INFO,
+                          "picker.bypass", percent=percent, before=held)
+            self._bypass_held = percent
+            self.metrics.bypass.set(percent)
+        return self._bypass_held
 
     async def apply(self, cycle: Cycle) -> None:
         """Nothing: it answers from the fleet view (`update`)."""
@@ -189,6 +222,10 @@ class PickerService:
                             refused={(self.name, pool, cls): n for (pool, cls), n in self.metrics.refusals().items()})
 
     async def close(self) -> None:
+        if self._bypass_task is not None:
+            self._bypass_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._bypass_task
         await self.links.close()
         self._lag.stop()
 

@@ -284,6 +284,8 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._wall = wall  # the clock request.time is compared with
         self._clock = clock
         self._open: set[_Stream] = set()  # streams tracked (not over max_open_streams)
+        self.seen = 0  # streams started, and of them those answered late (no pick): the bypass share's input
+        self.late = 0
 
     def open_streams(self) -> int:
         return len(self._open)
@@ -299,9 +301,11 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         body, st.body = bytes(st.body), bytearray()
         if st.skip is not None:
             self.metrics.unpicked.labels(reason=st.skip).inc()
+            self.late += st.skip == "behind"
             return None, None
         if self._behind(st):
             self.metrics.unpicked.labels(reason="behind").inc()  # no parse, no score: the proxy decides now
+            self.late += 1
             return None, None
         started = self._clock()
         limits = self.limits
@@ -455,6 +459,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         without a pick and holds nothing)."""
         st = _Stream(pool)
         self.metrics.streams.inc()
+        self.seen += 1
         if len(self._open) >= self.limits.max_open_streams:
             st.skip = "busy"
         else:

@@ -112,6 +112,8 @@ class PickerMetrics:
         self.stream_errors = Counter("confgen_picker_stream_errors", "ext_proc streams ended for breaking the "
                                      "protocol", ["reason"], registry=reg)
         self.open_streams = Gauge("confgen_picker_open_streams", "ext_proc streams open and tracked", registry=reg)
+        self.bypass = Gauge("confgen_picker_bypass_percent", "Percent of requests Envoy sends past the picker "
+                            "(it could not keep up), as the Envoys hold it", registry=reg)
         self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
                                  registry=reg)
         self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted delay past their "

@@ -59,7 +59,7 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "default_max_tokens": int, "fallbacks": int, "tie_s": float, "tie_share": float, "replicas": int,
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
     "admission_gate": int, "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float,
-    "spike_min": int, "late_s": float}
+    "spike_min": int, "late_s": float, "bypass_max": int}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
@@ -131,6 +131,10 @@ class PickerPolicy:
     # request.time, past the floor of recent ages: lateness.py) is answered at once without a
     # pick: at a rate the picker cannot keep up with it sheds its own work, not the client's time.
     late_s: float = LATE_S
+    # While requests keep reaching it late, Envoy skips the picker for a share of them (bypass.py:
+    # raised by the share answered late, lowered by 5 points each half second it keeps up), at most
+    # this percentage. 0: never (the late rule alone).
+    bypass_max: int = 90
 
 
     def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:
@@ -165,7 +169,8 @@ class PickerPolicy:
             except ValueError as exc:
                 raise ValueError(f"--picker {key}: {raw!r} is not a {kind.__name__}") from exc
             if not (value >= 0 and value == value) or (key in ("long_tokens", "default_max_tokens", "prompt_share")
-                                                         and value <= 0) or value > 1e6:
+                                                         and value <= 0) or value > 1e6 \
+                    or (key == "bypass_max" and value > 100):
                 raise ValueError(f"--picker {key}: {raw} is out of range")
             if key in SCORERS:
                 weights[key] = float(value)

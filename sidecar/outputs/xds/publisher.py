@@ -54,6 +54,7 @@ class AdsPublisher:
                  per_credential: int = 1, bounds: AdsBounds | None = None) -> None:
         self._settings = settings
         self.cache = XdsCache()
+        self._runtime_parts: dict[str, dict[str, int]] = {}  # RTDS: the limiter's values, other outputs'
         self.nodes = Nodes(clock, on_nodes_changed, max_nodes=max_nodes, per_credential=per_credential)
         self.servicer = AdsServicer(self.cache, self.nodes, bounds, clock)
         self._server: GrpcServer | None = None
@@ -170,9 +171,13 @@ class AdsPublisher:
         log_event(_log, logging.INFO, "xds.tree", changed=changed, clusters=len(served.clusters),
                   listeners=len(served.listeners))
 
-    def set_runtime(self, values: Mapping[str, int]) -> bool:
-        """The RTDS layer (in-flight limits); True when it changed."""
-        layer: dict[str, Any] = dict(sorted(values.items()))
+    def set_runtime(self, values: Mapping[str, int], part: str = "limits") -> bool:
+        """One part of the RTDS layer (`limits`: the limiter's in-flight limits and shed shares;
+        `outputs`: other outputs', through `Wiring.runtime`: the picker's bypass share), the layer
+        being every part's values; True when it changed."""
+        self._runtime_parts[part] = dict(values)
+        layer: dict[str, Any] = dict(sorted((k, v) for values_ in self._runtime_parts.values()
+                                            for k, v in values_.items()))
         return self.cache.set_one(RTDS, ads.RUNTIME_LAYER, {
             "@type": RTDS, "name": ads.RUNTIME_LAYER, "layer": layer,
         })
@@ -203,4 +208,11 @@ def build(wiring: Wiring) -> Built:
     register_xds(wiring.registry, publisher.view)
     topology = wiring.topology
     limiter = RtdsLimiter(publisher, wiring.config.saturation, sheddable=lambda: sheddable_pools(topology()))
+
+    async def write(values: Mapping[str, int]) -> bool:
+        """Other outputs' runtime values, served in the same RTDS layer as the limits."""
+        publisher.set_runtime(values, part="outputs")
+        return True
+
+    wiring.runtime.writer = write
     return Built((limiter,), publisher=publisher)
