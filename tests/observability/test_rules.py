@@ -21,8 +21,8 @@ from tests.observability.promtools import tool
 
 HERE = Path(__file__).resolve().parent
 RULES = HERE.parents[1] / "confgen" / "deploy" / "assets" / "alerts.yaml"
-ALERTS = {"ConfgenPickerFallingBack", "ConfgenPickerBehind", "ConfgenWorkerDown", "ConfgenPoolWithoutHealthyCapacity",
-          "ConfgenFleetSaturated",
+ALERTS = {"ConfgenPickerFallingBack", "ConfgenPickerBehind", "ConfgenPickerBypassed", "ConfgenWorkerDown",
+          "ConfgenPoolWithoutHealthyCapacity", "ConfgenFleetSaturated",
           "ConfgenEdsUpdateRejected", "ConfgenProbeErrors", "ConfgenSidecarStale", "ConfgenSidecarDown",
           "ConfgenSidecarAbsent", "ConfgenXdsNack", "ConfgenTopologyEditRefused", "ConfgenWriteFailures",
           "ConfgenErrorBudgetBurnFast", "ConfgenErrorBudgetBurnSlow", "ConfgenTtftBudgetBurnFast",

@@ -299,6 +299,15 @@ def test_envoy_sends_the_bypass_share_of_requests_past_the_picker(tmp_path: Path
             # the requests that reached the picker were picked (no late rule here): the rest never reached it
             late = unpicked(rig.sidecar, "behind") - late
             assert picks(rig.sidecar) - picked + late >= streams, (percent, streams, late)
+        # A client does not choose which side of the share it falls on: the draw is on the request id Envoy
+        # sets itself (use_remote_address; a client's x-request-id is not kept), so one client-sent id
+        # repeated still splits about as the share says.
+        _set_runtime(rig, {key: "50"})
+        started = _ext_proc(rig, "streams_started")
+        for i in range(60):
+            assert chat(rig, [{"role": "user", "content": f"same id {i}"}],
+                        headers={"x-request-id": "4f1c1d2e-0000-4000-8000-000000000001"})[0] == 200
+        assert 10 <= _ext_proc(rig, "streams_started") - started <= 50
 
 
 def unpicked(sidecar: SidecarProcess, reason: str) -> float:

@@ -153,7 +153,8 @@ class PickerService:
                                   self.metrics.observe_peer_batch, replica=self.links.replica,
                                   own_cert=config.grpc_tls.cert if config.grpc_tls is not None else None)
         self.servicer = PickerServicer(self.store, picker, self.metrics,
-                                       limits=ExtProcLimits(late_s=picker.policy.late_s), lag=self._lag,
+                                       limits=ExtProcLimits(late_s=picker.policy.late_s,
+                                                            wait_s=picker.policy.bypass_wait_s), lag=self._lag,
                                        on_placed=self.links.placed if config.picker_peers else None,
                                        budgets=wiring.budgets)
         self._checks_of: Topology | None = None
@@ -162,7 +163,7 @@ class PickerService:
         self._bypass = Bypass(BypassPolicy(max_percent=picker.policy.bypass_max))
         self._bypass_task: asyncio.Task[None] | None = None
         self._bypass_held: int | None = None  # the share the Envoys hold
-        self._counted = (0, 0)  # the servicer's (seen, late) at the last tick
+        self._counted = (0, 0, 0)  # the servicer's (seen, waited, late) at the last tick
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Its servicers (ext_proc, the peers' stream) on the sidecar's gRPC server."""
@@ -186,8 +187,10 @@ class PickerService:
         whatever a picker before this one left in their runtime); a write not confirmed is tried again
         next tick. The share the Envoys hold (None: not known yet)."""
         servicer = self.servicer
-        percent = self._bypass.step(servicer.seen - self._counted[0], servicer.late - self._counted[1])
-        self._counted = (servicer.seen, servicer.late)
+        seen, waited, late = self._counted
+        queued = max(servicer.waited - waited, servicer.late - late)  # queued before the picker, or answered late
+        percent = self._bypass.step(servicer.seen - seen, queued)
+        self._counted = (servicer.seen, servicer.waited, servicer.late)
         held = self._bypass_held
         if percent != held and await self._runtime.set({PICKER_BYPASS_RUNTIME_KEY: percent}):
             if held is not None or percent:

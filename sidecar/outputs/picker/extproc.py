@@ -122,6 +122,9 @@ class ExtProcLimits:
     # `request.time` confgen's render has Envoy send; `lateness`): answered at once without a pick,
     # on its headers with the stream ended there (PICKER_LATE_MODE), or on its body.
     late_s: float = LATE_S
+    # A request read this late or later has queued before the picker (counted in `waited`): the
+    # bypass share's signal (bypass.py), so the picker sheds load before its queue reaches `late_s`.
+    wait_s: float = 0.005
 
 
 class Phase(StrEnum):
@@ -284,7 +287,10 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._wall = wall  # the clock request.time is compared with
         self._clock = clock
         self._open: set[_Stream] = set()  # streams tracked (not over max_open_streams)
-        self.seen = 0  # streams started, and of them those answered late (no pick): the bypass share's input
+        # the bypass share's input (bypass.py): streams started; of them, those whose headers were read over
+        # `wait_s` late, and those answered late (no pick: late headers or body, or the loop behind)
+        self.seen = 0
+        self.waited = 0
         self.late = 0
 
     def open_streams(self) -> int:
@@ -579,6 +585,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.sent_at is not None:
             st.lateness = lateness = self._lateness_of(st.peer)
             late = lateness.observe(st.sent_at, self._wall())
+            self.waited += late > self.limits.wait_s
             if late > self.limits.late_s and st.skip is None and st.mode is BodyMode.BUFFERED:
                 return self._late_headers(st)
         st.phase = Phase.BODY

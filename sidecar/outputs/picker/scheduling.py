@@ -59,7 +59,8 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "default_max_tokens": int, "fallbacks": int, "tie_s": float, "tie_share": float, "replicas": int,
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
     "admission_gate": int, "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float,
-    "spike_min": int, "late_s": float, "bypass_max": int}
+    "spike_min": int, "late_s": float, "bypass_max": int,
+    "bypass_wait_s": float}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
@@ -132,9 +133,11 @@ class PickerPolicy:
     # pick: at a rate the picker cannot keep up with it sheds its own work, not the client's time.
     late_s: float = LATE_S
     # While requests keep reaching it late, Envoy skips the picker for a share of them (bypass.py:
-    # raised by the share answered late, lowered by 5 points each half second it keeps up), at most
-    # this percentage. 0: never (the late rule alone).
+    # raised by the share read `bypass_wait_s` late or more, lowered by 5 points each half second it
+    # keeps up), at most `bypass_max` percent (0: never, the late rule alone). At 2,000 req/s on the
+    # 2-core bench machine: 62-77 % skipped it, added P99 -7 to +9 ms (bench/results/picker-cost/bypass.md).
     bypass_max: int = 90
+    bypass_wait_s: float = 0.005
 
 
     def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:
