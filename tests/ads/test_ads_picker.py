@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from confgen.runtime import free_port
+from confgen import envoy
+from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, poll, worker_specs
 from tests.support.certs import CertAuthority
@@ -58,6 +59,12 @@ def _late(sidecar: SidecarProcess) -> float:
     """Requests the picker left to Envoy for reaching it late (`unpicked{reason="behind"}`)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in sidecar.metrics().splitlines()
                if line.startswith("confgen_picker_unpicked_total{") and 'reason="behind"' in line)
+
+
+def _runtime_value(proxy: EnvoyProcess, key: str) -> str | None:
+    status, body = proxy.admin_get("/runtime")
+    entry = json.loads(body).get("entries", {}).get(key) if status == 200 else None
+    return None if entry is None else str(entry.get("final_value"))
 
 
 def _picks(sidecar: SidecarProcess) -> float:
@@ -119,6 +126,9 @@ def test_one_picker_serves_every_envoy_of_the_control_plane(tmp_path: Path, mtls
             fallbacks += int(_late(sidecar) - late_before)
             moved = sum(4 - c.most_common(1)[0][1] for c in homes.values())
             assert moved <= fallbacks, (homes, fallbacks)
+            # the picker's bypass share (0: it keeps up) reached every Envoy in the control plane's RTDS layer
+            assert all(poll(lambda p=p: _runtime_value(p, envoy.PICKER_BYPASS_RUNTIME_KEY) == "0", timeout=10)
+                       for p in envoys)
             if mtls:  # the picker's cluster came over ADS with its TLS context, and both ports are mTLS
                 assert all(int(p.stats().get("cluster.confgen_sidecar_grpc.ssl.handshake", 0)) >= 1 for p in envoys)
                 assert all(int(p.stats().get("cluster.confgen_xds.ssl.handshake", 0)) >= 1 for p in envoys)
