@@ -6,7 +6,7 @@ the status page and a Prometheus scrape show the same numbers and the HTTP surfa
 no reference into the picker. `picker_status(registry)` is None when no picker runs (no
 `confgen_picker_*` family registered).
 
-    {"streams": 12, "unpicked": {"no_body": 1}, "fallbacks": 1, "hit_ratio": 0.82 | None,
+    {"streams": 12, "unpicked": {"no_body": 1}, "fallbacks": 1, "bypass_percent": 0, "hit_ratio": 0.82 | None,
      "prefix_blocks": {"requested": 400, "matched": 328}, "index_blocks": 312,
      "pick_seconds": {"count": 11, "sum": 0.0042},
      "pools": {"chat": {"picks": {"prefix": 8, "load": 3}, "picked": 11,
@@ -16,7 +16,8 @@ no reference into the picker. `picker_status(registry)` is None when no picker r
 estimate of the prefix-cache hit ratio), over every pool the picker serves (the counter has
 no pool label), None before any block was requested. `fallbacks` are the requests the picker
 left to Envoy's own balancer (the sum of `unpicked`); calls Envoy itself gave up on are in
-Envoy's stats (ext_proc `failure_mode_allowed`), not here.
+Envoy's stats (ext_proc `failure_mode_allowed`), not here, and so are the requests Envoy sent past
+the picker: `bypass_percent` is the share of them the Envoys hold (above 0 while it cannot keep up).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def picker_status(registry: CollectorRegistry) -> dict[str, Any] | None:
     blocks: dict[str, float] = {"requested": 0.0, "matched": 0.0}
     index = 0.0
     latency = {"count": 0.0, "sum": 0.0}
+    bypass = 0.0
     pools: dict[str, dict[str, Any]] = {}
 
     def pool(name: str) -> dict[str, Any]:
@@ -65,6 +67,8 @@ def picker_status(registry: CollectorRegistry) -> dict[str, Any] | None:
                 entry = pool(labels["pool"])
                 entry["picks"][labels["reason"]] = int(value)
                 entry["picked"] += int(value)
+            elif name == _PREFIX + "bypass_percent":
+                bypass = value
             elif name == _PREFIX + "in_flight":
                 pool(labels["pool"])["in_flight"][labels["endpoint"]] = int(value)
     if not found:
@@ -74,6 +78,7 @@ def picker_status(registry: CollectorRegistry) -> dict[str, Any] | None:
         "streams": int(streams),
         "unpicked": {k: int(v) for k, v in sorted(unpicked.items())},
         "fallbacks": int(sum(unpicked.values())),
+        "bypass_percent": int(bypass),
         "hit_ratio": blocks["matched"] / requested if requested else None,
         "prefix_blocks": {k: int(v) for k, v in sorted(blocks.items())},
         "index_blocks": int(index),

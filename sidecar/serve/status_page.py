@@ -178,6 +178,7 @@ def _picker_summary(picker: Mapping[str, Any] | None) -> str:
              ("blocks matched / requested", f"{picker['prefix_blocks'].get('matched', 0)} / "
                                             f"{picker['prefix_blocks'].get('requested', 0)}"),
              ("left to Envoy's balancer", f"{picker['fallbacks']} ({unpicked})"),
+             ("sent past it (cannot keep up)", f"{picker['bypass_percent']} %"),
              ("index blocks", picker["index_blocks"]), ("mean pick time", mean)]
     head = "".join(f'<th class="l">{_e(k)}</th>' for k, _ in cells)
     return f'<table id="picker"><tr>{head}</tr>{_row(_cell(v, "l") for _, v in cells)}</table>'

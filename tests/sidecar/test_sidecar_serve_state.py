@@ -85,10 +85,12 @@ def test_the_picker_figures_match_a_scrape_of_the_same_registry(tmp_path: Path, 
     async def scenario() -> tuple[dict[str, Any] | None, str]:
         async with serving(tmp_path, fleet, cycles=1) as served:
             pick(served, "one prompt " * 40)
+            served.picker.metrics.bypass.set(35)  # what the picker's bypass tick sets once Envoy holds it
             return picker_status(served.registry), generate_latest(served.registry).decode()
 
     status, text = asyncio.run(scenario())
     assert status is not None
+    assert status["bypass_percent"] == 35 and "confgen_picker_bypass_percent 35.0" in text
     picks = status["pools"]["chat"]["picks"]
     (reason, count), = picks.items()
     assert f'confgen_picker_picks_total{{pool="chat",reason="{reason}"}} {float(count)}' in text

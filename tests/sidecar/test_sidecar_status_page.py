@@ -108,7 +108,7 @@ def test_headless_chromium_renders_every_pool_and_worker_with_its_state_colour(t
                 assert row[8][0] == str(state["pools"]["chat"]["picker"]["in_flight"][row[1][0]])
     states = {ep["status"] for p in state["pools"].values() for ep in p["endpoints"]}
     assert states == {"HEALTHY", "DRAINING", "UNHEALTHY"}, states
-    assert 'id="picker"' in dom and "prefix hit ratio" in dom
+    assert 'id="picker"' in dom and "prefix hit ratio" in dom and "sent past it (cannot keep up)" in dom
     assert "each API-key client" in dom  # the per-key limit the topology declares
     seen = colours(png)
     cell = 20 * 10  # a state cell is wider and taller than this
@@ -124,7 +124,7 @@ def test_every_value_is_escaped() -> None:
     ep = EndpointView(key, "UNHEALTHY", hostile, None, None, None, "error", hostile, {hostile: 1})
     pool = PoolView("chat", "vllm", 0.0, 0.0, 1, 0, False, (ep,), saturated_reason=hostile, saturated=True)
     snap = Snapshot(hostile, (pool,), {}, 3, (hostile,), (hostile,), hostile)
-    picker = {"streams": 1, "unpicked": {hostile: 1}, "fallbacks": 1, "hit_ratio": None,
+    picker = {"streams": 1, "unpicked": {hostile: 1}, "fallbacks": 1, "bypass_percent": 0, "hit_ratio": None,
               "prefix_blocks": {"requested": 0, "matched": 0}, "index_blocks": 0,
               "pick_seconds": {"count": 0, "sum": 0.0},
               "pools": {"chat": {"picks": {hostile: 2}, "picked": 2, "in_flight": {"10.0.0.1:8000": 0}}}}
