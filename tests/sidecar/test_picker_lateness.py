@@ -128,8 +128,8 @@ def test_late_headers_end_the_stream_without_a_pick_and_late_bodies_get_none() -
     # on time (the floor: 1 ms of transport): picked on its body
     answers = asyncio.run(_stream(svc, wall, [(T0 + 0.001, _headers(T0)), (T0 + 0.002, _BODY)]))
     assert not answers[0].HasField("mode_override") and _picked(answers[-1]) in ADDRESSES
-    # 5 ms late: still picked
-    answers = asyncio.run(_stream(svc, wall, [(T0 + 1.006, _headers(T0 + 1)), (T0 + 1.007, _BODY)]))
+    # 4 ms late: still picked (and not counted as queued for the bypass share: under 5 ms)
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 1.005, _headers(T0 + 1)), (T0 + 1.006, _BODY)]))
     assert _picked(answers[-1]) in ADDRESSES and behind._value.get() == 0
     # headers 50 ms late: one answer, no pick (the client's header removed), and the override that ends the stream
     answers = asyncio.run(_stream(svc, wall, [(T0 + 2.051, _headers(T0 + 2))]))
@@ -138,8 +138,15 @@ def test_late_headers_end_the_stream_without_a_pick_and_late_bodies_get_none() -
     assert answers[0].mode_override == json_format.ParseDict(PICKER_LATE_MODE, processing_mode_pb2.ProcessingMode())
     assert answers[0].mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
     assert behind._value.get() == 1
-    # what the bypass share is computed from (bypass.py): every stream, and those answered late
-    assert (svc.seen, svc.late) == (3, 1)
+    # what the bypass share is computed from (bypass.py): every stream, those read over 5 ms late, and
+    # those answered late; and the picker's queue as an operator sees it (confgen_picker_queue_seconds)
+    assert (svc.seen, svc.waited, svc.late) == (3, 1, 1), (svc.seen, svc.waited, svc.late)
+    samples = {(s.name, s.labels.get("le")): s.value for family in svc.metrics.queued.collect()
+               for s in family.samples}
+    assert samples[("confgen_picker_queue_seconds_count", None)] == 3
+    assert samples[("confgen_picker_queue_seconds_bucket", "0.005")] == 2  # 0 and 4 ms
+    assert samples[("confgen_picker_queue_seconds_bucket", "0.02")] == 2  # the third: 50 ms
+    assert samples[("confgen_picker_queue_seconds_bucket", "0.1")] == 3
     # headers on time, the body 40 ms late: no pick on the body
     answers = asyncio.run(_stream(svc, wall, [(T0 + 3.002, _headers(T0 + 3)), (T0 + 3.041, _BODY)]))
     assert not answers[0].HasField("mode_override") and _picked(answers[-1]) is None

@@ -585,6 +585,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.sent_at is not None:
             st.lateness = lateness = self._lateness_of(st.peer)
             late = lateness.observe(st.sent_at, self._wall())
+            self.metrics.queued.observe(late)
             self.waited += late > self.limits.wait_s
             if late > self.limits.late_s and st.skip is None and st.mode is BodyMode.BUFFERED:
                 return self._late_headers(st)

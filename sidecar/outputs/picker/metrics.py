@@ -61,6 +61,7 @@ __all__ = ["PickerMetrics"]
 
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+_QUEUE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # bypass_wait_s 5 ms, late_s 20 ms
 
 
 class _Live(Collector):
@@ -116,6 +117,10 @@ class PickerMetrics:
                             "(it could not keep up), as the Envoys hold it", registry=reg)
         self.latency = Histogram("confgen_picker_pick_seconds", "Time to choose an endpoint", buckets=_BUCKETS,
                                  registry=reg)
+        self.queued = Histogram("confgen_picker_queue_seconds", "How late each request's headers reached the "
+                                "picker: its age from Envoy's request.time past the floor of recent ages (the "
+                                "picker's own queue, in Envoy, the transport and the process)", buckets=_QUEUE_BUCKETS,
+                                registry=reg)
         self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted delay past their "
                                "class's budget", ["pool", "class"], registry=reg)
         self.predicted = Counter("confgen_picker_predicted_seconds", "Predicted seconds from pick to response end, "
