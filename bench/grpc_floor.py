@@ -172,11 +172,13 @@ def _cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
 
 
 def _extproc_filter() -> dict[str, Any]:
-    """The ext_proc filter confgen renders before the endpoint picker, pointed at this bench's server."""
+    """The ext_proc filter confgen renders before the endpoint picker (inside its bypass matcher, as
+    rendered: the share 0), pointed at this bench's server."""
     from confgen.envoy._listener import _picker_filter
 
     config = copy.deepcopy(_picker_filter())
-    config["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "rls"
+    inner = config["typed_config"]["extension_config"]["typed_config"]
+    inner["grpc_service"]["envoy_grpc"]["cluster_name"] = "rls"
     return config
 
 
