@@ -62,6 +62,8 @@ def test_an_interval_with_too_few_requests_says_nothing_and_the_share_has_a_ceil
 def test_picker_bypass_max_is_a_picker_override_of_0_to_100() -> None:
     assert PickerPolicy().bypass_max == 90
     assert PickerPolicy().with_overrides(["bypass_max=0"]).bypass_max == 0
+    off = Bypass(BypassPolicy(max_percent=0))
+    assert [off.step(1000, 1000) for _ in range(3)] == [0, 0, 0]  # never above 0 (the picker still writes 0)
     with pytest.raises(ValueError, match="bypass_max"):
         PickerPolicy().with_overrides(["bypass_max=101"])
 

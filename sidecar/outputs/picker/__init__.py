@@ -173,8 +173,8 @@ class PickerService:
     async def start(self) -> None:
         self._lag.start()
         await self.links.start()
-        if self._bypass.policy.max_percent > 0:
-            self._bypass_task = asyncio.create_task(self._bypass_loop(), name="picker-bypass")
+        # also with bypass_max=0: it writes 0 once, over whatever share an earlier picker left in the Envoys
+        self._bypass_task = asyncio.create_task(self._bypass_loop(), name="picker-bypass")
 
     async def _bypass_loop(self) -> None:
         while True:
