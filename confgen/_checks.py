@@ -36,6 +36,7 @@ from .model import (
     Pool,
     RateLimit,
     Topology,
+    admin_tcp,
     grpc_reachable,
     grpc_service_hosts,
     grpc_socket,
@@ -99,9 +100,10 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
     yield from _later_duplicates("listeners", [lst.name for lst in topo.listeners], "listener name")
     binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
-    for index, lst in enumerate(topo.listeners):
-        wildcard = {lst.address, topo.admin.address} & {"0.0.0.0", "::"}  # either side binds every address
-        if lst.port == topo.admin.port and (wildcard or lst.address == topo.admin.address):
+    admin_address, admin_port = admin_tcp(topo)  # reserved also where Envoy's admin is on its socket: a pod's
+    for index, lst in enumerate(topo.listeners):  # render puts it on TCP, and nginx's status page takes it
+        wildcard = {lst.address, admin_address} & {"0.0.0.0", "::"}  # either side binds every address
+        if lst.port == admin_port and (wildcard or lst.address == admin_address):
             yield f"listeners[{index}].port", f"port {lst.port} is also the admin port", ERROR
     for pi, pool in enumerate(topo.pools):
         yield from _later_duplicates(f"pools[{pi}].workers", [w.address for w in pool.workers], "worker", key="address")
@@ -113,12 +115,18 @@ def _duplicates(topo: Topology) -> Iterator[Finding]:
 
 
 def _addresses(topo: Topology) -> Iterator[Finding]:
-    for name, address in [("admin.address", topo.admin.address), ("sidecar.address", topo.sidecar.address)] + [
+    admin_address = admin_tcp(topo)[0]
+    for name, address in [("admin.address", admin_address), ("sidecar.address", topo.sidecar.address)] + [
         (f"listeners[{i}].address", lst.address) for i, lst in enumerate(topo.listeners)
     ]:
         if not is_ip(address):
             yield name, f"{address!r} is not an IP address", ERROR
-    if is_ip(topo.admin.address) and not ipaddress.ip_address(topo.admin.address).is_loopback:
+    if topo.admin.socket is not None and (topo.admin.address is not None or topo.admin.port is not None):
+        yield ("admin.socket", "Envoy's admin listens on its Unix socket or on TCP (admin.address, admin.port), "
+               "not both: drop one", ERROR)
+    if topo.admin.socket is not None and len(topo.admin.socket.encode()) > MAX_SOCKET_PATH:
+        yield ("admin.socket", f"longer than {MAX_SOCKET_PATH} bytes, the most a Unix socket's path may hold", ERROR)
+    if is_ip(admin_address) and not ipaddress.ip_address(admin_address).is_loopback:
         yield (
             "admin.address",
             ("the admin interface can reconfigure and stop Envoy; it should listen on loopback"),
@@ -188,7 +196,7 @@ def _port_clashes(topo: Topology) -> Iterator[Finding]:
     grpc_used = grpc_wanted(topo)
     ads = topo.envoy.xds.mode == "ads"
     envoy = [(f"listeners[{i}].port", f"listener {lst.name!r}", lst.port) for i, lst in enumerate(topo.listeners)]
-    envoy.append(("admin.port", "Envoy's admin (admin.port)", topo.admin.port))
+    envoy.append(("admin.port", "Envoy's admin (admin.port)", admin_tcp(topo)[1]))
     control = []  # the sidecar (files) or the control plane (ads)
     local_servers = False
     for i, server in enumerate(topo.envoy.xds.servers if ads else []):

@@ -25,6 +25,7 @@ from .model import (
     Balancing,
     Pool,
     Topology,
+    admin_tcp,
     grpc_reachable,
     grpc_transport,
     split_address,
@@ -109,7 +110,7 @@ def _picker_blocker(topo: Topology, pool: Pool) -> str:
         if len(set(hosts)) < len(hosts):
             return ("two control planes on one host (envoy.xds.servers) would both serve the endpoint picker on "
                     "sidecar.grpc_port")
-    taken = {topo.sidecar.port, topo.admin.port, *(lst.port for lst in topo.listeners)}
+    taken = {topo.sidecar.port, admin_tcp(topo)[1], *(lst.port for lst in topo.listeners)}
     if topo.sidecar.grpc_port in taken and grpc_transport(topo) != "unix":
         return f"sidecar.grpc_port {topo.sidecar.grpc_port} is taken by another of the product's servers"
     return ""

@@ -29,7 +29,7 @@ from .errors import (
     TopologyError,
     VerifyError,
 )
-from .model import Topology
+from .model import Topology, admin_on_loopback
 from .topology import load
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--diff", action="store_true",
                         help="with --check, also print what would change: per worker for endpoint files, "
                         "field paths for other JSON, a unified diff for text")
+    render.add_argument("--admin-loopback", action="store_true",
+                        help="Envoy's admin on TCP at admin.address:port (default 127.0.0.1:9901) instead of its "
+                        "Unix socket: only where the loopback is Envoy's own (a pod; the Kubernetes manifests' "
+                        "render uses it), since any local process can reach a loopback port")
     render.add_argument("--placeholder-secrets", action="store_true",
                         help="write placeholder API keys instead of reading them (for CI drift checks)")
 
@@ -152,6 +156,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         _print_diagnostics(exc.diagnostics, sys.stderr)
         return EXIT_INVALID
     target = targets.get(args.target)
+    if args.admin_loopback:
+        topo = admin_on_loopback(topo)
     refusals = _target_refusals(args.topology, target, topo)
     if refusals:
         _print_diagnostics(refusals, sys.stderr)

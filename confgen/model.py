@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ._fields import Duration, field
@@ -54,8 +54,32 @@ _POSITIVE = _d("1ms")
 
 @dataclass(frozen=True)
 class Admin:
-    address: str = field("127.0.0.1", doc="Address of Envoy's admin interface; keep it on loopback.")
-    port: int = field(9901, doc="Port of Envoy's admin interface.", minimum=1, maximum=65535)
+    socket: str | None = field(
+        None,
+        doc="The Unix socket Envoy's admin interface listens on (mode 0600: only Envoy's user can connect; the "
+        "sidecar must run as that user). Default: envoy-admin.sock in the directory the rendered files live in "
+        "(envoy.config_dir, else the output directory). Envoy's admin can stop Envoy, change runtime values (the "
+        "in-flight limits, the picker's bypass share) and drain listeners, and has no authentication of its own.",
+        pattern="file_path",
+    )
+    address: str | None = field(
+        None,
+        doc="Put Envoy's admin on TCP at this address instead of its Unix socket (with port; default port 9901). "
+        "Any local process can then reach it, loopback included: use it where the loopback is Envoy's own (a "
+        "pod), or for the nginx target's status page (127.0.0.1 by default).",
+    )
+    port: int | None = field(
+        None,
+        doc="Put Envoy's admin on TCP at this port instead of its Unix socket (address default 127.0.0.1); the "
+        "nginx target's status page port (default 9901).",
+        minimum=1,
+        maximum=65535,
+    )
+
+
+ADMIN_SOCKET = "envoy-admin.sock"  # Envoy's admin socket in the rendered files' directory (admin.socket's default)
+DEFAULT_ADMIN_ADDRESS = "127.0.0.1"
+DEFAULT_ADMIN_PORT = 9901
 
 
 # Largest request body a listener takes by default (listeners[].max_request_bytes).
@@ -868,6 +892,33 @@ def grpc_reachable(topo: Topology) -> bool:
     if transport == "mtls" or (transport == "unix" and topo.envoy.xds.mode == "ads"):
         return True
     return all(is_loopback_host(host) for host in grpc_service_hosts(topo))
+
+
+def admin_tcp(topo: Topology) -> tuple[str, int]:
+    """Where a TCP admin listens (Envoy's when admin_on_tcp says so; nginx's status page always):
+    admin.address and admin.port, by default 127.0.0.1:9901."""
+    return (topo.admin.address or DEFAULT_ADMIN_ADDRESS, topo.admin.port or DEFAULT_ADMIN_PORT)
+
+
+def admin_on_tcp(topo: Topology) -> bool:
+    """Whether Envoy's admin listens on TCP (admin.address or admin.port set, and no admin.socket) rather
+    than on its Unix socket (the default)."""
+    return topo.admin.socket is None and (topo.admin.address is not None or topo.admin.port is not None)
+
+
+def admin_socket(topo: Topology, config_dir: str) -> str | None:
+    """The Unix socket of Envoy's admin (admin.socket, else envoy-admin.sock in `config_dir`, the
+    directory Envoy reads its files from); None when it listens on TCP (admin_tcp)."""
+    if admin_on_tcp(topo):
+        return None
+    return topo.admin.socket or f"{config_dir.rstrip('/')}/{ADMIN_SOCKET}"
+
+
+def admin_on_loopback(topo: Topology) -> Topology:
+    """The topology with Envoy's admin on TCP at admin_tcp (127.0.0.1:9901 unless it says otherwise):
+    `confgen render --admin-loopback`, for a pod whose loopback only its own containers reach."""
+    address, port = admin_tcp(topo)
+    return replace(topo, admin=replace(topo.admin, socket=None, address=address, port=port))
 
 
 def grpc_socket(topo: Topology, name: str) -> str:

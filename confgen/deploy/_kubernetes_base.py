@@ -16,7 +16,7 @@ from typing import Any
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
 from ..limits import needs_store
-from ..model import Topology, grpc_tls
+from ..model import Topology, admin_tcp, grpc_tls
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
 XDS_DIR = "/var/run/confgen/envoy"
@@ -165,7 +165,7 @@ def envoy_liveness(topo: Topology) -> Obj:
     would tie Envoy's restarts to the sidecar's. tests/deploy/test_probes_live.py runs it."""
     host = _admin_host(topo)
     request = "GET /server_info HTTP/1.1\\r\\nHost: envoy-admin\\r\\nConnection: close\\r\\n\\r\\n"
-    script = (f"exec 3<>/dev/tcp/{host}/{topo.admin.port} && printf '{request}' >&3 && "
+    script = (f"exec 3<>/dev/tcp/{host}/{admin_tcp(topo)[1]} && printf '{request}' >&3 && "
               "read -r -t 4 status <&3 && case \"$status\" in 'HTTP/1.1 200'*) exit 0;; esac; exit 1")
     return {"exec": {"command": ["/bin/bash", "-c", script]},
             "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
@@ -181,7 +181,7 @@ def spread(selector: dict[str, str]) -> list[Obj]:
 
 
 def _admin_host(topo: Topology) -> str:
-    host = topo.admin.address
+    host = admin_tcp(topo)[0]
     return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 

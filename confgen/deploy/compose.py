@@ -44,8 +44,8 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
                         *(["--grpc-plaintext-loopback"] if wanted and grpc_transport(topo) == "plaintext" else [])],
             "volumes": [*shared, *sockets],
             "environment": key_env,
-            # host networking: it reaches Envoy's admin on loopback and the workers as Envoy
-            # does; it listens on loopback only, so nothing of it is reachable from outside
+            # host networking: it reaches the workers as Envoy does (and Envoy's admin on its socket in
+            # xds/); it listens on loopback only, so nothing of it is reachable from outside
             "network_mode": "host",
             "depends_on": {"render": {"condition": "service_completed_successfully"}},
             "restart": "unless-stopped",
@@ -56,8 +56,10 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
             # --disable-hot-restart: on the host's network, Envoys of two projects would share
             # hot restart's domain socket (base id 0) and the second would not start.
             "command": ["envoy", "-c", f"{XDS_DIR}/bootstrap.json", "--disable-hot-restart"],
-            "volumes": [f"xds:{XDS_DIR}:ro", *sockets],
-            # host networking: workers and the admin interface stay on the host's addresses
+            # xds read-write only for Envoy's admin socket (envoy-admin.sock, 0600): on the host's network a
+            # loopback admin port would be open to every local user
+            "volumes": [f"xds:{XDS_DIR}", *sockets],
+            # host networking: workers stay on the host's addresses
             "network_mode": "host",
             "depends_on": {"render": {"condition": "service_completed_successfully"}},
             "restart": "unless-stopped",

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
-from ..model import Pool, Topology, grpc_socket_dir, grpc_transport, join_address
+from ..model import Pool, Topology, admin_tcp, grpc_socket_dir, grpc_transport, join_address
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems
@@ -133,7 +133,7 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
 
 def _admin_url(topo: Topology) -> str:
     host = _admin_host(topo)
-    return f"http://{join_address(host, topo.admin.port)}"
+    return f"http://{join_address(host, admin_tcp(topo)[1])}"
 
 
 def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Obj:
@@ -150,6 +150,7 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         # Each sidecar sees its own Envoy's in-flight requests: with N proxy pods each Envoy takes 1/N of the
         # shedding budget (README, Backpressure). ADS needs no flag (the control plane counts its Envoys).
         "args": ["--topology", topology_file, "--xds-dir", XDS_DIR, "--listen", f"0.0.0.0:{topo.sidecar.port}",
+                 "--envoy-admin", _admin_url(topo),  # on the pod's loopback (the render's --admin-loopback)
                  "--ingresses", str(topo.kubernetes.replicas),
                  *(["--admin-token-env", ADMIN_TOKEN_ENV] if topo.kubernetes.admin_token_secret else []),
                  *_grpc_args(plan)],
@@ -283,7 +284,8 @@ def _deployment(plan: _Plan) -> Obj:
     init = {
         "name": "render",
         "image": k8s.sidecar_image,
-        "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR],
+        # the pod's loopback is its own: Envoy's admin there, for the liveness probe and the sidecar
+        "command": ["confgen", "render", topology_file, "-o", XDS_DIR, "--config-dir", XDS_DIR, "--admin-loopback"],
         "workingDir": WORK_DIR,
         "volumeMounts": mounts,
         "env": _key_env(plan),

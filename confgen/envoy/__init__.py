@@ -17,7 +17,8 @@ import json
 from collections.abc import Mapping
 
 from ..endpoints import Endpoint
-from ..model import Topology
+from ..errors import DeployError
+from ..model import MAX_SOCKET_PATH, Topology, admin_socket, admin_tcp
 from ..plan import plan
 from . import ads, layout
 from ._clusters import assignments, breaker_runtime_keys, clusters
@@ -38,16 +39,37 @@ from ._proto import Json, dumps
 from .eds import build_cla, eds_document, parse_eds, render_eds
 
 __all__ = [
-    "PICKER_BYPASS_RUNTIME_KEY", "PICKER_LATE_MODE", "REQUEST_TIME_ATTRIBUTE", "ROUTE_NAME_ATTRIBUTE", "Endpoint",
-    "RouteClass", "ads",
+    "PICKER_BYPASS_RUNTIME_KEY", "PICKER_LATE_MODE", "REQUEST_TIME_ATTRIBUTE", "ROUTE_NAME_ATTRIBUTE",
+    "VALIDATE_DIR", "Endpoint", "RouteClass", "admin", "ads", "ads_bootstrap",
     "ads_static_bootstrap", "breaker_runtime_keys", "build_cla", "eds_document", "layout", "parse_eds", "render",
     "render_eds", "route_checks", "route_classes", "shed_runtime_key", "shed_stat_prefix", "static_bootstrap",
 ]
 
 
+# Where `validate --envoy` says the files live: Envoy's validate mode reads no file of theirs and binds no admin.
+VALIDATE_DIR = "/nonexistent/confgen-validate"
+
+
 def _placeholder_secrets(topo: Topology) -> dict[str, str]:
     keys = topo.auth.api_keys if topo.auth else []
     return {k.client: f"placeholder-key-{k.client}" for k in keys}
+
+
+def admin(topo: Topology, config_dir: str) -> Json:
+    """Envoy's admin: on its Unix socket, mode 0600 (admin.socket, else envoy-admin.sock in `config_dir`), or
+    on TCP where the topology says so (admin.address, admin.port; `confgen render --admin-loopback`). Envoy's
+    admin has no authentication and can stop Envoy, change runtime values and drain listeners, so by default
+    only Envoy's own user (and the sidecar, run as that user) can connect. The socket is created with the
+    process umask and then set to 0600: under the usual umask (022) nobody else can write to it, so connect
+    to it, even in between (tests/envoy/test_envoy_admin_socket.py)."""
+    path = admin_socket(topo, config_dir)
+    if path is None:
+        address, port = admin_tcp(topo)
+        return {"address": {"socket_address": {"address": address, "port_value": port}}}
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise DeployError([("admin.socket", f"Envoy's admin socket {path!r} is longer than {MAX_SOCKET_PATH} bytes, "
+                            "the most a Unix socket's path may hold: set admin.socket to a shorter path")])
+    return {"address": {"pipe": {"path": path, "mode": 0o600}}}
 
 
 def bootstrap(topo: Topology, config_dir: str) -> Json:
@@ -60,7 +82,7 @@ def bootstrap(topo: Topology, config_dir: str) -> Json:
 
     return {
         "node": {"id": topo.envoy.node_id or topo.name, "cluster": topo.name},
-        "admin": {"address": {"socket_address": {"address": topo.admin.address, "port_value": topo.admin.port}}},
+        "admin": admin(topo, config_dir),
         "dynamic_resources": {"lds_config": source(layout.LDS), "cds_config": source(layout.CDS)},
         "layered_runtime": {"layers": [
             {"name": "static", "static_layer": {"overload.global_downstream_max_connections": 50000}},
@@ -75,10 +97,10 @@ def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None
     `secrets` maps API-key clients to their keys; without it placeholders are written
     (fine for validation, useless for serving).
     """
-    if topo.envoy.xds.mode == "ads":
-        return {layout.BOOTSTRAP: dumps(ads.bootstrap(topo))}
-    keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
     config_dir = config_dir.rstrip("/") or "/"
+    if topo.envoy.xds.mode == "ads":
+        return {layout.BOOTSTRAP: dumps(ads.bootstrap(topo, admin(topo, config_dir)))}
+    keys = dict(secrets) if secrets is not None else _placeholder_secrets(topo)
     routing = plan(topo)
     files = {
         layout.BOOTSTRAP: dumps(bootstrap(topo, config_dir)),
@@ -123,6 +145,11 @@ def file_type_problems(files: Mapping[str, bytes]) -> list[str]:
     return problems
 
 
+def ads_bootstrap(topo: Topology, config_dir: str) -> Json:
+    """The ADS bootstrap `render` writes, with its admin for files read from `config_dir`."""
+    return ads.bootstrap(topo, admin(topo, config_dir.rstrip("/") or "/"))
+
+
 def ads_static_bootstrap(topo: Topology, *, max_endpoints: int | None = None) -> Json:
     """The ADS bootstrap's node and admin with what the control plane would send inlined.
 
@@ -130,7 +157,7 @@ def ads_static_bootstrap(topo: Topology, *, max_endpoints: int | None = None) ->
     secrets); Envoy checks those the same way as file output.
     """
     served = ads.resources(topo, _placeholder_secrets(topo))
-    boot = ads.bootstrap(topo)
+    boot = ads_bootstrap(topo, VALIDATE_DIR)
     boot.pop("static_resources", None)
     boot["layered_runtime"] = {"layers": [layer for layer in boot["layered_runtime"]["layers"]
                                           if "rtds_layer" not in layer]}

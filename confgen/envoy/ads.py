@@ -1,6 +1,6 @@
 """Envoy over ADS: the bootstrap that takes everything from a control plane, and what it serves.
 
-    bootstrap(topo)            node, admin, one static HTTP/2 cluster to `envoy.xds.servers`,
+    bootstrap(topo, admin)     node, admin, one static HTTP/2 cluster to `envoy.xds.servers`,
                                ADS (delta or state of the world) for CDS, LDS, EDS and an RTDS
                                runtime layer; nothing from files
     resources(topo, secrets)   the listeners, clusters, endpoint assignments, runtime layer and
@@ -182,12 +182,13 @@ def _upstream_tls(topo: Topology) -> Json:
     return upstream_mtls(tls.cert, tls.key, tls.ca, names)
 
 
-def bootstrap(topo: Topology) -> Json:
-    """A bootstrap that takes listeners, clusters, endpoints and limits over ADS, nothing from files."""
+def bootstrap(topo: Topology, admin: Json) -> Json:
+    """A bootstrap that takes listeners, clusters, endpoints and limits over ADS, nothing from files; its
+    admin as given (confgen.envoy.admin)."""
     api_type = "DELTA_GRPC" if topo.envoy.xds.protocol == "delta" else "GRPC"
     return {
         "node": {"id": topo.envoy.node_id or topo.name, "cluster": topo.name},
-        "admin": {"address": {"socket_address": {"address": topo.admin.address, "port_value": topo.admin.port}}},
+        "admin": admin,
         "dynamic_resources": {
             "ads_config": {
                 "api_type": api_type,

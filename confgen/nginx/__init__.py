@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 
 from ..errors import SecretError
-from ..model import Topology
+from ..model import Topology, admin_tcp
 from ..secrets import BEARER_TOKEN
 from ._context import build_context, upstream_options
 from ._features import refused, unsupported
@@ -120,6 +120,6 @@ def render_for_test(
     paths sit under `prefix`; DNS-named workers become `down` loopback entries, so `nginx -t`
     resolves nothing. Rendering binds no socket.
     """
-    chosen = {lst.name: lst.port for lst in topo.listeners} | {STATUS: topo.admin.port}
+    chosen = {lst.name: lst.port for lst in topo.listeners} | {STATUS: admin_tcp(topo)[1]}
     chosen.update(ports or {})
     return _render(topo, config_dir=prefix, secrets=secrets, test_prefix=prefix, ports=chosen)

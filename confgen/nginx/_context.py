@@ -16,7 +16,7 @@ from .._fields import Duration
 from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..balancing import is_hashing, nginx_method
 from ..limits import local_client_limits, local_listener_limit
-from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, is_ip, split_address
+from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, admin_tcp, is_ip, split_address
 from ..plan import Plan, PlannedRoute, plan
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
@@ -232,7 +232,7 @@ def build_context(
             "idle_timeout": timeout(lst.stream_idle_timeout),
             "max_body": lst.max_request_bytes,
         })
-    admin_address, admin_port = topo.admin.address, topo.admin.port
+    admin_address, admin_port = admin_tcp(topo)
     if test and ports:
         admin_address, admin_port = "127.0.0.1", ports["_status"]
     elif not ipaddress.ip_address(admin_address).is_loopback:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 
 from ..balancing import is_hashing
-from ..model import Balancing, LimitSet, RateLimit, Topology, limit_list
+from ..model import Balancing, LimitSet, RateLimit, Topology, admin_tcp, limit_list
 from ._context import rate
 
 Finding = tuple[str, str]
@@ -83,7 +83,7 @@ def unsupported(topo: Topology) -> list[Finding]:
     for path, limit in _limits(topo):
         if limit.scope == "local" and not _exact(limit.rate, limit.period.ms):
             found.append((path, f"nginx rates are whole requests per second or minute; rendered as {rate(limit)}"))
-    if not ipaddress.ip_address(topo.admin.address).is_loopback:
+    if not ipaddress.ip_address(admin_tcp(topo)[0]).is_loopback:
         found.append(("admin.address", "the nginx status page listens on 127.0.0.1 only"))
     return found
 

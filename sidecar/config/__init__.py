@@ -45,7 +45,7 @@ class SidecarConfig:
 
     topology: Path
     xds_dir: Path | None = None  # where Envoy reads the files; default: the topology's envoy.config_dir
-    envoy_admin: str | None = None  # default: http://<topology admin address>:<port>
+    envoy_admin: str | None = None  # unix:PATH or http://host:port; default: from the topology (main._admin_url)
     interval_s: float = 2.0
     jitter: float = 0.1  # each sleep is interval * (1 +- jitter)
     max_concurrency: int = 64
@@ -179,7 +179,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, type=Path, help="topology YAML (the same file confgen renders)")
     p.add_argument("--xds-dir", type=Path, help="directory Envoy reads its xDS files from "
                    "(default: the topology's envoy.config_dir)")
-    p.add_argument("--envoy-admin", help="Envoy admin URL (default: from the topology's admin)")
+    p.add_argument("--envoy-admin", help="Envoy's admin: unix:PATH (its Unix socket) or http://host:port (default: "
+                   "from the topology: envoy-admin.sock in the xDS directory unless admin.socket or "
+                   "admin.address/port say otherwise)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between probe cycles (default 2)")
     p.add_argument("--jitter", type=float, default=0.1, help="fraction of the interval to jitter by (0.1)")
     p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")

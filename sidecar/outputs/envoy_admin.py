@@ -2,6 +2,8 @@
 
 An aiohttp client with one session and a timeout on every call; None or False answers mean
 Envoy could not be asked. Used by the file publisher and its limiter, and built by `main`.
+Envoy's admin is reached at `unix:/path/to/envoy-admin.sock` (its Unix socket, the default: only
+Envoy's user can connect) or at an `http://host:port` URL (`admin_session`).
 """
 
 from __future__ import annotations
@@ -12,19 +14,32 @@ from typing import Any, Self
 
 import aiohttp
 
-__all__ = ["EnvoyAdmin"]
+__all__ = ["UNIX_PREFIX", "EnvoyAdmin", "admin_session"]
+
+UNIX_PREFIX = "unix:"
+_SOCKET_BASE = "http://envoy-admin"  # the URL's host names nothing when the connector is a Unix socket
+
+
+def admin_session(admin: str, timeout: aiohttp.ClientTimeout) -> tuple[aiohttp.ClientSession, str]:
+    """A session that reaches Envoy's admin at `admin` (`unix:PATH` or `http://host:port`), and the
+    base URL its paths go after. Call from a running event loop (aiohttp's rule)."""
+    if admin.startswith(UNIX_PREFIX):
+        connector = aiohttp.UnixConnector(path=admin.removeprefix(UNIX_PREFIX))
+        return aiohttp.ClientSession(connector=connector, timeout=timeout), _SOCKET_BASE
+    return aiohttp.ClientSession(timeout=timeout), admin.rstrip("/")
 
 
 class EnvoyAdmin:
     """Reads Envoy's admin stats; None answers mean Envoy could not be asked."""
 
-    def __init__(self, base_url: str, timeout_s: float = 1.0) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, admin: str, timeout_s: float = 1.0) -> None:
+        self.admin = admin  # unix:PATH or http://host:port
+        self.base_url = ""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session, self.base_url = admin_session(self.admin, self._timeout)
         return self
 
     async def __aexit__(

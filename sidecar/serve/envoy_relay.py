@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from sidecar.outputs.envoy_admin import admin_session
+
 __all__ = ["BODY_CAP", "add_envoy_relay"]
 
 _SESSION = web.AppKey("envoy_relay_session", aiohttp.ClientSession)
@@ -72,11 +74,10 @@ async def _stats(request: web.Request) -> web.Response:
 def add_envoy_relay(app: web.Application, admin_url: str, timeout_s: float = 5.0, body_cap: int = BODY_CAP) -> None:
     """Add the two GET routes to `app`; the client session lives as long as the app. Each relayed
     answer is whole: read within `timeout_s` and at most `body_cap` bytes, else an error answer."""
-    app[_BASE] = admin_url.rstrip("/")
     app[_CAP] = body_cap
 
     async def session(app: web.Application) -> AsyncIterator[None]:
-        app[_SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        app[_SESSION], app[_BASE] = admin_session(admin_url, aiohttp.ClientTimeout(total=timeout_s))
         yield
         await app[_SESSION].close()
 

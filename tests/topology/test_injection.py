@@ -172,9 +172,12 @@ def _text_fields(cls: type, seen: set[type] | None = None) -> set[tuple[type, st
 FULL_SENTINEL: dict[str, Any] = {**FULL, "limits": {**FULL["limits"], "store": {
     "sentinel": {"addresses": ["sentinel-0.example:26379", "sentinel-1.example:26379", "sentinel-2.example:26379"],
                  "master": "limits"}}}}
+# ... and FULL with Envoy's admin on a socket of its own (admin.socket instead of admin.address and port).
+FULL_SOCKET: dict[str, Any] = {**FULL, "admin": {"socket": "/run/confgen-full/envoy-admin.sock"}}
 LEAVES = [(FULL, *leaf) for leaf in _leaves(FULL, model.Topology, (), None)] + [
     (FULL_SENTINEL, *leaf) for leaf in _leaves(FULL_SENTINEL, model.Topology, (), None)
-    if leaf[0][:2] == ("limits", "store")]
+    if leaf[0][:2] == ("limits", "store")] + [
+    (FULL_SOCKET, *leaf) for leaf in _leaves(FULL_SOCKET, model.Topology, (), None) if leaf[0][:1] == ("admin",)]
 
 
 def _path_text(path: Path_, kind: str, key: str | None = None) -> str:
@@ -230,6 +233,7 @@ def test_full_topology_is_valid_and_covers_every_string_field(tmp_path: Path) ->
     Envoy reads sidecar.grpc_tls's files when it validates: real ones from a throwaway CA."""
     topo, _ = parse(_dump(FULL).encode(), "full.yaml")
     parse(_dump(FULL_SENTINEL).encode(), "full-sentinel.yaml")
+    parse(_dump(FULL_SOCKET).encode(), "full-socket.yaml")
     covered = {owner for _, _, _, owner in LEAVES}
     assert _text_fields(model.Topology) - covered == set()
     doc = copy.deepcopy(FULL)
