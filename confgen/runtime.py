@@ -96,18 +96,19 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def _http_get(url: str, timeout: float = _HTTP_TIMEOUT_S) -> tuple[int, str]:
+def _http_get(url: str, timeout: float = _HTTP_TIMEOUT_S, method: str = "GET") -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback admin)
+        request = urllib.request.Request(url, method=method)  # noqa: S310 (loopback admin)
+        with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 (loopback admin)
             return int(resp.status), resp.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode(errors="replace")
 
 
-def _unix_get(socket_path: str, path: str, timeout: float = _HTTP_TIMEOUT_S) -> tuple[int, str]:
+def _unix_call(socket_path: str, path: str, timeout: float = _HTTP_TIMEOUT_S, method: str = "GET") -> tuple[int, str]:
     conn = _UnixConnection(socket_path, timeout)
     try:
-        conn.request("GET", path)
+        conn.request(method, path)
         resp = conn.getresponse()
         return resp.status, resp.read().decode(errors="replace")
     finally:
@@ -301,9 +302,16 @@ class EnvoyProcess(_Proxy):
 
     def admin_get(self, path: str) -> tuple[int, str]:
         """GET an admin path (e.g. "/clusters"); returns (status, body)."""
+        return self._admin_call("GET", path)
+
+    def admin_post(self, path: str) -> tuple[int, str]:
+        """POST an admin path (e.g. "/runtime_modify?k=v"); returns (status, body)."""
+        return self._admin_call("POST", path)
+
+    def _admin_call(self, method: str, path: str) -> tuple[int, str]:
         if self.admin_url.startswith(UNIX_PREFIX):
-            return _unix_get(self.admin_url.removeprefix(UNIX_PREFIX), path)
-        return _http_get(f"{self.admin_url}{path}")
+            return _unix_call(self.admin_url.removeprefix(UNIX_PREFIX), path, method=method)
+        return _http_get(f"{self.admin_url}{path}", method=method)
 
     def stats(self) -> dict[str, int | str]:
         """Counters and gauges by name; text stats (e.g. `version_text`) as str."""

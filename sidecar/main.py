@@ -162,6 +162,9 @@ def _check(config: SidecarConfig, topo: Topology) -> tuple[SidecarConfig, Mutati
     except ConfigError as exc:
         log_event(_log, logging.ERROR, "startup.bad_admin_token", error=str(exc))
         raise _Refused(EXIT_USAGE) from exc
+    if guard.token is None:
+        log_event(_log, logging.INFO, "startup.drains_off",
+                  note="POST /drain and /undrain answer 403: give --admin-token-file or --admin-token-env to use them")
     return config, guard
 
 

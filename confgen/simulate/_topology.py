@@ -14,7 +14,7 @@ __all__ = ["fleet_topology"]
 def fleet_topology(
     *,
     name: str,
-    admin: int,
+    admin: int | None,
     port: int,
     workers: Sequence[str],
     models: Sequence[str],
@@ -26,15 +26,15 @@ def fleet_topology(
     listener: str = "",
 ) -> str:
     """YAML for pool `chat` of `workers` (host:port items) behind listener `public` on
-    127.0.0.1:`port`, admin on 127.0.0.1:`admin`. `pool` adds lines to the pool (e.g.
-    "balancing: {policy: round_robin}"), `engine` is the pool's engine kind, `tail` adds
+    127.0.0.1:`port`, admin on 127.0.0.1:`admin` (None: on its Unix socket, the default). `pool`
+    adds lines to the pool (e.g. "balancing: {policy: round_robin}"), `engine` is the pool's engine kind, `tail` adds
     top-level lines (e.g. a last_resort), `listener` more keys of the listener's flow mapping
     (e.g. "trusted_headers: {...}"). `sidecar_port`: where the sidecar listens (the rendered
     Envoy asks it there for /v1/models; a sidecar started without --listen listens there)."""
     lines = [
         "version: 1",
         f"name: {name}",
-        f"admin: {{address: 127.0.0.1, port: {admin}}}",
+        *([f"admin: {{address: 127.0.0.1, port: {admin}}}"] if admin is not None else []),
         "listeners:",
         f"  - {{name: public, address: 127.0.0.1, port: {port}{', ' + listener if listener else ''}}}",
         "pools:",

@@ -7,12 +7,11 @@ Safe by default, with no setting at all:
   body, if any, a JSON object: a browser cannot send that cross-site without a CORS
   preflight, which this server never answers. So no "simple request" (form, text/plain)
   can drain a worker.
-- On a non-loopback bind they also require `Authorization: Bearer <token>` (401 without
-  it, compared in constant time). The token comes from a file (`--admin-token-file`, read
-  with the same bound as an API key file) or an environment variable
-  (`--admin-token-env`). Bound beyond loopback without a token, the mutating endpoints are
-  off (403, saying how to turn them on); scraping stays open.
-- A configured token is required on loopback too.
+- They require `Authorization: Bearer <token>` (401 without it, compared in constant time),
+  on loopback too: every local user reaches a loopback port, and draining every worker would
+  starve the fleet. The token comes from a file (`--admin-token-file`, read with the same
+  bound as an API key file) or an environment variable (`--admin-token-env`). Without a
+  token the mutating endpoints are off (403, saying how to turn them on); scraping stays open.
 
 GET endpoints (/metrics, /healthz, /readyz, /state, the Envoy relay) are not guarded:
 Prometheus and the kubelet reach them without credentials.
@@ -67,7 +66,8 @@ def load_token(file: Path | None, env: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class MutationGuard:
-    """The rule for mutating calls: `token` if set; `remote` when bound beyond loopback."""
+    """The rule for mutating calls: `token`, required (None: they are off); `remote`: bound beyond loopback
+    (said in the refusal)."""
 
     token: str | None
     remote: bool
@@ -79,10 +79,9 @@ class MutationGuard:
         if request.content_type != "application/json":
             return _error(415, "send Content-Type: application/json")
         if self.token is None:
-            if self.remote:
-                return _error(403, "mutating endpoints are off: the sidecar listens beyond loopback and no "
-                              "--admin-token-file/--admin-token-env is set")
-            return None
+            where = "beyond loopback" if self.remote else "on loopback, which every local user reaches,"
+            return _error(403, f"mutating endpoints are off: the sidecar listens {where} and no "
+                          "--admin-token-file/--admin-token-env is set")
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
             return _error(401, "a bearer token is required (Authorization: Bearer <token>)",

@@ -19,7 +19,8 @@ def test_drain_fails_health_waits_for_requests_within_its_deadline_and_marks_don
     to finish, gives up on a long one at its deadline (reporting it), and a second drain with
     a longer deadline returns as soon as the long one completes; both requests complete
     with 200 (nothing cut) and the marker Envoy's preStop waits for exists."""
-    with live_rig(tmp_path, worker_specs(["a", "b"], decode_ms=20.0)) as rig:
+    # the pod's Envoy has its admin on the pod's loopback (render --admin-loopback), where this runs
+    with live_rig(tmp_path, worker_specs(["a", "b"], decode_ms=20.0), admin_port=True) as rig:
         admin = f"http://127.0.0.1:{rig.admin}"
         assert rig.sidecar.get("/envoy/ready")[0] == 200
         status, stats = rig.sidecar.get("/envoy/stats")

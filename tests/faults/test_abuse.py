@@ -36,7 +36,16 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from confgen.runtime import EnvoyProcess, free_port
 from confgen.simulate import FleetSpec, run_fleet_in_thread
 from tests.faults._campaign import Campaign, Row, size
-from tests.sidecar_live.rig import SidecarProcess, ads_envoy, control_plane, http, poll, worker_specs
+from tests.sidecar_live.rig import (
+    ADMIN_TOKEN,
+    SidecarProcess,
+    admin_token_args,
+    ads_envoy,
+    control_plane,
+    http,
+    poll,
+    worker_specs,
+)
 
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -374,7 +383,8 @@ def test_hostile_http_clients(tmp_path: Path, campaign: Campaign) -> None:
     topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, grpc=free_port(),
                                         workers=f"      - 127.0.0.1:{free_port()}"))
     sidecar = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
-                              "--grpc-plaintext-loopback", "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"],
+                              *admin_token_args(tmp_path), "--grpc-plaintext-loopback",
+                              "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"],
                              tmp_path / "sidecar.log",
                              listen)
     sidecar.start()
@@ -398,7 +408,8 @@ def test_hostile_http_clients(tmp_path: Path, campaign: Campaign) -> None:
             closed_idle, last_idle = _closed_within(held, 30.0)
             for s in held:
                 s.close()
-            # a 50 MiB chunked body and a 2,000-deep JSON body to /drain
+            # a 50 MiB chunked body and a 2,000-deep JSON body to /drain, from a client with the token
+            # (without it the answer is 403 before a byte of the body is read)
             sent, answer = _chunked_body(listen, 50 * MIB)
             deep = b"[" * 2000 + b"]" * 2000
             status, body = _post(listen, deep)
@@ -427,10 +438,13 @@ def _healthz(sidecar: SidecarProcess) -> bool:
         return False
 
 
+_AUTH = f"Authorization: Bearer {ADMIN_TOKEN}\r\n".encode()
+
+
 def _chunked_body(port: int, total: int) -> tuple[int, bytes]:
     """POST /drain with a chunked body of up to `total` bytes, reading as it sends; (bytes sent, answer)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + _AUTH +
                      b"Transfer-Encoding: chunked\r\n\r\n")
         chunk = b"%x\r\n" % 65536 + b"[" * 65536 + b"\r\n"
         sent, answer = 0, b""
@@ -456,7 +470,7 @@ def _chunked_body(port: int, total: int) -> tuple[int, bytes]:
 
 def _post(port: int, body: bytes) -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /drain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + _AUTH +
                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
         data = b""
         while True:

@@ -103,8 +103,10 @@ def test_prometheus_sees_one_queue_figure_for_two_replicas_dashboard_data_and_wo
     with live_rig(tmp_path, specs, sidecar_args=FAST_ARGS, capacity=1) as rig:
         listen2 = free_port()
         (tmp_path / "envoy2").mkdir()
+        # its xDS directory is its own, its Envoy the rig's one (whose admin socket is in the rig's directory)
         second = SidecarProcess(["--topology", str(rig.topology_path), "--xds-dir", str(tmp_path / "envoy2"),
-                                 "--listen", f"127.0.0.1:{listen2}", *FAST_ARGS], tmp_path / "sidecar2.log", listen2)
+                                 "--envoy-admin", rig.envoy.admin_url, "--listen", f"127.0.0.1:{listen2}",
+                                 *FAST_ARGS], tmp_path / "sidecar2.log", listen2)
         one, two = rig.sidecar.url.removeprefix("http://"), second.url.removeprefix("http://")
         second.start()
         try:

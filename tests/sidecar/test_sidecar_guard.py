@@ -93,40 +93,46 @@ def _json(pool: str, worker: str) -> bytes:
 JSON = {"Content-Type": "application/json"}
 
 
-def test_loopback_without_token_refuses_cross_site_and_non_json(tmp_path: Path) -> None:
-    """On loopback with no token: Origin -> 403, form / text/plain / no type -> 415, a
+def test_with_the_token_it_still_refuses_cross_site_and_non_json(tmp_path: Path) -> None:
+    """On loopback with the token: Origin -> 403, form / text/plain / no type -> 415, a
     JSON array -> 400, an unknown worker -> 404; a JSON drain and undrain -> 200."""
 
     async def scenario(call: Call, base: str, worker: str) -> None:
         body = _json("chat", worker)
-        assert (await call("POST", "/drain", data=body, headers={**JSON, "Origin": "https://evil.example"}))[0] == 403
-        assert (await call("POST", "/drain", data=body, headers={**JSON, "Origin": "null"}))[0] == 403
-        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        json_auth = {**JSON, **auth}
+        assert (await call("POST", "/drain", data=body,
+                           headers={**json_auth, "Origin": "https://evil.example"}))[0] == 403
+        assert (await call("POST", "/drain", data=body, headers={**json_auth, "Origin": "null"}))[0] == 403
+        form = {"Content-Type": "application/x-www-form-urlencoded", **auth}
         assert (await call("POST", f"/drain?pool=chat&worker={worker}", data=b"a=b", headers=form))[0] == 415
-        assert (await call("POST", "/drain", data=body, headers={"Content-Type": "text/plain"}))[0] == 415
-        assert (await call("POST", f"/drain?pool=chat&worker={worker}"))[0] == 415
-        assert (await call("POST", "/drain", data=b"[1]", headers=JSON))[0] == 400
-        assert (await call("POST", "/drain", data=b"{nope", headers=JSON))[0] == 400
-        assert (await call("POST", "/drain", data=_json("chat", "127.0.0.1:1"), headers=JSON))[0] == 404
-        status, answer = await call("POST", "/drain", data=body, headers=JSON)
+        assert (await call("POST", "/drain", data=body, headers={"Content-Type": "text/plain", **auth}))[0] == 415
+        assert (await call("POST", f"/drain?pool=chat&worker={worker}", headers=auth))[0] == 415
+        assert (await call("POST", "/drain", data=b"[1]", headers=json_auth))[0] == 400
+        assert (await call("POST", "/drain", data=b"{nope", headers=json_auth))[0] == 400
+        assert (await call("POST", "/drain", data=_json("chat", "127.0.0.1:1"), headers=json_auth))[0] == 404
+        status, answer = await call("POST", "/drain", data=body, headers=json_auth)
         assert (status, answer.get("drained")) == (200, True)
-        status, answer = await call("POST", f"/undrain?pool=chat&worker={worker}", headers=JSON)
+        status, answer = await call("POST", f"/undrain?pool=chat&worker={worker}", headers=json_auth)
         assert (status, answer.get("drained")) == (200, False)
 
-    asyncio.run(_serve(tmp_path, MutationGuard(token=None, remote=False), scenario))
+    asyncio.run(_serve(tmp_path, MutationGuard(token=TOKEN, remote=False), scenario))
 
 
-def test_beyond_loopback_without_token_mutations_are_off_and_scraping_open(tmp_path: Path) -> None:
-    """remote bind, no token: every POST is 403 naming the flags; GETs answer."""
+@pytest.mark.parametrize("remote", [True, False])
+def test_without_a_token_mutations_are_off_and_scraping_open(tmp_path: Path, remote: bool) -> None:
+    """No token, beyond loopback or on it (every local user reaches a loopback port): every POST is 403
+    naming the flags; GETs answer."""
 
     async def scenario(call: Call, base: str, worker: str) -> None:
         status, answer = await call("POST", "/drain", data=_json("chat", worker), headers=JSON)
         assert status == 403 and "--admin-token-file" in str(answer.get("error"))
+        assert ("loopback, which every local user reaches" in str(answer.get("error"))) is not remote
         assert (await call("GET", "/metrics"))[0] == 200
         assert (await call("GET", "/healthz"))[0] == 200
         assert (await call("GET", "/readyz"))[0] in (200, 503)  # answers; no cycle ran here
 
-    asyncio.run(_serve(tmp_path, MutationGuard(token=None, remote=True), scenario))
+    asyncio.run(_serve(tmp_path, MutationGuard(token=None, remote=remote), scenario))
 
 
 @pytest.mark.parametrize("remote", [True, False])

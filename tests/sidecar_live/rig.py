@@ -45,7 +45,7 @@ FAST_ARGS = (
 
 
 def topology_text(
-    workers: Sequence[str], *, admin: int, port: int, capacity: int = 4, policy: str = "least_request",
+    workers: Sequence[str], *, admin: int | None, port: int, capacity: int = 4, policy: str = "least_request",
     sidecar_port: int | None = None, listener: str = "",
 ) -> str:
     # The sidecar alone decides health here: no active checks, no outlier ejection.
@@ -55,9 +55,24 @@ def topology_text(
                           listener=listener)
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+# The sidecar's admin token in the rigs (its POST /drain and /undrain need one, loopback included).
+ADMIN_TOKEN = "rig-admin-token-0123456789"
+
+
+def admin_token_args(tmp: Path) -> list[str]:
+    """The sidecar's flags for ADMIN_TOKEN, its file written 0600 under `tmp`."""
+    path = tmp / "admin-token"
+    path.write_text(ADMIN_TOKEN + "\n")
+    path.chmod(0o600)
+    return ["--admin-token-file", str(path)]
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 5.0,
+         token: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP call with a JSON body (and `token` as a bearer token); (status, headers, body)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
@@ -118,6 +133,11 @@ class SidecarProcess:
         status, _, body = http("GET", self.url + path, timeout=3.0)
         return status, body
 
+    def post(self, path: str, body: Any = None) -> tuple[int, bytes]:
+        """A mutating call (POST /drain, /undrain) with the rig's admin token."""
+        status, _, answer = http("POST", self.url + path, body, token=ADMIN_TOKEN)
+        return status, answer
+
     def state(self) -> dict[str, Any]:
         status, body = self.get("/state")
         assert status == 200, body
@@ -159,7 +179,7 @@ class Rig:
     topology_path: Path
     xds_dir: Path
     port: int
-    admin: int
+    admin: int | None  # None: Envoy's admin on its Unix socket in xds_dir (the product's default)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -208,6 +228,7 @@ def live_rig(
     prepare_xds: Callable[[Path], None] | None = None,
     extra_yaml: str = "",
     listener_yaml: str = "",
+    admin_port: bool = False,
 ) -> Iterator[Rig]:
     """Fleet, rendered config, Envoy and the sidecar, all ready; everything stopped after.
 
@@ -216,10 +237,12 @@ def live_rig(
     `worker_item`: the YAML list item that names the worker listening on a port.
     `prepare_xds`: called with the xDS directory's path before anything is written there.
     `extra_yaml`: top-level topology keys appended to the rig's (e.g. `routes:`); `listener_yaml`:
-    more keys of the listener (flow style, e.g. `trusted_headers: {...}`).
+    more keys of the listener (flow style, e.g. `trusted_headers: {...}`). Envoy's admin is on its Unix
+    socket as the product renders it by default; `admin_port`: on a free loopback port instead.
     """
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=3)) as fleet:
-        port, admin, listen = free_port(), free_port(), free_port()
+        port, listen = free_port(), free_port()
+        admin = free_port() if admin_port else None
         chosen = fleet.workers[: listed or len(fleet.workers)]
         text = topology_text([worker_item(w.port) for w in chosen], admin=admin, port=port,
                              capacity=capacity, policy=policy, sidecar_port=listen,
@@ -235,7 +258,7 @@ def live_rig(
         topo, _ = parse_topology(text.encode())
         write_tree(envoy.render(topo, config_dir=str(xds)), xds, rank=envoy.layout.write_rank)
         args = ["--topology", str(topo_path), "--xds-dir", str(xds), "--listen", f"127.0.0.1:{listen}",
-                *sidecar_args]
+                *admin_token_args(tmp), *sidecar_args]
         sidecar = SidecarProcess(args, tmp / "sidecar.log", listen, wrapper)
         with EnvoyProcess(xds / "bootstrap.json") as proxy:
             sidecar.start()

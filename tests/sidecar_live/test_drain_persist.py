@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.sidecar_live.rig import http, live_rig, poll, worker_specs
+from tests.sidecar_live.rig import live_rig, poll, worker_specs
 
 
 def _status(rig: object, port: int) -> str:
@@ -28,7 +28,7 @@ def test_drain_survives_a_restart(tmp_path: Path) -> None:
     with live_rig(tmp_path, worker_specs(["w1", "w2"])) as rig:
         port = rig.worker_port("w1")
         worker = f"127.0.0.1:{port}"
-        status, _, body = http("POST", rig.sidecar.url + "/drain", {"pool": "chat", "worker": worker})
+        status, body = rig.sidecar.post("/drain", {"pool": "chat", "worker": worker})
         assert status == 200, body
         assert poll(lambda: _status(rig, port) == "DRAINING", timeout=5)
         saved = json.loads((rig.xds_dir / ".confgen-drains.json").read_text())
@@ -44,7 +44,7 @@ def test_drain_survives_a_restart(tmp_path: Path) -> None:
         events = [e for e in rig.sidecar.events() if e.get("event") == "drains.restored"]
         assert events and events[-1]["drains"] == 1
 
-        status, _, body = http("POST", rig.sidecar.url + "/undrain", {"pool": "chat", "worker": worker})
+        status, body = rig.sidecar.post("/undrain", {"pool": "chat", "worker": worker})
         assert status == 200, body
         assert json.loads((rig.xds_dir / ".confgen-drains.json").read_text())["drains"] == []
         assert rig.sidecar.stop() == 0

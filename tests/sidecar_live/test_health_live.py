@@ -154,7 +154,7 @@ def test_drained_worker_finishes_in_flight_streams(tmp_path: Path) -> None:
         assert poll(lambda: len(started) == 4, timeout=5)
         target = Counter(started).most_common(1)[0][0]
         port = rig.worker_port(target)
-        status, _, body = http("POST", f"{rig.sidecar.url}/drain?pool=chat&worker=127.0.0.1:{port}")
+        status, body = rig.sidecar.post(f"/drain?pool=chat&worker=127.0.0.1:{port}")
         assert status == 200, body
         assert poll(lambda: "/eds_status_draining" in rig.envoy_host(port)["health_flags"], timeout=3)
         during = Counter(name for _, name in (rig.send() for _ in range(8)))
@@ -164,7 +164,7 @@ def test_drained_worker_finishes_in_flight_streams(tmp_path: Path) -> None:
         on_target = [data for name, data in finished.values() if name == target]
         assert on_target and all(data.rstrip().endswith(b"data: [DONE]") for data in on_target)
         assert during[target] == 0, during
-        status, _, _ = http("POST", f"{rig.sidecar.url}/undrain?pool=chat&worker=127.0.0.1:{port}")
+        status, _ = rig.sidecar.post(f"/undrain?pool=chat&worker=127.0.0.1:{port}")
         assert status == 200
         assert poll(lambda: "draining" not in rig.envoy_host(port)["health_flags"], timeout=3)
 

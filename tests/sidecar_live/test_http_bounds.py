@@ -17,7 +17,7 @@ from contextlib import contextmanager, suppress
 import pytest
 
 from confgen.runtime import free_port
-from tests.sidecar_live.rig import SidecarProcess, poll
+from tests.sidecar_live.rig import ADMIN_TOKEN, SidecarProcess, admin_token_args, poll
 from tests.sidecar_live.rig import http as call
 
 TOPOLOGY = """\
@@ -45,7 +45,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess
     topology = tmp / "topology.yaml"
     topology.write_text(TOPOLOGY.format(admin=free_port(), port=free_port(), xds=xds, worker=free_port(),
                                         sockets=tmp / "sockets"))
-    proc = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}",
+    proc = SidecarProcess(["--topology", str(topology), "--serve-xds", f"127.0.0.1:{xds}", *admin_token_args(tmp),
                            "--listen", f"127.0.0.1:{listen}", "--interval", "0.5"], tmp / "sidecar.log", listen)
     proc.start()
     try:
@@ -158,7 +158,7 @@ def test_slow_header_and_idle_connections_closed_within_the_timeout(sidecar: Sid
 
 def test_bodies_refused_before_being_read(sidecar: SidecarProcess) -> None:
     port = _port(sidecar)
-    json_headers = {"Content-Type": "application/json"}
+    json_headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"}
     # Content-Length over the limit: answered from the head, the body never sent
     with _conn(port) as sock:
         sock.sendall(_request("POST", "/drain", {**json_headers, "Content-Length": str(50 * 1024 * 1024)}))
@@ -196,10 +196,12 @@ def test_bodies_refused_before_being_read(sidecar: SidecarProcess) -> None:
 def test_errors_are_json_answers(sidecar: SidecarProcess) -> None:
     port = _port(sidecar)
     deep = b"[" * 2000 + b"]" * 2000
+    token = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"}
     for method, path, headers, body, expected in [
-        ("POST", "/drain", {"Content-Type": "application/json"}, deep, 400),
-        ("POST", "/drain", {"Content-Type": "application/json"}, b'{"pool": ' + b"[" * 2000, 400),
-        ("POST", "/drain", {"Content-Type": "application/json"}, b"{not json", 400),
+        ("POST", "/drain", token, deep, 400),
+        ("POST", "/drain", token, b'{"pool": ' + b"[" * 2000, 400),
+        ("POST", "/drain", token, b"{not json", 400),
+        ("POST", "/drain", {"Content-Type": "application/json"}, b"{}", 401),  # no token
         ("GET", "/no-such-path", {}, b"", 404),
         ("DELETE", "/metrics", {}, b"", 405),
         ("POST", "/", {"Content-Type": "application/json"}, b"{}", 405),  # the status page is read-only

@@ -24,7 +24,15 @@ from confgen.simulate import FleetHandle, FleetSpec, WorkerSpec, run_fleet_in_th
 from confgen.verify import loopback_ports
 from tests.nginx._support import write_files
 from tests.observability.promtools import promtool_parses
-from tests.sidecar_live.rig import FAST_ARGS, SidecarProcess, now, poll, topology_text, worker_specs
+from tests.sidecar_live.rig import (
+    FAST_ARGS,
+    SidecarProcess,
+    admin_token_args,
+    now,
+    poll,
+    topology_text,
+    worker_specs,
+)
 from tests.sidecar_live.rig import http as call
 
 INTERVAL = 0.5
@@ -132,7 +140,7 @@ def nginx_rig(
         topo, _ = parse_topology(text.encode())
         files = nginx.render_for_test(topo, prefix=str(prefix), ports=loopback_ports(topo) | {"public": port})
         write_files(files, prefix)
-        args = ["--topology", str(topo_path), "--listen", f"127.0.0.1:{listen}", *FAST_ARGS,
+        args = ["--topology", str(topo_path), "--listen", f"127.0.0.1:{listen}", *admin_token_args(tmp), *FAST_ARGS,
                 "--target", "nginx", "--nginx-dir", str(prefix), "--nginx-pid-file", str(prefix / "nginx.pid"),
                 "--reload-min-interval", reload_min_interval, *extra_args]
         sidecar = SidecarProcess(args, tmp / "sidecar.log", listen, wrapper)
@@ -397,7 +405,7 @@ def test_changes_within_the_interval_are_coalesced_into_one_reload(tmp_path: Pat
         first = now()
         assert rig.down_ports() == {pb}
         rig.fleet.worker("b").revive()
-        status, _, _ = call("POST", f"{rig.sidecar.url}/drain?pool=chat&worker=127.0.0.1:{pc}")
+        status, _ = rig.sidecar.post(f"/drain?pool=chat&worker=127.0.0.1:{pc}")
         assert status == 200
         assert poll(lambda: watch.reloads == 2, timeout=6, interval=0.02)
         second = now()
@@ -411,8 +419,8 @@ def test_changes_within_the_interval_are_coalesced_into_one_reload(tmp_path: Pat
         assert status == 200 and ok, why
 
         # a flap within the interval: drained and undrained before the reload is due
-        assert call("POST", f"{rig.sidecar.url}/undrain?pool=chat&worker=127.0.0.1:{pc}")[0] == 200
-        assert call("POST", f"{rig.sidecar.url}/drain?pool=chat&worker=127.0.0.1:{pc}")[0] == 200
+        assert rig.sidecar.post(f"/undrain?pool=chat&worker=127.0.0.1:{pc}")[0] == 200
+        assert rig.sidecar.post(f"/drain?pool=chat&worker=127.0.0.1:{pc}")[0] == 200
         time.sleep(3.5)
         assert watch.reloads == 2
         assert rig.down_ports() == {pc}

@@ -271,11 +271,9 @@ def _runtime(rig: Rig) -> dict[str, str]:
 
 def _set_runtime(rig: Rig, values: dict[str, str]) -> None:
     import urllib.parse
-    import urllib.request
 
-    url = f"{rig.envoy.admin_url}/runtime_modify?{urllib.parse.urlencode(values)}"
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as resp:
-        assert resp.status == 200
+    status, body = rig.envoy.admin_post(f"/runtime_modify?{urllib.parse.urlencode(values)}")
+    assert status == 200, body
 
 
 def test_envoy_sends_the_bypass_share_of_requests_past_the_picker(tmp_path: Path) -> None:
