@@ -33,13 +33,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import envoy, runtime
+from .errors import DeployError
 from .output import write_tree
 from .simulate import fleet_topology
 from .topology import parse
 
 
-def demo_topology(admin: int, port: int, workers: list[str], sidecar_port: int | None = None) -> str:
-    """The demo's topology: pool `chat` of the simulated workers, Envoy's own checks fast."""
+def demo_topology(admin: int | None, port: int, workers: list[str], sidecar_port: int | None = None) -> str:
+    """The demo's topology: pool `chat` of the simulated workers, Envoy's own checks fast; Envoy's admin
+    on 127.0.0.1:`admin`, or (None) on its Unix socket beside the rendered files, the default."""
     return fleet_topology(
         name="demo", admin=admin, port=port, workers=workers, models=["demo-8b"], capacity=8,
         pool=["aliases: [chat]",
@@ -221,8 +223,8 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
         base = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="confgen-demo-")))
         base.mkdir(parents=True, exist_ok=True)
-        port, admin, sidecar_port = runtime.free_port(), runtime.free_port(), runtime.free_port()
-        text = demo_topology(admin, port, [f"127.0.0.1:{w.port}" for w in fleet.workers], sidecar_port)
+        port, sidecar_port = runtime.free_port(), runtime.free_port()
+        text = demo_topology(None, port, [f"127.0.0.1:{w.port}" for w in fleet.workers], sidecar_port)
         rendered = _render_validated(base, text)
         if rendered is None:
             return 1
@@ -336,7 +338,11 @@ def _render_validated(base: Path, text: str) -> tuple[Path, Path, list[str]] | N
     topology.write_text(text)
     topo, _ = parse(text.encode(), str(topology))
     out = base / "envoy"
-    files = envoy.render(topo, config_dir=str(out.resolve()))
+    try:
+        files = envoy.render(topo, config_dir=str(out.resolve()))
+    except DeployError as exc:  # e.g. --keep DIR too long a path for Envoy's admin socket
+        print(f"confgen demo: {exc}", file=sys.stderr)
+        return None
     write_tree(files, out)
     problems = runtime.validate_envoy_static(envoy.static_bootstrap(files))
     if problems:
