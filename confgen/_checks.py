@@ -641,6 +641,11 @@ def _auth_and_limits(topo: Topology) -> Iterator[Finding]:
         yield from _store_address(topo, store)
     if store is not None and not any_global:
         yield "limits.store", "no limit has scope: global; the store is unused", WARNING
+    if store is not None and store.username is not None and store.password_env is None:
+        yield "limits.store.username", "an ACL user needs its password: add limits.store.password_env", ERROR
+    if store is not None and store.username is not None and topo.kubernetes.redis:
+        yield ("limits.store.username", "the rendered Redis (kubernetes.redis) has the default user only: drop "
+               "username (password_env alone sets its password)", ERROR)
     if store is not None and store.check_timeout <= store.timeout:
         yield "limits.store.check_timeout", f"{store.check_timeout} is not longer than timeout " \
             f"({store.timeout}): Envoy would give up before the sidecar's own fail-open answer", WARNING

@@ -29,7 +29,7 @@ from .errors import (
     TopologyError,
     VerifyError,
 )
-from .model import Topology, admin_on_loopback
+from .model import Topology, admin_on_loopback, admin_on_tcp, admin_tcp, join_address
 from .topology import load
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -254,8 +254,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
-    """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why; and where
-    the Kubernetes proxy pods (a `kubernetes:` section set, file mode) would each pick alone."""
+    """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why; where the
+    Kubernetes proxy pods (a `kubernetes:` section set, file mode) would each pick alone; and an Envoy
+    admin on TCP."""
     from ._names import dns_label
     from .balancing import AUTO, POLICIES, choose, uses_picker
     from .deploy.kubernetes import pickers_peered, pickers_service
@@ -284,6 +285,12 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
                           "85-87 %, bench/results/two-pickers-replicas-fix). With sidecar.grpc_tls the render makes "
                           "the pods' pickers peers (mutual TLS between the sidecars); or one control plane picks for "
                           "every Envoy with envoy.xds.mode: ads"))
+    if admin_on_tcp(topo):
+        address, port = admin_tcp(topo)
+        notes.append(("admin", f"Envoy's admin listens on TCP {join_address(address, port)}, where any local user "
+                      "can stop Envoy or change its runtime (the in-flight limits): fine where the loopback is "
+                      "Envoy's own (a pod); on a shared host leave admin.address and admin.port out for its 0600 "
+                      "Unix socket (admin.socket)"))
     return notes
 
 

@@ -491,6 +491,20 @@ class LimitStore:
         doc="A Redis that fails over: the Sentinels that know its primary (instead of redis). Counting resumes "
         "on the new primary after a failover; meanwhile the local floor decides (docs/limits.md).",
     )
+    username: str | None = field(
+        None,
+        doc="The Redis ACL user the sidecar authenticates as (Redis 6+; with password_env). Default: the "
+        "`default` user.",
+        pattern="name",
+    )
+    password_env: str | None = field(
+        None,
+        doc="Environment variable holding the password the sidecar sends the Redis primary (AUTH) when it "
+        "connects. A Redis without a password lets whoever reaches it (loopback: every local user) reset or "
+        "exhaust every budget; set `requirepass` (or an ACL user) there and its password here. Sentinels "
+        "themselves are asked without it.",
+        pattern="env_var",
+    )
     timeout: Duration = field(
         _d("50ms"),
         doc="Longest wait for one Redis call; past it (or when Redis is down) the sidecar admits the request, "

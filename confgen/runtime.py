@@ -470,11 +470,12 @@ def _debian_binary(name: str) -> Path:
 
 
 def _answers_ping(port: int) -> bool:
-    """Whether a Redis-protocol server (redis-server, redis-sentinel) on loopback `port` answers PING."""
+    """Whether a Redis-protocol server (redis-server, redis-sentinel) on loopback `port` answers PING
+    (NOAUTH from one with a password counts: it is up)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -494,12 +495,14 @@ class RedisProcess(_Proxy):
     _name = "redis"
 
     def __init__(self, *, port: int | None = None, startup_timeout: float = 10.0, stop_timeout: float = 5.0,
-                 binary: Path | None = None, replica_of: int | None = None) -> None:
-        """`replica_of`: the port of a primary on loopback this one replicates (a Sentinel set-up)."""
+                 binary: Path | None = None, replica_of: int | None = None, password: str | None = None) -> None:
+        """`replica_of`: the port of a primary on loopback this one replicates (a Sentinel set-up);
+        `password`: the default user's (requirepass)."""
         super().__init__(startup_timeout=startup_timeout, stop_timeout=stop_timeout, binary=binary)
         self.port = port or free_port()
         self._dir: Path | None = None
         self._replica_of = replica_of
+        self._password = password
 
     @property
     def address(self) -> str:
@@ -514,7 +517,8 @@ class RedisProcess(_Proxy):
             return subprocess.Popen(
                 [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(self._dir), "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
-                 *(["--replicaof", "127.0.0.1", str(self._replica_of)] if self._replica_of is not None else [])],
+                 *(["--replicaof", "127.0.0.1", str(self._replica_of)] if self._replica_of is not None else []),
+                 *(["--requirepass", self._password] if self._password is not None else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         finally:

@@ -142,7 +142,7 @@ def _control_plane(plan: k8s_mod._Plan) -> list[Obj]:
                          {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 - an emptyDir of the pod
                          {"name": "xds-tls", "mountPath": XDS_TLS_DIR, "readOnly": True},
                          *k8s_mod._key_mounts(plan)],
-        "env": k8s_mod._key_env(plan),
+        "env": [*k8s_mod._key_env(plan), *k8s_mod._store_env(plan)],
         "resources": k8s_mod.sidecar_resources(topo),  # global limits: every Envoy's checks
         "securityContext": k8s_mod._restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},

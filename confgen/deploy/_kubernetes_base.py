@@ -118,6 +118,17 @@ def _key_env(plan: _Plan) -> list[Obj]:
     ]
 
 
+def _store_env(plan: _Plan) -> list[Obj]:
+    """The Redis password of limits.store.password_env, for the containers that count (the sidecars, the
+    control plane): from the keys Secret's entry named like the variable, as the API keys' are."""
+    limits = plan.topo.limits
+    store = limits.store if limits is not None else None
+    if store is None or store.password_env is None:
+        return []
+    name = store.password_env
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": plan.keys_secret, "key": name}}}]
+
+
 def _token_env(plan: _Plan) -> list[Obj]:
     secret = plan.topo.kubernetes.admin_token_secret
     if secret is None:

@@ -8,6 +8,8 @@ tests/deploy/test_compose_run.py resolves each service as Docker does and runs t
 
 from __future__ import annotations
 
+import shlex
+
 from ..balancing import grpc_wanted
 from ..errors import DeployError
 from ..model import Topology, grpc_socket_dir, grpc_transport, is_ip, split_address
@@ -19,6 +21,8 @@ XDS_DIR = "/var/run/confgen/envoy"
 def render_compose(topo: Topology) -> dict[str, bytes]:
     k8s = topo.kubernetes
     key_env = [k.env for k in (topo.auth.api_keys if topo.auth else []) if k.env is not None]
+    store = topo.limits.store if topo.limits is not None else None
+    store_env = [store.password_env] if store is not None and store.password_env is not None else []
     topology_file = "/etc/confgen/topology.yaml"
     shared = ["./topology.yaml:/etc/confgen/topology.yaml:ro", "xds:" + XDS_DIR]
     # Envoy calls the sidecar's gRPC services on its Unix socket: one volume at the socket directory's
@@ -43,7 +47,7 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
                         # as the topology has Envoy call the gRPC services (mutual TLS is refused: targets)
                         *(["--grpc-plaintext-loopback"] if wanted and grpc_transport(topo) == "plaintext" else [])],
             "volumes": [*shared, *sockets],
-            "environment": key_env,
+            "environment": [*key_env, *store_env],
             # host networking: it reaches the workers as Envoy does (and Envoy's admin on its socket in
             # xds/); it listens on loopback only, so nothing of it is reachable from outside
             "network_mode": "host",
@@ -86,10 +90,13 @@ def _redis_service(topo: Topology) -> dict[str, object]:
     if host != "localhost" and not (is_ip(host) and host.startswith("127.")):
         raise DeployError([("limits.store.redis", "with kubernetes.redis, compose runs Redis on the host's loopback "
                             f"(host networking, like Envoy and the sidecar): write 127.0.0.1:{port}")])
-    return {
-        "image": topo.kubernetes.redis_image,
-        "command": ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                    "--maxmemory", "200mb", "--maxmemory-policy", "volatile-ttl"],
-        "network_mode": "host",
-        "restart": "unless-stopped",
-    }
+    command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+               "--maxmemory", "200mb", "--maxmemory-policy", "volatile-ttl"]
+    service: dict[str, object] = {"image": topo.kubernetes.redis_image, "command": command}
+    if store.password_env is not None:
+        # on the host's loopback every local user reaches it: the sidecar's password is its requirepass, read
+        # from the environment by the container's shell ($$: not compose's own interpolation)
+        shell = " ".join(shlex.quote(word) for word in command)
+        service["command"] = ["sh", "-c", f'exec {shell} --requirepass "$${store.password_env}"']
+        service["environment"] = [store.password_env]
+    return {**service, "network_mode": "host", "restart": "unless-stopped"}

@@ -42,6 +42,7 @@ from ._kubernetes_base import (
     _Plan,
     _pod_security,
     _restricted,
+    _store_env,
     dns_label,
 )
 
@@ -130,7 +131,7 @@ def _epp(plan: _Plan) -> list[Obj]:
                          {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 - an emptyDir of the pod
                          {"name": "epp-tls", "mountPath": EPP_TLS_DIR, "readOnly": True},
                          *_key_mounts(plan)],
-        "env": _key_env(plan),
+        "env": [*_key_env(plan), *_store_env(plan)],
         "resources": RESOURCES["sidecar"],
         "securityContext": _restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},

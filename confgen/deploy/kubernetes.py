@@ -59,6 +59,7 @@ from ._kubernetes_base import (
     _pod_security,
     _port_name,
     _restricted,
+    _store_env,
     _token_env,
     dns_label,
     envoy_liveness,
@@ -158,7 +159,7 @@ def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Ob
         "ports": [{"name": "metrics", "containerPort": topo.sidecar.port}],
         "volumeMounts": [*mounts, {"name": "lifecycle", "mountPath": LIFECYCLE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 - an emptyDir of the pod
-        "env": [*_key_env(plan), *_token_env(plan)],
+        "env": [*_key_env(plan), *_store_env(plan), *_token_env(plan)],
         "resources": sidecar_resources(topo),
         "securityContext": _restricted(),
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
@@ -528,11 +529,15 @@ def _redis_objects(plan: _Plan) -> list[Obj]:
     memory bounded, reachable only from the proxy pods."""
     name = f"{plan.base}-redis"
     selector = {**plan.selector, "app.kubernetes.io/component": "redis"}
+    password = _store_env(plan)  # limits.store.password_env: the same Secret entry the sidecars send
     container = {
         "name": "redis",
         "image": plan.topo.kubernetes.redis_image,
         "args": ["--save", "", "--appendonly", "no", "--maxmemory", "200mb", "--maxmemory-policy", "volatile-ttl",
-                 "--protected-mode", "no"],
+                 "--protected-mode", "no",
+                 # the kubelet expands $(NAME) from the container's env
+                 *(["--requirepass", f"$({password[0]['name']})"] if password else [])],
+        **({"env": password} if password else {}),
         "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from confgen.model import Topology
 from sidecar.config import from_argv, listen_mismatch
 from tests.deploy.pss import violations
 from tests.deploy.test_kustomize import ADS
+from tests.support.envoy import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -384,6 +386,62 @@ def test_compose_runs_redis_on_the_hosts_loopback() -> None:
     redis = doc["services"]["redis"]
     assert redis["network_mode"] == "host"
     assert redis["command"][:5] == ["redis-server", "--bind", "127.0.0.1", "--port", "6390"]
+
+
+def _with_password(address: str) -> Topology:
+    topo = _with_store(address)
+    store = dataclasses.replace(topo.limits.store, password_env="GL_REDIS_PASSWORD")  # type: ignore[union-attr]
+    return dataclasses.replace(topo, limits=dataclasses.replace(topo.limits, store=store))  # type: ignore[arg-type]
+
+
+def test_the_redis_password_reaches_the_sidecars_and_the_rendered_redis() -> None:
+    """limits.store.password_env: Kubernetes gives the sidecar the variable from the keys Secret's entry of
+    that name and the rendered Redis the same as its requirepass (the kubelet expands $(NAME) in args);
+    the init render (which needs no Redis) does not get it."""
+    docs = docs_of(render_kubernetes(_with_password("confgen-global-limits-redis:6379")))
+    ref = {"name": "GL_REDIS_PASSWORD",
+           "valueFrom": {"secretKeyRef": {"name": "confgen-global-limits-api-keys", "key": "GL_REDIS_PASSWORD"}}}
+    pod = pod_of(docs)
+    assert ref in pod["containers"][1]["env"] and ref not in pod["initContainers"][0]["env"]
+    redis = next(d for d in docs if d["metadata"]["name"] == "confgen-global-limits-redis")
+    kubernetes_validate.validate(redis, "1.30.0", strict=True)
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert container["env"] == [ref] and container["args"][-2:] == ["--requirepass", "$(GL_REDIS_PASSWORD)"]
+
+
+def test_compose_gives_its_loopback_redis_the_password(tmp_path: Path) -> None:
+    """On the host's loopback every local user reaches the compose Redis: with password_env its command
+    (run here as compose hands it to the container: `$$` is a literal `$`) starts the real redis-server with
+    that requirepass."""
+    from confgen.runtime import find_redis, free_port, stop_process
+
+    port = free_port()
+    doc = yaml.safe_load(render_compose(_with_password(f"127.0.0.1:{port}"))["compose.yaml"])
+    redis, sidecar = doc["services"]["redis"], doc["services"]["sidecar"]
+    assert redis["environment"] == ["GL_REDIS_PASSWORD"] and "GL_REDIS_PASSWORD" in sidecar["environment"]
+    argv = [word.replace("$$", "$") for word in redis["command"]]
+    argv[2] = argv[2].replace("exec redis-server", f"exec {find_redis()}", 1) + f" --dir {tmp_path}"
+    proc = subprocess.Popen(argv, env={"GL_REDIS_PASSWORD": "pw-from-the-env", "PATH": "/usr/bin:/bin"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    answers: list[bytes] = []
+
+    def asked() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                reader = sock.makefile("rb")
+                answers[:] = []
+                for line in (b"PING", b"AUTH pw-from-the-env", b"PING"):
+                    sock.sendall(line + b"\r\n")
+                    answers.append(reader.readline().split(b" ")[0].rstrip())
+                return True
+        except OSError:
+            return False
+
+    try:
+        assert wait_until(asked, timeout=10), "the compose Redis did not start"
+        assert answers == [b"-NOAUTH", b"+OK", b"+PONG"]
+    finally:
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 5])

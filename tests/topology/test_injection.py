@@ -101,7 +101,7 @@ FULL: dict[str, Any] = {
     "limits": {
         "per_key": [{"requests": 10, "per": "1s"},
                     {"scope": "global", "unit": "total_tokens", "tokens": 100000, "window": "minute"}],
-        "store": {"redis": "redis.example:6379"},
+        "store": {"redis": "redis.example:6379", "username": "confgen", "password_env": "CONFGEN_REDIS_PASSWORD"},
     },
 }
 

@@ -38,9 +38,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ from sidecar.logs import log_event
 from sidecar.outputs.contract import BudgetAnswer, Descriptor, OutputStatus
 from sidecar.outputs.ratelimit.journal import Journal
 from sidecar.outputs.ratelimit.local import LocalCounter
-from sidecar.outputs.ratelimit.store import Decision, Op, RedisCounter, StoreUnavailable
+from sidecar.outputs.ratelimit.store import Credentials, Decision, Op, RedisCounter, StoreUnavailable
 
 __all__ = ["METRIC_NAMES", "RateLimitService", "rate_limit_headers"]
 
@@ -576,15 +577,30 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._down_until = self._clock() + self._backoff_s
 
 
-def _counter(store: LimitStore) -> RedisCounter:
+def _credentials(store: LimitStore, environ: Mapping[str, str]) -> Credentials | None:
+    """What the sidecar authenticates to Redis with: limits.store.password_env's value (and username).
+    The variable unset or empty: None, logged (Redis then refuses every call: the store is down, the
+    local floor decides, `ratelimit.store_down` says NOAUTH)."""
+    if store.password_env is None:
+        return None
+    password = environ.get(store.password_env, "")
+    if not password:
+        log_event(_log, logging.ERROR, "ratelimit.store_password_missing", variable=store.password_env,
+                  note="limits.store.password_env names a variable that is not set or empty")
+        return None
+    return Credentials(store.username, password)
+
+
+def _counter(store: LimitStore, environ: Mapping[str, str] | None = None) -> RedisCounter:
     """The store's client: one Redis, or the primary its Sentinels name (limits.store.sentinel)."""
+    credentials = _credentials(store, os.environ if environ is None else environ)
     if store.sentinel is not None:
         addresses = [split_address(a) for a in store.sentinel.addresses]
         return RedisCounter.via_sentinel([a for a in addresses if a is not None], store.sentinel.master,
-                                         store.timeout.seconds)
+                                         store.timeout.seconds, credentials=credentials)
     address = split_address(store.redis or "")
     assert address is not None  # the topology's pattern and checks
-    return RedisCounter(address[0], address[1], store.timeout.seconds)
+    return RedisCounter(address[0], address[1], store.timeout.seconds, credentials=credentials)
 
 
 def _number(text: str | None) -> int | None:

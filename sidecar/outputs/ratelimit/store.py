@@ -55,7 +55,15 @@ from redis.exceptions import RedisError
 
 from confgen.errors import ConfgenError
 
-__all__ = ["Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
+__all__ = ["Credentials", "Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the sidecar authenticates to Redis with (AUTH [username] password); repr hides the password."""
+
+    username: str | None
+    password: str = field(repr=False)
 
 Mode = Literal["a", "c", "r", "f", "d"]
 
@@ -196,11 +204,12 @@ class RedisCounter:
     service's backoff connects to the primary the Sentinels promoted). The script runs on the primary
     only: a replica would refuse its writes."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 64) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 64,
+                 credentials: Credentials | None = None) -> None:
         # No retries inside the client (redis-py's default retries 3 times with backoff, which
         # would multiply the bound); the service's own backoff decides when to try again.
-        self._setup(aioredis.Redis(host=host, port=port, **_client_options(timeout_s, max_connections)),
-                    f"{host}:{port}", timeout_s)
+        options = _client_options(timeout_s, max_connections, credentials)
+        self._setup(aioredis.Redis(host=host, port=port, **options), f"{host}:{port}", timeout_s)
 
     def _setup(self, client: aioredis.Redis, address: str, timeout_s: float,
                sentinel: Sentinel | None = None) -> None:
@@ -212,14 +221,15 @@ class RedisCounter:
 
     @classmethod
     def via_sentinel(cls, addresses: list[tuple[str, int]], master: str, timeout_s: float,
-                     max_connections: int = 64) -> RedisCounter:
-        """The primary of `master` as the Sentinels at `addresses` see it (each asked within `timeout_s`)."""
+                     max_connections: int = 64, credentials: Credentials | None = None) -> RedisCounter:
+        """The primary of `master` as the Sentinels at `addresses` see it (each asked within `timeout_s`);
+        `credentials` are sent to the primary, not to the Sentinels."""
         # redis-py types these from 8.2 on and not before: called untyped, mypy passes on either
         untyped_sentinel: Any = Sentinel
         untyped_retry: Any = Retry
         sentinel: Sentinel = untyped_sentinel(addresses, sentinel_kwargs={
             "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": untyped_retry(NoBackoff(), 0)})
-        client = sentinel.master_for(master, **_client_options(timeout_s, max_connections))
+        client = sentinel.master_for(master, **_client_options(timeout_s, max_connections, credentials))
         counter = cls.__new__(cls)
         names = ",".join(f"{h}:{p}" for h, p in addresses)
         counter._setup(client, f"sentinel {master}@{names}", timeout_s, sentinel)
@@ -249,7 +259,8 @@ class RedisCounter:
                 await client.aclose()
 
 
-def _client_options(timeout_s: float, max_connections: int) -> dict[str, Any]:
+def _client_options(timeout_s: float, max_connections: int, credentials: Credentials | None) -> dict[str, Any]:
+    auth = {"username": credentials.username, "password": credentials.password} if credentials else {}
     return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0),
             "max_connections": max_connections, "health_check_interval": 0,
-            "client_name": "confgen-sidecar-ratelimit"}
+            "client_name": "confgen-sidecar-ratelimit", **auth}
