@@ -57,8 +57,9 @@ class Admin:
     socket: str | None = field(
         None,
         doc="The Unix socket Envoy's admin interface listens on (mode 0600: only Envoy's user can connect; the "
-        "sidecar must run as that user). Default: envoy-admin.sock in the directory the rendered files live in "
-        "(envoy.config_dir, else the output directory). Envoy's admin can stop Envoy, change runtime values (the "
+        "sidecar must run as that user), as both Envoy and the sidecar see it. Default: envoy-admin.sock in the "
+        "directory the rendered files live in (envoy.config_dir, else the output directory; the sidecar looks in "
+        "its --xds-dir). Envoy's admin can stop Envoy, change runtime values (the "
         "in-flight limits, the picker's bypass share) and drain listeners, and has no authentication of its own.",
         pattern="file_path",
     )
