@@ -591,9 +591,9 @@ def _credentials(store: LimitStore, environ: Mapping[str, str]) -> Credentials |
     return Credentials(store.username, password)
 
 
-def _counter(store: LimitStore, environ: Mapping[str, str] | None = None) -> RedisCounter:
+def _counter(store: LimitStore) -> RedisCounter:
     """The store's client: one Redis, or the primary its Sentinels name (limits.store.sentinel)."""
-    credentials = _credentials(store, os.environ if environ is None else environ)
+    credentials = _credentials(store, os.environ)
     if store.sentinel is not None:
         addresses = [split_address(a) for a in store.sentinel.addresses]
         return RedisCounter.via_sentinel([a for a in addresses if a is not None], store.sentinel.master,
