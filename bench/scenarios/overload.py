@@ -80,12 +80,16 @@ QUICK_SURGE = Surge("s150", "150 % for 8 s", 1.5, 8.0)
 
 def product(ctx: Context) -> Setup:
     """The product row: as shipped, unless an experiment sets the picker's spike rule
-    (--set overload_spike_ratio=R [overload_spike_s=S] [overload_spike_min=N]: a diagnostic, its label says so)."""
+    (--set overload_spike_ratio=R [overload_spike_s=S] [overload_spike_min=N]) or its standard budget
+    (--set overload_budget_standard=B): a diagnostic, its label says so."""
     ratio = ctx.option("overload_spike_ratio", 0)
-    if not ratio:
+    budget = ctx.option("overload_budget_standard", 0)
+    if not ratio and not budget:
         return PRODUCT
-    args = [f"spike_ratio={ratio:g}"]
-    for key in ("spike_s", "spike_min"):
+    args = [f"spike_ratio={ratio:g}"] if ratio else []
+    if budget:
+        args.append(f"budget_standard={budget:g}")
+    for key in ("spike_s", "spike_min") if ratio else ():
         value = ctx.option(f"overload_{key}", 0)
         if value:
             args.append(f"{key}={int(value) if key == 'spike_min' else value:g}")
