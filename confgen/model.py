@@ -915,6 +915,13 @@ def admin_tcp(topo: Topology) -> tuple[str, int]:
     return (topo.admin.address or DEFAULT_ADMIN_ADDRESS, topo.admin.port or DEFAULT_ADMIN_PORT)
 
 
+def admin_reach(topo: Topology) -> tuple[str, int]:
+    """Where a process beside Envoy connects to its TCP admin (admin_tcp; a wildcard bind is reached on
+    loopback)."""
+    host, port = admin_tcp(topo)
+    return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host), port
+
+
 def admin_on_tcp(topo: Topology) -> bool:
     """Whether Envoy's admin listens on TCP (admin.address or admin.port set, and no admin.socket) rather
     than on its Unix socket (the default)."""

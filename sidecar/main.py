@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.errors import ConfgenError, Diagnostic, TopologyError
-from confgen.model import GRPC_SOCKET, Topology, admin_socket, admin_tcp, join_address
+from confgen.model import GRPC_SOCKET, Topology, admin_reach, admin_socket, join_address
 from confgen.topology import load as load_topology
 from sidecar import config as config_mod
 from sidecar.config import (
@@ -74,9 +74,7 @@ def _admin_url(config: SidecarConfig, topo: Topology, xds_dir: Path | None) -> s
     path = admin_socket(topo, str(xds_dir or "."))  # no xDS directory (ADS, nginx): no Envoy admin is called
     if path is not None:
         return UNIX_PREFIX + path
-    host, port = admin_tcp(topo)
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    return f"http://{join_address(host, port)}"
+    return f"http://{join_address(*admin_reach(topo))}"
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

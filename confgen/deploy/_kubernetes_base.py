@@ -16,7 +16,7 @@ from typing import Any
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
 from ..limits import needs_store
-from ..model import Topology, admin_tcp, grpc_tls
+from ..model import Topology, admin_reach, grpc_tls
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
 XDS_DIR = "/var/run/confgen/envoy"
@@ -174,9 +174,9 @@ def envoy_liveness(topo: Topology) -> Obj:
     draining, unlike /ready). Asked from inside the container: the admin stays on the pod's
     loopback and the envoy image has bash (/dev/tcp) but no HTTP client; the sidecar's relay
     would tie Envoy's restarts to the sidecar's. tests/deploy/test_probes_live.py runs it."""
-    host = _admin_host(topo)
+    host, port = admin_reach(topo)
     request = "GET /server_info HTTP/1.1\\r\\nHost: envoy-admin\\r\\nConnection: close\\r\\n\\r\\n"
-    script = (f"exec 3<>/dev/tcp/{host}/{admin_tcp(topo)[1]} && printf '{request}' >&3 && "
+    script = (f"exec 3<>/dev/tcp/{host}/{port} && printf '{request}' >&3 && "
               "read -r -t 4 status <&3 && case \"$status\" in 'HTTP/1.1 200'*) exit 0;; esac; exit 1")
     return {"exec": {"command": ["/bin/bash", "-c", script]},
             "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
@@ -189,11 +189,6 @@ def spread(selector: dict[str, str]) -> list[Obj]:
     return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
              "labelSelector": {"matchLabels": selector}}
             for key in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")]
-
-
-def _admin_host(topo: Topology) -> str:
-    host = admin_tcp(topo)[0]
-    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 
 def sidecar_resources(topo: Topology) -> dict[str, dict[str, str]]:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
-from ..model import Pool, Topology, admin_tcp, grpc_socket_dir, grpc_transport, join_address
+from ..model import Pool, Topology, admin_reach, grpc_socket_dir, grpc_transport, join_address
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems
@@ -51,7 +51,6 @@ from ._kubernetes_base import (
     WORK_DIR,
     XDS_DIR,
     Obj,
-    _admin_host,
     _key_env,
     _key_files,
     _key_mounts,
@@ -133,8 +132,7 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
 
 
 def _admin_url(topo: Topology) -> str:
-    host = _admin_host(topo)
-    return f"http://{join_address(host, admin_tcp(topo)[1])}"
+    return f"http://{join_address(*admin_reach(topo))}"
 
 
 def _sidecar_container(plan: _Plan, topology_file: str, mounts: list[Obj]) -> Obj:
