@@ -110,8 +110,12 @@ def test_the_sidecar_reads_the_real_load_on_every_probe(rig: RealRig) -> None:
                 running_seen.add(server.port)
         return len(running_seen) == len(rig.servers)
 
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(rig.post, {"prompt": f"load {i}", "max_tokens": 4000}) for i in range(12)]
+    # One request a slot (3 servers x 4), all at once; long enough for the probes to see them
+    # running, with a client timeout a loaded CI machine cannot reach (each took ~10 s idle,
+    # over 30 s under the parallel suite).
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(rig.post, {"prompt": f"load {i}", "max_tokens": 2000}, timeout=170.0)
+                   for i in range(12)]
         try:
             assert wait(busy, timeout=60.0, interval=0.1), running_seen
         finally:
