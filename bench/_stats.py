@@ -137,13 +137,15 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
 def timeline(records: list[dict[str, Any]], start_s: float, end_s: float) -> list[dict[str, Any]]:
     """Second by second from `start_s` to `end_s` (load-relative times): the requests scheduled in it
     (offered) and those of them answered 429 (shed), the requests that completed in it (by their end),
-    and the requests in flight at its end (started, not yet ended). Where a surge's shedding and its
-    backlog show: a second that admits everything, then seconds that drain what it let in."""
+    and the requests in flight at its end (started, not yet ended); the TTFT and end-to-end P90 of the
+    requests scheduled in it that were served. Where a surge's shedding and its backlog show: a second
+    that admits everything, then seconds that drain what it let in, and who waits for it."""
     out = []
     second = start_s
     while second < end_s:
         nxt = second + 1.0
         scheduled = [r for r in records if second <= r["sched"] < nxt]
+        served = [r for r in scheduled if ok(r)]
         out.append({
             "t": round(second, 3),
             "offered": len(scheduled),
@@ -151,6 +153,9 @@ def timeline(records: list[dict[str, Any]], start_s: float, end_s: float) -> lis
             "completed": sum(1 for r in records if ok(r) and r["end"] is not None and second <= r["end"] < nxt),
             "in_flight": sum(1 for r in records if r["start"] is not None and r["start"] < nxt
                              and (r["end"] is None or r["end"] >= nxt) and not shed(r)),
+            # how the requests scheduled in it that were served fared: which seconds make the P99
+            "ttft_p90_ms": pct([r["ttft"] * 1000 for r in served if r["ttft"] is not None], 90),
+            "e2e_p90_ms": pct([(r["end"] - r["sched"]) * 1000 for r in served], 90),
         })
         second = nxt
     return out

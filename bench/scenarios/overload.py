@@ -284,10 +284,15 @@ def _timeline_table(res: Result, surge: Surge, prod: list[dict[str, Any]], cap: 
         def mean(key: str, got: list[dict[str, Any]] = got) -> float:
             return statistics.fmean(g[key] for g in got)
 
+        def mean_ms(key: str, got: list[dict[str, Any]] = got) -> str:
+            values = [g[key] for g in got if g.get(key) is not None]
+            return fmt_ms(statistics.fmean(values)) if values else "-"
+
         offered = mean("offered")
         rows.append([f"{second['t'] - lead_s:+.0f}", f"{offered:.0f}", f"{mean('shed'):.0f}",
                      f"{mean('shed') / offered:.0%}" if offered else "-",
-                     f"{mean('completed'):.0f} ({mean('completed') / cap:.2f}x)", f"{mean('in_flight'):.0f}"])
+                     f"{mean('completed'):.0f} ({mean('completed') / cap:.2f}x)", f"{mean('in_flight'):.0f}",
+                     mean_ms("ttft_p90_ms"), mean_ms("e2e_p90_ms")])
     # once saturated (the surge's seconds that shed), what the fleet served against the nominal capacity
     served = [line[k]["completed"] / cap for line in lines for k in range(len(line))
               if line[k]["shed"] and 0 <= line[k]["t"] - lead_s < surge.length_s]
@@ -296,7 +301,7 @@ def _timeline_table(res: Result, surge: Surge, prod: list[dict[str, Any]], cap: 
                        f"({cap:.0f} req/s). Served while shedding: "
                        + (f"{statistics.fmean(served):.2f}x that capacity" if served else "-"),
                        ["second", "offered", "shed (429)", "shed share", "completed (x capacity)",
-                        "in flight at its end"], rows))
+                        "in flight at its end", "served: TTFT P90 ms", "served: P90 ms"], rows))
 
 
 def _mean(values: list[float | None]) -> float | None:
