@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from bench import _stats, _workload, loadgen
@@ -89,14 +90,17 @@ def test_the_timeline_counts_each_second_what_was_offered_shed_completed_and_in_
     """`_stats.timeline` (the overload report's second-by-second table): a request counts where it was
     scheduled (offered, shed) and where it ended (completed); in flight at a second's end are the
     admitted requests started before it and not ended by it."""
-    def rec(sched: float, start: float, end: float | None, status: int) -> dict[str, Any]:
-        return {"sched": sched, "start": start, "end": end, "status": status, "error": None}
+    def rec(sched: float, start: float, end: float | None, status: int, ttft: float | None = None) -> dict[str, Any]:
+        return {"sched": sched, "start": start, "end": end, "status": status, "error": None, "ttft": ttft}
 
-    records = [rec(0.1, 0.1, 1.5, 200), rec(0.2, 0.2, 0.21, 429), rec(0.9, 0.9, 2.5, 200),
-               rec(1.2, 1.2, 1.3, 200), rec(1.7, 1.7, None, 0)]
+    records = [rec(0.1, 0.1, 1.5, 200, 0.4), rec(0.2, 0.2, 0.21, 429), rec(0.9, 0.9, 2.5, 200, 0.2),
+               rec(1.2, 1.2, 1.3, 200, 0.05), rec(1.7, 1.7, None, 0)]
     line = _stats.timeline(records, 0.0, 3.0)
     assert [(s["t"], s["offered"], s["shed"], s["completed"], s["in_flight"]) for s in line] == [
         (0.0, 3, 1, 0, 2),  # two admitted still running at 1.0, the 429 counted shed, not in flight
         (1.0, 2, 0, 2, 2),  # 1.5 and 1.3 ended; 0.9's (to 2.5) and the unanswered one run on
         (2.0, 0, 0, 1, 1),  # 0.9's ends at 2.5; the one never answered is still counted in flight
     ]
+    # the served requests scheduled in each second: their TTFT and end-to-end P90 (nearest rank)
+    assert [(s["ttft_p90_ms"], s["e2e_p90_ms"]) for s in line] == [
+        (pytest.approx(400.0), pytest.approx(1600.0)), (pytest.approx(50.0), pytest.approx(100.0)), (None, None)]
