@@ -145,6 +145,10 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                 # where many were is not a measure of the picker's routing
                 unpicked = [s.metric_by("confgen_picker_unpicked", "reason") or {} for s in sidecars]
                 out["picker_late"] = int(sum(u.get("behind", 0.0) for u in unpicked))
+                # requests held in the picker (`--picker hold=1`), by what ended their wait
+                held = _stats.summed(s.metric_by("confgen_picker_held", "outcome") for s in sidecars)
+                if held:
+                    out["held_by"] = {k: int(v) for k, v in sorted(held.items())}
                 # the picker's observed / predicted finish time per request (cumulative buckets by le;
                 # the _count and _sum samples have no le)
                 ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)

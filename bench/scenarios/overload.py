@@ -80,15 +80,19 @@ QUICK_SURGE = Surge("s150", "150 % for 8 s", 1.5, 8.0)
 
 def product(ctx: Context) -> Setup:
     """The product row: as shipped, unless an experiment sets the picker's spike rule
-    (--set overload_spike_ratio=R [overload_spike_s=S] [overload_spike_min=N]) or its standard budget
-    (--set overload_budget_standard=B): a diagnostic, its label says so."""
+    (--set overload_spike_ratio=R [overload_spike_s=S] [overload_spike_min=N]), its standard budget
+    (--set overload_budget_standard=B) or its lobby (--set overload_hold=1|0): a diagnostic, its label
+    says so."""
     ratio = ctx.option("overload_spike_ratio", 0)
     budget = ctx.option("overload_budget_standard", 0)
-    if not ratio and not budget:
+    hold = ctx.option("overload_hold", -1)  # --set overload_hold=1|0: the lobby on or off (`--picker hold`)
+    if not ratio and not budget and hold < 0:
         return PRODUCT
     args = [f"spike_ratio={ratio:g}"] if ratio else []
     if budget:
         args.append(f"budget_standard={budget:g}")
+    if hold >= 0:
+        args.append(f"hold={int(hold)}")
     for key in ("spike_s", "spike_min") if ratio else ():
         value = ctx.option(f"overload_{key}", 0)
         if value:
@@ -354,7 +358,8 @@ def run(ctx: Context) -> Result:
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})}, picker late "
-                      f"{r.get('picker_late', '-')} ({r['wall_s']:.0f}s)", flush=True)
+                      f"{r.get('picker_late', '-')}" + (f", held {r['held_by']}" if r.get("held_by") else "")
+                      + f" ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
         _classes(ctx, res, seeds, cap, fleet)
     classes_s = ctx.option("overload_classes78_s", 0)  # --set overload_classes78_s=60: three classes at 78 %

@@ -25,6 +25,7 @@ from ._clusters import assignments, breaker_runtime_keys, clusters
 from ._listener import (
     PICKER_BYPASS_RUNTIME_KEY,
     PICKER_LATE_MODE,
+    PICKER_MAX_HOLD_S,
     REQUEST_TIME_ATTRIBUTE,
     ROUTE_NAME_ATTRIBUTE,
     RouteClass,
@@ -39,7 +40,8 @@ from ._proto import Json, dumps
 from .eds import build_cla, eds_document, parse_eds, render_eds
 
 __all__ = [
-    "PICKER_BYPASS_RUNTIME_KEY", "PICKER_LATE_MODE", "REQUEST_TIME_ATTRIBUTE", "ROUTE_NAME_ATTRIBUTE",
+    "PICKER_BYPASS_RUNTIME_KEY", "PICKER_LATE_MODE", "PICKER_MAX_HOLD_S", "REQUEST_TIME_ATTRIBUTE",
+    "ROUTE_NAME_ATTRIBUTE",
     "VALIDATE_DIR", "Endpoint", "RouteClass", "admin", "ads", "ads_bootstrap",
     "ads_static_bootstrap", "breaker_runtime_keys", "build_cla", "eds_document", "layout", "parse_eds", "render",
     "render_eds", "route_checks", "route_classes", "shed_runtime_key", "shed_stat_prefix", "static_bootstrap",

@@ -239,6 +239,9 @@ ROUTE_NAME_ATTRIBUTE = "xds.route_name"
 # reached it late without a pick (PICKER_LATE_MODE), so Envoy balances it now
 REQUEST_TIME_ATTRIBUTE = "request.time"
 PICKER_TIMEOUT = "0.2s"  # per message; then Envoy's own balancer picks (failure_mode_allow)
+# The longest the picker may extend that timeout for one message (ext_proc's override_message_timeout):
+# a request it holds while every slot of its pool is taken (its `hold` policy) waits at most this.
+PICKER_MAX_HOLD_S = 5
 # The one mode the picker may switch a stream to, on its answer to the request headers: nothing
 # more sent to it (no body, no response), so the stream ends with that answer. The picker's way
 # to shed its own work when requests reach it late; Envoy refuses any other override.
@@ -290,6 +293,7 @@ def _ext_proc(metadata: Json | None = None) -> Json:
         "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
         "failure_mode_allow": True,
         "message_timeout": PICKER_TIMEOUT,
+        "max_message_timeout": f"{PICKER_MAX_HOLD_S}s",
         "processing_mode": {
             # SEND, though the picker needs only the body: that is what holds the headers in
             # this filter until the body's answer. With SKIP the router already has them and

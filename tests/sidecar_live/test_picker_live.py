@@ -402,3 +402,33 @@ def test_a_bad_picker_override_stops_the_sidecar_at_startup(tmp_path: Path) -> N
                           capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert b"--picker prefix" in proc.stderr
+
+
+def _held(sidecar: SidecarProcess) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in sidecar.metrics().splitlines():
+        if line.startswith("confgen_picker_held_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_with_hold_requests_wait_in_the_picker_for_a_slot_and_envoy_waits_for_them(tmp_path: Path) -> None:
+    """`--picker hold=1`: two workers of two slots each, eight requests at once. Those that find every
+    slot taken wait in the picker's lobby (Envoy's message timeout extended by the picker's
+    override_message_timeout, within the rendered max_message_timeout) and are placed as slots free:
+    every one answered 200, held ones counted with outcome slot, none reset while it waited (which a
+    message timeout in Envoy would do)."""
+    with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=2), capacity=2,
+                    extra_args=["--picker", "hold=1"]) as rig:
+        def predicted() -> bool:  # the picker learned the workers' token latency from their metrics
+            assert chat(rig, [{"role": "user", "content": "warm"}], max_tokens=8)[0] == 200
+            return any(line.startswith("confgen_picker_prediction_ratio_count") and not line.endswith(" 0.0")
+                       for line in rig.sidecar.metrics().splitlines())
+        assert poll(predicted, timeout=30), rig.sidecar.log_tail()
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: chat(rig, [{"role": "user", "content": f"q {i}"}], max_tokens=24,
+                                               timeout=60), range(8)))
+        assert [status for status, _ in got] == [200] * 8, got
+        held = _held(rig.sidecar)
+        assert held.get("slot", 0.0) >= 1 and not held.get("reset"), (held, rig.sidecar.log_tail())

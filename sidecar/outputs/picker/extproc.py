@@ -64,6 +64,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -73,10 +74,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2
 
 from confgen._openai import error_body
-from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
+from confgen.envoy import PICKER_LATE_MODE, PICKER_MAX_HOLD_S, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
 from confgen.errors import ConfgenError
 from confgen.limits import BUDGET_NS, CHECKED_HEADER
 from sidecar.observe.probe import LoopLag
@@ -85,9 +86,10 @@ from sidecar.outputs.contract import Budgets
 from .budgets import RouteChecks, budget_metadata, refusal_headers
 from .datastore import Datastore, Endpoint
 from .lateness import LATE_S, Lateness, parse_request_time
+from .lobby import Lobby
 from .metrics import PickerMetrics
 from .prompt import MAX_ITEMS, block_hashes, parse_body
-from .scheduling import Pick, Picker, PickRequest
+from .scheduling import Pick, Picker, PickRequest, free_slots
 
 __all__ = ["DESTINATION", "POOL_METADATA", "BodyMode", "ExtProcLimits", "Phase", "PickerServicer", "ProtocolError"]
 
@@ -104,6 +106,15 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _LATE_MODE = json_format.ParseDict(PICKER_LATE_MODE, _MODE())
 _log = logging.getLogger("sidecar.picker")
 MAX_PEERS = 4096  # gRPC connections whose request ages are floored apart (then all start over)
+LOBBY_TICK_S = 0.02  # while requests wait in the lobby: how often slots freed elsewhere (peers, probes) are seen
+HOLD_MARGIN_S = 0.5  # the proxy's message timeout, extended for a held request, outlasts its hold by this
+
+
+class _Hold:
+    """The answer to a request is held (the lobby): the stream waits for a slot, then is decided."""
+
+
+HOLD = _Hold()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +168,8 @@ class _Stream:
     """One request's passage through the picker."""
 
     __slots__ = ("body", "body_ended", "checked", "client", "endpoint", "expired", "first", "headers", "lateness",
-                 "mode", "peer", "phase", "picked_at", "pool", "predicted", "response_ended", "route", "sent_at",
-                 "skip", "streamed_response", "subset", "task", "trailers")
+                 "mode", "peer", "pending", "phase", "picked_at", "pool", "predicted", "response_ended", "route",
+                 "sent_at", "skip", "streamed_response", "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -184,6 +195,7 @@ class _Stream:
         self.predicted: float | None = None  # seconds to finish, as predicted at the pick
         self.headers: dict[str, str] | None = None  # the request headers its budgets' check reads (a route with one)
         self.checked: tuple[tuple[str, str], ...] | None = None  # its budgets admitted it: the x-ratelimit-* headers
+        self.pending: PickRequest | None = None  # held in the lobby: the pick to make when it is woken
 
     @property
     def decided(self) -> bool:
@@ -292,15 +304,19 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.seen = 0
         self.waited = 0
         self.late = 0
+        self.lobby = Lobby(clock)  # requests held while every slot of their pool is taken (policy `hold`)
+        self._tick: asyncio.TimerHandle | None = None
 
     def open_streams(self) -> int:
         return len(self._open)
 
     # -- the decision -------------------------------------------------------------------
 
-    def choose(self, st: _Stream) -> pb.ProcessingResponse | tuple[base_pb2.HeaderValueOption | None, Pick | None]:
+    def choose(self, st: _Stream, may_hold: bool = False
+               ) -> pb.ProcessingResponse | tuple[base_pb2.HeaderValueOption | None, Pick | None] | _Hold:
         """Decide, once: the destination header for this request (None: leave it to the
-        proxy), or a 503. Moves the stream to DECIDED."""
+        proxy), or a 429 or 503; with `may_hold`, HOLD while every slot of its pool is taken (the
+        request waits in the lobby, then `place` decides it). Moves the stream to DECIDED."""
         if st.decided:
             raise ProtocolError("second_decision", "the request was decided already")
         st.phase = Phase.DECIDED
@@ -328,8 +344,37 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         hashes = block_hashes(prompt.text, prompt.model, block_chars=limits.block_chars,
                               max_blocks=limits.max_blocks) if prompt else []
         traffic_class = self.store.classes.of(st.client, prompt.model if prompt else None, pool, st.route)
-        pick = self.picker.pick(PickRequest(pool, prompt, hashes, st.subset, traffic_class,
-                                            saturated=self.store.saturated(pool)), self.store.endpoints(pool))
+        req = PickRequest(pool, prompt, hashes, st.subset, traffic_class, saturated=self.store.saturated(pool))
+        endpoints = self.store.endpoints(pool)
+        if may_hold and self._holds(req, endpoints):
+            st.pending = req
+            return HOLD
+        return self.place(st, req, endpoints, started)
+
+    def _holds(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> bool:
+        """The request waits in the lobby: the policy holds, it is not critical, someone waits already
+        or no slot is free, and admission is off in its pool. Admission on: whoever waits is woken to be
+        decided now, and this request is placed at once (by the admission rule)."""
+        if not self.picker.policy.hold or req.traffic_class == "critical" or req.subset is not None:
+            return False
+        ahead = self.lobby.depth(req.pool)
+        if not ahead and free_slots(endpoints) > self.lobby.claimed(req.pool):
+            return False
+        opened = self.picker.observe_held(req, endpoints, ahead)
+        if opened is None:
+            return False
+        if opened:
+            self.lobby.open(req.pool)
+            return False
+        return True
+
+    def place(self, st: _Stream, req: PickRequest, endpoints: Sequence[Endpoint], started: float
+              ) -> pb.ProcessingResponse | tuple[base_pb2.HeaderValueOption | None, Pick | None]:
+        """Pick for the request now (and refuse it, when admission says so)."""
+        pool, hashes, traffic_class = req.pool, req.hashes, req.traffic_class
+        pick = self.picker.pick(req, endpoints)
+        if self.lobby.depth(pool) and self.picker.admitting(pool):
+            self.lobby.open(pool)  # admission opened on this pick: whoever waits is decided now
         if pick.refused_for_s is not None:
             self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
             st.phase = Phase.CLOSED  # the proxy answers and ends the stream
@@ -365,7 +410,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return (st.sent_at is not None and st.lateness is not None
                 and st.lateness.since(st.sent_at, self._wall()) > self.limits.late_s)
 
-    def _late_headers(self, st: _Stream) -> list[pb.ProcessingResponse]:
+    def _late_headers(self, st: _Stream) -> list[pb.ProcessingResponse | _Hold]:
         """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
         stream ends with this answer, so shedding costs one message, not a body and a response)."""
         st.skip = "behind"
@@ -375,12 +420,72 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
         """The stream's request no longer in flight; idempotent. `finished`: its response ended
-        normally, so its time is compared with the prediction."""
+        normally, so its time is compared with the prediction. A slot freed: the lobby's first waiter
+        of the pool is woken."""
         if st.endpoint is not None:
             st.endpoint.in_flight -= 1
             if finished and st.predicted is not None and st.pool is not None:
                 self.metrics.observe_finish(st.pool, st.predicted, self._clock() - st.picked_at)
             st.endpoint = None
+            if st.pool is not None and self.lobby.depth(st.pool):
+                self.lobby.wake(st.pool, free_slots(self.store.endpoints(st.pool)))
+
+    # -- the lobby (policy `hold`) --------------------------------------------------------
+
+    async def _hold(self, st: _Stream) -> AsyncIterator[pb.ProcessingResponse]:
+        """Wait in the lobby for a slot (or admission to open, or `hold_max_s`), then answer as `_picked`
+        would, the wait counted in the request's delay. The proxy's message timeout is extended first
+        (its max_message_timeout, rendered PICKER_MAX_HOLD_S), so it does not give up on the answer."""
+        req = st.pending
+        assert req is not None
+        hold_s = min(self.picker.policy.hold_max_s, PICKER_MAX_HOLD_S - HOLD_MARGIN_S)
+        waiter = self.lobby.join(req.pool, req.traffic_class, hold_s)
+        self.metrics.lobby.labels(pool=req.pool).set(self.lobby.depth(req.pool))
+        self._arm_tick()
+        outcome = "reset"  # the stream ended while it waited (the client went, or the proxy gave up on it)
+        timeout = duration_pb2.Duration()
+        timeout.FromTimedelta(timedelta(seconds=hold_s + HOLD_MARGIN_S))
+        try:
+            yield pb.ProcessingResponse(override_message_timeout=timeout)
+            outcome = (await waiter.future).value
+        finally:
+            waited = self.lobby.leave(waiter)
+            self.metrics.lobby.labels(pool=req.pool).set(self.lobby.depth(req.pool))
+            self.metrics.held.labels(pool=req.pool, outcome=outcome).inc()
+            self.metrics.held_seconds.observe(waited)
+        st.pending = None
+        req.waited_s = waited
+        # admission as it stands now, not at its arrival; woken because admission opened, it is decided
+        # by admission even if the gate has closed since (a spike's gate flickers: placed without it,
+        # the waiters of one opening would flood the engines' queues)
+        req.saturated = self.store.saturated(req.pool) or outcome == "open"
+        budget = self.picker.budget(req.pool, req.traffic_class) if outcome == "open" else None
+        if budget is not None and waited > budget:
+            # its wait alone is past its budget: refused without a pick (admission opening wakes every
+            # waiter at once; a pick for each, on a deep lobby, would stall the loop for the others)
+            self.metrics.refused.labels(pool=req.pool, **{"class": req.traffic_class}).inc()
+            st.phase = Phase.CLOSED  # the proxy answers and ends the stream
+            yield _overloaded(waited - budget)
+            return
+        started = self._clock()
+        yield self._answer_for(st, "body", self.place(st, req, self.store.endpoints(req.pool), started))
+
+    def _arm_tick(self) -> None:
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(LOBBY_TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        """While anyone waits: slots freed where this picker does not see a release (a peer's request,
+        one that bypassed the picker, a new endpoint) wake waiters; admission opened (the pressure, a
+        spike, the daemon's verdict) wakes them all to be decided."""
+        self._tick = None
+        for pool in self.lobby.pools():
+            if self.picker.admitting(pool) or self.store.saturated(pool):
+                self.lobby.open(pool)
+            else:
+                self.lobby.wake(pool, free_slots(self.store.endpoints(pool)))
+        if self.lobby.pools():
+            self._arm_tick()
 
     def finish(self, st: _Stream) -> None:
         """The stream is over, however it ended: release it and forget it."""
@@ -409,6 +514,16 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _picked(self, st: _Stream, kind: str) -> pb.ProcessingResponse:
         result = self.choose(st)
+        assert not isinstance(result, _Hold)  # only a buffered body may wait (`_picked_or_held`)
+        return self._answer_for(st, kind, result)
+
+    def _picked_or_held(self, st: _Stream) -> pb.ProcessingResponse | _Hold:
+        """The answer on a BUFFERED body, or HOLD."""
+        result = self.choose(st, may_hold=True)
+        return result if isinstance(result, _Hold) else self._answer_for(st, "body", result)
+
+    def _answer_for(self, st: _Stream, kind: str, result: pb.ProcessingResponse | tuple[
+            base_pb2.HeaderValueOption | None, Pick | None]) -> pb.ProcessingResponse:
         if isinstance(result, pb.ProcessingResponse):
             return result
         out = self._answer(kind, *result)
@@ -497,7 +612,11 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     error = exc
                     break
                 for out in answers:
-                    yield out
+                    if isinstance(out, _Hold):
+                        async for held in self._hold(st):
+                            yield held
+                    else:
+                        yield out
                 if st.phase is Phase.CLOSED:
                     break
                 if st.decided and not was_decided:
@@ -526,7 +645,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if task is not None:
             task.cancel()
 
-    def _step(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _step(self, st: _Stream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse | _Hold]:
         """The answers to one message; ProtocolError when it is out of order."""
         if st.phase is Phase.CLOSED:
             raise ProtocolError("after_close", "a message after the stream was done")
@@ -558,7 +677,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._response(st, msg, kind)
         raise ProtocolError("unknown", f"unexpected message {kind!r}")
 
-    def _headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def _headers(self, st: _Stream, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse | _Hold]:
         if st.phase is not Phase.HEADERS:
             raise ProtocolError("order", "request_headers twice")
         client_header = self.store.classes.client_header
@@ -595,7 +714,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # BUFFERED: answer now (drop any client copy of the header); the pick rides on the body.
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_remove_destination()))]
 
-    def _body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _body(self, st: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse | _Hold]:
         if st.body_ended:
             raise ProtocolError("order", "a body message after the body's end")
         st.body_ended = body.end_of_stream
@@ -608,7 +727,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     st.skip = st.skip or "body_too_large"
                 elif st.skip is None:
                     st.body += body.body
-                return [self._picked(st, "body")]
+                return [self._picked_or_held(st)]
             # full duplex: hold up to the cap
             if len(st.body) + len(body.body) > self.limits.body_cap:
                 st.skip = st.skip or "body_too_large"

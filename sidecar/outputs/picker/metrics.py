@@ -38,6 +38,13 @@
                                                 stream was down), applied (received, into an index),
                                                 skipped (received, naming an endpoint this replica does not hold)
     confgen_picker_peers_connected              peer replicas this picker streams to now (of --picker-peer)
+    confgen_picker_held_total{pool,outcome}     requests held in the picker (`hold`, lobby.py) while every slot
+                                                was taken, by what ended the wait: slot (one freed), open
+                                                (admission opened: placed or refused with the wait counted),
+                                                deadline (hold_max_s: placed into an engine's queue),
+                                                reset (the stream ended while it waited)
+    confgen_picker_held_seconds                 how long each held request waited, histogram
+    confgen_picker_lobby{pool}                  requests waiting in the picker now
     confgen_picker_budget_checks_total{code}    global budgets decided in the picker's call (budgets.py): ok,
                                                 over_limit (answered 429 here); a request it did not check
                                                 is checked by Envoy's rate limit filter
@@ -62,6 +69,7 @@ __all__ = ["PickerMetrics"]
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 _QUEUE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # bypass_wait_s 5 ms, late_s 20 ms
+_HELD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class _Live(Collector):
@@ -135,6 +143,12 @@ class PickerMetrics:
                                      registry=reg)
         self.budget_checks = Counter("confgen_picker_budget_checks", "Global budgets decided in the picker's "
                                      "call, by answer", ["code"], registry=reg)
+        self.held = Counter("confgen_picker_held", "Requests held in the picker while every slot was taken, by "
+                            "what ended the wait: slot, open (admission opened), deadline", ["pool", "outcome"],
+                            registry=reg)
+        self.held_seconds = Histogram("confgen_picker_held_seconds", "How long each held request waited in the "
+                                      "picker", buckets=_HELD_BUCKETS, registry=reg)
+        self.lobby = Gauge("confgen_picker_lobby", "Requests waiting in the picker now", ["pool"], registry=reg)
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:

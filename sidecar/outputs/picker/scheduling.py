@@ -43,11 +43,11 @@ from typing import Protocol
 
 from .datastore import Endpoint
 from .lateness import LATE_S
-from .predict import CostPolicy, Prediction, Workload, pool_estimates, predict
+from .predict import CostPolicy, Estimate, Prediction, Workload, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
 __all__ = ["COST_KEYS", "FILTERS", "POLICY_KEYS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy",
-           "Pressure", "Scorer"]
+           "Pressure", "Scorer", "free_slots"]
 
 
 RULES = ("predicted", "weighted")
@@ -60,7 +60,7 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
     "admission_gate": int, "pressure_s": float, "hold_ratio": float, "spike_ratio": float, "spike_s": float,
     "spike_min": int, "late_s": float, "bypass_max": int,
-    "bypass_wait_s": float}
+    "bypass_wait_s": float, "hold": int, "hold_max_s": float}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
@@ -138,6 +138,14 @@ class PickerPolicy:
     # 2-core bench machine: 62-77 % skipped it, added P99 -7 to +9 ms (bench/results/picker-cost/bypass.md).
     bypass_max: int = 90
     bypass_wait_s: float = 0.005
+    # 1: while every slot of a pool is taken and its admission is not on (the gate closed: a burst, or
+    # the first seconds of a surge), a request waits in the picker (the lobby, lobby.py) instead of in
+    # an engine's queue, and is placed when a slot frees, `hold_max_s` at the most; once admission is
+    # on, the requests held are placed or refused with the time they waited counted in their delay.
+    # A backlog held here can still be refused, one in the engines' queues can only drain. Critical
+    # traffic never waits here. 0: every request placed at once (engine queues).
+    hold: int = 0
+    hold_max_s: float = 2.0
 
 
     def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:
@@ -192,6 +200,8 @@ class PickRequest:
     subset: frozenset[str] | None = None
     traffic_class: str = "standard"  # critical | standard | sheddable
     saturated: bool = True  # the pool's saturation verdict (admission_gate: refuse only then)
+    waited_s: float = 0.0  # held in the picker this long before this pick: counted in its delay
+    observed: bool = False  # its arrival was counted already (`Picker.observe_held`): not again at the pick
     # filled in while scoring, read by the metrics
     matched: dict[str, int] = field(default_factory=dict)
 
@@ -219,6 +229,12 @@ def _slots(e: Endpoint) -> int:
     if f.waiting >= 1 and 1 <= f.running < f.capacity and (f.kv_usage or 0.0) >= KV_BOUND_USAGE:
         return max(1, int(f.running))
     return max(1, f.capacity)
+
+
+def free_slots(endpoints: Sequence[Endpoint]) -> int:
+    """Slots no request holds now on the serving endpoints (a request counts whole: 0.3 of one seen by
+    a peer takes a slot)."""
+    return sum(max(0, _slots(e) - math.ceil(load_of(e) - 1e-9)) for e in endpoints if e.facts.serving)
 
 
 class Scorer(Protocol):
@@ -307,6 +323,15 @@ def _budget(policy: PickerPolicy, traffic_class: str, service_s: float) -> float
         return None
     share = policy.budget_sheddable if traffic_class == "sheddable" else policy.budget_standard
     return max(policy.budget_floor_s, share * service_s)
+
+
+def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float, int]:
+    """The pool's median time one request holds a slot (seconds), the requests per second its slots
+    serve, and its slots."""
+    slots = [_slots(e) for e in cands]
+    holds = [est.out * est.tpot(n) + est.k * est.prompt for n, est in zip(slots, estimates, strict=True)]
+    serves = sum(n / max(1e-3, h) for n, h in zip(slots, holds, strict=True))
+    return statistics.median(holds), serves, sum(slots)
 
 
 def rendezvous(home: int, address: str) -> int:
@@ -401,6 +426,8 @@ class Picker:
         self._clock = clock
         self._pressure: dict[str, Pressure] = {}  # per pool
         self._spikes: dict[str, Spike] = {}  # per pool
+        self._gate: dict[str, bool] = {}  # per pool: its pressure or a spike opened admission at the last look
+        self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
 
     def pick(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> Pick:
         cands = list(endpoints)
@@ -476,20 +503,19 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
-        # each endpoint's slots and how long one request holds one of them
-        slots = [_slots(e) for e in cands]
-        holds = [est.out * est.tpot(n) + est.k * est.prompt for n, est in zip(slots, estimates, strict=True)]
-        service = statistics.median(holds)
+        service, serves, _ = _rates(cands, estimates)
         budget = _budget(policy, req.traffic_class, service)
-        serves = sum(n / max(1e-3, h) for n, h in zip(slots, holds, strict=True))  # requests per second
-        pressed = self._pressed(req.pool, preds, service, serves)  # observed on every pick, saturated or not
-        spiking = self._spiking(req.pool, preds, service, serves)
-        gated = policy.admission_gate and not (req.saturated or pressed or spiking)
+        if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
+            opened = self._gate.get(req.pool, False)
+        else:  # observed on every pick, saturated or not
+            wait = min(p.wait_s for p in preds)
+            opened = self._observe(req.pool, wait, service, serves)
+        gated = policy.admission_gate and not (req.saturated or opened)
         # the delay a placement adds to the request's best case (no queue, the fastest prefill and
         # decode the pool offers it now): its wait there, and `slow_share` of what a slower worker
         # or a lost prefix adds
         ideal = min(p.prefill_s + p.decode_s for p in preds)
-        delay = [p.wait_s + policy.slow_share * (p.prefill_s + p.decode_s - ideal) for p in preds]
+        delay = [req.waited_s + p.wait_s + policy.slow_share * (p.prefill_s + p.decode_s - ideal) for p in preds]
         if budget is not None and not gated and delay[first] > budget:
             # admitted where its delay stays within its budget, the cheapest of those; refused when nowhere
             admissible = [i for i, d in enumerate(delay) if d <= budget]
@@ -509,7 +535,45 @@ class Picker:
             reason = "prefix" if matched == top else "spill"
         return Pick(tuple(cands[i] for i in order), reason, matched, len(req.hashes), preds[first])
 
-    def _pressed(self, pool: str, preds: Sequence[Prediction], service_s: float, serves: float) -> bool:
+    def _observe(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
+        """One arrival whose best predicted start is `wait_s` away: into the pool's pressure and spike
+        window. True when either opens admission (remembered for the requests the lobby places)."""
+        pressed = self._pressed(pool, wait_s, service_s, serves)
+        spiking = self._spiking(pool, wait_s, service_s, serves)
+        self._gate[pool] = opened = pressed or spiking
+        self._service[pool] = service_s
+        return opened
+
+    def budget(self, pool: str, traffic_class: str) -> float | None:
+        """Seconds a request of this class may be delayed in the pool, as of the picker's last look at
+        it (None: never refused, or the pool not seen yet)."""
+        service = self._service.get(pool)
+        return None if service is None else _budget(self.policy, traffic_class, service)
+
+    def observe_held(self, req: PickRequest, endpoints: Sequence[Endpoint], ahead: int) -> bool | None:
+        """A request about to wait in the lobby behind `ahead` others while every slot is taken: its
+        arrival, and the wait predicted for it (the engines' queues, those ahead in the lobby and itself,
+        drained at the rate the pool serves), counted as a pick counts them. True: admission is on (place
+        it now, do not hold); False: hold it; None: the pool is not predicted (place it now by the
+        weighted rule)."""
+        cands = list(endpoints)
+        for keep in self._filters:
+            cands = keep(req, cands)
+        if len(cands) < 2 or self.policy.rule != "predicted":
+            return None
+        estimates = pool_estimates([e.learner for e in cands], [e.facts.token_latency_s for e in cands],
+                                   self.policy.cost)
+        if estimates is None:
+            return None
+        service, serves, _ = _rates(cands, estimates)
+        req.observed = True
+        # the engines' own queues drain first (a request placed at once would wait behind them; once
+        # admission is on they hold up to the budget, and a held request would wait behind them too)
+        queued = sum(max(0.0, load_of(e) - _slots(e)) for e in cands)
+        opened = self._observe(req.pool, (queued + ahead + 1) / max(1e-9, serves), service, serves)
+        return opened or req.saturated or not self.policy.admission_gate
+
+    def _pressed(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
         """The pool's pressure after this request's best predicted start (`Pressure`), held while
         the pickers sharing the pool see arrivals at `hold_ratio` times what it `serves` per second."""
         policy = self.policy
@@ -520,10 +584,10 @@ class Picker:
             pressure = self._pressure[pool] = Pressure()
         open_s = _budget(policy, "standard", service_s) or 0.0
         close_s = 0.5 * (_budget(policy, "sheddable", service_s) or 0.0)
-        return pressure.observe(min(p.wait_s for p in preds), self._clock(), policy.pressure_s, open_s, close_s,
+        return pressure.observe(wait_s, self._clock(), policy.pressure_s, open_s, close_s,
                                 serves / max(1, self._pickers()), policy.hold_ratio)
 
-    def _spiking(self, pool: str, preds: Sequence[Prediction], service_s: float, serves: float) -> bool:
+    def _spiking(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
         """Requests arriving at `spike_ratio` times what the pool `serves` per second while the best
         predicted start is past the standard budget (`Spike`).
         Each of the pickers sharing the pool (`pickers`) sees its share of the arrivals."""
@@ -536,7 +600,12 @@ class Picker:
         arrivals = spike.observe(self._clock(), policy.spike_s) * max(1, self._pickers())
         if arrivals < max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s):
             return False
-        return min(p.wait_s for p in preds) > (_budget(policy, "standard", service_s) or 0.0)
+        return wait_s > (_budget(policy, "standard", service_s) or 0.0)
+
+    def admitting(self, pool: str) -> bool:
+        """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
+        last look; the daemon's saturation verdict is the caller's."""
+        return self._gate.get(pool, False) or not self.policy.admission_gate
 
     def pressure(self, pool: str) -> Pressure | None:
         """The pool's pressure as of its last predicted pick (None before one)."""
