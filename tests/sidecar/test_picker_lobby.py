@@ -278,3 +278,37 @@ def test_the_lobby_wakes_standard_before_sheddable_first_come_first_served_one_p
         assert lobby.leave(shed) == 3.0 and lobby.depth("p") == 0 and lobby.claimed("p") == 0
 
     _run(loop, main)
+
+
+def test_a_spike_is_not_waited_out() -> None:
+    """Requests arriving at the spike rule's rate (here 4 within 0.5 s) are placed at once, as without
+    the lobby; the same requests spread out wait for a slot."""
+    loop = _Loop()
+    svc, store = _servicer(loop, replace(HOLD, spike_ratio=2.0, spike_s=0.5, spike_min=4))
+
+    async def main() -> None:
+        rush = [_Stream(svc, f"r{i}") for i in range(6)]
+        for s in rush:  # at once: the 5th and 6th find every slot taken, but 5 and 6 arrived within 0.5 s
+            s.start()
+        await _settle()
+        assert all(s.picked and not s.held for s in rush) and svc.lobby.depth("chat") == 0
+        assert _in_flight(store) == 6
+        for s in rush:
+            s.end_response()
+        await _settle()
+        loop.now += 10.0
+        spread = [_Stream(svc, f"s{i}") for i in range(5)]
+        for s in spread:  # one a second: no spike, and the 5th finds every slot taken
+            s.start()
+            await _settle()
+            loop.now += 1.0
+        assert [s.picked for s in spread] == [True] * 4 + [False] and spread[4].held
+        spread[0].end_response()
+        await _settle()
+        assert spread[4].picked
+        for s in spread[1:]:
+            s.end_response()
+        await _settle()
+        assert _in_flight(store) == 0
+
+    _run(loop, main)

@@ -428,6 +428,7 @@ class Picker:
         self._spikes: dict[str, Spike] = {}  # per pool
         self._gate: dict[str, bool] = {}  # per pool: its pressure or a spike opened admission at the last look
         self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
+        self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
 
     def pick(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> Pick:
         cands = list(endpoints)
@@ -553,9 +554,9 @@ class Picker:
     def observe_held(self, req: PickRequest, endpoints: Sequence[Endpoint], ahead: int) -> bool | None:
         """A request about to wait in the lobby behind `ahead` others while every slot is taken: its
         arrival, and the wait predicted for it (the engines' queues, those ahead in the lobby and itself,
-        drained at the rate the pool serves), counted as a pick counts them. True: admission is on (place
-        it now, do not hold); False: hold it; None: the pool is not predicted (place it now by the
-        weighted rule)."""
+        drained at the rate the pool serves), counted as a pick counts them. True: admission is on, or
+        requests arrive at the spike rule's rate (place it now, do not hold); False: hold it; None: the
+        pool is not predicted (place it now by the weighted rule)."""
         cands = list(endpoints)
         for keep in self._filters:
             cands = keep(req, cands)
@@ -571,7 +572,11 @@ class Picker:
         # admission is on they hold up to the budget, and a held request would wait behind them too)
         queued = sum(max(0.0, load_of(e) - _slots(e)) for e in cands)
         opened = self._observe(req.pool, (queued + ahead + 1) / max(1e-9, serves), service, serves)
-        return opened or req.saturated or not self.policy.admission_gate
+        # a spike (arrivals at the spike rule's rate) is not waited out: nothing held would be placed
+        # before admission opens, and the lobby's own work comes on top of the spike's (measured: 12 workers
+        # at 3x, admitted P99 2.33x their own at 78 % when held, bench/results/lobby)
+        rushing = self._rushing.get(req.pool, False)
+        return opened or rushing or req.saturated or not self.policy.admission_gate
 
     def _pressed(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
         """The pool's pressure after this request's best predicted start (`Pressure`), held while
@@ -598,9 +603,8 @@ class Picker:
         if spike is None:
             spike = self._spikes[pool] = Spike()
         arrivals = spike.observe(self._clock(), policy.spike_s) * max(1, self._pickers())
-        if arrivals < max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s):
-            return False
-        return wait_s > (_budget(policy, "standard", service_s) or 0.0)
+        self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
+        return rushing and wait_s > (_budget(policy, "standard", service_s) or 0.0)
 
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
