@@ -5,7 +5,7 @@ finds every slot taken waits (its answer is an extended message timeout, nothing
 when a slot frees, first come first served, standard before sheddable; at `hold_max_s` it is placed
 anyway; once admission opens (here the daemon's saturation verdict) every waiter is decided with its
 wait counted: refused when that wait is past its budget. A stream reset while held leaves nothing
-behind. With `hold` 0 (the default) nothing waits."""
+behind. A spike is not waited out. With `hold` 0 nothing waits."""
 
 from __future__ import annotations
 
@@ -132,6 +132,10 @@ def _in_flight(store: Datastore) -> int:
 HOLD = PickerPolicy(hold=1, hold_max_s=2.0, pressure_s=0.0, spike_ratio=0.0)  # the gate: the verdict alone
 
 
+def test_the_lobby_is_on_by_default() -> None:
+    assert PickerPolicy().hold == 1 and PickerPolicy().with_overrides(["hold=0"]).hold == 0
+
+
 def test_a_request_that_finds_every_slot_taken_waits_and_is_placed_when_one_frees() -> None:
     loop = _Loop()
     svc, store = _servicer(loop, HOLD)
@@ -168,9 +172,9 @@ def test_a_request_that_finds_every_slot_taken_waits_and_is_placed_when_one_free
     _run(loop, main)
 
 
-def test_nothing_waits_without_the_policy() -> None:
+def test_nothing_waits_with_hold_off() -> None:
     loop = _Loop()
-    svc, store = _servicer(loop, PickerPolicy(pressure_s=0.0, spike_ratio=0.0))
+    svc, store = _servicer(loop, PickerPolicy(hold=0, pressure_s=0.0, spike_ratio=0.0))
 
     async def main() -> None:
         streams = [_Stream(svc, f"r{i}") for i in range(7)]
