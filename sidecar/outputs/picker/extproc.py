@@ -41,6 +41,12 @@ before the request was decided, anything after the response ended, protocol_conf
 the first message) is a protocol error: the stream ends with INVALID_ARGUMENT and releases
 what it holds.
 
+Held (the lobby, lobby.py; `PickerPolicy.hold`, on by default): a BUFFERED body whose pool has every
+slot taken while admission is off is not answered at once; the stream first gets an
+`override_message_timeout` (Envoy's 200 ms message timeout extended, within the rendered
+max_message_timeout), waits for a slot, then is decided as any other (placed, or refused once
+admission opened with its wait counted). A stream reset while it waits leaves the lobby.
+
 In flight: a picked stream counts one on its endpoint until the response ends (response
 end-of-stream or trailers) or the stream does (closed, reset, timed out, protocol error),
 whichever comes first, and exactly once.

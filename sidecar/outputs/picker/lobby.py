@@ -60,9 +60,6 @@ class Lobby:
         queues = self._queues.get(pool)
         return sum(len(q) for q in queues.values()) if queues else 0
 
-    def depths(self) -> dict[str, int]:
-        return {pool: self.depth(pool) for pool in self._queues}
-
     def claimed(self, pool: str) -> int:
         """Free slots the pool's woken waiters are about to take (woken, not yet placed)."""
         return self._woken.get(pool, 0)
