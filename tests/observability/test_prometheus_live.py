@@ -187,6 +187,8 @@ PICKER_FLEET_ABSENT = {
     "sheddable_refused_ratio": "no sheddable traffic (tests/sidecar_live/test_priorities_live.py reads it)",
     "confgen_picker_refused": "no overload here (tests/sidecar/test_picker_predict.py pins the picker's refusals)",
     "confgen_picker_budget_checks": "no global limit (test_prometheus_answers_the_global_limit_panels_per_key)",
+    "confgen_picker_held": "no pool has every slot taken here (tests/sidecar_live/test_picker_live.py holds requests)",
+    "confgen_picker_lobby": "nobody waits in the picker here (the same live test)",
 }
 
 

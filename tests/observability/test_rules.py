@@ -43,6 +43,7 @@ def picker_metric_names() -> set[str]:
     metrics.refused.labels(pool="p", **{"class": "standard"}).inc()
     metrics.observe_finish("p", 1.0, 1.1)
     metrics.budget_checks.labels(code="ok").inc()
+    metrics.held.labels(pool="p", outcome="slot").inc()
     names = {f.name for f in registry.collect() if f.type in ("gauge", "unknown")}  # gauges: family = series name
     text = generate_latest(registry).decode()
     return names | {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
