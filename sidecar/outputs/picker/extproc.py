@@ -377,14 +377,12 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def place(self, st: _Stream, req: PickRequest, endpoints: Sequence[Endpoint], started: float
               ) -> pb.ProcessingResponse | tuple[base_pb2.HeaderValueOption | None, Pick | None]:
         """Pick for the request now (and refuse it, when admission says so)."""
-        pool, hashes, traffic_class = req.pool, req.hashes, req.traffic_class
+        pool, hashes = req.pool, req.hashes
         pick = self.picker.pick(req, endpoints)
         if self.lobby.depth(pool) and self.picker.admitting(pool):
             self.lobby.open(pool)  # admission opened on this pick: whoever waits is decided now
         if pick.refused_for_s is not None:
-            self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
-            st.phase = Phase.CLOSED  # the proxy answers and ends the stream
-            return _overloaded(pick.refused_for_s)
+            return self._refuse(st, req, pick.refused_for_s)
         if not pick.endpoints:
             if st.subset is not None:
                 self.metrics.picks.labels(pool=pool, reason="unavailable").inc()
@@ -416,6 +414,12 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return (st.sent_at is not None and st.lateness is not None
                 and st.lateness.since(st.sent_at, self._wall()) > self.limits.late_s)
 
+    def _refuse(self, st: _Stream, req: PickRequest, past_budget_s: float) -> pb.ProcessingResponse:
+        """Admission's 429, counted by pool and class; the proxy answers it and ends the stream."""
+        self.metrics.refused.labels(pool=req.pool, **{"class": req.traffic_class}).inc()
+        st.phase = Phase.CLOSED
+        return _overloaded(past_budget_s)
+
     def _late_headers(self, st: _Stream) -> list[pb.ProcessingResponse | _Hold]:
         """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
         stream ends with this answer, so shedding costs one message, not a body and a response)."""
@@ -434,7 +438,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.metrics.observe_finish(st.pool, st.predicted, self._clock() - st.picked_at)
             st.endpoint = None
             if st.pool is not None and self.lobby.depth(st.pool):
-                self.lobby.wake(st.pool, free_slots(self.store.endpoints(st.pool)))
+                self._wake(st.pool)
 
     # -- the lobby (policy `hold`) --------------------------------------------------------
 
@@ -469,9 +473,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if budget is not None and waited > budget:
             # its wait alone is past its budget: refused without a pick (admission opening wakes every
             # waiter at once; a pick for each, on a deep lobby, would stall the loop for the others)
-            self.metrics.refused.labels(pool=req.pool, **{"class": req.traffic_class}).inc()
-            st.phase = Phase.CLOSED  # the proxy answers and ends the stream
-            yield _overloaded(waited - budget)
+            yield self._refuse(st, req, waited - budget)
             return
         started = self._clock()
         yield self._answer_for(st, "body", self.place(st, req, self.store.endpoints(req.pool), started))
@@ -489,9 +491,13 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if self.picker.admitting(pool) or self.store.saturated(pool):
                 self.lobby.open(pool)
             else:
-                self.lobby.wake(pool, free_slots(self.store.endpoints(pool)))
+                self._wake(pool)
         if self.lobby.pools():
             self._arm_tick()
+
+    def _wake(self, pool: str) -> None:
+        """One waiter of the pool woken for each slot free now."""
+        self.lobby.wake(pool, free_slots(self.store.endpoints(pool)))
 
     def finish(self, st: _Stream) -> None:
         """The stream is over, however it ended: release it and forget it."""

@@ -330,13 +330,13 @@ def _budget(policy: PickerPolicy, traffic_class: str, service_s: float) -> float
     return max(policy.budget_floor_s, share * service_s)
 
 
-def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float, int]:
-    """The pool's median time one request holds a slot (seconds), the requests per second its slots
-    serve, and its slots."""
+def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float]:
+    """The pool's median time one request holds a slot (seconds), and the requests per second its
+    slots serve."""
     slots = [_slots(e) for e in cands]
     holds = [est.out * est.tpot(n) + est.k * est.prompt for n, est in zip(slots, estimates, strict=True)]
     serves = sum(n / max(1e-3, h) for n, h in zip(slots, holds, strict=True))
-    return statistics.median(holds), serves, sum(slots)
+    return statistics.median(holds), serves
 
 
 def rendezvous(home: int, address: str) -> int:
@@ -435,10 +435,19 @@ class Picker:
         self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
         self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
 
-    def pick(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> Pick:
+    def _candidates(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        """The endpoints the filters leave for the request."""
         cands = list(endpoints)
         for keep in self._filters:
             cands = keep(req, cands)
+        return cands
+
+    def _estimates(self, cands: Sequence[Endpoint]) -> list[Estimate] | None:
+        """Each candidate's learned coefficients (None: the pool is not predicted)."""
+        return pool_estimates([e.learner for e in cands], [e.facts.token_latency_s for e in cands], self.policy.cost)
+
+    def pick(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> Pick:
+        cands = self._candidates(req, endpoints)
         blocks = len(req.hashes)
         if not cands:
             return Pick((), "none", 0, blocks)
@@ -453,7 +462,7 @@ class Picker:
 
     def _predicted(self, req: PickRequest, cands: list[Endpoint]) -> Pick | None:
         policy = self.policy
-        estimates = pool_estimates([e.learner for e in cands], [e.facts.token_latency_s for e in cands], policy.cost)
+        estimates = self._estimates(cands)
         if estimates is None:
             return None
         prompt = req.prompt
@@ -509,7 +518,7 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
-        service, serves, _ = _rates(cands, estimates)
+        service, serves = _rates(cands, estimates)
         budget = _budget(policy, req.traffic_class, service)
         if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
             opened = self._gate.get(req.pool, False)
@@ -562,16 +571,13 @@ class Picker:
         drained at the rate the pool serves), counted as a pick counts them. True: admission is on, or
         requests arrive at the spike rule's rate (place it now, do not hold); False: hold it; None: the
         pool is not predicted (place it now by the weighted rule)."""
-        cands = list(endpoints)
-        for keep in self._filters:
-            cands = keep(req, cands)
+        cands = self._candidates(req, endpoints)
         if len(cands) < 2 or self.policy.rule != "predicted":
             return None
-        estimates = pool_estimates([e.learner for e in cands], [e.facts.token_latency_s for e in cands],
-                                   self.policy.cost)
+        estimates = self._estimates(cands)
         if estimates is None:
             return None
-        service, serves, _ = _rates(cands, estimates)
+        service, serves = _rates(cands, estimates)
         req.observed = True
         # the engines' own queues drain first (a request placed at once would wait behind them; once
         # admission is on they hold up to the budget, and a held request would wait behind them too)
