@@ -15,7 +15,7 @@ from . import _edge_checks
 from ._fields import COMPILED
 from ._names import dns_label
 from ._pod_fit import loopback_store
-from .balancing import POLICIES, grpc_wanted, is_hashing, picker_wanted, uses_picker
+from .balancing import POLICIES, choose, grpc_wanted, is_hashing, picker_wanted, uses_picker
 from .errors import Severity
 from .limits import (
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -69,6 +69,7 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         _fallback_cycles,
         _model_routing,
         _pool_settings,
+        _admission,
         _routes,
         _classes,
         _auth_and_limits,
@@ -496,6 +497,26 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
             yield f"{base}.workers", "drain needs discovery: eds (the sidecar publishes it)", ERROR
         if scale is not None:
             yield from _fixed_workers_of_autoscaled(base, pool)
+
+
+def _admission(topo: Topology) -> Iterator[Finding]:
+    """A pool's admission budgets are the endpoint picker's: on a pool the picker does not see they do
+    nothing, and a sheddable budget above the standard one would refuse standard traffic first."""
+    for pi, pool in enumerate(topo.pools):
+        adm = pool.admission
+        given = [name for name in ("standard", "sheddable", "min_wait") if getattr(adm, name) is not None]
+        if not given:
+            continue
+        if not uses_picker(topo, pool):
+            choice = choose(topo, pool)
+            why = choice.reason or f"balancing policy {choice.policy}"
+            yield f"pools[{pi}].admission", (
+                f"{', '.join(given)} set, but the endpoint picker does not see this pool's requests ({why}): "
+                "these budgets do nothing; the sidecar's in-flight limiter sheds it (backpressure)"), WARNING
+        if adm.standard is not None and adm.sheddable is not None and adm.sheddable > adm.standard:
+            yield f"pools[{pi}].admission.sheddable", (
+                f"{adm.sheddable:g} is above standard's {adm.standard:g}: under overload standard traffic would be "
+                "refused before sheddable traffic"), WARNING
 
 
 def _classes(topo: Topology) -> Iterator[Finding]:

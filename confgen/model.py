@@ -263,6 +263,32 @@ class Autoscale:
 
 
 @dataclass(frozen=True)
+class Admission:
+    standard: float | None = field(
+        None,
+        doc="How long a standard request may wait to start, as a multiple of the pool's median service time (how "
+        "long one request holds a slot, which the endpoint picker measures). While the pool is under pressure a "
+        "request whose predicted delay on every worker is past it is refused at once (429 with retry-after). "
+        "Lower: a shorter queue and a lower admitted P99, more refused at a burst. Unset: the sidecar's "
+        "`--picker budget_standard` (0.4).",
+        minimum=0.0,
+        maximum=1000.0,
+    )
+    sheddable: float | None = field(
+        None,
+        doc="The same for sheddable traffic: kept below standard's, so sheddable traffic is refused first. Unset: "
+        "the sidecar's `--picker budget_sheddable` (0.03). Critical traffic is never refused by the picker.",
+        minimum=0.0,
+        maximum=1000.0,
+    )
+    min_wait: Duration | None = field(
+        None,
+        doc="A floor under both budgets, for a pool whose requests are so short that a multiple of their service "
+        "time is no wait at all. Unset: the sidecar's `--picker budget_floor_s` (0s).",
+    )
+
+
+@dataclass(frozen=True)
 class Pool:
     name: str = field(doc="Pool name; also the Envoy cluster name.", pattern="name")
     engine: Engine = field(doc="Inference engine the workers run.")
@@ -299,6 +325,12 @@ class Pool:
         "until its answer ends (default: 4096).",
         minimum=1,
         maximum=10_000_000,
+    )
+    admission: Admission = field(
+        factory=Admission,
+        doc="Admission per request, by the sidecar's endpoint picker (Envoy pools on the picker only): how long "
+        "each class may wait before it is refused under overload. Other pools are shed by the sidecar's "
+        "in-flight limiter (backpressure).",
     )
     pod_labels: dict[str, str] = field(
         factory=dict,

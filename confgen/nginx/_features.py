@@ -50,6 +50,11 @@ def unsupported(topo: Topology) -> list[Finding]:
             found.append((f"{base}.balancing.policy", (
                 "prefix_affinity is Envoy-only (confgen-sidecar's endpoint picker over ext_proc): nginx "
                 "balances this pool as least_request, with no prefix-cache affinity")))
+        adm = pool.admission
+        if adm.standard is not None or adm.sheddable is not None or adm.min_wait is not None:
+            found.append((f"{base}.admission", (
+                "admission per request is the endpoint picker's, Envoy-only: nginx pools are shed by the "
+                "sidecar's in-flight limiter alone (backpressure)")))
         if bal.policy in ("auto", "least_request", "prefix_affinity"):
             if bal.choice_count != 2:
                 found.append((f"{base}.balancing.choice_count", (

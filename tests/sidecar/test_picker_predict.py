@@ -13,7 +13,7 @@ from sidecar.observe.engines import extract
 from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.predict import CostPolicy, Estimate, Learner, Workload, pool_estimates, predict
 from sidecar.outputs.picker.prompt import block_hashes, parse_body
-from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, rendezvous
+from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, WaitBudgets, rendezvous
 
 FIXTURES = Path(__file__).parent / "fixtures"
 POLICY = CostPolicy()
@@ -187,6 +187,30 @@ def test_admission_refuses_what_cannot_start_within_its_class_budget_never_criti
     # sheddable gets only what is idle where it would run best: a free slot on a 2x slower worker is not that
     sheddable = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable")
     assert picker.pick(sheddable, store.endpoints("chat")).refused_for_s is not None
+
+
+def test_a_pools_own_budgets_replace_the_policys_for_that_pool_only() -> None:
+    """The topology's `pools[].admission` (PickerService hands it to `Picker.pool_budgets`): a pool that
+    allows a longer wait admits what the sidecar's default refuses; the other pools keep the default."""
+    facts = tuple(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2))
+    store = Datastore()
+    store.update([PoolFacts("chat", ("m",), facts), PoolFacts("batch", ("m",), facts)])
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    picker = Picker(rng=random.Random(1))
+
+    def refused(pool: str, cls: str) -> bool:
+        req = PickRequest(pool, ask.prompt, ask.hashes, traffic_class=cls)
+        return picker.pick(req, store.endpoints(pool)).refused_for_s is not None
+
+    assert refused("chat", "standard") and refused("batch", "standard")  # a start 4 services away
+    picker.pool_budgets = {"batch": WaitBudgets(standard=10.0, sheddable=0.03)}
+    assert refused("chat", "standard") and not refused("batch", "standard")
+    assert refused("batch", "sheddable") and not refused("batch", "critical")
+    assert picker.budget("batch", "standard") == pytest.approx(
+        10.0 * picker.budget("chat", "standard") / picker.policy.budget_standard)
+    # a floor in seconds under both classes: a minute is longer than this queue
+    picker.pool_budgets = {"batch": WaitBudgets(standard=0.5, sheddable=0.03, floor_s=60.0)}
+    assert not refused("batch", "standard") and not refused("batch", "sheddable") and refused("chat", "sheddable")
 
 
 def test_admission_waits_for_the_pools_saturation_verdict_unless_ungated() -> None:

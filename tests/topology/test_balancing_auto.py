@@ -147,3 +147,35 @@ def test_validate_notes_that_several_proxy_pods_each_pick_alone(tmp_path: Path,
     path.write_text(_text(engine="openai", top="kubernetes: {namespace: inference, replicas: 3}\n"))
     assert main(["validate", str(path)]) == 0
     assert "kubernetes.replicas" not in capsys.readouterr().out
+
+
+def test_a_pools_admission_budgets_decode_and_validate_says_where_they_do_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pools[].admission` is the picker's (per pool, per class): read as written; on a pool the picker does
+    not see (least_request, or nginx) validate warns that it does nothing; a sheddable budget above the
+    standard one is a warning (standard traffic would be refused first); a negative one an error with its
+    place."""
+    adm = "    admission: {standard: 0.8, sheddable: 0.05, min_wait: 250ms}"
+    topo, diags = parse_topology(_text(pool=adm).encode())
+    assert not diags
+    a = topo.pools[0].admission
+    assert (a.standard, a.sheddable, a.min_wait.seconds if a.min_wait else None) == (0.8, 0.05, 0.25)
+    assert "pools[0].admission" in dict(feature_warnings(topo))  # nginx: the limiter alone
+    assert "pools[0].admission" not in dict(feature_warnings(parse_topology(_text().encode())[0]))
+    path = tmp_path / "t.yaml"
+    path.write_text(_text(pool=adm))
+    assert main(["validate", "--strict", str(path)]) == 0
+    capsys.readouterr()
+    path.write_text(_text(pool=adm + "\n    balancing: {policy: least_request}"))
+    assert main(["validate", "--strict", "--format", "json", str(path)]) != 0
+    report = json.loads(capsys.readouterr().out)
+    found = [r for r in report if r["path"] == "pools[0].admission"]
+    assert [r["severity"] for r in found] == ["warning"] and "do nothing" in found[0]["message"], report
+    path.write_text(_text(pool="    admission: {standard: 0.2, sheddable: 0.5}"))
+    assert main(["validate", "--strict", "--format", "json", str(path)]) != 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in report if r["severity"] == "warning"] == ["pools[0].admission.sheddable"], report
+    path.write_text(_text(pool="    admission: {standard: -1}"))
+    assert main(["validate", str(path)]) != 0
+    err = capsys.readouterr()
+    assert "pools[0].admission.standard" in err.out + err.err

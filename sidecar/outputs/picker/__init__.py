@@ -39,7 +39,7 @@ from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
 from .peers import PeerLimits, PeerLinks, PeerLoads, PeerServicer
-from .scheduling import Picker, PickerPolicy
+from .scheduling import Picker, PickerPolicy, WaitBudgets
 
 if TYPE_CHECKING:
     import grpc
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("sidecar.picker")
 
-__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "budget_checks", "build", "facts",
-           "routes"]
+__all__ = ["DESTINATION", "POOL_METADATA", "PickerPolicy", "PickerService", "admission_budgets", "budget_checks",
+           "build", "facts", "routes"]
 
 
 def routes(topo: Topology) -> dict[str | None, str]:
@@ -96,6 +96,21 @@ def budget_checks(topo: Topology) -> RouteChecks | None:
     return checks if len(checks) else None
 
 
+def admission_budgets(topo: Topology, policy: PickerPolicy) -> dict[str, WaitBudgets]:
+    """The picker's pools whose topology sets admission budgets (`pools[].admission`), each with the
+    policy's (the sidecar's --picker budget_*) where it leaves one unset."""
+    out = {}
+    for pool in topo.pools:
+        adm = pool.admission
+        if not uses_picker(topo, pool) or (adm.standard is None and adm.sheddable is None and adm.min_wait is None):
+            continue
+        out[pool.name] = WaitBudgets(
+            policy.budget_standard if adm.standard is None else adm.standard,
+            policy.budget_sheddable if adm.sheddable is None else adm.sheddable,
+            policy.budget_floor_s if adm.min_wait is None else adm.min_wait.seconds)
+    return out
+
+
 def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
     """The picker's pools (policy prefix_affinity), from the daemon's fleet view."""
     pools = {p.name: p for p in topo.pools if uses_picker(topo, p)}
@@ -138,7 +153,8 @@ class PickerService:
         self.store = Datastore()
         # with peers, the arrivals are split among this picker and the peers it streams to (the
         # spike rule counts its own times that many); without, --ingresses of them (the policy's)
-        picker = Picker(policy, pickers=(lambda: 1 + self.links.connected()) if wiring.config.picker_peers else None)
+        self.picker = picker = Picker(policy, pickers=(lambda: 1 + self.links.connected())
+                                      if wiring.config.picker_peers else None)
         self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.pressures)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
@@ -209,10 +225,11 @@ class PickerService:
         self.store.update(facts(fleet, topo), routes(topo), classes(topo))
 
     def _follow(self, topo: Topology) -> None:
-        """The routes' budget checks of `topo`, compiled when the topology changes."""
+        """The routes' budget checks and the pools' admission budgets of `topo`, when the topology changes."""
         if topo is not self._checks_of:
             self._checks_of = topo
             self.servicer.checks = budget_checks(topo)
+            self.picker.pool_budgets = admission_budgets(topo, self.picker.policy)
 
     def forget(self, pool: str) -> None:
         """Nothing: the next fleet view no longer has the pool."""

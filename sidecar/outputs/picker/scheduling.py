@@ -47,7 +47,7 @@ from .predict import CostPolicy, Estimate, Prediction, Workload, pool_estimates,
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
 __all__ = ["COST_KEYS", "FILTERS", "POLICY_KEYS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy",
-           "Pressure", "Scorer", "free_slots"]
+           "Pressure", "Scorer", "WaitBudgets", "free_slots"]
 
 
 RULES = ("predicted", "weighted")
@@ -152,6 +152,11 @@ class PickerPolicy:
     hold: int = 1
     hold_max_s: float = 2.0
 
+
+    @property
+    def budgets(self) -> WaitBudgets:
+        """The admission budgets of every pool the topology gives none of its own."""
+        return WaitBudgets(self.budget_standard, self.budget_sheddable, self.budget_floor_s)
 
     def with_overrides(self, pairs: Sequence[str]) -> PickerPolicy:
         """This policy with KEY=VALUE pairs applied (a scorer's name sets its weight); ValueError
@@ -322,12 +327,21 @@ class Pick:
     refused_for_s: float | None = None  # admission: refused, the earliest start this far past its budget
 
 
-def _budget(policy: PickerPolicy, traffic_class: str, service_s: float) -> float | None:
-    """Seconds a request of this class may wait to start; None: never refused."""
-    if traffic_class == "critical":
-        return None
-    share = policy.budget_sheddable if traffic_class == "sheddable" else policy.budget_standard
-    return max(policy.budget_floor_s, share * service_s)
+@dataclass(frozen=True, slots=True)
+class WaitBudgets:
+    """How long each class may be delayed in one pool: multiples of the pool's median service time, at
+    least `floor_s` seconds (the policy's `budget_*`, or the pool's `admission` in the topology)."""
+
+    standard: float
+    sheddable: float
+    floor_s: float = 0.0
+
+    def of(self, traffic_class: str, service_s: float) -> float | None:
+        """Seconds a request of this class may wait to start; None: never refused (critical)."""
+        if traffic_class == "critical":
+            return None
+        share = self.sheddable if traffic_class == "sheddable" else self.standard
+        return max(self.floor_s, share * service_s)
 
 
 def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float]:
@@ -434,6 +448,12 @@ class Picker:
         self._gate: dict[str, bool] = {}  # per pool: its pressure or a spike opened admission at the last look
         self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
         self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
+        # per pool: the topology's admission budgets where it sets any (the policy's for the others)
+        self.pool_budgets: Mapping[str, WaitBudgets] = {}
+
+    def _budget(self, pool: str, traffic_class: str, service_s: float) -> float | None:
+        """Seconds a request of this class may wait to start in the pool; None: never refused."""
+        return self.pool_budgets.get(pool, self.policy.budgets).of(traffic_class, service_s)
 
     def _candidates(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
         """The endpoints the filters leave for the request."""
@@ -519,7 +539,7 @@ class Picker:
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
         service, serves = _rates(cands, estimates)
-        budget = _budget(policy, req.traffic_class, service)
+        budget = self._budget(req.pool, req.traffic_class, service)
         if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
             opened = self._gate.get(req.pool, False)
         else:  # observed on every pick, saturated or not
@@ -563,7 +583,7 @@ class Picker:
         """Seconds a request of this class may be delayed in the pool, as of the picker's last look at
         it (None: never refused, or the pool not seen yet)."""
         service = self._service.get(pool)
-        return None if service is None else _budget(self.policy, traffic_class, service)
+        return None if service is None else self._budget(pool, traffic_class, service)
 
     def observe_held(self, req: PickRequest, endpoints: Sequence[Endpoint], ahead: int) -> bool | None:
         """A request about to wait in the lobby behind `ahead` others while every slot is taken: its
@@ -598,8 +618,8 @@ class Picker:
         pressure = self._pressure.get(pool)
         if pressure is None:
             pressure = self._pressure[pool] = Pressure()
-        open_s = _budget(policy, "standard", service_s) or 0.0
-        close_s = 0.5 * (_budget(policy, "sheddable", service_s) or 0.0)
+        open_s = self._budget(pool, "standard", service_s) or 0.0
+        close_s = 0.5 * (self._budget(pool, "sheddable", service_s) or 0.0)
         return pressure.observe(wait_s, self._clock(), policy.pressure_s, open_s, close_s,
                                 serves / max(1, self._pickers()), policy.hold_ratio)
 
@@ -615,7 +635,7 @@ class Picker:
             spike = self._spikes[pool] = Spike()
         arrivals = spike.observe(self._clock(), policy.spike_s) * max(1, self._pickers())
         self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
-        return rushing and wait_s > (_budget(policy, "standard", service_s) or 0.0)
+        return rushing and wait_s > (self._budget(pool, "standard", service_s) or 0.0)
 
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
