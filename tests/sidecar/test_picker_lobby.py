@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from confgen.envoy import PICKER_MAX_HOLD_S
@@ -24,6 +25,7 @@ from sidecar.outputs.picker.extproc import DESTINATION, HOLD_MARGIN_S, PickerSer
 from sidecar.outputs.picker.lobby import Lobby, Outcome
 from sidecar.outputs.picker.metrics import PickerMetrics
 from sidecar.outputs.picker.predict import CostPolicy
+from sidecar.outputs.picker.prompt import parse_body
 from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest
 
 ADDRESSES = ("10.0.0.1:8000", "10.0.0.2:8000")
@@ -316,3 +318,25 @@ def test_a_spike_is_not_waited_out() -> None:
         assert _in_flight(store) == 0
 
     _run(loop, main)
+
+
+def test_a_held_requests_wait_counts_the_other_pickers_lobbies_as_deep_as_its_own() -> None:
+    """Each picker sharing a pool (Envoys whose pickers are peers, or --ingresses) holds its share of the
+    arrivals in a lobby the others do not see: the wait predicted for a held request (which feeds the
+    pressure that opens admission) counts as many ahead in each, as the spike rule counts arrivals."""
+    store = Datastore()
+    store.update(_facts())
+    prompt = parse_body(json.dumps({"model": "m", "max_tokens": 16,
+                                    "messages": [{"role": "user", "content": "q"}]}).encode())
+    waits = {}
+    for pickers in (1, 2):
+        picker = Picker(replace(HOLD, pressure_s=2.0, budget_standard=1000.0), rng=random.Random(0),
+                        pickers=lambda n=pickers: n)  # type: ignore[misc]
+        req = PickRequest("chat", prompt, (), saturated=False)
+        assert picker.observe_held(req, store.endpoints("chat"), 3) is False  # held: nothing opened
+        pressure = picker.pressure("chat")
+        assert pressure is not None
+        waits[pickers] = pressure.last_s
+    # (the engines' queues 0 + those ahead + itself) over what the pool serves: 4 ahead-and-itself alone, 7 with
+    # the other lobby's 3
+    assert waits[2] / waits[1] == pytest.approx(7 / 4)

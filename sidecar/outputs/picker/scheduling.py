@@ -602,6 +602,9 @@ class Picker:
         # the engines' own queues drain first (a request placed at once would wait behind them; once
         # admission is on they hold up to the budget, and a held request would wait behind them too)
         queued = sum(max(0.0, load_of(e) - _slots(e)) for e in cands)
+        # each picker sharing the pool holds its share of the arrivals in a lobby of its own, which the
+        # others do not see: as many ahead in each (the spike rule counts arrivals alike)
+        ahead *= max(1, self._pickers())
         opened = self._observe(req.pool, (queued + ahead + 1) / max(1e-9, serves), service, serves)
         # a spike (arrivals at the spike rule's rate) is not waited out: nothing held would be placed
         # before admission opens, and the lobby's own work comes on top of the spike's (measured: 12 workers
