@@ -106,13 +106,16 @@ def setups(ctx: Context) -> list[Setup]:
     if ctx.quick:
         return [product(ctx), vllm("power_of_two")]
     extra = [BARE] if ctx.option("overload_bare", 0) else []  # --set overload_bare=1: not a target, 1/4 of the time
-    two = [TWO] if ctx.option("overload_two", 0) else []  # --set overload_two=1: two Envoys share the fleet
+    # --set overload_two=1: two Envoys share the fleet (with the product row's experiment flags, if any)
+    prod = product(ctx)
+    two = [replace(TWO, label=TWO.label + prod.label[len(PRODUCT.label):], diagnostic=prod.diagnostic,
+                   sidecar_args=prod.sidecar_args)] if ctx.option("overload_two", 0) else []
     # --set overload_fallback=1: the pools on least_request, as Envoy balances them when the picker is
     # down (ext_proc failure_mode_allow): the in-flight limiter alone admits
     fallback = [FALLBACK] if ctx.option("overload_fallback", 0) else []
     # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
     peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
-    return [product(ctx), *two, *fallback, *extra, *peers]
+    return [prod, *two, *fallback, *extra, *peers]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
