@@ -376,14 +376,41 @@ def test_the_load_is_the_pickers_own_count_now_plus_what_others_had_at_the_scrap
     assert e.bypass == 5.0 and load_of(e) == 6.0
 
 
+def test_the_pressure_opens_at_open_share_of_a_service_time_not_at_the_standard_budget() -> None:
+    """The level that opens admission (`open_share`) is its own: a standard budget below it refuses
+    only once the pressure opened (a lower budget, a shorter queue for the admitted, without opening
+    on a 78 % load's bursts), and a standing queue under the opening level never opens it."""
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=1.0) for i in range(2)))
+    probe = Picker(rng=random.Random(1))
+    pick = probe.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False), store.endpoints("chat"))
+    assert pick.predicted is not None
+    service = probe.budget("chat", "standard") / probe.policy.budget_standard  # type: ignore[operator]
+    standing = pick.predicted.wait_s / service  # the best start, in service times
+    assert 0.2 < standing < 5.0
+    for open_share, opens in ((0.8 * standing, True), (1.25 * standing, False)):
+        now = [0.0]
+        picker = Picker(PickerPolicy(budget_standard=0.1 * standing, open_share=open_share), rng=random.Random(1),
+                        clock=lambda now=now: now[0])  # type: ignore[misc]
+        refused = []
+        for t in range(int(100 * picker.policy.pressure_s)):  # 10 x pressure_s of the same queue
+            now[0] = t / 10
+            req = PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False)
+            refused.append(picker.pick(req, store.endpoints("chat")).refused_for_s is not None)
+        assert any(refused) is opens, (open_share, standing)
+
+
 def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() -> None:
     """With the saturation verdict not (yet) given, the picker refuses once the pool's best
-    predicted start stayed past the standard budget for most of `pressure_s`: a burst of a few
-    tenths of a second does not open it, a surge does within a second, and it holds while the
-    queue stands between the budgets (the equilibrium admission keeps), and while requests arrive
-    faster than the pool serves them even with the queue held at nothing; it closes once both end."""
+    predicted start stayed past the opening level (`open_share` of a service time, here the standard
+    budget's) for most of `pressure_s`: a burst of a few tenths of a second does not open it, a surge
+    does within a second, and it holds while the queue stands between the budgets (the equilibrium
+    admission keeps), and while requests arrive faster than the pool serves them even with the queue
+    held at nothing; it closes once both end."""
     now = [0.0]
-    picker = Picker(rng=random.Random(1), clock=lambda: now[0])
+    # a standard budget at the opening level (0.5 of a service time): one request waiting on each
+    # endpoint is within it
+    picker = Picker(PickerPolicy(budget_standard=0.5, open_share=0.5), rng=random.Random(1), clock=lambda: now[0])
     tau = picker.policy.pressure_s
     ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
 
