@@ -16,11 +16,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format, struct_pb2
 
 from confgen.envoy import PICKER_LATE_MODE, REQUEST_TIME_ATTRIBUTE, ROUTE_NAME_ATTRIBUTE
-from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.extproc import DESTINATION, PICKER_FILTER_NAME, ExtProcLimits, PickerServicer
 from sidecar.outputs.picker.lateness import SANE_S, Lateness, parse_request_time
 from sidecar.outputs.picker.metrics import PickerMetrics
-from sidecar.outputs.picker.scheduling import Picker
+from sidecar.outputs.picker.scheduling import Picker, PickerPolicy
 
 T0 = 1_796_474_520.0  # 2026-12-05 12:42:00 UTC
 
@@ -194,3 +194,28 @@ def test_past_max_peers_connections_every_floor_starts_over(monkeypatch: pytest.
         asyncio.run(_stream(svc, wall, [(T0 + n + 0.001, _headers(T0 + n)), (T0 + n + 0.002, _BODY)],
                             f"ipv4:10.0.0.9:{4000 + n}"))
     assert set(svc.lateness) == {"ipv4:10.0.0.9:4003"}
+
+
+def test_requests_answered_late_still_count_toward_a_spike() -> None:
+    """A rush makes the picker late, and a request answered late gets no pick; it still arrived, so it
+    counts in its pool's spike window: the next request on time finds the rush seen and admission open
+    (refused, its queue past the budget) where, without those late ones, it is placed."""
+    facts = tuple(EndpointFacts(a, serving=True, capacity=2, running=2.0, waiting=6.0, token_latency_s=0.02)
+                  for a in ADDRESSES)
+    policy = PickerPolicy(spike_ratio=2.0, spike_s=0.5, spike_min=4, pressure_s=0.0, hold=0)
+    for late_ones, refused in ((0, False), (3, True)):
+        wall = _Wall()
+        store = Datastore()
+        # the route Envoy matched names the pool (as every rendered route does): a late request's body is unread
+        store.update([PoolFacts("chat", ("m",), facts)], classes=Classes(named={"chat-route": ("standard", "chat")}))
+        svc = PickerServicer(store, Picker(policy, clock=lambda: 0.0), PickerMetrics(None),
+                             limits=ExtProcLimits(late_s=0.02), wall=wall)
+        # the floor of ages first (on time, picked), then the late ones: one answer each, no pick
+        asyncio.run(_stream(svc, wall, [(T0 + 0.001, _headers(T0)), (T0 + 0.002, _BODY)]))
+        for i in range(late_ones):
+            answers = asyncio.run(_stream(svc, wall, [(T0 + 1.051 + i, _headers(T0 + 1 + i))]))
+            assert len(answers) == 1 and _picked(answers[0]) is None
+        answers = asyncio.run(_stream(svc, wall, [(T0 + 9.001, _headers(T0 + 9)), (T0 + 9.002, _BODY)]))
+        got = answers[-1]
+        assert (got.WhichOneof("response") == "immediate_response" and got.immediate_response.status.code == 429) \
+            is refused, (late_ones, got)

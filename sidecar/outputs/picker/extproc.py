@@ -334,6 +334,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self._behind(st):
             self.metrics.unpicked.labels(reason="behind").inc()  # no parse, no score: the proxy decides now
             self.late += 1
+            self._arrived_late(st)
             return None, None
         started = self._clock()
         limits = self.limits
@@ -424,9 +425,19 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
         stream ends with this answer, so shedding costs one message, not a body and a response)."""
         st.skip = "behind"
+        self._arrived_late(st)
         out = self._picked(st, "headers")
         out.mode_override.CopyFrom(_LATE_MODE)
         return [out]
+
+    def _arrived_late(self, st: _Stream) -> None:
+        """A request answered without a pick for being late still arrived: into its pool's spike window
+        (the pool its route names, else the proxy's or the only one; nothing read from its body)."""
+        named, pool = self.store.pool_of_route(st.route)
+        if not named:
+            pool = st.pool or self.store.pool_for(None)
+        if pool is not None:
+            self.picker.arrived(pool)
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
         """The stream's request no longer in flight; idempotent. `finished`: its response ended

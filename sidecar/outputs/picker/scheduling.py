@@ -655,6 +655,17 @@ class Picker:
         self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
         return rushing and wait_s > (self._budget(pool, "standard", service_s) or 0.0)
 
+    def arrived(self, pool: str) -> None:
+        """A request of the pool answered without a pick (it reached the picker late): counted in the
+        pool's spike window all the same, so that a rush which makes the picker late is still seen as
+        one (measured: 12 workers at 3x, the picker 10-61 requests late, the rush not seen, requests
+        held in the lobby through the spike, its 5th second shed 2-97 % over seeds)."""
+        if self.policy.spike_ratio > 0 and self.policy.spike_s > 0:
+            spike = self._spikes.get(pool)
+            if spike is None:
+                spike = self._spikes[pool] = Spike()
+            spike.observe(self._clock(), self.policy.spike_s)
+
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
         last look; the daemon's saturation verdict is the caller's."""
