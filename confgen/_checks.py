@@ -504,7 +504,7 @@ def _admission(topo: Topology) -> Iterator[Finding]:
     nothing, and a sheddable budget above the standard one would refuse standard traffic first."""
     for pi, pool in enumerate(topo.pools):
         adm = pool.admission
-        given = [name for name in ("standard", "sheddable", "min_wait") if getattr(adm, name) is not None]
+        given = adm.given()
         if not given:
             continue
         if not uses_picker(topo, pool):

@@ -287,6 +287,10 @@ class Admission:
         "time is no wait at all. Unset: the sidecar's `--picker budget_floor_s` (0s).",
     )
 
+    def given(self) -> list[str]:
+        """The fields the topology sets (empty: the sidecar's budgets for this pool)."""
+        return [name for name in ("standard", "sheddable", "min_wait") if getattr(self, name) is not None]
+
 
 @dataclass(frozen=True)
 class Pool:

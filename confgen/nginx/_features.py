@@ -50,8 +50,7 @@ def unsupported(topo: Topology) -> list[Finding]:
             found.append((f"{base}.balancing.policy", (
                 "prefix_affinity is Envoy-only (confgen-sidecar's endpoint picker over ext_proc): nginx "
                 "balances this pool as least_request, with no prefix-cache affinity")))
-        adm = pool.admission
-        if adm.standard is not None or adm.sheddable is not None or adm.min_wait is not None:
+        if pool.admission.given():
             found.append((f"{base}.admission", (
                 "admission per request is the endpoint picker's, Envoy-only: nginx pools are shed by the "
                 "sidecar's in-flight limiter alone (backpressure)")))

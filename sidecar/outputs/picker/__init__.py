@@ -102,7 +102,7 @@ def admission_budgets(topo: Topology, policy: PickerPolicy) -> dict[str, WaitBud
     out = {}
     for pool in topo.pools:
         adm = pool.admission
-        if not uses_picker(topo, pool) or (adm.standard is None and adm.sheddable is None and adm.min_wait is None):
+        if not uses_picker(topo, pool) or not adm.given():
             continue
         out[pool.name] = WaitBudgets(
             policy.budget_standard if adm.standard is None else adm.standard,

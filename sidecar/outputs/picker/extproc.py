@@ -340,9 +340,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         limits = self.limits
         prompt = parse_body(body, max_chars=limits.block_chars * limits.max_blocks,
                             max_items=limits.max_items) if body else None
-        named, pool = self.store.pool_of_route(st.route)
-        if not named:
-            pool = st.pool or self.store.pool_for(prompt.model if prompt else None)
+        pool = self._pool_of(st, prompt.model if prompt else None)
         if pool is None and st.subset:
             pool = self.store.pool_holding(st.subset)
         if pool is None:  # another policy's pool, or a model no pool serves
@@ -430,12 +428,18 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         out.mode_override.CopyFrom(_LATE_MODE)
         return [out]
 
-    def _arrived_late(self, st: _Stream) -> None:
-        """A request answered without a pick for being late still arrived: into its pool's spike window
-        (the pool its route names, else the proxy's or the only one; nothing read from its body)."""
+    def _pool_of(self, st: _Stream, model: str | None) -> str | None:
+        """The picker's pool of the request: the one its matched route names (None: another policy's),
+        else the proxy's, else the one its model routes to (None: not the picker's)."""
         named, pool = self.store.pool_of_route(st.route)
         if not named:
-            pool = st.pool or self.store.pool_for(None)
+            pool = st.pool or self.store.pool_for(model)
+        return pool
+
+    def _arrived_late(self, st: _Stream) -> None:
+        """A request answered without a pick for being late still arrived: into its pool's spike window
+        (its body unread, so no model: the pool its route names, the proxy's, or the only one)."""
+        pool = self._pool_of(st, None)
         if pool is not None:
             self.picker.arrived(pool)
 

@@ -647,24 +647,28 @@ class Picker:
         predicted start is past the standard budget (`Spike`).
         Each of the pickers sharing the pool (`pickers`) sees its share of the arrivals."""
         policy = self.policy
-        if policy.spike_ratio <= 0 or policy.spike_s <= 0:
+        seen = self._arrival(pool)
+        if seen is None:
             return False
+        arrivals = seen * max(1, self._pickers())
+        self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
+        return rushing and wait_s > (self._budget(pool, "standard", service_s) or 0.0)
+
+    def _arrival(self, pool: str) -> int | None:
+        """An arrival into the pool's spike window; the arrivals in it (None: no spike rule)."""
+        policy = self.policy
+        if policy.spike_ratio <= 0 or policy.spike_s <= 0:
+            return None
         spike = self._spikes.get(pool)
         if spike is None:
             spike = self._spikes[pool] = Spike()
-        arrivals = spike.observe(self._clock(), policy.spike_s) * max(1, self._pickers())
-        self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
-        return rushing and wait_s > (self._budget(pool, "standard", service_s) or 0.0)
+        return spike.observe(self._clock(), policy.spike_s)
 
     def arrived(self, pool: str) -> None:
         """A request of the pool answered without a pick (it reached the picker late): counted in the
         pool's spike window all the same, so that a rush which makes the picker late is still counted as
         one (12 workers at 3x on the bench's 2 cores: the picker 10-61 requests late)."""
-        if self.policy.spike_ratio > 0 and self.policy.spike_s > 0:
-            spike = self._spikes.get(pool)
-            if spike is None:
-                spike = self._spikes[pool] = Spike()
-            spike.observe(self._clock(), self.policy.spike_s)
+        self._arrival(pool)
 
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
