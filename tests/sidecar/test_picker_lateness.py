@@ -219,3 +219,57 @@ def test_requests_answered_late_still_count_toward_a_spike() -> None:
         got = answers[-1]
         assert (got.WhichOneof("response") == "immediate_response" and got.immediate_response.status.code == 429) \
             is refused, (late_ones, got)
+
+
+def _headers_on(route: str, sent_at: float) -> pb.ProcessingRequest:
+    """Headers of a request Envoy matched to `route`, sent at `sent_at`."""
+    msg = _headers(sent_at)
+    msg.attributes[PICKER_FILTER_NAME].update({ROUTE_NAME_ATTRIBUTE: route})
+    return msg
+
+
+def _refused(answer: pb.ProcessingResponse) -> bool:
+    return answer.WhichOneof("response") == "immediate_response" and answer.immediate_response.status.code == 429
+
+
+def test_a_late_request_is_refused_while_admission_refuses_its_pool() -> None:
+    """While admission is on and refuses, a request that reaches the picker late (answered without a
+    pick, its body unread) is not let through to the proxy's fallback unadmitted: it shares the fate the
+    pool's last prediction gives its class. Critical traffic still passes; so does a request whose class
+    cannot be told without its body, and any once the predicted queue has drained."""
+    facts = tuple(EndpointFacts(a, serving=True, capacity=2, running=2.0, waiting=6.0, token_latency_s=0.02)
+                  for a in ADDRESSES)
+    now = [0.0]
+    wall = _Wall()
+    store = Datastore()
+    named = {"chat-route": ("standard", "chat"), "vip-route": ("critical", "chat")}
+    store.update([PoolFacts("chat", ("m",), facts)], classes=Classes(named=named))
+    svc = PickerServicer(store, Picker(PickerPolicy(admission_gate=0, hold=0), clock=lambda: now[0]),
+                         PickerMetrics(None), limits=ExtProcLimits(late_s=0.02), wall=wall)
+    # on time (the floor of ages): its predicted start is past the budget, refused
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 0.001, _headers_on("chat-route", T0)), (T0 + 0.002, _BODY)]))
+    assert _refused(answers[-1])
+    # headers 50 ms late: refused on them, one answer, nothing more sent here
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 1.051, _headers_on("chat-route", T0 + 1))]))
+    assert len(answers) == 1 and _refused(answers[0]) and not answers[0].HasField("mode_override")
+    # headers on time, the body 40 ms late: refused on the body
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 2.002, _headers_on("chat-route", T0 + 2)),
+                                              (T0 + 2.041, _BODY)]))
+    assert _refused(answers[-1])
+    # a critical route's late request is never refused: no pick, the proxy places it
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 3.051, _headers_on("vip-route", T0 + 3))]))
+    assert len(answers) == 1 and not _refused(answers[0]) and answers[0].HasField("mode_override")
+    refused = svc.metrics.refusals()
+    assert refused == {("chat", "standard"): 3}, refused
+    # the queue predicted at the last look has drained by now (nothing predicted since): placed by the proxy
+    now[0] = 100.0
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 4.051, _headers_on("chat-route", T0 + 4))]))
+    assert not _refused(answers[0]) and _picked(answers[0]) is None
+    # a route the picker does not know, whose class the model decides (the body unread): placed by the proxy
+    now[0] = 0.0
+    store.update([PoolFacts("chat", ("m",), facts)],
+                 classes=Classes(routes={"m": "standard", "other": "sheddable"}))
+    asyncio.run(_stream(svc, wall, [(T0 + 5.001, _headers_on("chat-route", T0 + 5)), (T0 + 5.002, _BODY)]))
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 6.051, _headers_on("chat-route", T0 + 6))]))
+    assert not _refused(answers[0]) and _picked(answers[0]) is None
+    assert svc.late == 5 and sum(e.in_flight for e in store.endpoints("chat")) == 0 and svc.open_streams() == 0

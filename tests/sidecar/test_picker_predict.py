@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.observe.engines import extract
-from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.predict import CostPolicy, Estimate, Learner, Workload, pool_estimates, predict
 from sidecar.outputs.picker.prompt import block_hashes, parse_body
 from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, WaitBudgets, rendezvous
@@ -348,6 +348,15 @@ pools:
     standard = next(n for n, rc in named.items() if rc.pool == "chat" and rc.traffic_class == "standard")
     assert found.of(None, "m", "chat", standard) == "standard"
     assert found.of(None, "m", "chat", "no-such-route") == "critical"  # blind fallback
+    # without the body (a request answered late): the route's name decides, else the blind rule; a
+    # class the model could change is not guessed
+    assert found.without_body(None, "chat", "bulk") == "sheddable"
+    assert found.without_body(None, "chat", standard) == "standard"
+    assert found.without_body(None, "chat", "no-such-route") == "critical"
+    assert found.without_body(None, "other", None) == "standard"  # every model route alike: standard
+    split = Classes(routes={"m": "standard", "o": "sheddable"}, clients={"vip": "critical", "batch": "sheddable"})
+    assert split.without_body(None, "chat", None) is None and split.without_body("batch", "chat", None) is None
+    assert split.without_body("vip", "chat", None) == "critical"
     store = Datastore()
     store.update([], {}, found)
     other = next(n for n, rc in named.items() if rc.pool == "other")

@@ -52,6 +52,17 @@ class Classes:
             return "critical"
         return "sheddable" if "sheddable" in (route, own) else "standard"
 
+    def without_body(self, client: str | None, pool: str | None, route_name: str | None) -> str | None:
+        """The class of a request whose body (its model) is unread: None where the model could change it
+        (no named route, and the topology's model routes differ in class)."""
+        if (route_name is not None and route_name in self.named) or (pool is not None and pool in self.blind):
+            return self.of(client, None, pool, route_name)
+        if client is not None and self.clients.get(client) == "critical":
+            return "critical"
+        if len({*self.routes.values(), self.routes.get(None, "standard")}) == 1:
+            return self.of(client, None, pool, route_name)
+        return None
+
 
 class BlockLRU:
     """The block hashes last sent to one endpoint, least recently used evicted first.

@@ -327,15 +327,14 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             raise ProtocolError("second_decision", "the request was decided already")
         st.phase = Phase.DECIDED
         body, st.body = bytes(st.body), bytearray()
-        if st.skip is not None:
-            self.metrics.unpicked.labels(reason=st.skip).inc()
-            self.late += st.skip == "behind"
-            return None, None
-        if self._behind(st):
-            self.metrics.unpicked.labels(reason="behind").inc()  # no parse, no score: the proxy decides now
+        if st.skip is not None or self._behind(st):
+            skip = st.skip or "behind"  # behind: no parse, no score, the proxy decides now
+            self.metrics.unpicked.labels(reason=skip).inc()
+            if skip != "behind":
+                return None, None
             self.late += 1
-            self._arrived_late(st)
-            return None, None
+            refusal = self._arrived_late(st)
+            return (None, None) if refusal is None else refusal
         started = self._clock()
         limits = self.limits
         prompt = parse_body(body, max_chars=limits.block_chars * limits.max_blocks,
@@ -381,7 +380,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.lobby.depth(pool) and self.picker.admitting(pool):
             self.lobby.open(pool)  # admission opened on this pick: whoever waits is decided now
         if pick.refused_for_s is not None:
-            return self._refuse(st, req, pick.refused_for_s)
+            return self._refuse(st, req.pool, req.traffic_class, pick.refused_for_s)
         if not pick.endpoints:
             if st.subset is not None:
                 self.metrics.picks.labels(pool=pool, reason="unavailable").inc()
@@ -413,9 +412,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return (st.sent_at is not None and st.lateness is not None
                 and st.lateness.since(st.sent_at, self._wall()) > self.limits.late_s)
 
-    def _refuse(self, st: _Stream, req: PickRequest, past_budget_s: float) -> pb.ProcessingResponse:
+    def _refuse(self, st: _Stream, pool: str, traffic_class: str, past_budget_s: float) -> pb.ProcessingResponse:
         """Admission's 429, counted by pool and class; the proxy answers it and ends the stream."""
-        self.metrics.refused.labels(pool=req.pool, **{"class": req.traffic_class}).inc()
+        self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
         st.phase = Phase.CLOSED
         return _overloaded(past_budget_s)
 
@@ -423,9 +422,9 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
         stream ends with this answer, so shedding costs one message, not a body and a response)."""
         st.skip = "behind"
-        self._arrived_late(st)
         out = self._picked(st, "headers")
-        out.mode_override.CopyFrom(_LATE_MODE)
+        if not out.HasField("immediate_response"):
+            out.mode_override.CopyFrom(_LATE_MODE)
         return [out]
 
     def _pool_of(self, st: _Stream, model: str | None) -> str | None:
@@ -436,12 +435,20 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             pool = st.pool or self.store.pool_for(model)
         return pool
 
-    def _arrived_late(self, st: _Stream) -> None:
+    def _arrived_late(self, st: _Stream) -> pb.ProcessingResponse | None:
         """A request answered without a pick for being late still arrived: into its pool's spike window
-        (its body unread, so no model: the pool its route names, the proxy's, or the only one)."""
+        (its body unread, so no model: the pool its route names, the proxy's, or the only one). While
+        admission is on there it is refused as the pool's last prediction says (`Picker.refusal_unread`),
+        where its class is known without its body; else (None) the proxy places it, unadmitted."""
         pool = self._pool_of(st, None)
-        if pool is not None:
-            self.picker.arrived(pool)
+        if pool is None:
+            return None
+        self.picker.arrived(pool)
+        traffic_class = self.store.classes.without_body(st.client, pool, st.route)
+        if traffic_class is None:
+            return None
+        past_s = self.picker.refusal_unread(pool, traffic_class, self.store.saturated(pool))
+        return None if past_s is None else self._refuse(st, pool, traffic_class, past_s)
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
         """The stream's request no longer in flight; idempotent. `finished`: its response ended
@@ -488,7 +495,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if budget is not None and waited > budget:
             # its wait alone is past its budget: refused without a pick (admission opening wakes every
             # waiter at once; a pick for each, on a deep lobby, would stall the loop for the others)
-            yield self._refuse(st, req, waited - budget)
+            yield self._refuse(st, req.pool, req.traffic_class, waited - budget)
             return
         started = self._clock()
         yield self._answer_for(st, "body", self.place(st, req, self.store.endpoints(req.pool), started))

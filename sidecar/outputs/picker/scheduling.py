@@ -458,6 +458,7 @@ class Picker:
         self._gate: dict[str, bool] = {}  # per pool: its pressure or a spike opened admission at the last look
         self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
         self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
+        self._standing: dict[str, tuple[float, float]] = {}  # per pool: (when, the best predicted start) last seen
         # per pool: the topology's admission budgets where it sets any (the policy's for the others)
         self.pool_budgets: Mapping[str, WaitBudgets] = {}
         self._budgets = self.policy.budgets
@@ -589,6 +590,7 @@ class Picker:
     def _observe(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
         """One arrival whose best predicted start is `wait_s` away: into the pool's pressure and spike
         window. True when either opens admission (remembered for the requests the lobby places)."""
+        self._standing[pool] = (self._clock(), wait_s)
         pressed = self._pressed(pool, wait_s, service_s, serves)
         spiking = self._spiking(pool, wait_s, service_s, serves)
         self._gate[pool] = opened = pressed or spiking
@@ -669,6 +671,19 @@ class Picker:
         pool's spike window all the same, so that a rush which makes the picker late is still counted as
         one (12 workers at 3x on the bench's 2 cores: the picker 10-61 requests late)."""
         self._arrival(pool)
+
+    def refusal_unread(self, pool: str, traffic_class: str, saturated: bool) -> float | None:
+        """A request of the pool answered without a pick (it reached the picker late, its body unread)
+        while admission is on there (`saturated`: the daemon's verdict): how far past its class's budget
+        the pool's last predicted start, drained one second per second since, puts it; None: within it
+        (or admission off, or nothing predicted yet), the proxy places it."""
+        standing = self._standing.get(pool)
+        budget = self.budget(pool, traffic_class)
+        if standing is None or budget is None or not (saturated or self.admitting(pool)):
+            return None
+        at, wait_s = standing
+        wait_s -= max(0.0, self._clock() - at)
+        return wait_s - budget if wait_s > budget else None
 
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
