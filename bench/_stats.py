@@ -105,6 +105,14 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _work_share(part: list[dict[str, Any]], whole: list[dict[str, Any]]) -> float | None:
+    """The share of `whole`'s work (each record's "work") that `part` holds; None where any has none."""
+    if not whole or any(r.get("work") is None for r in whole):
+        return None
+    total = sum(r["work"] for r in whole)
+    return sum(r["work"] for r in part) / total if total > 0 else None
+
+
 def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str, Any]:
     """Figures over the requests scheduled at or after `warmup_s` (the ones before only warm
     the routers up; every router gets the same ones); "samples" keeps the measured requests'
@@ -125,6 +133,9 @@ def summarize(records: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str,
         "errors": len(measured) - len(good),  # every failed request, 429s included
         "other_errors": len(measured) - len(good) - n_shed,  # failures that are not 429
         "shed_share": n_shed / len(measured) if measured else None,
+        # weighted by what each request costs the fleet (`work`, where the workload gives it): a rule that
+        # refuses the longer requests first sheds less than the excess by count and about it by work
+        "shed_work_share": _work_share([r for r in measured if shed(r)], measured),
         "error_kinds": dict(errors.most_common(5)),
         **percentiles(measured_samples),
         "send_lag_p99_ms": pct(lag, 99),

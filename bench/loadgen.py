@@ -41,7 +41,7 @@ _TARGETS_WAIT_S = 300.0
 def _record(req: dict[str, Any], url: str) -> dict[str, Any]:
     out = req.get("out", req["body"].get("max_tokens"))
     return {"i": req["i"], "target": url, "sched": float(req["t"]), "start": None, "ttft": None, "end": None,
-            "status": 0, "worker": None, "error": None, "out": out, "chunks": 0}
+            "status": 0, "worker": None, "error": None, "out": out, "chunks": 0, "work": req.get("work")}
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: dict[str, Any], rec: dict[str, Any], t0: float,

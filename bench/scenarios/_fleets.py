@@ -102,6 +102,18 @@ class FleetPlan:
         share = self.capacity_rps() * self.load / len(per)
         return max(share / c for c in per)
 
+    def work_s(self, out: int, prompt: int) -> float:
+        """What one request of `out` tokens and a `prompt`-token prompt costs the fleet, in seconds of a
+        worker at full batches (the capacity model's two terms, averaged over the workers weighted by
+        their share of the capacity): the unit a shed share of the work is counted in."""
+        wl = self.workload(1.0, 1, 0)
+        caps = self.worker_rps(wl.output_mean(), wl.prompt_mean())
+        total = 0.0
+        for s, b, c in zip(self.effective_speeds(), self.max_num_seqs, caps, strict=True):
+            step_s = self.decode_ms * (1 + self.decode_growth * (b - 1)) / 1000 / s
+            total += c * (out * step_s / b + self.prefill_ms_per_1k * prompt / 1000 / 1000 / s)
+        return total / sum(caps)
+
     def capacity_rps(self) -> float:
         wl = self.workload(1.0, 1, 0)
         return sum(self.worker_rps(wl.output_mean(), wl.prompt_mean()))

@@ -144,7 +144,8 @@ def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: 
         body = {"model": "sim-model", "prompt": f"[request {i}] " + wl.text(rng, prompt),
                 "max_tokens": rng.randint(olo, ohi), "stream": True}
         headers = _tier(tier.random(), critical_share, sheddable_share)
-        out.append({"i": i, "t": round(t, 6), "body": body, "headers": headers, "session": None})
+        out.append({"i": i, "t": round(t, 6), "body": body, "headers": headers, "session": None,
+                    "work": plan.work_s(body["max_tokens"], prompt)})
     return out
 
 
@@ -380,8 +381,8 @@ def run(ctx: Context) -> Result:
     res.targets.append(Target("[overload] product sheds nothing at 78 % (this fleet, every seed)", "0",
                               str(sum(r["shed"] for r in own)), float(sum(r["shed"] for r in own)),
                               sum(r["shed"] for r in own) == 0 and not any(r.get("failed") for r in own), 0.0))
-    head = ["setup", "shed share", "admitted P50 ms", "admitted P99 ms", "P99 / router best", "TTFT P99 ms",
-            "TPOT P99 ms", "other errors"]
+    head = ["setup", "shed share", "of the work", "admitted P50 ms", "admitted P99 ms", "P99 / router best",
+            "TTFT P99 ms", "TPOT P99 ms", "other errors"]
     raw: dict[str, Any] = {"capacity_rps": cap, "own_78": own, "surges": {}}
     for surge in surges:
         rows = runs[surge.key]
@@ -393,6 +394,7 @@ def run(ctx: Context) -> Result:
         for rs in rows.values():
             ratios = [ratio(r["p99_ms"], b) for r, b in zip(rs, best_p99, strict=True)]
             table.append([rs[0]["label"], _span([r["shed_share"] for r in rs], 100, 1) + " %",
+                          _span([r.get("shed_work_share") for r in rs], 100, 1) + " %",
                           _span([r["p50_ms"] for r in rs]), _span([r["p99_ms"] for r in rs]),
                           _span(ratios, digits=2), _span([r["ttft_p99_ms"] for r in rs]),
                           _span([r.get("tpot_p99_ms") for r in rs], digits=1),

@@ -173,3 +173,26 @@ def test_ratios_are_the_median_of_per_seed_ratios() -> None:
     assert prefix.seed_ratios(data, "product", None, "p99_ms") is None
     failed = {**data["per_seed"], "vr_failed": [{"seed": 1, "p99_ms": None}, {"seed": 2, "p99_ms": 150.0}]}
     assert _stats.seed_ratios(failed, "product", "vr_failed") == pytest.approx((2.0, 2.0, 2.0))  # seed 1 left out
+
+
+def test_the_shed_share_of_the_work_weighs_each_request_by_its_cost() -> None:
+    """Two short requests served and one long one refused: a third of the requests, four fifths of the
+    work; without a cost per request, no work share."""
+    recs = [_rec(0, 1.0), _rec(1, 1.0), _rec(2, 0.0, status=429)]
+    assert _stats.summarize(recs)["shed_work_share"] is None
+    for rec, work in zip(recs, (0.5, 0.5, 4.0), strict=True):
+        rec["work"] = work
+    s = _stats.summarize(recs)
+    assert s["shed_share"] == pytest.approx(1 / 3) and s["shed_work_share"] == pytest.approx(0.8)
+
+
+def test_a_fleets_work_unit_is_its_capacity_models_cost() -> None:
+    """The fleet completes its capacity in requests of the mean shape per second: a second of offered
+    requests of that shape is, in work, the fleet's size in workers (each worker one second)."""
+    from bench.scenarios.overload import FLEETS
+
+    for plan in FLEETS:
+        wl = plan.workload(1.0, 1, 0)
+        one = plan.work_s(round(wl.output_mean()), round(wl.prompt_mean()))
+        assert one * plan.capacity_rps() == pytest.approx(len(plan.speeds), rel=0.05), plan.key
+        assert plan.work_s(40, 64) > plan.work_s(8, 64) and plan.work_s(8, 1024) > plan.work_s(8, 64)
