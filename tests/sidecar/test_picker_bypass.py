@@ -21,6 +21,7 @@ from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcSettings, Servicers
 from sidecar.outputs.picker import PickerPolicy, PickerService
 from sidecar.outputs.picker.bypass import Bypass, BypassPolicy
+from sidecar.outputs.picker.datastore import EndpointFacts, PoolFacts
 from sidecar.outputs.xds.cache import RTDS
 from sidecar.outputs.xds.publisher import AdsPublisher
 
@@ -46,6 +47,17 @@ def test_the_share_rises_by_what_was_late_and_falls_while_the_picker_keeps_up() 
     assert bypass.step(1000, 300) == 0
     assert bypass.step(1000, 0) == 0
     assert bypass.step(1000, 300) == 0
+
+
+def test_the_share_does_not_rise_while_admission_is_on() -> None:
+    """Sent past the picker is sent past its admission: while a pool admits, late requests do not raise
+    the share (the late rule answers them, refusing under admission); it still falls, and rises again once
+    admission is off."""
+    bypass = Bypass()
+    assert [bypass.step(1000, 400, admitting=True) for _ in range(3)] == [0, 0, 0]
+    assert bypass.step(1000, 400) == 40  # admission off, late for the third interval in a row: sustained
+    assert bypass.step(1000, 400, admitting=True) == 40  # held, not raised
+    assert bypass.step(1000, 0, admitting=True) == 35  # falls as ever
 
 
 def test_an_interval_with_too_few_requests_says_nothing_and_the_share_has_a_ceiling() -> None:
@@ -80,7 +92,8 @@ class _Writer:
         return not self.refuse
 
 
-async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry) -> PickerService:
+async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry,
+                   policy: PickerPolicy | None = None) -> PickerService:
     topo, _ = load_topology(EXAMPLE)
     config = SidecarConfig(topology=EXAMPLE, xds_dir=tmp_path)
     runtime = EnvoyRuntime()
@@ -88,7 +101,7 @@ async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry)
     admin = EnvoyAdmin("http://127.0.0.1:9", timeout_s=0.1)  # not used: the writer stands for it
     loop = asyncio.get_running_loop()
     return PickerService(Wiring(config, topo, lambda: topo, admin, registry, loop.time, Servicers(),
-                                runtime=runtime))
+                                runtime=runtime), policy)
 
 
 def test_the_picker_writes_0_first_then_the_share_when_it_moves_and_retries_a_refused_write(tmp_path: Path) -> None:
@@ -116,6 +129,27 @@ def test_the_picker_writes_0_first_then_the_share_when_it_moves_and_retries_a_re
         assert await service.bypass_tick() == 45
         assert writer.writes[-1] == {PICKER_BYPASS_RUNTIME_KEY: 45}
         assert registry.get_sample_value("confgen_picker_bypass_percent") == 45
+
+    asyncio.run(run())
+
+
+def test_the_service_holds_the_share_while_a_pool_admits(tmp_path: Path) -> None:
+    """The service asks its picker whether any pool admits (here always: `admission_gate=0`, every request
+    admission-checked) and holds the share then; with no pool known it rises as before."""
+    async def run() -> None:
+        writer = _Writer()
+        service = await _service(tmp_path, writer, CollectorRegistry(), PickerPolicy(admission_gate=0))
+        servicer = service.servicer
+        assert await service.bypass_tick() == 0
+        service.store.update([PoolFacts("chat", ("m",), (EndpointFacts("10.0.0.1:8000", serving=True),))])
+        for _ in range(3):
+            servicer.seen += 1000
+            servicer.late += 500
+            assert await service.bypass_tick() == 0
+        service.store.update([])
+        servicer.seen += 1000
+        servicer.late += 500
+        assert await service.bypass_tick() == 50
 
     asyncio.run(run())
 
