@@ -21,7 +21,9 @@ from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import GrpcSettings, Servicers
 from sidecar.outputs.picker import PickerPolicy, PickerService
 from sidecar.outputs.picker.bypass import Bypass, BypassPolicy
-from sidecar.outputs.picker.datastore import EndpointFacts, PoolFacts
+from sidecar.outputs.picker.datastore import Datastore, EndpointFacts, PoolFacts
+from sidecar.outputs.picker.prompt import parse_body
+from sidecar.outputs.picker.scheduling import Picker, PickRequest
 from sidecar.outputs.xds.cache import RTDS
 from sidecar.outputs.xds.publisher import AdsPublisher
 
@@ -54,10 +56,10 @@ def test_the_share_does_not_rise_while_admission_is_on() -> None:
     the share (the late rule answers them, refusing under admission); it still falls, and rises again once
     admission is off."""
     bypass = Bypass()
-    assert [bypass.step(1000, 400, admitting=True) for _ in range(3)] == [0, 0, 0]
+    assert [bypass.step(1000, 400, surging=True) for _ in range(3)] == [0, 0, 0]
     assert bypass.step(1000, 400) == 40  # admission off, late for the third interval in a row: sustained
-    assert bypass.step(1000, 400, admitting=True) == 40  # held, not raised
-    assert bypass.step(1000, 0, admitting=True) == 35  # falls as ever
+    assert bypass.step(1000, 400, surging=True) == 40  # held, not raised
+    assert bypass.step(1000, 0, surging=True) == 35  # falls as ever
 
 
 def test_an_interval_with_too_few_requests_says_nothing_and_the_share_has_a_ceiling() -> None:
@@ -171,3 +173,27 @@ def test_ads_serves_the_limiters_values_and_the_pickers_in_one_runtime_layer() -
     assert publisher.set_runtime({"confgen.limit.chat": 6})
     assert _layer(publisher) == {"confgen.limit.chat": 6, PICKER_BYPASS_RUNTIME_KEY: 30}
     assert not publisher.set_runtime({"confgen.limit.chat": 6})  # unchanged: nothing new to serve
+
+
+def test_a_pool_surges_when_offered_its_capacity_before_admission_opens() -> None:
+    """What holds the share besides admission: requests arriving as fast as the pool serves them (the
+    first instants of a surge, before admission opens). Idle endpoints, so no request waits and the gate
+    stays shut; one request every 10 s is no surge, fifty at once are."""
+    now = [0.0]
+    store = Datastore()
+    store.update([PoolFacts("chat", ("m",), tuple(
+        EndpointFacts(f"10.0.0.{i}:8000", serving=True, capacity=8, token_latency_s=0.02) for i in (1, 2)))])
+    picker = Picker(clock=lambda: now[0])
+    prompt = parse_body(b'{"model": "m", "prompt": "hello", "max_tokens": 64}')
+
+    def arrive() -> None:
+        pick = picker.pick(PickRequest("chat", prompt, [], saturated=False), store.endpoints("chat"))
+        assert pick.endpoints and pick.refused_for_s is None
+
+    for _ in range(3):
+        now[0] += 10.0
+        arrive()
+    assert not picker.surging("chat") and not picker.admitting("chat")
+    for _ in range(50):
+        arrive()
+    assert picker.surging("chat") and not picker.admitting("chat")

@@ -206,8 +206,8 @@ class PickerService:
         seen, waited, late = self._counted
         queued = max(servicer.waited - waited, servicer.late - late)  # queued before the picker, or answered late
         store, picker = self.store, self.picker
-        admitting = any(picker.admitting(pool) or store.saturated(pool) for pool in store.pools())
-        percent = self._bypass.step(servicer.seen - seen, queued, admitting)
+        surging = any(picker.surging(pool) or store.saturated(pool) for pool in store.pools())
+        percent = self._bypass.step(servicer.seen - seen, queued, surging)
         self._counted = (servicer.seen, servicer.waited, servicer.late)
         held = self._bypass_held
         if percent != held and await self._runtime.set({PICKER_BYPASS_RUNTIME_KEY: percent}):

@@ -26,13 +26,14 @@ is what is shed, not what is admitted):
   cheap there): it holds (too little evidence to move).
 
 It never passes `max_percent`: the picker keeps seeing some requests, so it learns when it keeps up
-again (and its prefix index keeps learning where conversations live). And it does not rise while
-admission is on in any of the picker's pools: a request sent past the picker is sent past its
-admission too, into the engines' queues, and a surge is when the picker's queue (tens of ms, its late
-answers refused by admission as well) costs least against the seconds an unadmitted backlog costs
-(measured: 12 workers at a 3x spike on the 2-core bench machine, the share rose as the lobby's
-waiters were decided at once, 794 requests went past the picker, the daemon's limiter and the picker
-then refused every request of the spike's last second). Pure: the caller feeds it
+again (and its prefix index keeps learning where conversations live). And it does not rise while any
+of the picker's pools surges (admission on, or requests arriving as fast as the pool serves them:
+`Picker.surging`): a request sent past the picker is sent past its admission too, into the engines'
+queues, and a surge is when the picker's queue (tens of ms, its late answers refused by admission as
+well) costs least against the seconds an unadmitted backlog costs (measured: 12 workers at a 3x spike
+on the 2-core bench machine, the share rose in the spike's first second, 429-962 requests went past
+the picker, and the spike's last second was shed 20-52 % with admitted P99 5.1-5.4 s, or refused whole
+by the daemon's limiter and the picker). Pure: the caller feeds it
 each interval's counts and publishes the share (the sidecar's runtime writer).
 """
 
@@ -66,16 +67,17 @@ class Bypass:
         self.percent = 0
         self._over = 0  # intervals in a row with a late share above `on`
 
-    def step(self, seen: int, late: int, admitting: bool = False) -> int:
+    def step(self, seen: int, late: int, surging: bool = False) -> int:
         """The share for the next interval, from the last one's `seen` requests (those that reached the
-        picker), `late` of them answered late; while `admitting` (admission on in a pool) it does not rise."""
+        picker), `late` of them answered late; while `surging` (a pool admits, or is offered its capacity)
+        it does not rise."""
         p = self.policy
         if seen < p.min_requests:
             return self.percent
         share = min(1.0, max(0.0, late / seen))
         self._over = self._over + 1 if share > p.on else 0
         if share > p.on:
-            if not admitting and (self.percent > 0 or self._over >= p.streak):  # admitting: past it is past admission
+            if not surging and (self.percent > 0 or self._over >= p.streak):  # surging: past it is past admission
                 kept = (100 - self.percent) * (1.0 - share)
                 wanted = max(100 - math.floor(kept), self.percent + p.min_step)
                 self.percent = min(p.max_percent, wanted)

@@ -713,6 +713,13 @@ class Picker:
         last look; the daemon's saturation verdict is the caller's."""
         return self._gate.get(pool, False) or not self.policy.admission_gate
 
+    def surging(self, pool: str) -> bool:
+        """Admission is on in the pool (`admitting`), or requests arrive at least as fast as it serves them
+        (over `pressure_s`, or at the spike rule's rate: a surge before admission opens), as of the last look."""
+        pressure = self._pressure.get(pool)
+        return (self.admitting(pool) or self._rushing.get(pool, False)
+                or (pressure is not None and pressure.offered >= 1.0))
+
     def pressure(self, pool: str) -> Pressure | None:
         """The pool's pressure as of its last predicted pick (None before one)."""
         return self._pressure.get(pool)
