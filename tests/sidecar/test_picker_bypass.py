@@ -94,8 +94,7 @@ class _Writer:
         return not self.refuse
 
 
-async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry,
-                   policy: PickerPolicy | None = None) -> PickerService:
+async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry) -> PickerService:
     topo, _ = load_topology(EXAMPLE)
     config = SidecarConfig(topology=EXAMPLE, xds_dir=tmp_path)
     runtime = EnvoyRuntime()
@@ -103,7 +102,7 @@ async def _service(tmp_path: Path, writer: _Writer, registry: CollectorRegistry,
     admin = EnvoyAdmin("http://127.0.0.1:9", timeout_s=0.1)  # not used: the writer stands for it
     loop = asyncio.get_running_loop()
     return PickerService(Wiring(config, topo, lambda: topo, admin, registry, loop.time, Servicers(),
-                                runtime=runtime), policy)
+                                runtime=runtime))
 
 
 def test_the_picker_writes_0_first_then_the_share_when_it_moves_and_retries_a_refused_write(tmp_path: Path) -> None:
@@ -136,14 +135,15 @@ def test_the_picker_writes_0_first_then_the_share_when_it_moves_and_retries_a_re
 
 
 def test_the_service_holds_the_share_while_a_pool_admits(tmp_path: Path) -> None:
-    """The service asks its picker whether any pool admits (here always: `admission_gate=0`, every request
-    admission-checked) and holds the share then; with no pool known it rises as before."""
+    """The service asks whether any pool admits (here by the daemon's saturation verdict; the picker's own
+    signals: `Picker.surging`, below) and holds the share then; with no pool known it rises as before."""
     async def run() -> None:
         writer = _Writer()
-        service = await _service(tmp_path, writer, CollectorRegistry(), PickerPolicy(admission_gate=0))
+        service = await _service(tmp_path, writer, CollectorRegistry())
         servicer = service.servicer
         assert await service.bypass_tick() == 0
-        service.store.update([PoolFacts("chat", ("m",), (EndpointFacts("10.0.0.1:8000", serving=True),))])
+        service.store.update([PoolFacts("chat", ("m",), (EndpointFacts("10.0.0.1:8000", serving=True),),
+                                        saturated=True)])
         for _ in range(3):
             servicer.seen += 1000
             servicer.late += 500
@@ -197,3 +197,5 @@ def test_a_pool_surges_when_offered_its_capacity_before_admission_opens() -> Non
     for _ in range(50):
         arrive()
     assert picker.surging("chat") and not picker.admitting("chat")
+    now[0] += 2.5  # no request since, for longer than pressure_s: nothing arriving is no surge
+    assert not picker.surging("chat")

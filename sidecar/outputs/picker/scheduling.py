@@ -715,7 +715,11 @@ class Picker:
 
     def surging(self, pool: str) -> bool:
         """Admission is on in the pool (`admitting`), or requests arrive at least as fast as it serves them
-        (over `pressure_s`, or at the spike rule's rate: a surge before admission opens), as of the last look."""
+        (over `pressure_s`, or at the spike rule's rate: a surge before admission opens), as of the last look,
+        if that was within the last second or `pressure_s` (a pool no request reached since is not)."""
+        standing = self._standing.get(pool)
+        if standing is None or self._clock() - standing[0] > max(1.0, self.policy.pressure_s):
+            return False
         pressure = self._pressure.get(pool)
         return (self.admitting(pool) or self._rushing.get(pool, False)
                 or (pressure is not None and pressure.offered >= 1.0))
