@@ -273,28 +273,3 @@ def test_a_late_request_is_refused_while_admission_refuses_its_pool() -> None:
     answers = asyncio.run(_stream(svc, wall, [(T0 + 6.051, _headers_on("chat-route", T0 + 6))]))
     assert not _refused(answers[0]) and _picked(answers[0]) is None
     assert svc.late == 5 and sum(e.in_flight for e in store.endpoints("chat")) == 0 and svc.open_streams() == 0
-
-
-def test_a_standard_refusal_in_the_servicer_makes_sheddable_traffic_give_way() -> None:
-    """Every 429 admission answers goes through the servicer's one refusal, which tells the picker: after
-    a standard request is refused, a sheddable one that a free slot would admit is refused too."""
-    busy = tuple(EndpointFacts(a, serving=True, capacity=2, running=2.0, waiting=6.0, token_latency_s=0.02)
-                 for a in ADDRESSES)
-    free = tuple(EndpointFacts(a, serving=True, capacity=2, running=0.0, token_latency_s=0.02) for a in ADDRESSES)
-    named = {"chat-route": ("standard", "chat"), "bulk-route": ("sheddable", "chat")}
-    for standard_first, refused in ((False, False), (True, True)):
-        now = [0.0]
-        wall = _Wall()
-        store = Datastore()
-        store.update([PoolFacts("chat", ("m",), busy)], classes=Classes(named=named))
-        svc = PickerServicer(store, Picker(PickerPolicy(admission_gate=0, hold=0), clock=lambda now=now: now[0]),
-                             PickerMetrics(None), limits=ExtProcLimits(late_s=0.02), wall=wall)
-        if standard_first:
-            answers = asyncio.run(_stream(svc, wall, [(T0 + 0.001, _headers_on("chat-route", T0)),
-                                                      (T0 + 0.002, _BODY)]))
-            assert _refused(answers[-1])
-        store.update([PoolFacts("chat", ("m",), free)], classes=Classes(named=named))
-        now[0] = 0.1
-        answers = asyncio.run(_stream(svc, wall, [(T0 + 1.001, _headers_on("bulk-route", T0 + 1)),
-                                                  (T0 + 1.002, _BODY)]))
-        assert _refused(answers[-1]) is refused, standard_first

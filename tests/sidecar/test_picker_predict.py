@@ -189,35 +189,6 @@ def test_admission_refuses_what_cannot_start_within_its_class_budget_never_criti
     assert picker.pick(sheddable, store.endpoints("chat")).refused_for_s is not None
 
 
-def test_sheddable_traffic_gives_way_while_standard_traffic_of_its_pool_is_refused() -> None:
-    """A free slot (a sheddable request's delay within its budget) goes to sheddable traffic only while
-    no standard request of the pool was refused within `shed_first_s`: under a surge the sheddable class
-    absorbs the excess first. Critical and standard traffic, and other pools, are not affected."""
-    now = [0.0]
-    facts = tuple(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=1.0) for i in range(2))
-    store = Datastore()
-    store.update([PoolFacts("chat", ("m",), facts), PoolFacts("batch", ("m",), facts)])
-    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
-
-    def refused(picker: Picker, pool: str, cls: str) -> bool:
-        req = PickRequest(pool, ask.prompt, ask.hashes, traffic_class=cls)
-        return picker.pick(req, store.endpoints(pool)).refused_for_s is not None
-
-    picker = Picker(rng=random.Random(1), clock=lambda: now[0])
-    assert not refused(picker, "chat", "sheddable")
-    picker.refused("chat", "standard")
-    now[0] = 0.4
-    assert refused(picker, "chat", "sheddable")
-    assert not refused(picker, "chat", "standard") and not refused(picker, "chat", "critical")
-    assert not refused(picker, "batch", "sheddable")
-    picker.refused("chat", "sheddable")  # its own refusals are no reason
-    now[0] = 0.6  # past shed_first_s (0.5 s) since the standard refusal
-    assert not refused(picker, "chat", "sheddable")
-    off = Picker(PickerPolicy(shed_first_s=0.0), rng=random.Random(1), clock=lambda: now[0])
-    off.refused("chat", "standard")
-    assert not refused(off, "chat", "sheddable")
-
-
 def test_a_pools_own_budgets_replace_the_policys_for_that_pool_only() -> None:
     """The topology's `pools[].admission` (PickerService hands it to `Picker.pool_budgets`): a pool that
     allows a longer wait admits what the sidecar's default refuses; the other pools keep the default."""

@@ -415,7 +415,6 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _refuse(self, st: _Stream, pool: str, traffic_class: str, past_budget_s: float) -> pb.ProcessingResponse:
         """Admission's 429, counted by pool and class; the proxy answers it and ends the stream."""
         self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
-        self.picker.refused(pool, traffic_class)
         st.phase = Phase.CLOSED
         return _overloaded(past_budget_s)
 

@@ -60,7 +60,7 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
     "budget_standard": float, "budget_sheddable": float, "budget_floor_s": float, "slow_share": float,
     "admission_gate": int, "pressure_s": float, "open_share": float, "hold_ratio": float, "spike_ratio": float,
     "spike_s": float, "spike_min": int, "late_s": float, "bypass_max": int, "bypass_wait_s": float, "hold": int,
-    "hold_max_s": float, "shed_first_s": float}
+    "hold_max_s": float}
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
@@ -99,12 +99,6 @@ class PickerPolicy:
     # requests decode on the slow worker (admitted P99 1.48x its own at 78 % at 118 %); at 0.5 both
     # hold (shed 15.6 / 32.2 / 69.3 %, admitted P99 1.27 / 1.27 / 0.85x, standard 10.4 %).
     slow_share: float = 0.5
-    # Sheddable traffic absorbs a surge first: while standard requests of its pool were refused this
-    # recently (seconds), a sheddable request is refused whatever its own predicted delay (a slot that
-    # frees under its tiny budget goes to the standard traffic that is being turned away). 0: each class
-    # by its own budget alone (then on the uneven fleet at 150 % sheddable traffic got 5.1 % through
-    # while standard lost 12.1 %, against a bound of 11.7 %).
-    shed_first_s: float = 0.5
     # 1: refuse only under a standing queue, not a burst a 78 % load brings (measured on the
     # real-Envoy matrix, refusing on every prediction shed 17 % of its bursty fleet at 78 %): while
     # the pool's saturation verdict holds (sidecar.decide.saturation, once per probe cycle) or the
@@ -465,7 +459,6 @@ class Picker:
         self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
         self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
         self._standing: dict[str, tuple[float, float]] = {}  # per pool: (when, the best predicted start) last seen
-        self._standard_refused: dict[str, float] = {}  # per pool: when a standard request was last refused
         # per pool: the topology's admission budgets where it sets any (the policy's for the others)
         self.pool_budgets: Mapping[str, WaitBudgets] = {}
         self._budgets = self.policy.budgets
@@ -575,8 +568,6 @@ class Picker:
         # or a lost prefix adds
         ideal = min(p.prefill_s + p.decode_s for p in preds)
         delay = [req.waited_s + p.wait_s + policy.slow_share * (p.prefill_s + p.decode_s - ideal) for p in preds]
-        if budget is not None and not gated and self._yields(req.pool, req.traffic_class):
-            return Pick((), "refused", 0, len(req.hashes), preds[first], max(0.0, delay[first] - budget))
         if budget is not None and not gated and delay[first] > budget:
             # admitted where its delay stays within its budget, the cheapest of those; refused when nowhere
             admissible = [i for i, d in enumerate(delay) if d <= budget]
@@ -692,21 +683,7 @@ class Picker:
             return None
         at, wait_s = standing
         wait_s -= max(0.0, self._clock() - at)
-        if wait_s > budget or self._yields(pool, traffic_class):
-            return max(0.0, wait_s - budget)
-        return None
-
-    def refused(self, pool: str, traffic_class: str) -> None:
-        """A request of the pool was refused (by a pick, in the lobby, or answered late)."""
-        if traffic_class == "standard":
-            self._standard_refused[pool] = self._clock()
-
-    def _yields(self, pool: str, traffic_class: str) -> bool:
-        """A sheddable request gives way: standard requests of its pool were refused within `shed_first_s`."""
-        if traffic_class != "sheddable" or self.policy.shed_first_s <= 0:
-            return False
-        at = self._standard_refused.get(pool)
-        return at is not None and self._clock() - at <= self.policy.shed_first_s
+        return wait_s - budget if wait_s > budget else None
 
     def admitting(self, pool: str) -> bool:
         """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
