@@ -362,7 +362,8 @@ def run(ctx: Context) -> Result:
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})}, picker late "
-                      f"{r.get('picker_late', '-')}, bypassed {r.get('picker_bypassed', '-')}" + (f", held {r['held_by']}" if r.get("held_by") else "")
+                      f"{r.get('picker_late', '-')}, bypassed {r.get('picker_bypassed', '-')}"
+                      + (f", held {r['held_by']}" if r.get("held_by") else "")
                       + f" ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
         _classes(ctx, res, seeds, cap, fleet)
