@@ -263,6 +263,75 @@ def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers
         assert chat(rig, [{"role": "user", "content": "after"}])[0] == 200
 
 
+def _refused(sidecar: SidecarProcess) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in sidecar.metrics().splitlines()
+               if line.startswith("confgen_picker_refused_total{"))
+
+
+def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_its_headers(tmp_path: Path) -> None:
+    """Admission always on (`admission_gate=0`) with no wait allowed (`budget_standard=0`): once both
+    one-slot workers decode a long answer, a request's predicted start is past its budget (429). Then the
+    picker's process is stopped (SIGSTOP) while eight requests arrive; their headers reach it late. Each
+    is refused on its headers (the picker's immediate response, one message a stream), not passed to
+    Envoy's balancer unadmitted, and none waits Envoy's message timeout; the long answers complete."""
+    import signal
+    import time
+
+    with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=1), capacity=1,
+                    extra_args=["--picker", "admission_gate=0", "--picker", "budget_standard=0",
+                                "--picker", "hold=0"]) as rig:
+        def predicted() -> bool:  # the picker learned the workers' token latency from their metrics
+            # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot
+            # for seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
+            assert chat(rig, [{"role": "user", "content": "warm"}], max_tokens=150)[0] == 200
+            return any(line.startswith("confgen_picker_prediction_ratio_count") and not line.endswith(" 0.0")
+                       for line in rig.sidecar.metrics().splitlines())
+        assert poll(predicted, timeout=30), rig.sidecar.log_tail()
+        with ThreadPoolExecutor(2) as long_pool:
+            # two answers of 500 tokens (10 s at 20 ms a step): both slots taken for the rest of the test.
+            # One may be refused at once while the engines' last report still shows the warm-up running
+            # (a zero budget allows no wait at all): sent again until two are placed.
+            long: list[Any] = []
+            for attempt in range(40):
+                placed = picks(rig.sidecar)
+                sent_long = long_pool.submit(chat, rig, [{"role": "user", "content": f"long {attempt}"}],
+                                             max_tokens=500, timeout=60)
+                assert poll(lambda placed=placed, f=sent_long: picks(rig.sidecar) > placed or f.done(), timeout=10)
+                if not sent_long.done():
+                    long.append(sent_long)
+                if len(long) == 2:
+                    break
+                time.sleep(0.1)
+            assert len(long) == 2, rig.sidecar.log_tail()
+            refused, behind = _refused(rig.sidecar), unpicked(rig.sidecar, "behind")
+            timeouts = _ext_proc(rig, "message_timeouts")
+            assert rig.sidecar.proc is not None
+            pid = rig.sidecar.proc.pid
+            # picked and refused: the wait it predicts stands for the requests the picker will answer late
+            # (drained one second per second since), so the stall follows at once
+            assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 429
+            started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                stalled_at = time.monotonic()
+                with ThreadPoolExecutor(8) as pool:
+                    futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
+                    assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
+                    time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
+                    os.kill(pid, signal.SIGCONT)
+                    results = [f.result(timeout=30)[0] for f in futures]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert results == [429] * 8, (results, unpicked(rig.sidecar, "behind") - behind,
+                                          [line for line in rig.sidecar.metrics().splitlines()
+                                           if line.startswith(("confgen_picker_pressure", "confgen_picker_refused"))])
+            assert unpicked(rig.sidecar, "behind") - behind == 8
+            assert _refused(rig.sidecar) - refused == 9  # the one on time and the eight late
+            assert _ext_proc(rig, "stream_msgs_sent") - sent == 8  # the headers only
+            assert _ext_proc(rig, "message_timeouts") == timeouts
+            assert [f.result(timeout=60)[0] for f in long] == [200, 200]
+
+
 def _runtime(rig: Rig) -> dict[str, str]:
     status, body = rig.envoy.admin_get("/runtime")
     assert status == 200, body
