@@ -273,3 +273,59 @@ def test_a_late_request_is_refused_while_admission_refuses_its_pool() -> None:
     answers = asyncio.run(_stream(svc, wall, [(T0 + 6.051, _headers_on("chat-route", T0 + 6))]))
     assert not _refused(answers[0]) and _picked(answers[0]) is None
     assert svc.late == 5 and sum(e.in_flight for e in store.endpoints("chat")) == 0 and svc.open_streams() == 0
+
+
+def test_a_stream_over_the_cap_is_refused_like_a_late_one_while_admission_refuses() -> None:
+    """A stream past `max_open_streams` is answered without a pick (it is not tracked); while admission
+    refuses in its pool it is refused instead of passed to the proxy unadmitted (a surge on a large fleet
+    can hold that many streams open), critical traffic still passing."""
+    facts = tuple(EndpointFacts(a, serving=True, capacity=2, running=2.0, waiting=6.0, token_latency_s=0.02)
+                  for a in ADDRESSES)
+    store = Datastore()
+    named = {"chat-route": ("standard", "chat"), "vip-route": ("critical", "chat")}
+    store.update([PoolFacts("chat", ("m",), facts)], classes=Classes(named=named))
+    svc = PickerServicer(store, Picker(PickerPolicy(admission_gate=0, hold=0), clock=lambda: 0.0),
+                         PickerMetrics(None), limits=ExtProcLimits(max_open_streams=1))
+
+    class _Context:
+        def invocation_metadata(self) -> tuple[()]:
+            return ()
+
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:40000"
+
+    async def run() -> tuple[list[pb.ProcessingResponse], list[pb.ProcessingResponse], list[pb.ProcessingResponse]]:
+        answered, release = asyncio.Event(), asyncio.Event()
+        first: list[pb.ProcessingResponse] = []
+
+        async def held_open() -> Any:  # critical: placed despite the queue, its stream open until released
+            yield _headers_on("vip-route", T0)
+            yield _BODY
+            await release.wait()
+
+        async def consume() -> None:
+            async for out in svc.Process(held_open(), _Context()):  # type: ignore[arg-type]
+                first.append(out)
+                if len(first) == 2:
+                    answered.set()
+
+        task = asyncio.create_task(consume())
+        await answered.wait()
+
+        async def over_cap(route: str) -> list[pb.ProcessingResponse]:
+            async def msgs() -> Any:
+                yield _headers_on(route, T0)
+                yield _BODY
+            return [out async for out in svc.Process(msgs(), _Context())]  # type: ignore[arg-type]
+
+        standard, critical = await over_cap("chat-route"), await over_cap("vip-route")
+        release.set()
+        await task
+        return first, standard, critical
+
+    first, standard, critical = asyncio.run(run())
+    assert _picked(first[-1]) in ADDRESSES  # the critical one, tracked and placed
+    assert _refused(standard[-1])  # over the cap, standard, its pool refusing: 429
+    assert not _refused(critical[-1]) and _picked(critical[-1]) is None  # over the cap, critical: the proxy's
+    assert svc.metrics.unpicked.labels(reason="busy")._value.get() == 2 and svc.late == 0
+    assert svc.open_streams() == 0

@@ -284,6 +284,12 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
         body=_OVERLOADED, details="confgen picker: predicted wait past the class's budget"))
 
 
+# Why a request is answered without a pick although it is the picker's: it reached the picker late, or
+# over its cap of tracked streams. Under admission such a request is refused as the pool's last prediction
+# says (`PickerServicer._untaken`), so a picker that cannot keep up lets none of a surge past admission.
+UNTAKEN = ("behind", "busy")
+
+
 class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, store: Datastore, picker: Picker, metrics: PickerMetrics, *,
                  limits: ExtProcLimits | None = None, clock: Callable[[], float] = time.perf_counter,
@@ -330,10 +336,10 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if st.skip is not None or self._behind(st):
             skip = st.skip or "behind"  # behind: no parse, no score, the proxy decides now
             self.metrics.unpicked.labels(reason=skip).inc()
-            if skip != "behind":
+            if skip not in UNTAKEN:
                 return None, None
-            self.late += 1
-            refusal = self._arrived_late(st)
+            self.late += skip == "behind"
+            refusal = self._untaken(st)
             return (None, None) if refusal is None else refusal
         started = self._clock()
         limits = self.limits
@@ -435,11 +441,12 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             pool = st.pool or self.store.pool_for(model)
         return pool
 
-    def _arrived_late(self, st: _Stream) -> pb.ProcessingResponse | None:
-        """A request answered without a pick for being late still arrived: into its pool's spike window
-        (its body unread, so no model: the pool its route names, the proxy's, or the only one). While
-        admission is on there it is refused as the pool's last prediction says (`Picker.refusal_unread`),
-        where its class is known without its body; else (None) the proxy places it, unadmitted."""
+    def _untaken(self, st: _Stream) -> pb.ProcessingResponse | None:
+        """A request the picker could not take (it came late, or past `max_open_streams`: `UNTAKEN`) still
+        arrived: into its pool's spike window (its body unread, so no model: the pool its route names, the
+        proxy's, or the only one). While admission is on there it is refused as the pool's last prediction
+        says (`Picker.refusal_unread`), where its class is known without its body; else (None) the proxy
+        places it, unadmitted."""
         pool = self._pool_of(st, None)
         if pool is None:
             return None
