@@ -394,3 +394,25 @@ def test_a_charge_cancelled_while_redis_is_slow_is_journaled_and_applied_once(re
     assert out["journal"] == 1  # kept, though the call never answered
     assert out["replayed"] == 1 and out["replayed_again"] == 0
     assert out["spent"] == 37  # once: the usage, whether or not Redis ran the cancelled call's script
+
+
+def test_close_ends_the_journal_flusher_even_when_its_wake_and_the_cancel_land_together(
+        redis: RedisProcess, tmp_path: Path) -> None:
+    """The flusher waits for its wake with a timeout; `close` cancels it. Set the wake and cancel in
+    the same loop iteration: on Python 3.11 `asyncio.wait_for` returned the wake's result there and
+    swallowed the cancel, the loop went on and `close` never returned (a sidecar SIGKILLed on SIGTERM in
+    CI). The flusher must end, and `close` return, at once."""
+    async def run() -> None:
+        service = _service(redis, Clock(), CollectorRegistry(), journal=tmp_path / "journal.db")
+        await service.start()
+        for _ in range(3):  # the flusher is waiting for its wake
+            await asyncio.sleep(0)
+        flusher = service._flusher
+        assert flusher is not None
+        service._wake.set()
+        flusher.cancel()  # as close() does, in the same iteration as the wake
+        done, _ = await asyncio.wait({flusher}, timeout=5)
+        assert flusher in done and flusher.cancelled()
+        await service.close()
+
+    asyncio.run(run())

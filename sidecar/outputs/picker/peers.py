@@ -329,7 +329,8 @@ class PeerLinks:
         limits = self.limits
         while True:
             try:
-                found = await asyncio.wait_for(self._resolver(host, port), limits.resolve_timeout_s)
+                async with asyncio.timeout(limits.resolve_timeout_s):  # not wait_for: it can swallow a cancel (3.11)
+                    found = await self._resolver(host, port)
             except (OSError, TimeoutError, ValueError) as exc:  # gaierror is an OSError; a bad IDNA name a ValueError
                 error = f"lookup failed ({type(exc).__name__}: {exc}); its links kept"
                 if self._lookups.get(source) != error:
@@ -380,7 +381,8 @@ class PeerLinks:
             started = time.monotonic()
             try:
                 async with await self._channel(link) as channel:
-                    await asyncio.wait_for(channel.channel_ready(), limits.connect_timeout_s)
+                    async with asyncio.timeout(limits.connect_timeout_s):  # not wait_for (see _follow)
+                        await channel.channel_ready()
                     link.connected, link.error = True, None
                     log_event(_log, logging.INFO, "picker.peer_connected", target=link.target)
                     call: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(METHOD)

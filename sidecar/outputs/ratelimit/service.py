@@ -330,8 +330,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     async def _flush_loop(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the inner result when the
+            # wake and a cancel land in one loop iteration, swallowing the cancel, and `close` then
+            # waited for this loop forever (a sidecar killed on SIGTERM after 10 s, seen in CI)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._flush_interval_s)
+                async with asyncio.timeout(self._flush_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             if self._journal.size and self._clock() >= self._down_until:
                 try:
