@@ -174,6 +174,64 @@ def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing
     return RenderedEnvoy(out_dir, port, admin, {}, topo_path, Path(sockets) if sockets else None)
 
 
+def render_ads_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, xds_port: int, balancing: str = "",
+                   routes: str = "") -> RenderedEnvoy:
+    """`confgen render` of the same user topology in `envoy.xds.mode: ads` (the control plane at
+    127.0.0.1:`xds_port`): its one file is the bootstrap, the rest the control plane serves."""
+    port, admin = runtime.free_port(), runtime.free_port()
+    sockets = tempfile.mkdtemp(prefix="cg-bench-")
+    text = user_topology(workers, port, admin, balancing, runtime.free_port(), routes, sockets)
+    text += f"envoy: {{xds: {{mode: ads, servers: ['127.0.0.1:{xds_port}']}}}}\n"
+    topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
+    topo_path.parent.mkdir(parents=True, exist_ok=True)
+    topo_path.write_text(text)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    proc = subprocess.run([os.sys.executable, "-m", "confgen", "render", str(topo_path), "-o", str(out_dir)],
+                          capture_output=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"confgen render failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
+    return RenderedEnvoy(out_dir, port, admin, {}, topo_path, Path(sockets))
+
+
+@contextlib.contextmanager
+def run_control_plane(rendered: RenderedEnvoy, xds_port: int, log: Path,
+                      extra: Sequence[str] = ()) -> Iterator[SidecarProcess]:
+    """One confgen-sidecar serving ADS (`--serve-xds`) for every Envoy of `rendered`, default flags
+    but the deployment facts; stopped by its pid."""
+    listen = runtime.free_port()
+    args = [os.sys.executable, "-m", "sidecar.main", "--topology", str(rendered.topology),
+            "--serve-xds", f"127.0.0.1:{xds_port}", "--listen", f"127.0.0.1:{listen}", *extra]
+    with log.open("wb") as out:
+        child = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _http_ok(f"http://127.0.0.1:{listen}/readyz"):
+            if child.poll() is not None:
+                raise RuntimeError(f"control plane exited {child.returncode}: {log.read_text()[-1500:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"control plane not ready in 30 s: {log.read_text()[-1500:]}")
+            time.sleep(0.1)
+        yield SidecarProcess(child, f"http://127.0.0.1:{listen}")
+        if child.poll() is not None:
+            raise RuntimeError(f"the control plane died during the run ({child.returncode}): "
+                               f"{log.read_text()[-1500:]}")
+    finally:
+        stop_process(child, timeout=10)
+
+
+@contextlib.contextmanager
+def run_ads_envoy(rendered: RenderedEnvoy, node: str) -> Iterator[runtime.EnvoyProcess]:
+    """One Envoy of the control plane: the rendered ADS bootstrap with its own node id and admin port.
+    Every Envoy binds the listener's port (SO_REUSEPORT: the kernel spreads connections over them)."""
+    config = json.loads((rendered.dir / envoy.layout.BOOTSTRAP).read_bytes())
+    config["admin"]["address"]["socket_address"]["port_value"] = 0
+    with runtime.EnvoyProcess(config, log_level="warning", concurrency=1,
+                              extra_args=["--service-node", node]) as proc:
+        wait_hosts(proc, timeout=30.0)
+        yield proc
+
+
 @contextlib.contextmanager
 def run_sidecar(rendered: RenderedEnvoy, proc: runtime.EnvoyProcess, log: Path, interval_s: float | None = None,
                 extra: Sequence[str] = ()) -> Iterator[SidecarProcess]:

@@ -18,7 +18,7 @@ import contextlib
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ class Setup:
     # README says to run them); True leaves each picker alone (the comparison row)
     alone: bool = False
     sidecar_args: tuple[str, ...] = ()  # product: more confgen-sidecar flags (a diagnostic row's override)
+    ads: bool = False  # product: one control plane serving every ingress's Envoy over ADS (not one sidecar each)
 
 
 PRODUCT = Setup("product", "confgen render + confgen-sidecar (as shipped)", "product")
@@ -109,6 +110,14 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
             yield Front(urls)
             return
         balancing = setup.policy
+        if setup.ads:  # one control plane (--serve-xds) serving every Envoy, as docs/ads.md deploys it
+            xds_port = runtime.free_port()
+            ads = _proxies.render_ads_cli(workers, ctx.work / f"{tag}.ads", xds_port, balancing, setup.routes)
+            plane = stack.enter_context(_proxies.run_control_plane(ads, xds_port, ctx.work / f"{tag}.plane.log",
+                                                                   setup.sidecar_args))
+            ads_procs = [stack.enter_context(_proxies.run_ads_envoy(ads, f"{tag}-envoy{i}")) for i in range(ingresses)]
+            yield Front([ads.url] * ingresses, lambda: _extras([plane], ads_procs))
+            return
         rendered = []
         for i in range(ingresses):
             out = ctx.work / f"{tag}.envoy{i}"
@@ -127,42 +136,45 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                     _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None,
                                          (*extra, *peers, *setup.sidecar_args))))
 
-        def extras() -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            if sidecars:
-                writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
-                out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
-                # who answered the 429s, over the whole run, from the one shed counter: the picker
-                # (per request, reason picker), the in-flight limiter (Envoy's breaker: saturated, cap)
-                # and the sheddable share
-                layers: dict[str, float] = {}
-                for s in sidecars:
-                    for label, n in (s.metric_by("confgen_sidecar_shed_requests", "reason") or {}).items():
-                        name = "picker" if label == "picker" else f"limiter_{label}"
-                        layers[name] = layers.get(name, 0.0) + n
-                out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
-                # requests the picker answered without a pick because they (or its loop) were late: a row
-                # where many were is not a measure of the picker's routing
-                unpicked = [s.metric_by("confgen_picker_unpicked", "reason") or {} for s in sidecars]
-                out["picker_late"] = int(sum(u.get("behind", 0.0) for u in unpicked))
-                # requests held in the picker (`--picker hold=1`), by what ended their wait
-                held = _stats.summed(s.metric_by("confgen_picker_held", "outcome") for s in sidecars)
-                if held:
-                    out["held_by"] = {k: int(v) for k, v in sorted(held.items())}
-                # the picker's observed / predicted finish time per request (cumulative buckets by le;
-                # the _count and _sum samples have no le)
-                ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)
-                out["prediction_buckets"] = {le: n for le, n in ratio.items() if le}
-            out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
-            if sidecars:
-                # requests Envoy sent past the picker (the bypass share, bypass.py: its ext_proc filter
-                # skipped), over the whole run: what neither the picker's routing nor its admission saw
-                requests = sum(_envoy_counter(p, "downstream_rq_total") for p in procs)
-                out["picker_bypassed"] = max(0, requests - sum(_envoy_counter(p, "ext_proc.streams_started")
-                                                               for p in procs))
-            return out
+        yield Front([r.url for r in rendered], lambda: _extras(sidecars, procs), [r.eds_file for r in rendered])
 
-        yield Front([r.url for r in rendered], extras, [r.eds_file for r in rendered])
+
+def _extras(sidecars: Sequence[_proxies.SidecarProcess], procs: Sequence[runtime.EnvoyProcess]) -> dict[str, Any]:
+    """What a product run's sidecars and Envoys counted over the whole run (beside the clients' records)."""
+    out: dict[str, Any] = {}
+    if sidecars:
+        writes = [s.metric_sum("eds", "publish|write") for s in sidecars]
+        out["sidecar_eds_writes"] = None if None in writes else sum(w or 0 for w in writes)
+        # who answered the 429s, over the whole run, from the one shed counter: the picker
+        # (per request, reason picker), the in-flight limiter (Envoy's breaker: saturated, cap)
+        # and the sheddable share
+        layers: dict[str, float] = {}
+        for s in sidecars:
+            for label, n in (s.metric_by("confgen_sidecar_shed_requests", "reason") or {}).items():
+                name = "picker" if label == "picker" else f"limiter_{label}"
+                layers[name] = layers.get(name, 0.0) + n
+        out["shed_by"] = {k: int(v) for k, v in sorted(layers.items())}
+        # requests the picker answered without a pick because they (or its loop) were late: a row
+        # where many were is not a measure of the picker's routing
+        unpicked = [s.metric_by("confgen_picker_unpicked", "reason") or {} for s in sidecars]
+        out["picker_late"] = int(sum(u.get("behind", 0.0) for u in unpicked))
+        # requests held in the picker (`--picker hold=1`), by what ended their wait
+        held = _stats.summed(s.metric_by("confgen_picker_held", "outcome") for s in sidecars)
+        if held:
+            out["held_by"] = {k: int(v) for k, v in sorted(held.items())}
+        # the picker's observed / predicted finish time per request (cumulative buckets by le;
+        # the _count and _sum samples have no le)
+        ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)
+        out["prediction_buckets"] = {le: n for le, n in ratio.items() if le}
+    out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
+    out["envoy_requests"] = [_envoy_counter(p, "downstream_rq_total") for p in procs]  # each Envoy's share
+    if sidecars:
+        # requests Envoy sent past the picker (the bypass share, bypass.py: its ext_proc filter
+        # skipped), over the whole run: what neither the picker's routing nor its admission saw
+        requests = sum(_envoy_counter(p, "downstream_rq_total") for p in procs)
+        out["picker_bypassed"] = max(0, requests - sum(_envoy_counter(p, "ext_proc.streams_started")
+                                                       for p in procs))
+    return out
 
 
 def _envoy_counter(proc: runtime.EnvoyProcess, suffix: str) -> int:

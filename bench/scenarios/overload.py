@@ -63,6 +63,9 @@ class Surge:
 
 TWO = Setup("product2", "confgen render + confgen-sidecar, two Envoys (--ingresses 2, pickers as --picker-peer)",
             "product")
+# --set overload_ads=1: two Envoys on one control plane (ADS, `--serve-xds`): one picker sees both
+ADS_TWO = Setup("product_ads2", "confgen render (ADS) + one confgen-sidecar control plane, two Envoys", "product",
+                ads=True)
 FALLBACK = Setup("product_fallback", "confgen render + confgen-sidecar, balancing least_request (the path with "
                  "the picker down: the limiter alone)", "product", "{policy: least_request}", diagnostic=True)
 CRITICAL_SHARE = 0.2
@@ -113,9 +116,11 @@ def setups(ctx: Context) -> list[Setup]:
     # --set overload_fallback=1: the pools on least_request, as Envoy balances them when the picker is
     # down (ext_proc failure_mode_allow): the in-flight limiter alone admits
     fallback = [FALLBACK] if ctx.option("overload_fallback", 0) else []
+    ads = [replace(ADS_TWO, label=ADS_TWO.label + prod.label[len(PRODUCT.label):], diagnostic=prod.diagnostic,
+                   sidecar_args=prod.sidecar_args)] if ctx.option("overload_ads", 0) else []
     # --set overload_peers=0: the product alone (a diagnostic run: no ratio to the peers)
     peers = [vllm("power_of_two"), vllm("cache_aware")] if ctx.option("overload_peers", 1) else []
-    return [prod, *two, *fallback, *extra, *peers]
+    return [prod, *two, *ads, *fallback, *extra, *peers]
 
 
 def surge_requests(plan: FleetPlan, capacity: float, surge: Surge | None, seed: int,
@@ -355,14 +360,15 @@ def run(ctx: Context) -> Result:
                 r = measure_or_fail(ctx, fleet.spec(seed), list(fleet.max_num_seqs), reqs, s,
                                     f"ov-{surge.key}-{s.key}-{seed}", warmup_s=lead_s + FROM_S,
                                     deadline_s=reqs[-1]["t"] + 1.0, timeout_s=90.0,
-                                    ingresses=2 if s.key == TWO.key else 1,
+                                    ingresses=2 if s.key in (TWO.key, ADS_TWO.key) else 1,
                                     timeline=(lead_s - 2.0, lead_s + surge.length_s + 2.0)
                                     if s.key == PRODUCT.key else None)
                 r["seed"] = seed
                 runs.setdefault(surge.key, {}).setdefault(s.key, []).append(r)
                 print(f"  [overload] {surge.label} {s.label} seed {seed}: admitted P99 {fmt_ms(r['p99_ms'])} ms, "
                       f"shed {r['shed']}/{r['requests']} by {r.get('shed_by', {})}, picker late "
-                      f"{r.get('picker_late', '-')}, bypassed {r.get('picker_bypassed', '-')}"
+                      f"{r.get('picker_late', '-')}, bypassed {r.get('picker_bypassed', '-')}, "
+                      f"per Envoy {r.get('envoy_requests', '-')}"
                       + (f", held {r['held_by']}" if r.get("held_by") else "")
                       + f" ({r['wall_s']:.0f}s)", flush=True)
     if ctx.option("overload_classes", 0 if ctx.quick else 1):
@@ -420,12 +426,21 @@ def run(ctx: Context) -> Result:
                                   f"<= {OWN_P99:g}x",
                                   f"{_span([r['p99_ms'] for r in prod])} vs {fmt_ms(own_p99)} ms", po,
                                   po is not None and po <= OWN_P99, OWN_P99))
-        if TWO.key in rows:
-            two = rows[TWO.key]
+        for key, who in ((TWO.key, "two Envoys"), (ADS_TWO.key, "two Envoys over ADS")):
+            if key not in rows:
+                continue
+            two = rows[key]
             share2 = _mean([r["shed_share"] for r in two]) or 0.0
-            res.targets.append(Target(f"[overload] {surge.label}: two Envoys' shed share vs the excess",
+            res.targets.append(Target(f"[overload] {surge.label}: {who}' shed share vs the excess",
                                       "within +-3 points", f"{share2:.1%}", abs(share2 - surge.excess),
                                       abs(share2 - surge.excess) <= SHARE_POINTS, SHARE_POINTS))
+            # what the fleet admitted through them against one Envoy, the same arrivals (every seed)
+            one, both = sum(r["ok"] for r in prod), sum(r["ok"] for r in two)
+            off = both / one - 1.0 if one else None
+            res.targets.append(Target(f"[overload] {surge.label}: {who}' admitted total vs one Envoy's",
+                                      "within 5 %", f"{both} vs {one}" + (f" ({off:+.1%})" if off is not None else ""),
+                                      abs(off) if off is not None else None,
+                                      off is not None and abs(off) <= 0.05, 0.05))
         _timeline_table(res, surge, prod, cap, lead_s)
         raw["surges"][surge.key] = {"label": surge.label, "excess": surge.excess, "results": rows}
     res.raw = raw
