@@ -154,13 +154,17 @@ def user_topology(workers: Sequence[tuple[str, int, int]], port: int, admin: int
 
 
 def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing: str = "",
-               routes: str = "") -> RenderedEnvoy:
-    """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write."""
+               routes: str = "", ads_port: int | None = None) -> RenderedEnvoy:
+    """`confgen render TOPOLOGY -o OUT` as its own process, on the topology a user would write;
+    `ads_port`: in `envoy.xds.mode: ads`, its control plane at 127.0.0.1:`ads_port` (the render's one
+    file is then the bootstrap, the rest the control plane serves)."""
     port, admin = runtime.free_port(), runtime.free_port()
     grpc = _has_grpc_port()
     # a private directory per render, short enough for a socket path (mkdtemp makes it 0700)
     sockets = tempfile.mkdtemp(prefix="cg-bench-") if grpc else None
     text = user_topology(workers, port, admin, balancing, runtime.free_port() if grpc else None, routes, sockets)
+    if ads_port is not None:
+        text += f"envoy: {{xds: {{mode: ads, servers: ['127.0.0.1:{ads_port}']}}}}\n"
     # A directory of its own: the sidecar watches the topology's directory.
     topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
     topo_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,26 +176,6 @@ def render_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, balancing
     if proc.returncode != 0:
         raise RuntimeError(f"confgen render failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
     return RenderedEnvoy(out_dir, port, admin, {}, topo_path, Path(sockets) if sockets else None)
-
-
-def render_ads_cli(workers: Sequence[tuple[str, int, int]], out_dir: Path, xds_port: int, balancing: str = "",
-                   routes: str = "") -> RenderedEnvoy:
-    """`confgen render` of the same user topology in `envoy.xds.mode: ads` (the control plane at
-    127.0.0.1:`xds_port`): its one file is the bootstrap, the rest the control plane serves."""
-    port, admin = runtime.free_port(), runtime.free_port()
-    sockets = tempfile.mkdtemp(prefix="cg-bench-")
-    text = user_topology(workers, port, admin, balancing, runtime.free_port(), routes, sockets)
-    text += f"envoy: {{xds: {{mode: ads, servers: ['127.0.0.1:{xds_port}']}}}}\n"
-    topo_path = out_dir.parent / f"{out_dir.name}.topology" / "topology.yaml"
-    topo_path.parent.mkdir(parents=True, exist_ok=True)
-    topo_path.write_text(text)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    proc = subprocess.run([os.sys.executable, "-m", "confgen", "render", str(topo_path), "-o", str(out_dir)],
-                          capture_output=True, timeout=120, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"confgen render failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
-    return RenderedEnvoy(out_dir, port, admin, {}, topo_path, Path(sockets))
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
         balancing = setup.policy
         if setup.ads:  # one control plane (--serve-xds) serving every Envoy, as docs/ads.md deploys it
             xds_port = runtime.free_port()
-            ads = _proxies.render_ads_cli(workers, ctx.work / f"{tag}.ads", xds_port, balancing, setup.routes)
+            ads = _proxies.render_cli(workers, ctx.work / f"{tag}.ads", balancing, setup.routes, xds_port)
             plane = stack.enter_context(_proxies.run_control_plane(ads, xds_port, ctx.work / f"{tag}.plane.log",
                                                                    setup.sidecar_args))
             ads_procs = [stack.enter_context(_proxies.run_ads_envoy(ads, f"{tag}-envoy{i}")) for i in range(ingresses)]

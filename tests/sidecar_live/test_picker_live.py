@@ -225,36 +225,41 @@ def _ext_proc(rig: Rig, counter: str) -> int:
     return sum(v for k, v in rig.envoy.stats().items() if k.endswith(f".ext_proc.{counter}") and isinstance(v, int))
 
 
+def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
+    """The fault: the sidecar's process stopped (SIGSTOP) while eight requests arrive, until every stream has
+    sent its headers to it (Envoy's `streams_started` past `started` by 8) and 60 ms have passed; then
+    resumed. Their statuses."""
+    import signal
+    import time
+
+    assert rig.sidecar.proc is not None
+    pid = rig.sidecar.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stalled_at = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
+            assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
+            time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
+            os.kill(pid, signal.SIGCONT)
+            return [f.result(timeout=30)[0] for f in futures]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_requests_that_reach_a_stalled_picker_late_are_answered_on_their_headers_without_a_pick(
         tmp_path: Path) -> None:
     """The fault: the sidecar's process stopped (SIGSTOP) while requests arrive, as a CPU-starved or paused
     picker; their headers reach it late once it runs again. Each is answered on its headers alone, with
     the override that ends the stream (Envoy sends it no body: one message a stream, not two), so Envoy
     balances them at once instead of after its 200 ms message timeout; every request is served."""
-    import signal
-    import time
-
     with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
         for _ in range(5):  # on time: picked on the body (two messages a stream); the floor of ages is set
             assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 200
         behind = unpicked(rig.sidecar, "behind")
         started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
         timeouts = _ext_proc(rig, "message_timeouts")
-        assert rig.sidecar.proc is not None
-        pid = rig.sidecar.proc.pid
-        results: list[int] = []
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            stalled_at = time.monotonic()
-            with ThreadPoolExecutor(8) as pool:
-                futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
-                # every stream has sent its headers to the stopped picker, and they have waited 60 ms
-                assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
-                time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
-                os.kill(pid, signal.SIGCONT)
-                results = [f.result(timeout=30)[0] for f in futures]
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        results = _sent_to_a_stalled_picker(rig, started)
         assert results == [200] * 8
         assert unpicked(rig.sidecar, "behind") - behind == 8, rig.sidecar.log_tail()
         assert _ext_proc(rig, "streams_started") - started == 8
@@ -274,7 +279,6 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
     picker's process is stopped (SIGSTOP) while eight requests arrive; their headers reach it late. Each
     is refused on its headers (the picker's immediate response, one message a stream), not passed to
     Envoy's balancer unadmitted, and none waits Envoy's message timeout; the long answers complete."""
-    import signal
     import time
 
     with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=1), capacity=1,
@@ -305,23 +309,11 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
             assert len(long) == 2, rig.sidecar.log_tail()
             refused, behind = _refused(rig.sidecar), unpicked(rig.sidecar, "behind")
             timeouts = _ext_proc(rig, "message_timeouts")
-            assert rig.sidecar.proc is not None
-            pid = rig.sidecar.proc.pid
             # picked and refused: the wait it predicts stands for the requests the picker will answer late
             # (drained one second per second since), so the stall follows at once
             assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 429
             started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                stalled_at = time.monotonic()
-                with ThreadPoolExecutor(8) as pool:
-                    futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
-                    assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
-                    time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
-                    os.kill(pid, signal.SIGCONT)
-                    results = [f.result(timeout=30)[0] for f in futures]
-            finally:
-                os.kill(pid, signal.SIGCONT)
+            results = _sent_to_a_stalled_picker(rig, started)
             assert results == [429] * 8, (results, unpicked(rig.sidecar, "behind") - behind,
                                           [line for line in rig.sidecar.metrics().splitlines()
                                            if line.startswith(("confgen_picker_pressure", "confgen_picker_refused"))])
