@@ -225,6 +225,16 @@ def _ext_proc(rig: Rig, counter: str) -> int:
     return sum(v for k, v in rig.envoy.stats().items() if k.endswith(f".ext_proc.{counter}") and isinstance(v, int))
 
 
+def _until_predicted(rig: Rig, warm_tokens: int) -> None:
+    """Warm-up requests of `warm_tokens` until the picker predicts (it learned the workers' token latency
+    from their metrics and a predicted pick has finished), 30 s at most."""
+    def predicted() -> bool:
+        assert chat(rig, [{"role": "user", "content": "warm"}], max_tokens=warm_tokens)[0] == 200
+        return any(line.startswith("confgen_picker_prediction_ratio_count") and not line.endswith(" 0.0")
+                   for line in rig.sidecar.metrics().splitlines())
+    assert poll(predicted, timeout=30), rig.sidecar.log_tail()
+
+
 def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
     """The fault: the sidecar's process stopped (SIGSTOP) while eight requests arrive, until every stream has
     sent its headers to it (Envoy's `streams_started` past `started` by 8) and 60 ms have passed; then
@@ -284,13 +294,9 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
     with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=1), capacity=1,
                     extra_args=["--picker", "admission_gate=0", "--picker", "budget_standard=0",
                                 "--picker", "hold=0"]) as rig:
-        def predicted() -> bool:  # the picker learned the workers' token latency from their metrics
-            # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot
-            # for seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
-            assert chat(rig, [{"role": "user", "content": "warm"}], max_tokens=150)[0] == 200
-            return any(line.startswith("confgen_picker_prediction_ratio_count") and not line.endswith(" 0.0")
-                       for line in rig.sidecar.metrics().splitlines())
-        assert poll(predicted, timeout=30), rig.sidecar.log_tail()
+        # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot for
+        # seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
+        _until_predicted(rig, warm_tokens=150)
         with ThreadPoolExecutor(2) as long_pool:
             # two answers of 500 tokens (10 s at 20 ms a step): both slots taken for the rest of the test.
             # One may be refused at once while the engines' last report still shows the warm-up running
@@ -482,11 +488,7 @@ def test_with_hold_requests_wait_in_the_picker_for_a_slot_and_envoy_waits_for_th
     message timeout in Envoy would do)."""
     with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=2), capacity=2,
                     extra_args=["--picker", "hold=1"]) as rig:
-        def predicted() -> bool:  # the picker learned the workers' token latency from their metrics
-            assert chat(rig, [{"role": "user", "content": "warm"}], max_tokens=8)[0] == 200
-            return any(line.startswith("confgen_picker_prediction_ratio_count") and not line.endswith(" 0.0")
-                       for line in rig.sidecar.metrics().splitlines())
-        assert poll(predicted, timeout=30), rig.sidecar.log_tail()
+        _until_predicted(rig, warm_tokens=8)
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda i: chat(rig, [{"role": "user", "content": f"q {i}"}], max_tokens=24,
                                                timeout=60), range(8)))

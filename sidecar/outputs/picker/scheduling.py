@@ -667,13 +667,13 @@ class Picker:
         return spike.observe(self._clock(), policy.spike_s)
 
     def arrived(self, pool: str) -> None:
-        """A request of the pool answered without a pick (it reached the picker late): counted in the
-        pool's spike window all the same, so that a rush which makes the picker late is still counted as
-        one (12 workers at 3x on the bench's 2 cores: the picker 10-61 requests late)."""
+        """A request of the pool answered without a pick (it reached the picker late, or over its stream
+        cap): counted in the pool's spike window all the same, so that a rush which makes the picker late
+        is still counted as one (12 workers at 3x on the bench's 2 cores: the picker 10-61 requests late)."""
         self._arrival(pool)
 
     def refusal_unread(self, pool: str, traffic_class: str, saturated: bool) -> float | None:
-        """A request of the pool answered without a pick (it reached the picker late, its body unread)
+        """A request of the pool answered without a pick (late, or over the stream cap: its body unread)
         while admission is on there (`saturated`: the daemon's verdict): how far past its class's budget
         the pool's last predicted start, drained one second per second since, puts it; None: within it
         (or admission off, or nothing predicted yet), the proxy places it."""
