@@ -270,13 +270,14 @@ def wait_for_window(seconds_left: float, window: int = 60, timeout: float = 70.0
 
 @contextlib.contextmanager
 def ads_global_rig(tmp: Path, envoys: int = 3, *, clients: dict[str, str | None] | None = None,
-                   mtls: bool = False, workers: int = 2) -> Iterator[GlobalRig]:
+                   mtls: bool = False, workers: int = 2, control_args: Sequence[str] = ()) -> Iterator[GlobalRig]:
     """`envoys` Envoys on one control plane (`confgen-sidecar --serve-xds`, which serves them ADS and the
     rate limit service) counting in one real Redis, in front of one simulated fleet: mode ads. The
     Envoys share the listener's port (SO_REUSEPORT: the kernel spreads connections over them) and
     differ in node id and admin port. Transport: the control plane's Unix sockets, or `mtls` (one CA,
     the Envoys sharing one client certificate, as the Kubernetes render mounts it). The same
-    generous timeouts as `global_rig` (a slow answer must not fail open)."""
+    generous timeouts as `global_rig` (a slow answer must not fail open). `control_args`: more flags of the
+    control plane's."""
     import os
 
     from tests.support.certs import CertAuthority
@@ -307,7 +308,7 @@ def ads_global_rig(tmp: Path, envoys: int = 3, *, clients: dict[str, str | None]
         topo_path = tmp / "topology.yaml"
         topo_path.write_text(text(free_port()))
         # the stack stops the Envoys first: they would fail open against a stopped service
-        control = stack.enter_context(control_plane(topo_path, xds, tmp / "control-plane.log", *tls_args,
+        control = stack.enter_context(control_plane(topo_path, xds, tmp / "control-plane.log", *tls_args, *control_args,
                                                     listen=listen, env=env, clean_exit=True))
         pairs = []
         for i in range(envoys):
