@@ -13,8 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from confgen.deploy._observability import alert_rules, dashboard
+from sidecar.outputs.picker.admission import Pressure
 from sidecar.outputs.picker.metrics import PickerMetrics
-from sidecar.outputs.picker.scheduling import Pressure
 from sidecar.outputs.ratelimit.service import METRIC_NAMES as RATELIMIT_METRICS
 from sidecar.serve.metrics import METRIC_NAMES
 from tests.observability.promtools import tool

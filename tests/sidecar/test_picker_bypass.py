@@ -193,9 +193,9 @@ def test_a_pool_surges_when_offered_its_capacity_before_admission_opens() -> Non
     for _ in range(3):
         now[0] += 10.0
         arrive()
-    assert not picker.surging("chat") and not picker.admitting("chat")
+    assert not picker.admission.surging("chat") and not picker.admission.admitting("chat")
     for _ in range(50):
         arrive()
-    assert picker.surging("chat") and not picker.admitting("chat")
+    assert picker.admission.surging("chat") and not picker.admission.admitting("chat")
     now[0] += 2.5  # no request since, for longer than pressure_s: nothing arriving is no surge
-    assert not picker.surging("chat")
+    assert not picker.admission.surging("chat")

@@ -335,7 +335,7 @@ def test_a_held_requests_wait_counts_the_other_pickers_lobbies_as_deep_as_its_ow
                         pickers=lambda n=pickers: n)  # type: ignore[misc]
         req = PickRequest("chat", prompt, (), saturated=False)
         assert picker.observe_held(req, store.endpoints("chat"), 3) is False  # held: nothing opened
-        pressure = picker.pressure("chat")
+        pressure = picker.admission.pressure("chat")
         assert pressure is not None
         waits[pickers] = pressure.last_s
     # (the engines' queues 0 + those ahead + itself) over what the pool serves: 4 ahead-and-itself alone, 7 with

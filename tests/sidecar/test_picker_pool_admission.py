@@ -18,7 +18,7 @@ from sidecar.outputs.contract import Wiring
 from sidecar.outputs.envoy_admin import EnvoyAdmin
 from sidecar.outputs.grpc import Servicers
 from sidecar.outputs.picker import PickerPolicy, PickerService, admission_budgets
-from sidecar.outputs.picker.scheduling import WaitBudgets
+from sidecar.outputs.picker.admission import WaitBudgets
 
 TOPOLOGY = """
 version: 1
@@ -67,12 +67,13 @@ def test_the_service_hands_them_to_its_picker_and_follows_a_reload(tmp_path: Pat
         loop = asyncio.get_running_loop()
         service = PickerService(Wiring(config, topo[0], lambda: topo[0], admin, CollectorRegistry(), loop.time,
                                        Servicers()))
-        assert set(service.picker.pool_budgets) == {"batch"}
+        assert set(service.picker.admission.pool_budgets) == {"batch"}
         topo[0] = _topology("    admission: {sheddable: 0}")
         service.update(Snapshot(topology="budgets", pools=(), reloads={}, cycles=1, not_ready=(), problems=(),
                                 last_reload_error=None))
         policy = service.picker.policy
-        assert service.picker.pool_budgets["chat"] == WaitBudgets(policy.budget_standard, 0.0, policy.budget_floor_s)
+        budgets = service.picker.admission.pool_budgets
+        assert budgets["chat"] == WaitBudgets(policy.budget_standard, 0.0, policy.budget_floor_s)
         await service.close()
 
     asyncio.run(run())

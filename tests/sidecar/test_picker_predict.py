@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from sidecar.observe.engines import extract
+from sidecar.outputs.picker.admission import WaitBudgets
 from sidecar.outputs.picker.datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.predict import CostPolicy, Estimate, Learner, Workload, pool_estimates, predict
 from sidecar.outputs.picker.prompt import block_hashes, parse_body
-from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, WaitBudgets, rendezvous
+from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, rendezvous
 
 FIXTURES = Path(__file__).parent / "fixtures"
 POLICY = CostPolicy()
@@ -190,7 +191,7 @@ def test_admission_refuses_what_cannot_start_within_its_class_budget_never_criti
 
 
 def test_a_pools_own_budgets_replace_the_policys_for_that_pool_only() -> None:
-    """The topology's `pools[].admission` (PickerService hands it to `Picker.pool_budgets`): a pool that
+    """The topology's `pools[].admission` (PickerService hands it to `Admission.pool_budgets`): a pool that
     allows a longer wait admits what the sidecar's default refuses; the other pools keep the default."""
     facts = tuple(_facts(f"e{i}:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0) for i in range(2))
     store = Datastore()
@@ -203,13 +204,13 @@ def test_a_pools_own_budgets_replace_the_policys_for_that_pool_only() -> None:
         return picker.pick(req, store.endpoints(pool)).refused_for_s is not None
 
     assert refused("chat", "standard") and refused("batch", "standard")  # a start 4 services away
-    picker.pool_budgets = {"batch": WaitBudgets(standard=10.0, sheddable=0.03)}
+    picker.admission.pool_budgets = {"batch": WaitBudgets(standard=10.0, sheddable=0.03)}
     assert refused("chat", "standard") and not refused("batch", "standard")
     assert refused("batch", "sheddable") and not refused("batch", "critical")
-    assert picker.budget("batch", "standard") == pytest.approx(
-        10.0 * picker.budget("chat", "standard") / picker.policy.budget_standard)
+    assert picker.admission.budget("batch", "standard") == pytest.approx(
+        10.0 * picker.admission.budget("chat", "standard") / picker.policy.budget_standard)
     # a floor in seconds under both classes: a minute is longer than this queue
-    picker.pool_budgets = {"batch": WaitBudgets(standard=0.5, sheddable=0.03, floor_s=60.0)}
+    picker.admission.pool_budgets = {"batch": WaitBudgets(standard=0.5, sheddable=0.03, floor_s=60.0)}
     assert not refused("batch", "standard") and not refused("batch", "sheddable") and refused("chat", "sheddable")
 
 
@@ -394,7 +395,7 @@ def test_the_pressure_opens_at_open_share_of_a_service_time_not_at_the_standard_
     probe = Picker(rng=random.Random(1))
     pick = probe.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False), store.endpoints("chat"))
     assert pick.predicted is not None
-    service = probe.budget("chat", "standard") / probe.policy.budget_standard  # type: ignore[operator]
+    service = probe.admission.budget("chat", "standard") / probe.policy.budget_standard  # type: ignore[operator]
     standing = pick.predicted.wait_s / service  # the best start, in service times
     assert 0.2 < standing < 5.0
     for open_share, opens in ((0.8 * standing, True), (1.25 * standing, False)):
@@ -431,11 +432,12 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
         pick = picker.pick(req, store.endpoints("chat"))
         return pick.refused_for_s is not None
 
-    assert picker.pressure("chat") is None
+    assert picker.admission.pressure("chat") is None
     burst = [offer(t / 10, 2, 6) for t in range(int(3 * tau))]  # 0.3 tau of a queue 3.5 services deep
-    assert not any(burst) and picker.pressure("chat") is not None and not picker.pressure("chat").held
+    pressure = picker.admission.pressure("chat")
+    assert not any(burst) and pressure is not None and not pressure.held
     calm = [offer(10 * tau + t / 10, 1, 0) for t in range(int(30 * tau))]
-    assert not any(calm) and picker.pressure("chat").level_s < 0.2
+    assert not any(calm) and picker.admission.pressure("chat").level_s < 0.2
     start = 20 * tau
     surge = [offer(start + t / 10, 2, 6) for t in range(int(20 * tau))]
     first = surge.index(True)
@@ -446,27 +448,27 @@ def test_the_pickers_own_pressure_opens_admission_on_a_surge_not_on_a_burst() ->
     from sidecar.outputs.picker.metrics import PickerMetrics
 
     registry = CollectorRegistry()
-    PickerMetrics(registry, lambda: {}, picker.pressures)
+    PickerMetrics(registry, lambda: {}, picker.admission.pressures)
     assert registry.get_sample_value("confgen_picker_admitting", {"pool": "chat"}) == 1
     assert registry.get_sample_value("confgen_picker_pressure_seconds", {"pool": "chat"}) > 2.0
     # the queue admission keeps: one request waiting on each, past the sheddable budget, within the standard
     start += 2 * tau
     standing = [(offer(start + t / 10, 2, 0), offer(start + t / 10, 2, 0, "sheddable")) for t in range(30)]
-    assert picker.pressure("chat").held
+    assert picker.admission.pressure("chat").held
     assert not any(std for std, _ in standing) and all(shed for _, shed in standing)
     # a free slot again (admission holds the queue at nothing), but requests still arrive at 10 a
     # second where the pool serves ~0.8 (2 x 2 slots over ~5 s of 256 tokens at 20 ms): still a
     # surge, so the pressure holds and each request is judged by its own predicted delay
     start += 3
     held = [offer(start + t / 10, 1, 0, "sheddable") for t in range(int(60 * tau))]
-    pressure = picker.pressure("chat")
+    pressure = picker.admission.pressure("chat")
     assert not any(held) and pressure.held and pressure.level_s < 0.01, pressure
     assert 9.0 < pressure.rate < 11.0 and 10.0 < pressure.offered < 15.0, pressure
     assert registry.get_sample_value("confgen_picker_offered_load", {"pool": "chat"}) == pressure.offered
     # arrivals under what the pool serves (one every 2 s): it closes
     start += 6 * tau
     drained = [offer(start + 2 * t, 1, 0, "sheddable") for t in range(int(5 * tau))]
-    assert not any(drained) and not picker.pressure("chat").held, picker.pressure("chat")
+    assert not any(drained) and not picker.admission.pressure("chat").held, picker.admission.pressure("chat")
 
 
 def test_without_the_rate_hold_the_pressure_closes_once_admission_emptied_the_queue() -> None:
@@ -487,9 +489,9 @@ def test_without_the_rate_hold_the_pressure_closes_once_admission_emptied_the_qu
 
     tau = policy.pressure_s
     assert any(offer(t / 10, 2, 6) for t in range(int(20 * tau)))
-    assert picker.pressure("chat").held
+    assert picker.admission.pressure("chat").held
     assert not any(offer(2 * tau + 3 + t / 10, 1, 0) for t in range(int(60 * tau)))
-    assert not picker.pressure("chat").held
+    assert not picker.admission.pressure("chat").held
 
 
 def test_without_its_own_pressure_the_picker_waits_for_the_verdict() -> None:
@@ -501,7 +503,7 @@ def test_without_its_own_pressure_the_picker_waits_for_the_verdict() -> None:
         now[0] = t / 10
         pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=False), store.endpoints("chat"))
         assert pick.refused_for_s is None
-    assert picker.pressure("chat") is None
+    assert picker.admission.pressure("chat") is None
 
 
 def test_admission_counts_a_slower_worker_as_delay_a_long_request_is_refused_there_a_short_one_not() -> None:
@@ -531,7 +533,7 @@ def test_the_pressure_keeps_observing_while_the_verdict_holds() -> None:
     for t in range(int(30 * picker.policy.pressure_s)):
         now[0] = t / 10
         picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, saturated=True), store.endpoints("chat"))
-    pressure = picker.pressure("chat")
+    pressure = picker.admission.pressure("chat")
     assert pressure is not None and pressure.held
 
 

@@ -33,13 +33,14 @@ from sidecar.logs import log_event
 from sidecar.observe.probe import LoopLag
 from sidecar.outputs.contract import Built, OutputStatus
 
+from .admission import WaitBudgets
 from .budgets import RouteChecks
 from .bypass import Bypass, BypassPolicy
 from .datastore import Classes, Datastore, EndpointFacts, PoolFacts
 from .extproc import DESTINATION, POOL_METADATA, ExtProcLimits, PickerServicer
 from .metrics import PickerMetrics
 from .peers import PeerLimits, PeerLinks, PeerLoads, PeerServicer
-from .scheduling import Picker, PickerPolicy, WaitBudgets
+from .scheduling import Picker, PickerPolicy
 
 if TYPE_CHECKING:
     import grpc
@@ -155,7 +156,7 @@ class PickerService:
         # spike rule counts its own times that many); without, --ingresses of them (the policy's)
         self.picker = picker = Picker(policy, pickers=(lambda: 1 + self.links.connected())
                                       if wiring.config.picker_peers else None)
-        self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.pressures)
+        self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.admission.pressures)
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
         self._lag = LoopLag()
@@ -206,7 +207,7 @@ class PickerService:
         seen, waited, late = self._counted
         queued = max(servicer.waited - waited, servicer.late - late)  # queued before the picker, or answered late
         store, picker = self.store, self.picker
-        surging = any(picker.surging(pool) or store.saturated(pool) for pool in store.pools())
+        surging = any(picker.admission.surging(pool) or store.saturated(pool) for pool in store.pools())
         percent = self._bypass.step(servicer.seen - seen, queued, surging)
         self._counted = (servicer.seen, servicer.waited, servicer.late)
         held = self._bypass_held
@@ -231,7 +232,7 @@ class PickerService:
         if topo is not self._checks_of:
             self._checks_of = topo
             self.servicer.checks = budget_checks(topo)
-            self.picker.pool_budgets = admission_budgets(topo, self.picker.policy)
+            self.picker.admission.pool_budgets = admission_budgets(topo, self.picker.policy)
 
     def forget(self, pool: str) -> None:
         """Nothing: the next fleet view no longer has the pool."""

@@ -28,7 +28,7 @@ is what is shed, not what is admitted):
 It never passes `max_percent`: the picker keeps seeing some requests, so it learns when it keeps up
 again (and its prefix index keeps learning where conversations live). And it does not rise while any
 of the picker's pools surges (admission on, or requests arriving as fast as the pool serves them:
-`Picker.surging`): a request sent past the picker is sent past its admission too, into the engines'
+`Admission.surging`): a request sent past the picker is sent past its admission too, into the engines'
 queues, and a surge is when the picker's queue (tens of ms, its late answers refused by admission as
 well) costs least against the seconds an unadmitted backlog costs (measured: 12 workers at a 3x spike
 on the 2-core bench machine, the share rose in the spike's first second, 429-962 requests went past

@@ -383,7 +383,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Pick for the request now (and refuse it, when admission says so)."""
         pool, hashes = req.pool, req.hashes
         pick = self.picker.pick(req, endpoints)
-        if self.lobby.depth(pool) and self.picker.admitting(pool):
+        if self.lobby.depth(pool) and self.picker.admission.admitting(pool):
             self.lobby.open(pool)  # admission opened on this pick: whoever waits is decided now
         if pick.refused_for_s is not None:
             return self._refuse(st, req.pool, req.traffic_class, pick.refused_for_s)
@@ -445,16 +445,16 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """A request the picker could not take (it came late, or past `max_open_streams`: `UNTAKEN`) still
         arrived: into its pool's spike window (its body unread, so no model: the pool its route names, the
         proxy's, or the only one). While admission is on there it is refused as the pool's last prediction
-        says (`Picker.refusal_unread`), where its class is known without its body; else (None) the proxy
+        says (`Admission.refusal_unread`), where its class is known without its body; else (None) the proxy
         places it, unadmitted."""
         pool = self._pool_of(st, None)
         if pool is None:
             return None
-        self.picker.arrived(pool)
+        self.picker.admission.arrived(pool)
         traffic_class = self.store.classes.without_body(st.client, pool, st.route)
         if traffic_class is None:
             return None
-        past_s = self.picker.refusal_unread(pool, traffic_class, self.store.saturated(pool))
+        past_s = self.picker.admission.refusal_unread(pool, traffic_class, self.store.saturated(pool))
         return None if past_s is None else self._refuse(st, pool, traffic_class, past_s)
 
     def release(self, st: _Stream, *, finished: bool = False) -> None:
@@ -498,7 +498,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # by admission even if the gate has closed since (a spike's gate flickers: placed without it,
         # the waiters of one opening would flood the engines' queues)
         req.saturated = self.store.saturated(req.pool) or outcome == "open"
-        budget = self.picker.budget(req.pool, req.traffic_class) if outcome == "open" else None
+        budget = self.picker.admission.budget(req.pool, req.traffic_class) if outcome == "open" else None
         if budget is not None and waited > budget:
             # its wait alone is past its budget: refused without a pick (admission opening wakes every
             # waiter at once; a pick for each, on a deep lobby, would stall the loop for the others)
@@ -517,7 +517,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         spike, the daemon's verdict) wakes them all to be decided."""
         self._tick = None
         for pool in self.lobby.pools():
-            if self.picker.admitting(pool) or self.store.saturated(pool):
+            if self.picker.admission.admitting(pool) or self.store.saturated(pool):
                 self.lobby.open(pool)
             else:
                 self._wake(pool)

@@ -27,7 +27,7 @@
     confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
-    confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (scheduling.Pressure)
+    confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (admission.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
     confgen_picker_offered_load{pool}           requests arriving (through every picker sharing the pool,
@@ -61,8 +61,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .admission import Pressure
 from .datastore import Endpoint
-from .scheduling import Pick, Pressure
+from .scheduling import Pick
 
 __all__ = ["PickerMetrics"]
 

@@ -35,19 +35,19 @@ import math
 import random
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 from typing import Protocol
 
+from .admission import Admission, WaitBudgets
 from .datastore import Endpoint
 from .lateness import LATE_S
 from .predict import CostPolicy, Estimate, Prediction, Workload, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
 __all__ = ["COST_KEYS", "FILTERS", "POLICY_KEYS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy",
-           "Pressure", "Scorer", "WaitBudgets", "free_slots"]
+           "Scorer", "free_slots"]
 
 
 RULES = ("predicted", "weighted")
@@ -337,23 +337,6 @@ class Pick:
     refused_for_s: float | None = None  # admission: refused, the earliest start this far past its budget
 
 
-@dataclass(frozen=True, slots=True)
-class WaitBudgets:
-    """How long each class may be delayed in one pool: multiples of the pool's median service time, at
-    least `floor_s` seconds (the policy's `budget_*`, or the pool's `admission` in the topology)."""
-
-    standard: float
-    sheddable: float
-    floor_s: float = 0.0
-
-    def of(self, traffic_class: str, service_s: float) -> float | None:
-        """Seconds a request of this class may wait to start; None: never refused (critical)."""
-        if traffic_class == "critical":
-            return None
-        share = self.sheddable if traffic_class == "sheddable" else self.standard
-        return max(self.floor_s, share * service_s)
-
-
 def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float]:
     """The pool's median time one request holds a slot (seconds), and the requests per second its
     slots serve."""
@@ -369,74 +352,9 @@ def rendezvous(home: int, address: str) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-@dataclass(slots=True)
-class Pressure:
-    """One pool's standing wait as this picker sees it: the earliest predicted start of each
-    request it places (on the best candidate), averaged over time (an exponential moving average
-    with time constant `tau_s`, each request weighted by the time since the one before).
-
-    A burst lifts a few predictions for a moment; a surge lifts all of them for as long as it
-    lasts. The pressure holds from the moment the average reaches `open_s` until it falls under
-    `close_s`. It reacts within about `tau_s` of a surge, where the daemon's saturation verdict
-    waits for probe cycles and a held queue (seconds of backlog that admission must then shed)."""
-
-    level_s: float = 0.0
-    at: float | None = None
-    held: bool = False
-    last_s: float = 0.0  # the latest prediction: the wait from then until the next request
-    rate: float = 0.0  # arrivals per second through this picker (the same average)
-    offered: float = 0.0  # that rate over this picker's share of what the pool serves (1.0: full)
-
-    def observe(self, wait_s: float, now: float, tau_s: float, open_s: float, close_s: float,
-                serves: float = 0.0, hold_ratio: float = 0.0) -> bool:
-        """`serves`: requests per second this picker's share of the pool serves (0: unknown);
-        while arrivals come at `hold_ratio` times that or faster a held pressure does not close
-        (0: the queue alone decides)."""
-        if self.at is not None and now > self.at:
-            self.rate *= math.exp(-(now - self.at) / tau_s)
-            # since the request before, the queue it saw drained one second per second (what
-            # arrived since is this request's prediction, for the time after it): its mean wait
-            # over the interval, so neither a request after a quiet spell nor one before it
-            # counts for the spell
-            dt, w = now - self.at, self.last_s
-            mean = w - dt / 2.0 if dt <= w else w * w / (2.0 * dt)
-            self.level_s += (1.0 - math.exp(-dt / tau_s)) * (mean - self.level_s)
-        if self.at is None or now > self.at:
-            self.at = now
-        # the rate as this arrival finds it (counting it first would add 1 / tau_s to every reading)
-        self.offered = self.rate / serves if serves > 0 else 0.0
-        self.rate += 1.0 / tau_s
-        # a prediction counts up to twice the opening level: however long one burst's queue, the
-        # pressure opens only after it held for most of tau_s (0.69 tau_s at least)
-        self.last_s = min(wait_s, 2.0 * open_s)
-        if self.level_s >= open_s:
-            self.held = True
-        elif self.level_s < close_s and not (hold_ratio > 0 and serves > 0 and self.offered >= hold_ratio):
-            self.held = False
-        return self.held
-
-
-class Spike:
-    """One pool's arrival rate as this picker sees it: the requests of the last `window_s` (at most
-    `MAX_SPIKE_ARRIVALS` kept), against what the pool serves per second."""
-
-    def __init__(self) -> None:
-        self._arrivals: deque[float] = deque(maxlen=MAX_SPIKE_ARRIVALS)
-
-    def observe(self, now: float, window_s: float) -> int:
-        """Count an arrival at `now`; the arrivals in the window ending there."""
-        arrivals = self._arrivals
-        arrivals.append(now)
-        while arrivals and arrivals[0] <= now - window_s:
-            arrivals.popleft()
-        return len(arrivals)
-
-
-MAX_SPIKE_ARRIVALS = 100_000  # 0.5 s at 200,000 req/s
-
-
 class Picker:
-    """Filters, then weighted scorers, then the best (random among equals) and fallbacks."""
+    """Filters, then the predicted cost (or the weighted scorers), then the best (random among equals) and
+    fallbacks; a request whose delay fits its class's budget nowhere in its pool is refused (`admission`)."""
 
     def __init__(self, policy: PickerPolicy | None = None, *, rng: random.Random | None = None,
                  filters: Sequence[str] = ("subset", "serving"),
@@ -452,25 +370,8 @@ class Picker:
         self._scorers = [(SCORERS[n], w) for n, w in self.policy.weights if w]
         self._filters = [FILTERS[n] for n in filters]
         self._rng = rng or random.Random()
-        self._clock = clock
-        self._pressure: dict[str, Pressure] = {}  # per pool
-        self._spikes: dict[str, Spike] = {}  # per pool
-        self._gate: dict[str, bool] = {}  # per pool: its pressure or a spike opened admission at the last look
-        self._service: dict[str, float] = {}  # per pool: the median time a request holds a slot, at the last look
-        self._rushing: dict[str, bool] = {}  # per pool: arrivals at the spike rule's rate, at the last look
-        self._standing: dict[str, tuple[float, float]] = {}  # per pool: (when, the best predicted start) last seen
-        # per pool: the topology's admission budgets where it sets any (the policy's for the others)
-        self.pool_budgets: Mapping[str, WaitBudgets] = {}
-        self._budgets = self.policy.budgets
-
-    def _budget(self, pool: str, traffic_class: str, service_s: float) -> float | None:
-        """Seconds a request of this class may wait to start in the pool; None: never refused."""
-        return self.pool_budgets.get(pool, self._budgets).of(traffic_class, service_s)
-
-    def _opening(self, pool: str, service_s: float) -> float:
-        """The average best predicted start (seconds) at which the pool's pressure opens: the policy's
-        `open_share` of a service time, never under the pool's standard budget."""
-        return max(self.policy.open_share * service_s, self._budget(pool, "standard", service_s) or 0.0)
+        # the gate and budgets of each pool, from the predictions made there
+        self.admission = Admission(self.policy, pickers=self._pickers, clock=clock)
 
     def _candidates(self, req: PickRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
         """The endpoints the filters leave for the request."""
@@ -556,12 +457,12 @@ class Picker:
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
         service, serves = _rates(cands, estimates)
-        budget = self._budget(req.pool, req.traffic_class, service)
+        budget = self.admission.budget_at(req.pool, req.traffic_class, service)
         if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
-            opened = self._gate.get(req.pool, False)
+            opened = self.admission.gate(req.pool)
         else:  # observed on every pick, saturated or not
             wait = min(p.wait_s for p in preds)
-            opened = self._observe(req.pool, wait, service, serves)
+            opened = self.admission.observe(req.pool, wait, service, serves)
         gated = policy.admission_gate and not (req.saturated or opened)
         # the delay a placement adds to the request's best case (no queue, the fastest prefill and
         # decode the pool offers it now): its wait there, and `slow_share` of what a slower worker
@@ -587,22 +488,6 @@ class Picker:
             reason = "prefix" if matched == top else "spill"
         return Pick(tuple(cands[i] for i in order), reason, matched, len(req.hashes), preds[first])
 
-    def _observe(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
-        """One arrival whose best predicted start is `wait_s` away: into the pool's pressure and spike
-        window. True when either opens admission (remembered for the requests the lobby places)."""
-        self._standing[pool] = (self._clock(), wait_s)
-        pressed = self._pressed(pool, wait_s, service_s, serves)
-        spiking = self._spiking(pool, wait_s, service_s, serves)
-        self._gate[pool] = opened = pressed or spiking
-        self._service[pool] = service_s
-        return opened
-
-    def budget(self, pool: str, traffic_class: str) -> float | None:
-        """Seconds a request of this class may be delayed in the pool, as of the picker's last look at
-        it (None: never refused, or the pool not seen yet)."""
-        service = self._service.get(pool)
-        return None if service is None else self._budget(pool, traffic_class, service)
-
     def observe_held(self, req: PickRequest, endpoints: Sequence[Endpoint], ahead: int) -> bool | None:
         """A request about to wait in the lobby behind `ahead` others while every slot is taken: its
         arrival, and the wait predicted for it (the engines' queues, those ahead in the lobby and itself,
@@ -623,91 +508,12 @@ class Picker:
         # each picker sharing the pool holds its share of the arrivals in a lobby of its own, which the
         # others do not see: as many ahead in each (the spike rule counts arrivals alike)
         ahead *= max(1, self._pickers())
-        opened = self._observe(req.pool, (queued + ahead + 1) / max(1e-9, serves), service, serves)
+        opened = self.admission.observe(req.pool, (queued + ahead + 1) / max(1e-9, serves), service, serves)
         # a spike (arrivals at the spike rule's rate) is not waited out: nothing held would be placed
         # before admission opens, and the lobby's own work comes on top of the spike's (measured: 12 workers
         # at 3x, admitted P99 2.33x their own at 78 % when held, bench/results/lobby)
-        rushing = self._rushing.get(req.pool, False)
+        rushing = self.admission.rushing(req.pool)
         return opened or rushing or req.saturated or not self.policy.admission_gate
-
-    def _pressed(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
-        """The pool's pressure after this request's best predicted start (`Pressure`), held while
-        the pickers sharing the pool see arrivals at `hold_ratio` times what it `serves` per second."""
-        policy = self.policy
-        if policy.pressure_s <= 0:
-            return False
-        pressure = self._pressure.get(pool)
-        if pressure is None:
-            pressure = self._pressure[pool] = Pressure()
-        open_s = self._opening(pool, service_s)
-        close_s = 0.5 * (self._budget(pool, "sheddable", service_s) or 0.0)
-        return pressure.observe(wait_s, self._clock(), policy.pressure_s, open_s, close_s,
-                                serves / max(1, self._pickers()), policy.hold_ratio)
-
-    def _spiking(self, pool: str, wait_s: float, service_s: float, serves: float) -> bool:
-        """Requests arriving at `spike_ratio` times what the pool `serves` per second while the best
-        predicted start is past the standard budget (`Spike`).
-        Each of the pickers sharing the pool (`pickers`) sees its share of the arrivals."""
-        policy = self.policy
-        seen = self._arrival(pool)
-        if seen is None:
-            return False
-        arrivals = seen * max(1, self._pickers())
-        self._rushing[pool] = rushing = arrivals >= max(policy.spike_min, policy.spike_ratio * serves * policy.spike_s)
-        return rushing and wait_s > (self._budget(pool, "standard", service_s) or 0.0)
-
-    def _arrival(self, pool: str) -> int | None:
-        """An arrival into the pool's spike window; the arrivals in it (None: no spike rule)."""
-        policy = self.policy
-        if policy.spike_ratio <= 0 or policy.spike_s <= 0:
-            return None
-        spike = self._spikes.get(pool)
-        if spike is None:
-            spike = self._spikes[pool] = Spike()
-        return spike.observe(self._clock(), policy.spike_s)
-
-    def arrived(self, pool: str) -> None:
-        """A request of the pool answered without a pick (it reached the picker late, or over its stream
-        cap): counted in the pool's spike window all the same, so that a rush which makes the picker late
-        is still counted as one (12 workers at 3x on the bench's 2 cores: the picker 10-61 requests late)."""
-        self._arrival(pool)
-
-    def refusal_unread(self, pool: str, traffic_class: str, saturated: bool) -> float | None:
-        """A request of the pool answered without a pick (late, or over the stream cap: its body unread)
-        while admission is on there (`saturated`: the daemon's verdict): how far past its class's budget
-        the pool's last predicted start, drained one second per second since, puts it; None: within it
-        (or admission off, or nothing predicted yet), the proxy places it."""
-        standing = self._standing.get(pool)
-        budget = self.budget(pool, traffic_class)
-        if standing is None or budget is None or not (saturated or self.admitting(pool)):
-            return None
-        at, wait_s = standing
-        wait_s -= max(0.0, self._clock() - at)
-        return wait_s - budget if wait_s > budget else None
-
-    def admitting(self, pool: str) -> bool:
-        """Admission is on in the pool by the picker's own signals (its pressure or a spike), as of its
-        last look; the daemon's saturation verdict is the caller's."""
-        return self._gate.get(pool, False) or not self.policy.admission_gate
-
-    def surging(self, pool: str) -> bool:
-        """Admission is on in the pool (`admitting`), or requests arrive at least as fast as it serves them
-        (over `pressure_s`, or at the spike rule's rate: a surge before admission opens), as of the last look,
-        if that was within the last second or `pressure_s` (a pool no request reached since is not)."""
-        standing = self._standing.get(pool)
-        if standing is None or self._clock() - standing[0] > max(1.0, self.policy.pressure_s):
-            return False
-        pressure = self._pressure.get(pool)
-        return (self.admitting(pool) or self._rushing.get(pool, False)
-                or (pressure is not None and pressure.offered >= 1.0))
-
-    def pressure(self, pool: str) -> Pressure | None:
-        """The pool's pressure as of its last predicted pick (None before one)."""
-        return self._pressure.get(pool)
-
-    def pressures(self) -> dict[str, Pressure]:
-        """Every pool's pressure (for the metrics)."""
-        return dict(self._pressure)
 
     def _weighted(self, req: PickRequest, cands: list[Endpoint]) -> Pick:
         blocks = len(req.hashes)
