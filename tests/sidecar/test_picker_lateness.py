@@ -235,8 +235,8 @@ def _refused(answer: pb.ProcessingResponse) -> bool:
 def test_a_late_request_is_refused_while_admission_refuses_its_pool() -> None:
     """While admission is on and refuses, a request that reaches the picker late (answered without a
     pick, its body unread) is not let through to the proxy's fallback unadmitted: it shares the fate the
-    pool's last prediction gives its class. Critical traffic still passes; so does a request whose class
-    cannot be told without its body, and any once the predicted queue has drained."""
+    pool's last prediction gives its class. Critical traffic still passes; so does a request whose model
+    could make it critical (its body unread), and any once the predicted queue has drained."""
     facts = tuple(EndpointFacts(a, serving=True, capacity=2, running=2.0, waiting=6.0, token_latency_s=0.02)
                   for a in ADDRESSES)
     now = [0.0]
@@ -265,14 +265,23 @@ def test_a_late_request_is_refused_while_admission_refuses_its_pool() -> None:
     now[0] = 100.0
     answers = asyncio.run(_stream(svc, wall, [(T0 + 4.051, _headers_on("chat-route", T0 + 4))]))
     assert not _refused(answers[0]) and _picked(answers[0]) is None
-    # a route the picker does not know, whose class the model decides (the body unread): placed by the proxy
+    # a route the picker does not know (a proxy not configured by the render), so the pool is the default
+    # one and the class the model's (the body unread): refused as the most lenient class a model would
+    # give it (standard, not sheddable) ...
     now[0] = 0.0
-    store.update([PoolFacts("chat", ("m",), facts)],
+    store.update([PoolFacts("chat", ("m",), facts)], routes={None: "chat", "m": "chat", "other": "chat"},
                  classes=Classes(routes={"m": "standard", "other": "sheddable"}))
     asyncio.run(_stream(svc, wall, [(T0 + 5.001, _headers_on("chat-route", T0 + 5)), (T0 + 5.002, _BODY)]))
     answers = asyncio.run(_stream(svc, wall, [(T0 + 6.051, _headers_on("chat-route", T0 + 6))]))
+    assert len(answers) == 1 and _refused(answers[0])
+    assert svc.metrics.refusals()[("chat", "standard")] == 5, svc.metrics.refusals()
+    # ... and placed by the proxy where a model would make it critical
+    store.update([PoolFacts("chat", ("m",), facts)], routes={None: "chat", "m": "chat", "urgent": "chat"},
+                 classes=Classes(routes={"m": "standard", "urgent": "critical"}))
+    asyncio.run(_stream(svc, wall, [(T0 + 7.001, _headers_on("chat-route", T0 + 7)), (T0 + 7.002, _BODY)]))
+    answers = asyncio.run(_stream(svc, wall, [(T0 + 8.051, _headers_on("chat-route", T0 + 8))]))
     assert not _refused(answers[0]) and _picked(answers[0]) is None
-    assert svc.late == 5 and sum(e.in_flight for e in store.endpoints("chat")) == 0 and svc.open_streams() == 0
+    assert svc.late == 6 and sum(e.in_flight for e in store.endpoints("chat")) == 0 and svc.open_streams() == 0
 
 
 def test_a_stream_over_the_cap_is_refused_like_a_late_one_while_admission_refuses() -> None:

@@ -349,15 +349,20 @@ pools:
     standard = next(n for n, rc in named.items() if rc.pool == "chat" and rc.traffic_class == "standard")
     assert found.of(None, "m", "chat", standard) == "standard"
     assert found.of(None, "m", "chat", "no-such-route") == "critical"  # blind fallback
-    # without the body (a request answered late): the route's name decides, else the blind rule; a
-    # class the model could change is not guessed
+    # without the body (a request answered late): the route's name decides, else the blind rule; where
+    # only the model could tell, the most lenient class a model would give (refused only where that one
+    # would be), and none where a model would make it critical
     assert found.without_body(None, "chat", "bulk") == "sheddable"
     assert found.without_body(None, "chat", standard) == "standard"
     assert found.without_body(None, "chat", "no-such-route") == "critical"
     assert found.without_body(None, "other", None) == "standard"  # every model route alike: standard
     split = Classes(routes={"m": "standard", "o": "sheddable"}, clients={"vip": "critical", "batch": "sheddable"})
-    assert split.without_body(None, "chat", None) is None and split.without_body("batch", "chat", None) is None
+    assert split.without_body(None, "chat", None) == "standard"  # m's, not o's
+    assert split.without_body("batch", "chat", None) == "sheddable"  # sheddable whatever its model
     assert split.without_body("vip", "chat", None) == "critical"
+    urgent = Classes(routes={"m": "standard", "u": "critical"}, clients={"batch": "sheddable"})
+    assert urgent.without_body(None, "chat", None) is None and urgent.without_body("batch", "chat", None) is None
+    assert Classes(routes={"u": "critical", None: "critical"}).without_body(None, "chat", None) == "critical"
     store = Datastore()
     store.update([], {}, found)
     other = next(n for n, rc in named.items() if rc.pool == "other")

@@ -53,15 +53,16 @@ class Classes:
         return "sheddable" if "sheddable" in (route, own) else "standard"
 
     def without_body(self, client: str | None, pool: str | None, route_name: str | None) -> str | None:
-        """The class of a request whose body (its model) is unread: None where the model could change it
-        (no named route, and the topology's model routes differ in class)."""
+        """The class of a request whose body (its model) is unread, for admission: the route's (by its
+        name) and its client's; where only the model could tell (no named route, the topology's model
+        routes differ in class), the most lenient class any model would give it, so that it is refused
+        only where its own class would be too; None where a model would make it critical (not refused)."""
         if (route_name is not None and route_name in self.named) or (pool is not None and pool in self.blind):
             return self.of(client, None, pool, route_name)
-        if client is not None and self.clients.get(client) == "critical":
-            return "critical"
-        if len({*self.routes.values(), self.routes.get(None, "standard")}) == 1:
-            return self.of(client, None, pool, route_name)
-        return None
+        possible = {self.of(client, model, pool, route_name) for model in (*self.routes, None)}
+        if "critical" in possible:
+            return None if len(possible) > 1 else "critical"
+        return "standard" if "standard" in possible else "sheddable"
 
 
 class BlockLRU:
