@@ -38,6 +38,20 @@ class Classes:
     blind: frozenset[str] = frozenset()
     # the render's route names -> (class, pool): the route Envoy matched, header and path included
     named: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # the classes a model route can give (the default's included): at most three, whatever the models
+    _kinds: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_kinds", frozenset({*self.routes.values(), self.routes.get(None, "standard")}))
+
+    def _own(self, client: str | None) -> str:
+        return self.clients.get(client, "standard") if client is not None else "standard"
+
+    @staticmethod
+    def _combined(route: str, own: str) -> str:
+        if "critical" in (route, own):
+            return "critical"
+        return "sheddable" if "sheddable" in (route, own) else "standard"
 
     def of(self, client: str | None, model: str | None, pool: str | None = None, route_name: str | None = None) -> str:
         known = self.named.get(route_name) if route_name is not None else None
@@ -47,10 +61,7 @@ class Classes:
             return "critical"
         else:
             route = self.routes.get(model, self.routes.get(None, "standard"))
-        own = self.clients.get(client, "standard") if client is not None else "standard"
-        if "critical" in (route, own):
-            return "critical"
-        return "sheddable" if "sheddable" in (route, own) else "standard"
+        return self._combined(route, self._own(client))
 
     def without_body(self, client: str | None, pool: str | None, route_name: str | None) -> str | None:
         """The class of a request whose body (its model) is unread, for admission: the route's (by its
@@ -59,7 +70,8 @@ class Classes:
         only where its own class would be too; None where a model would make it critical (not refused)."""
         if (route_name is not None and route_name in self.named) or (pool is not None and pool in self.blind):
             return self.of(client, None, pool, route_name)
-        possible = {self.of(client, model, pool, route_name) for model in (*self.routes, None)}
+        own = self._own(client)
+        possible = {self._combined(route, own) for route in self._kinds}
         if "critical" in possible:
             return None if len(possible) > 1 else "critical"
         return "standard" if "standard" in possible else "sheddable"
