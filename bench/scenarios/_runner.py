@@ -85,6 +85,8 @@ class Front:
     urls: list[str]
     extras: Callable[[], dict[str, Any]] = field(default=lambda: {})
     eds_files: list[Path] = field(default_factory=list)
+    # the picker's observed / predicted histogram so far (cumulative buckets by le), summed over sidecars
+    predictions: Callable[[], dict[str, float]] = field(default=lambda: {})
 
 
 @contextlib.contextmanager
@@ -116,7 +118,8 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
             plane = stack.enter_context(_proxies.run_control_plane(ads, xds_port, ctx.work / f"{tag}.plane.log",
                                                                    setup.sidecar_args))
             ads_procs = [stack.enter_context(_proxies.run_ads_envoy(ads, f"{tag}-envoy{i}")) for i in range(ingresses)]
-            yield Front([ads.url] * ingresses, lambda: _extras([plane], ads_procs))
+            yield Front([ads.url] * ingresses, lambda: _extras([plane], ads_procs),
+                        predictions=lambda: _prediction_buckets([plane]))
             return
         rendered = []
         for i in range(ingresses):
@@ -136,7 +139,8 @@ def front(ctx: Context, fleet: FleetHandle, max_num_seqs: list[int], setup: Setu
                     _proxies.run_sidecar(r, p, ctx.work / f"{tag}.sidecar{i}.log", None,
                                          (*extra, *peers, *setup.sidecar_args))))
 
-        yield Front([r.url for r in rendered], lambda: _extras(sidecars, procs), [r.eds_file for r in rendered])
+        yield Front([r.url for r in rendered], lambda: _extras(sidecars, procs), [r.eds_file for r in rendered],
+                    lambda: _prediction_buckets(sidecars))
 
 
 def _extras(sidecars: Sequence[_proxies.SidecarProcess], procs: Sequence[runtime.EnvoyProcess]) -> dict[str, Any]:
@@ -162,10 +166,10 @@ def _extras(sidecars: Sequence[_proxies.SidecarProcess], procs: Sequence[runtime
         held = _stats.summed(s.metric_by("confgen_picker_held", "outcome") for s in sidecars)
         if held:
             out["held_by"] = {k: int(v) for k, v in sorted(held.items())}
-        # the picker's observed / predicted finish time per request (cumulative buckets by le;
-        # the _count and _sum samples have no le)
-        ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)
-        out["prediction_buckets"] = {le: n for le, n in ratio.items() if le}
+        out["prediction_buckets"] = _prediction_buckets(sidecars)
+        # what the (first) picker learned of each endpoint by the end of the run (predict.Learner)
+        out["learned"] = {name: sidecars[0].metric_by(f"confgen_picker_learned_{name}", "endpoint")
+                          for name in ("token_seconds", "batch", "prefill_seconds_per_token", "output_tokens")}
     out["envoy_4xx"] = sum(_envoy_counter(p, "downstream_rq_4xx") for p in procs)
     out["envoy_requests"] = [_envoy_counter(p, "downstream_rq_total") for p in procs]  # each Envoy's share
     if sidecars:
@@ -175,6 +179,13 @@ def _extras(sidecars: Sequence[_proxies.SidecarProcess], procs: Sequence[runtime
         out["picker_bypassed"] = max(0, requests - sum(_envoy_counter(p, "ext_proc.streams_started")
                                                        for p in procs))
     return out
+
+
+def _prediction_buckets(sidecars: Sequence[_proxies.SidecarProcess]) -> dict[str, float]:
+    """The picker's observed / predicted finish time per request so far (cumulative buckets by le;
+    the _count and _sum samples have no le), summed over the sidecars."""
+    ratio = _stats.summed(s.metric_by("confgen_picker_prediction_ratio", "le") for s in sidecars)
+    return {le: n for le, n in ratio.items() if le}
 
 
 def _envoy_counter(proc: runtime.EnvoyProcess, suffix: str) -> int:
@@ -209,7 +220,10 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
             t0 = time.monotonic()
             extra["startup_s"] = round(t0 - started, 2)
             loadgen.go(proc, fr.urls)
-            timer = threading.Timer(warmup_s, lambda: snapshots.setdefault("warm", fleet_stats(fleet)))
+            def warm() -> None:
+                snapshots.setdefault("warm", fleet_stats(fleet))
+                snapshots.setdefault("predictions", fr.predictions())
+            timer = threading.Timer(warmup_s, warm)
             timer.start()
             worker: threading.Thread | None = None
             if during is not None:
@@ -241,6 +255,11 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
         summary["timeline"] = _stats.timeline(records, *timeline)
     delta = stats_delta(snapshots.get("warm", {}), after)
     summary.update(extra)
+    if "prediction_buckets" in extra and "predictions" in snapshots:
+        # the measured window's requests alone: those that finished after the warm-up
+        warm = snapshots["predictions"]
+        summary["prediction_buckets_measured"] = {le: n - warm.get(le, 0.0)
+                                                  for le, n in extra["prediction_buckets"].items()}
     summary["fleet_by_worker"] = delta["by_worker"]
     summary["prefix_hit_rate"] = delta["prefix_hit_rate"]
     summary["wall_s"] = time.monotonic() - started

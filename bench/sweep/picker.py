@@ -3,7 +3,8 @@
 `python -m bench.sweep.picker [--seeds 1,2,3] [--set KEY=VALUE ...]` runs each workload on its
 fleets under each router and prints one table per workload (P50 / P90 / P99 / mean end to end,
 TTFT P50 / P99, token-level prefix-cache hits, the busiest and idlest worker's share of the
-requests against a fair share, and the predictor's median absolute error). Deterministic: a run
+requests against a fair share, and the predictor's median absolute error and median observed /
+predicted). Deterministic: a run
 is a function of (fleet, workload, router, seed, overrides).
 
 - Engines: `confgen.simulate.BatchEngine` with vLLM-like block prefix caches (a prompt is a
@@ -100,6 +101,7 @@ class Result:
     err: float | None  # median |predicted - observed| / observed
     # (arrival, latency or None: refused, class)
     records: list[tuple[float, float | None, str]] = field(default_factory=list)
+    bias: float | None = None  # median observed / predicted
 
     def q(self, values: Sequence[float], p: float) -> float:
         s = sorted(values)
@@ -144,6 +146,7 @@ class _Sim:
         self.envoy.set_weights(self.published, self.active)
         self.streaks = [0] * n
         self.errors: list[float] = []
+        self.ratios: list[float] = []  # observed / predicted
         self._probe()
 
     # -- the sidecar's view ---------------------------------------------------------------
@@ -306,6 +309,7 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
                     ttft.append((r.first_token_at or now) - r.arrival)
                     if predicted is not None:
                         sim.errors.append(abs(predicted.own_s - (now - r.arrival)) / max(1e-3, now - r.arrival))
+                        sim.ratios.append((now - r.arrival) / max(1e-3, predicted.own_s))
                         adm = r.admitted_at or r.arrival
                         first = r.first_token_at or now
                         diag.append((predicted, adm - r.arrival, first - adm, now - first))
@@ -346,7 +350,8 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
               f"{m([d[0].decode_s for d in diag])} | actual {m([d[1] for d in diag])} {m([d[2] for d in diag])} "
               f"{m([d[3] for d in diag])}", file=sys.stderr)
     return Result(lat, ttft, hits, [r / routed for r in sim.routed],
-                  statistics.median(sim.errors) if sim.errors else None, records)
+                  statistics.median(sim.errors) if sim.errors else None, records,
+                  statistics.median(sim.ratios) if sim.ratios else None)
 
 
 # KV caches that hold a run's conversations (the prefix bench's regime: the fleet's caches hold
@@ -442,6 +447,8 @@ def overload(seeds: Sequence[int], policy: PickerPolicy, fleets: Sequence[Fleet]
 def _row(name: str, r: Result, fair: float) -> str:
     lat, tt = r.lat, r.ttft
     err = f"{r.err * 100:.0f} %" if r.err is not None else "-"
+    if r.bias is not None:
+        err += f" ({r.bias:.2f})"
     refused = sum(1 for rec in r.records if rec[1] is None)
     return (f"| {name} | {r.q(lat, .5):.2f} | {r.q(lat, .9):.2f} | {r.q(lat, .99):.2f} | {statistics.fmean(lat):.2f} "
             f"| {r.q(tt, .5):.3f} | {r.q(tt, .99):.2f} | {r.hits * 100:.1f} % | {max(r.shares) * 100 - fair:+.1f} / "
@@ -482,7 +489,8 @@ def main(argv: Sequence[str]) -> int:
                 continue
             lines.append(f"\n### {workload} on {fleet.name}" + (f" ({mix} mix)" if workload == "oneshot" else ""))
             lines.append("| router | P50 s | P90 s | P99 s | mean s | TTFT P50 s | TTFT P99 s | hits | "
-                         "busiest / idlest share vs fair (points) | predictor error (median) | refused |")
+                         "busiest / idlest share vs fair (points) | predictor error (median; median observed / "
+                         "predicted) | refused |")
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
             for router in args.routers.split(","):
                 results = [run(fleet, workload, router, s, requests=args.requests, policy=policy, mix=mix)
@@ -492,7 +500,9 @@ def main(argv: Sequence[str]) -> int:
                                 [max(r.shares) for r in results] + [min(r.shares) for r in results],
                                 statistics.median(r.err for r in results if r.err is not None)
                                 if any(r.err is not None for r in results) else None,
-                                [rec for r in results for rec in r.records])
+                                [rec for r in results for rec in r.records],
+                                statistics.median(r.bias for r in results if r.bias is not None)
+                                if any(r.bias is not None for r in results) else None)
                 merged.shares = [statistics.fmean(max(r.shares) for r in results),
                                  statistics.fmean(min(r.shares) for r in results)]
                 lines.append(_row(router, merged, 100 / len(fleet.speeds)))

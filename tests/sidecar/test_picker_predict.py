@@ -51,6 +51,31 @@ def test_the_learner_fits_time_per_token_against_the_batch_and_the_prefill_speed
     assert learner.out == pytest.approx(40.0) and learner.prompt == pytest.approx(1000.0)
 
 
+def test_what_the_predictor_learned_of_each_endpoint_is_in_the_metrics() -> None:
+    """An operator asking why the picker predicts what it does reads each endpoint's learned costs; an
+    endpoint whose engine has reported nothing yet has none (not a zero)."""
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.outputs.picker.metrics import PickerMetrics
+
+    store = _store(_facts("10.0.0.1:8000"), _facts("10.0.0.2:8000"))
+    measured = store.endpoints("chat")[0]
+    _feed(measured.learner, 40, itl=lambda b: 0.020 + 0.002 * b, runs=[2.0, 4.0, 6.0, 8.0])
+    registry = CollectorRegistry()
+    PickerMetrics(registry, store.pools)
+
+    def value(name: str, endpoint: str) -> float | None:
+        return registry.get_sample_value(f"confgen_picker_learned_{name}", {"pool": "chat", "endpoint": endpoint})
+
+    assert value("token_seconds", "10.0.0.1:8000") == pytest.approx(0.020 + 0.002 * value("batch", "10.0.0.1:8000"),
+                                                                     rel=0.05)
+    assert 2.0 <= value("batch", "10.0.0.1:8000") <= 8.0
+    assert value("prefill_seconds_per_token", "10.0.0.1:8000") == pytest.approx(1e-4, rel=0.2)
+    assert value("output_tokens", "10.0.0.1:8000") == pytest.approx(40.0)
+    assert all(value(n, "10.0.0.2:8000") is None
+               for n in ("token_seconds", "batch", "prefill_seconds_per_token", "output_tokens"))
+
+
 def test_a_batch_that_never_moves_takes_the_prior_slope_at_the_measured_level() -> None:
     learner = Learner()
     _feed(learner, 10, itl=lambda b: 0.030, runs=[4.0])

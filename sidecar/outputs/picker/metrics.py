@@ -27,6 +27,14 @@
     confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
+    confgen_picker_learned_token_seconds{pool,endpoint}
+                                                what the predictor learned of each endpoint from its engine's
+    confgen_picker_learned_batch{pool,endpoint} counters (predict.Learner; absent until measured): the recent
+    confgen_picker_learned_prefill_seconds_per_token{pool,endpoint}
+                                                time per output token and the running batch it was measured
+    confgen_picker_learned_output_tokens{pool,endpoint}
+                                                at, the prefill time per uncached prompt token, the tokens a
+                                                request generates on average
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (admission.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
@@ -73,6 +81,14 @@ _QUEUE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # bypas
 _HELD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
+_LEARNED = (
+    ("token_seconds", "The endpoint's recent time per output token, learned from its engine's counters"),
+    ("batch", "The running batch that time per token was measured at"),
+    ("prefill_seconds_per_token", "The endpoint's prefill time per uncached prompt token, learned"),
+    ("output_tokens", "Tokens a request generates on average at the endpoint, learned"),
+)
+
+
 class _Live(Collector):
     def __init__(self, pools: Callable[[], Mapping[str, Sequence[Endpoint]]],
                  pressure: Callable[[], Mapping[str, Pressure]] | None) -> None:
@@ -83,14 +99,22 @@ class _Live(Collector):
         in_flight = GaugeMetricFamily("confgen_picker_in_flight", "Requests in flight through the picker",
                                       labels=["pool", "endpoint"])
         blocks = GaugeMetricFamily("confgen_picker_index_blocks", "Prompt block hashes held in the prefix indexes")
+        learned = {name: GaugeMetricFamily(f"confgen_picker_learned_{name}", doc, labels=["pool", "endpoint"])
+                   for name, doc in _LEARNED}
         total = 0
         for pool, endpoints in self._pools().items():
             for e in endpoints:
                 in_flight.add_metric([pool, e.address], e.in_flight)
                 total += len(e.index)
+                lr = e.learner
+                for name, value in (("token_seconds", lr.itl), ("batch", lr.batch if lr.itl is not None else None),
+                                    ("prefill_seconds_per_token", lr.k), ("output_tokens", lr.out)):
+                    if value is not None:
+                        learned[name].add_metric([pool, e.address], value)
         blocks.add_metric([], total)
         yield in_flight
         yield blocks
+        yield from learned.values()
         if self._pressure is not None:
             level = GaugeMetricFamily("confgen_picker_pressure_seconds", "The pool's best predicted start, "
                                       "smoothed over the picker's pressure_s", labels=["pool"])
