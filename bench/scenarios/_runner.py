@@ -167,6 +167,9 @@ def _extras(sidecars: Sequence[_proxies.SidecarProcess], procs: Sequence[runtime
         if held:
             out["held_by"] = {k: int(v) for k, v in sorted(held.items())}
         out["prediction_buckets"] = _prediction_buckets(sidecars)
+        # the same requests' predicted and observed seconds summed (pick to the response's end)
+        out["prediction_sums"] = {kind: sum(sum((s.metric_by(f"confgen_picker_{kind}_seconds", "pool") or {}).values())
+                                            for s in sidecars) for kind in ("predicted", "observed")}
         # what the (first) picker learned of each endpoint by the end of the run (predict.Learner)
         out["learned"] = {name: sidecars[0].metric_by(f"confgen_picker_learned_{name}", "endpoint")
                           for name in ("token_seconds", "batch", "prefill_seconds_per_token", "output_tokens")}
@@ -254,6 +257,18 @@ def measure(ctx: Context, spec: FleetSpec, max_num_seqs: list[int], requests: li
     if timeline is not None:
         summary["timeline"] = _stats.timeline(records, *timeline)
     delta = stats_delta(snapshots.get("warm", {}), after)
+    # the engines' own view of the measured window: mean seconds from arrival at the engine to the end,
+    # to admission, to the first token (requests that ended in it)
+    engine: dict[str, float | None] = {}
+    for name in ("e2e", "queue", "ttft", "inference"):
+        total = count = 0.0
+        for worker, a in after.items():
+            b = snapshots.get("warm", {}).get(worker, {}).get("latency_s", {}).get(name, {})
+            got = a.get("latency_s", {}).get(name, {})
+            total += got.get("sum", 0.0) - b.get("sum", 0.0)
+            count += got.get("count", 0) - b.get("count", 0)
+        engine[f"{name}_mean_ms"] = 1000 * total / count if count > 0 else None
+    summary["engine_latency"] = engine
     summary.update(extra)
     if "prediction_buckets" in extra and "predictions" in snapshots:
         # the measured window's requests alone: those that finished after the warm-up

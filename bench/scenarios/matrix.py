@@ -84,7 +84,8 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
 
 def _lean(r: dict[str, Any]) -> dict[str, Any]:
     keep = ("seed", "p50_ms", "p90_ms", "p99_ms", "ttft_p99_ms", "ntpot_p99_ms", "shed", "other_errors", "requests",
-            "ok", "fleet_by_worker", "failed", "wall_s", "startup_s", "load_s", "teardown_s", "slowed_at_s", "learned")
+            "ok", "fleet_by_worker", "failed", "wall_s", "startup_s", "load_s", "teardown_s", "slowed_at_s", "learned",
+            "prediction_sums", "engine_latency", "mean_ms", "ttft_p50_ms")
     return {k: r.get(k) for k in keep if k in r}
 
 

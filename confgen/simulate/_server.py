@@ -371,6 +371,11 @@ class SimWorker:
                 "query_tokens": sum(c.prefix_queries_tokens for c in counters),
                 "hit_tokens": sum(c.prefix_hits_tokens for c in counters),
             },
+            # seconds summed over the requests the engines finished (arrival at the engine to the end,
+            # to admission, to the first token, admission to the end) and their count
+            "latency_s": {name: {"sum": sum(e.histograms[name].total for e in self.engines if name in e.histograms),
+                                 "count": sum(e.histograms[name].count for e in self.engines if name in e.histograms)}
+                          for name in ("e2e", "queue", "ttft", "inference")},
             "last_headers": self._last_headers,
             "last_inference_headers": self._last_inference_headers,
             "authorization_seen": self._authorization_seen,
