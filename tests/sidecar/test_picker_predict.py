@@ -107,6 +107,21 @@ def test_costs_are_seconds_a_cached_prefix_saves_its_prefill_a_queue_adds_its_wa
     assert queued.cost_s > queued.own_s  # it delays the 8 running and those queued behind it
 
 
+def test_a_busy_engine_admits_a_request_at_its_next_step_half_a_step_later_on_average() -> None:
+    """An idle engine starts a request at once; a busy one is mid-step, and the request joins the batch at
+    the next one (measured on the prompt-heavy fleet: 76 ms from arrival to admission where the queue model
+    said ~20). A queue wait longer than that step already covers it."""
+    e = Estimate(a=0.02, s=0.001, k=1e-4, out=40.0, prompt=1000.0)
+    idle = predict(Workload(1000, 10, 0), e, load=0, capacity=8, policy=POLICY)
+    busy = predict(Workload(1000, 10, 0), e, load=4, capacity=8, policy=POLICY)
+    queued = predict(Workload(1000, 10, 0), e, load=10, capacity=8, policy=POLICY)
+    assert idle.stall_s == 0 and idle.own_s == pytest.approx(idle.prefill_s + idle.decode_s)
+    assert busy.stall_s == pytest.approx(e.tpot(4) / 2)
+    assert busy.own_s == pytest.approx(busy.wait_s + busy.stall_s + busy.prefill_s + busy.decode_s)
+    assert busy.cost_s - busy.stall_s == pytest.approx(busy.own_s - busy.stall_s + POLICY.externality * busy.others_s)
+    assert queued.wait_s > e.tpot(8) and queued.stall_s == 0
+
+
 def _facts(addr: str, **kw: object) -> EndpointFacts:
     return EndpointFacts(address=addr, serving=True, capacity=int(kw.pop("capacity", 8)), **kw)  # type: ignore[arg-type]
 

@@ -9,12 +9,20 @@ count or the engine's running + waiting, whichever is larger) and c slots:
     wait     = max(0, n + 1 - c) * S / c     the queue ahead, drained c slots at a time
     prefill  = k * (P - C)                   uncached prompt tokens at the endpoint's prefill speed
     decode   = O * tpot(min(c, n + 1))
-    own      = wait + prefill + decode       when this request would finish there
+    stall    = max(0, tpot(min(c, n)) / 2 - wait) when n >= 1, else 0
+                                             the rest of the step under way: a busy engine admits an
+                                             arrival at its next step, half a step later on average
+                                             (tpot is the learned time per token, the prefill stalls
+                                             of the steps included); a queue wait already covers it
+    own      = wait + stall + prefill + decode
+                                             when this request would finish there
     others   = min(n, c) * (prefill + s * min(O, O_mean / 2))
                                              what its admission costs the requests already running
                                              there: they stall through its prefill, and each of
                                              their remaining tokens is a little slower
     cost     = own + externality * others    seconds of latency added to the fleet
+
+`wait` alone is what admission compares with a class's budget (the queue for a slot).
 
 Every coefficient is learned per endpoint from what its engine reports (`Learner`), each
 cycle from the counters' deltas between two scrapes:
@@ -83,15 +91,16 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    wait_s: float
+    wait_s: float  # the queue for a slot
     prefill_s: float
     decode_s: float
     others_s: float
     cost_s: float
+    stall_s: float = 0.0  # the rest of the step under way there, which it joins after
 
     @property
     def own_s(self) -> float:
-        return self.wait_s + self.prefill_s + self.decode_s
+        return self.wait_s + self.stall_s + self.prefill_s + self.decode_s
 
 
 def predict(w: Workload, e: Estimate, load: float, capacity: int, policy: CostPolicy) -> Prediction:
@@ -104,8 +113,10 @@ def predict(w: Workload, e: Estimate, load: float, capacity: int, policy: CostPo
     queued = max(0.0, n + 1.0 - c)
     others = min(n, c) * (prefill + e.s * min(w.output_tokens, e.out / 2.0))
     others += policy.queue_externality * queued * (prefill + decode) / c
-    cost = wait + prefill + decode + policy.externality * others
-    return Prediction(wait, prefill, decode, others, cost)
+    # a busy engine is mid-step when the request arrives: it joins the batch at the next step
+    stall = max(0.0, 0.5 * e.tpot(min(c, n)) - wait) if n >= 1.0 else 0.0
+    cost = wait + stall + prefill + decode + policy.externality * others
+    return Prediction(wait, prefill, decode, others, cost, stall)
 
 
 class Learner:
