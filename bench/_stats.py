@@ -6,6 +6,7 @@ request the client could not send on time is charged for the wait (no coordinate
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -184,8 +185,9 @@ def prediction_error(buckets: dict[str, float]) -> dict[str, float] | None:
     """The picker's predicted finish time against the observed one, from its histogram
     `confgen_picker_prediction_ratio` (observed / predicted per request, cumulative buckets by
     `le`, summed over sidecars and seeds): the requests counted, the median ratio (linear within
-    its bucket) and the shares within +-10 % (0.9-1.1) and about +-25 % (0.8-1.25). None when no
-    request was predicted."""
+    its bucket), the shares within +-10 % (0.9-1.1) and about +-25 % (0.8-1.25), and the factor half the
+    requests are within (`half_within`: the median absolute error as a ratio). None when no request was
+    predicted."""
     edges = sorted((float(le), n) for le, n in buckets.items() if le and le != "+Inf")
     total = buckets.get("+Inf", 0.0)
     if total <= 0 or not edges:
@@ -205,7 +207,18 @@ def prediction_error(buckets: dict[str, float]) -> dict[str, float] | None:
         below, prev = n, le
     else:
         median = prev
-    return {"requests": total, "median_ratio": median, "within_10": share(0.9, 1.1), "within_25": share(0.8, 1.25)}
+    # the factor half the requests are within (observed between predicted / f and predicted * f): the
+    # buckets pair off as such bands (0.9-1.1 taken as 1.1, 0.8-1.25, 0.67-1.5, 0.5-2, 0.25-4), the factor
+    # interpolated linearly between two bands; None past the widest (more than half off by 4x)
+    bands = [(1.0, 0.0), *((hi, share(lo, hi)) for lo, hi in ((0.9, 1.1), (0.8, 1.25), (0.67, 1.5), (0.5, 2.0),
+                                                           (0.25, 4.0)))]
+    half: float | None = None
+    for (f0, s0), (f1, s1) in itertools.pairwise(bands):
+        if s1 >= 0.5:
+            half = f0 + (f1 - f0) * (0.5 - s0) / (s1 - s0)
+            break
+    return {"requests": total, "median_ratio": median, "within_10": share(0.9, 1.1), "within_25": share(0.8, 1.25),
+            "half_within": half}
 
 
 def summed(maps: Iterable[Mapping[str, float] | None]) -> dict[str, float]:

@@ -24,9 +24,15 @@ def test_shares_and_median_from_cumulative_buckets() -> None:
     assert got is not None and got["requests"] == 100
     assert got["within_10"] == pytest.approx(0.6) and got["within_25"] == pytest.approx(0.8)
     assert got["median_ratio"] == pytest.approx(0.9 + 0.1 * 30 / 30)  # the 50th of 100 ends the (0.9, 1.0] bucket
+    # 60 % within 1.1x: half are within 1 + 0.1 * 50 / 60
+    assert got["half_within"] == pytest.approx(1 + 0.1 * 50 / 60)
+    # 20 % within 1.1x, 40 % within 1.25x, 70 % within 1.5x
+    wide = prediction_error(_cumulative([0, 10, 10, 20, 0, 10, 10, 20, 10, 10, 0]))
+    assert wide is not None and wide["half_within"] == pytest.approx(1.25 + 0.25 * (0.5 - 0.4) / (0.7 - 0.4))
 
 
 def test_a_biased_predictor_shows_in_the_median_and_nothing_predicted_is_none() -> None:
     late = prediction_error(_cumulative([0] * 9 + [50, 40], past=10))  # observed 1.5-4x the prediction
     assert late is not None and late["median_ratio"] == pytest.approx(2.0) and late["within_25"] == 0
+    assert late["half_within"] == pytest.approx(1.5 + 0.5 * 0.5 / 0.5)  # 0 within 1.5x, 50 % within 2x
     assert prediction_error({}) is None and prediction_error(_cumulative([0] * 11)) is None
