@@ -27,14 +27,12 @@
     confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
-    confgen_picker_learned_token_seconds{pool,endpoint}
-                                                what the predictor learned of each endpoint from its engine's
-    confgen_picker_learned_batch{pool,endpoint} counters (predict.Learner; absent until measured): the recent
-    confgen_picker_learned_prefill_seconds_per_token{pool,endpoint}
-                                                time per output token and the running batch it was measured
-    confgen_picker_learned_output_tokens{pool,endpoint}
-                                                at, the prefill time per uncached prompt token, the tokens a
-                                                request generates on average
+    confgen_picker_learned_*{pool,endpoint}     what the predictor learned of each endpoint from its engine's
+                                                counters (predict.Learner; absent until measured):
+                                                _token_seconds (the recent time per output token), _batch
+                                                (the running batch it was measured at),
+                                                _prefill_seconds_per_token (per uncached prompt token),
+                                                _output_tokens (a request generates, on average)
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (admission.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
