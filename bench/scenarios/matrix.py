@@ -178,6 +178,15 @@ def targets(data: dict[str, Any]) -> list[Target]:
     return out
 
 
+def _half_within(got: dict[str, Any]) -> str:
+    """The factor half the requests are within: "-" in results saved before it was reported, "> 4x" past
+    the widest band."""
+    if "half_within" not in got:
+        return "-"
+    half = got["half_within"]
+    return "> 4x" if half is None else f"{half:.2f}x"
+
+
 def predictor_table(raw: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     """Per fleet: how well the product's picker predicted each request's finish time, over the whole run
     (warm-up included: the picker learns its coefficients then) and over the measured window."""
@@ -189,9 +198,8 @@ def predictor_table(raw: dict[str, Any]) -> tuple[str, list[str], list[list[str]
             if got is None:
                 cells += ["-"] * 5
                 continue
-            half = got.get("half_within", "-")  # absent from results before it was reported
             cells += [f"{got['requests']:.0f}", f"{got['median_ratio']:.2f}", f"{got['within_10']:.0%}",
-                      f"{got['within_25']:.0%}", "> 4x" if half is None else half if half == "-" else f"{half:.2f}x"]
+                      f"{got['within_25']:.0%}", _half_within(got)]
         rows.append(cells)
     return ("The picker's prediction per fleet (product as shipped, every request it placed): observed / predicted "
             "time from the pick to the response's end (confgen_picker_prediction_ratio), over the whole run "

@@ -69,6 +69,7 @@ from prometheus_client.registry import Collector
 
 from .admission import Pressure
 from .datastore import Endpoint
+from .predict import Learner
 from .scheduling import Pick
 
 __all__ = ["PickerMetrics"]
@@ -79,11 +80,15 @@ _QUEUE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # bypas
 _HELD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-_LEARNED = (
-    ("token_seconds", "The endpoint's recent time per output token, learned from its engine's counters"),
-    ("batch", "The running batch that time per token was measured at"),
-    ("prefill_seconds_per_token", "The endpoint's prefill time per uncached prompt token, learned"),
-    ("output_tokens", "Tokens a request generates on average at the endpoint, learned"),
+# confgen_picker_learned_<name>: its help, and how it is read off the endpoint's Learner (None: not measured yet)
+_LEARNED: tuple[tuple[str, str, Callable[[Learner], float | None]], ...] = (
+    ("token_seconds", "The endpoint's recent time per output token, learned from its engine's counters",
+     lambda lr: lr.itl),
+    ("batch", "The running batch that time per token was measured at",
+     lambda lr: lr.batch if lr.itl is not None else None),
+    ("prefill_seconds_per_token", "The endpoint's prefill time per uncached prompt token, learned",
+     lambda lr: lr.k),
+    ("output_tokens", "Tokens a request generates on average at the endpoint, learned", lambda lr: lr.out),
 )
 
 
@@ -97,22 +102,21 @@ class _Live(Collector):
         in_flight = GaugeMetricFamily("confgen_picker_in_flight", "Requests in flight through the picker",
                                       labels=["pool", "endpoint"])
         blocks = GaugeMetricFamily("confgen_picker_index_blocks", "Prompt block hashes held in the prefix indexes")
-        learned = {name: GaugeMetricFamily(f"confgen_picker_learned_{name}", doc, labels=["pool", "endpoint"])
-                   for name, doc in _LEARNED}
+        learned = [(GaugeMetricFamily(f"confgen_picker_learned_{name}", doc, labels=["pool", "endpoint"]), read)
+                   for name, doc, read in _LEARNED]
         total = 0
         for pool, endpoints in self._pools().items():
             for e in endpoints:
                 in_flight.add_metric([pool, e.address], e.in_flight)
                 total += len(e.index)
-                lr = e.learner
-                for name, value in (("token_seconds", lr.itl), ("batch", lr.batch if lr.itl is not None else None),
-                                    ("prefill_seconds_per_token", lr.k), ("output_tokens", lr.out)):
+                for family, read in learned:
+                    value = read(e.learner)
                     if value is not None:
-                        learned[name].add_metric([pool, e.address], value)
+                        family.add_metric([pool, e.address], value)
         blocks.add_metric([], total)
         yield in_flight
         yield blocks
-        yield from learned.values()
+        yield from (family for family, _ in learned)
         if self._pressure is not None:
             level = GaugeMetricFamily("confgen_picker_pressure_seconds", "The pool's best predicted start, "
                                       "smoothed over the picker's pressure_s", labels=["pool"])
