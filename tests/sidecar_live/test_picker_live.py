@@ -235,6 +235,24 @@ def _until_predicted(rig: Rig, warm_tokens: int) -> None:
     assert poll(predicted, timeout=30), rig.sidecar.log_tail()
 
 
+def _learned_output(rig: Rig) -> list[float]:
+    prefix = "confgen_picker_learned_output_tokens{"
+    return [float(line.rsplit(" ", 1)[1]) for line in rig.sidecar.metrics().splitlines() if line.startswith(prefix)]
+
+
+def _until_learned_output(rig: Rig, warm_tokens: int, at_least: float) -> None:
+    """Answers of `warm_tokens`, two at a time (one a worker of a two-worker rig whose workers take one
+    each), until the picker has learned answers of `at_least` tokens on every worker, 60 s at most."""
+    def learned() -> bool:
+        with ThreadPoolExecutor(2) as pool:
+            sent = [pool.submit(chat, rig, [{"role": "user", "content": f"warm {i}"}], max_tokens=warm_tokens)
+                    for i in range(2)]
+            [f.result() for f in sent]
+        out = _learned_output(rig)
+        return len(out) == 2 and min(out) >= at_least
+    assert poll(learned, timeout=60), (_learned_output(rig), rig.sidecar.log_tail())
+
+
 def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
     """The fault: the sidecar's process stopped (SIGSTOP) while eight requests arrive, until every stream has
     sent its headers to it (Envoy's `streams_started` past `started` by 8) and 60 ms have passed; then
@@ -297,6 +315,10 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
         # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot for
         # seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
         _until_predicted(rig, warm_tokens=150)
+        # ... on both workers: the wait it predicts is the shorter of the two (one that learned only the
+        # rig's 4-token answers predicts 80 ms, which a stall on a loaded machine outlasts), so two at a time
+        # (one a worker) until each has learned answers of 50 tokens or more (a wait of a second or more)
+        _until_learned_output(rig, warm_tokens=150, at_least=50.0)
         with ThreadPoolExecutor(2) as long_pool:
             # two answers of 500 tokens (10 s at 20 ms a step): both slots taken for the rest of the test.
             # One may be refused at once while the engines' last report still shows the warm-up running
