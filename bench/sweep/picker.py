@@ -118,8 +118,11 @@ def _blocks(prefix: str, n: int) -> list[str]:
 
 
 class _Sim:
-    def __init__(self, fleet: Fleet, router: str, seed: int, policy: PickerPolicy) -> None:
+    def __init__(self, fleet: Fleet, router: str, seed: int, policy: PickerPolicy, max_tokens: int = 0,
+                 reasons: bool = True) -> None:
         self.fleet = fleet
+        self.max_tokens = max_tokens  # the bound the clients send (0: each answer's exact length)
+        self.reasons = reasons  # the engines report why requests finished (vLLM); else as TGI, llama.cpp
         self.rng = random.Random(seed * 104729 + 7)
         self.router = router
         n = len(fleet.speeds)
@@ -166,7 +169,10 @@ class _Sim:
                 waiting=sample.waiting, kv_usage=sample.kv_usage, token_latency_s=self.trends[i].token_latency_s,
                 kv_blocks=self.fleet.kv_tokens // BLOCK, itl_sum=itl.total, itl_count=float(itl.count),
                 prefill_seconds=pre.total, prefill_tokens=float(c.prompt_tokens - c.prefix_hits_tokens),
-                finished=float(gen.count), finished_tokens=gen.total))
+                finished=float(gen.count), finished_tokens=gen.total,
+                # vLLM's finish reasons: answers run to the max_tokens the clients send, or (--max-tokens, a
+                # looser bound) stop short of it
+                finished_bounded=None if not self.reasons else 0.0 if self.max_tokens else float(gen.count)))
         for store in self.stores:
             store.update([PoolFacts("pool", ("m",), tuple(facts))], {"m": "pool", None: "pool"})
         if self.router == "lr":
@@ -190,7 +196,7 @@ class _Sim:
         k = self.rng.randrange(len(self.pickers))
         store, picker = self.stores[k], self.pickers[k]
         tokens = len(t.blocks) * BLOCK
-        prompt = PromptInfo("m", "x" * (tokens * CHARS_PER_TOKEN), t.output, home=t.home_key,
+        prompt = PromptInfo("m", "x" * (tokens * CHARS_PER_TOKEN), self.max_tokens or t.output, home=t.home_key,
                             history_chars=t.history_tokens * CHARS_PER_TOKEN,
                             home_chars=t.home_tokens * CHARS_PER_TOKEN)
         hashes = [_hash(b) for b in t.blocks]
@@ -217,11 +223,14 @@ def _oneshot(rng: random.Random, mix: str, t: float, i: int) -> Turn:
 def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.8, requests: int = 2400,
         policy: PickerPolicy | None = None, mix: str = "chat",
         surge: tuple[float, float, float] | None = None, classes: tuple[float, float] = (0.0, 0.0),
-        bursty: bool = False) -> Result:
+        bursty: bool = False, max_tokens: int = 0, reasons: bool = True) -> Result:
     """`surge`: (start s, seconds, load) of a one-shot surge over `load`; `classes`: the shares
     of critical and sheddable requests (the rest standard); `bursty`: the one-shot arrivals on/off
-    as the real bench's bursty fleet (bench._workload.bursty: 2 s at 1.75x the mean, 2 s at 0.25x)."""
-    sim = _Sim(fleet, router, seed, policy or PickerPolicy())
+    as the real bench's bursty fleet (bench._workload.bursty: 2 s at 1.75x the mean, 2 s at 0.25x);
+    `max_tokens`: the max_tokens every client sends, a bound its answers stop short of (0: each request's
+    exact answer length, as the bench's clients send); `reasons`: the engines report how many answers ran
+    to their max_tokens (vLLM's finish reasons; TGI and llama.cpp do not)."""
+    sim = _Sim(fleet, router, seed, policy or PickerPolicy(), max_tokens, reasons)
     rng = random.Random(seed)
     # capacity: requests/s a worker sustains with full batches (as bench.sweep's Shape estimates)
     shot_capacity = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms).capacity_rps()
@@ -463,6 +472,10 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--requests", type=int, default=2400)
     ap.add_argument("--fleets", default="", help="only fleets whose name contains this")
     ap.add_argument("--set", action="append", default=[], help="a --picker KEY=VALUE override")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="the max_tokens every client sends, a bound the answers stop short of (0: exact lengths)")
+    ap.add_argument("--no-finish-reasons", action="store_true",
+                    help="the engines do not say how many answers ran to their max_tokens (TGI, llama.cpp)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--overload", action="store_true", help="the admission table instead of the routing tables")
@@ -493,7 +506,8 @@ def main(argv: Sequence[str]) -> int:
                          "predicted) | refused |")
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
             for router in args.routers.split(","):
-                results = [run(fleet, workload, router, s, requests=args.requests, policy=policy, mix=mix)
+                results = [run(fleet, workload, router, s, requests=args.requests, policy=policy, mix=mix,
+                               max_tokens=args.max_tokens, reasons=not args.no_finish_reasons)
                            for s in seeds]
                 merged = Result([x for r in results for x in r.lat], [x for r in results for x in r.ttft],
                                 statistics.fmean(r.hits for r in results),

@@ -248,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
                    "cheapest predicted cost in seconds) or rule=weighted (the weighted sum of scores, also the "
                    "fallback where no endpoint has a measured time per token); the predicted rule's tie_s, "
                    "tie_share, replicas (default --ingresses), externality, queue_externality, growth, "
-                   "prefill_ratio, default_output and its admission's budget_standard, budget_sheddable, "
+                   "prefill_ratio, default_output, output_cap and its admission's budget_standard, budget_sheddable, "
                    "budget_floor_s, admission_gate, pressure_s, hold_ratio, spike_ratio, spike_s, spike_min; "
                    "the weighted rule's scorer weights (prefix, load, kv, cost; 0 turns one off), spill_min, "
                    "spill_fraction, long_tokens, default_max_tokens, "

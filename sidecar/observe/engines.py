@@ -102,6 +102,9 @@ class LoadSample:
     prefill_tokens: float | None = None  # prompt tokens prefilled, the cached ones excluded
     finished: float | None = None  # requests finished (the generated-tokens-per-request histogram's count)
     finished_tokens: float | None = None  # tokens those requests generated (that histogram's sum)
+    # requests that stopped at their max_tokens (vLLM: request_success_total{finished_reason="length"}):
+    # against `finished`, how far a request's max_tokens says its answer's length
+    finished_bounded: float | None = None
 
 
 _Combine = Literal["sum", "mean"]
@@ -142,6 +145,8 @@ class _Engine:
     prompt_tokens: _Field | None = None
     prompt_includes_cached: bool = True
     generation_hist: tuple[str, ...] = ()
+    # (counter, label, value): the requests finished because they reached their max_tokens
+    bounded: tuple[str, str, str] | None = None
 
 
 _ENGINES: Final[dict[str, _Engine | None]] = {
@@ -166,6 +171,7 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         prefill_seconds=_Field(("request_prefill_time_seconds_sum",)),
         prompt_tokens=_Field(("prompt_tokens_total",)),
         generation_hist=("request_generation_tokens",),
+        bounded=("request_success_total", "finished_reason", "length"),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
@@ -307,7 +313,21 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         prefill_tokens=prefill_tokens,
         finished=finished,
         finished_tokens=finished_tokens,
+        finished_bounded=_labelled(text, prefix, spec.bounded),
     )
+
+
+def _labelled(text: str, prefix: str, spec: tuple[str, str, str] | None) -> float | None:
+    """The counter family's series whose label has the value, summed per the module rules; 0 when the
+    family has series but none of that value yet, None when the family is absent."""
+    if spec is None:
+        return None
+    name, label, value = spec
+    series = _find_series(text, prefix + name)
+    if not series:
+        return None
+    chosen = [(labels, v) for labels, v in series if labels.get(label) == value]
+    return _aggregate((chosen, "sum"))[0] or 0.0
 
 
 def _histogram(text: str, prefix: str, bases: tuple[str, ...]) -> HistogramSample | None:
@@ -378,6 +398,8 @@ def _wanted_lines(spec: _Engine | None) -> re.Pattern[str]:
                 names.update(base + suffix for base in value for suffix in ("_bucket", "_sum", "_count"))
             elif f.name == "generation_hist":
                 names.update(base + suffix for base in value for suffix in ("_sum", "_count"))
+            elif f.name == "bounded":
+                names.update(value[:1] if value else ())
             elif f.name != "prefixes" and isinstance(value, tuple):
                 names.update(_flatten(value))
     prefixes = "|".join(re.escape(p) for p in (spec.prefixes if spec is not None else ())) or "(?!)"

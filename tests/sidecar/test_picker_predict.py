@@ -12,7 +12,15 @@ import pytest
 from sidecar.observe.engines import extract
 from sidecar.outputs.picker.admission import WaitBudgets
 from sidecar.outputs.picker.datastore import Classes, Datastore, EndpointFacts, PoolFacts
-from sidecar.outputs.picker.predict import CostPolicy, Estimate, Learner, Workload, pool_estimates, predict
+from sidecar.outputs.picker.predict import (
+    CostPolicy,
+    Estimate,
+    Learner,
+    Workload,
+    expected_output,
+    pool_estimates,
+    predict,
+)
 from sidecar.outputs.picker.prompt import block_hashes, parse_body
 from sidecar.outputs.picker.scheduling import Picker, PickerPolicy, PickRequest, rendezvous
 
@@ -154,6 +162,76 @@ def test_a_prefix_hit_is_worth_its_prefill_against_a_slower_worker_in_seconds() 
     long = picker.pick(_chat([SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2000), store.endpoints("chat"))
     assert long.endpoints[0].address == "b:1"  # 2,000 tokens decode 2.2x faster on b: seconds, not blocks
     assert short.endpoints[0].address == "a:1" and short.reason == "prefix"
+
+
+def _answers_of(tokens: int, *addresses: str, bounded: float | None = None) -> Datastore:
+    """Workers of equal speed whose engines report answers of `tokens` tokens on average, `bounded` of
+    them (a share; None: not reported) run to their max_tokens (two scrapes)."""
+    store = Datastore()
+    for finished in (100.0, 200.0):
+        store.update([PoolFacts("chat", ("m",), tuple(
+            _facts(a, token_latency_s=0.02, finished=finished, finished_tokens=finished * tokens,
+                   finished_bounded=None if bounded is None else finished * bounded)
+            for a in addresses))])
+    return store
+
+
+TURN = [SYSTEM, {"role": "user", "content": "first"}, {"role": "assistant", "content": "answer " * 20},
+        {"role": "user", "content": "second"}]
+
+
+def _follow_up(store: Datastore, max_tokens: int, policy: PickerPolicy | None = None) -> tuple[str, float]:
+    """A follow-up turn whose conversation worker a:1 holds, with one request in flight there and b:1
+    idle: where it goes, and the decode seconds predicted there."""
+    a = store.endpoints("chat")[0]
+    req = _chat(TURN, max_tokens=max_tokens)
+    a.index.add(req.hashes)
+    a.in_flight = 1
+    pick = Picker(policy, rng=random.Random(1)).pick(req, store.endpoints("chat"))
+    assert pick.predicted is not None
+    return pick.endpoints[0].address, pick.predicted.decode_s
+
+
+def test_max_tokens_bounds_the_answer_as_far_as_the_engines_say_answers_reach_it() -> None:
+    """Clients send max_tokens of 4,096 for answers of 30 tokens. Taken as the answer's length it makes one
+    request more in flight on the worker holding the conversation cost 4,096 slower tokens (seconds), so the
+    conversation leaves its cache. The engines' finish reasons say how far max_tokens tells the length:
+    none of the answers ran to it, so the pool's typical answer is predicted and the prefill the hit saves
+    wins; every answer ran to it (clients that ask for what they get), so max_tokens is the length."""
+    home, decode = _follow_up(_answers_of(30, "a:1", "b:1", bounded=0.0), 4096)
+    assert home == "a:1" and decode == pytest.approx(30 * 0.02, rel=0.1)  # 30 tokens at ~20 ms
+    away, decode = _follow_up(_answers_of(30, "a:1", "b:1", bounded=1.0), 4096)
+    assert away == "b:1" and decode == pytest.approx(4096 * 0.02, rel=0.1)
+    # a tenth ran to the bound: a tenth of 4,096 and nine tenths of 30 tokens
+    _, decode = _follow_up(_answers_of(30, "a:1", "b:1", bounded=0.1), 4096)
+    assert decode == pytest.approx((0.1 * 4096 + 0.9 * 30) * 0.02, rel=0.1)
+    # a request asking for fewer tokens than the pool's answers is predicted at what it asks
+    _, decode = _follow_up(_answers_of(30, "a:1", "b:1", bounded=0.0), 4)
+    assert decode == pytest.approx(4 * 0.02, rel=0.1)
+
+
+def test_where_no_engine_reports_finish_reasons_max_tokens_counts_at_most_twice_the_typical_answer() -> None:
+    """TGI and llama.cpp do not say why answers finished: max_tokens predicts at most `output_cap` (2)
+    times the pool's mean answer, so a generous bound does not move the conversation; without the cap
+    (output_cap huge) it does."""
+    home, decode = _follow_up(_answers_of(30, "a:1", "b:1"), 4096)
+    assert home == "a:1" and decode == pytest.approx(60 * 0.02, rel=0.1)
+    uncapped = PickerPolicy(cost=CostPolicy(output_cap=1e6))
+    assert _follow_up(_answers_of(30, "a:1", "b:1"), 4096, uncapped)[0] == "b:1"
+    assert expected_output(4096, 30, None, 2.0) == 60 and expected_output(40, 30, None, 2.0) == 40
+    with pytest.raises(ValueError, match="output_cap"):
+        PickerPolicy().with_overrides(["output_cap=0"])
+
+
+def test_the_learner_follows_the_share_of_answers_that_ran_to_their_bound() -> None:
+    lr = Learner()
+    for done, bounded in ((0, 0), (100, 50), (200, 60)):
+        lr.observe(running=1, itl_sum=None, itl_count=None, prefill_s=None, prefill_tokens=None, finished=done,
+                   finished_tokens=done * 30.0, policy=POLICY, finished_bounded=bounded)
+    assert lr.bound == pytest.approx(0.5 + POLICY.alpha * (0.1 - 0.5))
+    lr.observe(running=1, itl_sum=None, itl_count=None, prefill_s=None, prefill_tokens=None, finished=300,
+               finished_tokens=9000.0, policy=POLICY, finished_bounded=None)  # an engine that stopped saying
+    assert lr.bound is not None  # what was learned stands
 
 
 def test_a_hot_prefix_every_worker_holds_spreads_by_load() -> None:

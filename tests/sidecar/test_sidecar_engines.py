@@ -328,3 +328,29 @@ def test_vllm_kv_cache_size_in_blocks_from_cache_config_info() -> None:
     assert sample is not None and sample.kv_blocks == 8192  # both data-parallel engines
     plain = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n")
     assert plain is not None and plain.kv_blocks is None
+
+
+def test_vllm_requests_that_ran_to_their_max_tokens_from_the_finish_reasons() -> None:
+    """`finished_bounded`: vLLM's request_success_total{finished_reason="length"}, summed over data-parallel
+    engines (totals beside them ignored), as prometheus_client's parse reads the same body; 0 while the
+    family has other reasons only, None where it is absent (TGI, llama.cpp, older bodies)."""
+    body = (
+        'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+        'vllm:num_requests_running{engine="1"} 2\nvllm:num_requests_waiting{engine="1"} 0\n'
+        '# TYPE vllm:request_success_total counter\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 90\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 10\n'
+        'vllm:request_success_total{engine="1",finished_reason="length",model_name="m"} 5\n'
+        'vllm:request_success_total{engine="1",finished_reason="abort",model_name="m"} 1\n'
+        'vllm:request_success_total{finished_reason="length",model_name="m"} 15\n'
+    )
+    sample = extract("vllm", body.encode())
+    assert sample is not None and sample.finished_bounded == 15.0
+    reference = sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+                    if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "length"
+                    and "engine" in s.labels)
+    assert sample.finished_bounded == reference
+    stops_only = body.replace('finished_reason="length"', 'finished_reason="stop"')
+    assert extract("vllm", stops_only.encode()).finished_bounded == 0.0  # type: ignore[union-attr]
+    assert extract("vllm", _body("vllm_v1_dp2.prom")).finished_bounded is None  # type: ignore[union-attr]
+    assert extract("tgi", _body("tgi.prom")).finished_bounded is None  # type: ignore[union-attr]

@@ -138,6 +138,7 @@ def facts(view: Snapshot, topo: Topology) -> list[PoolFacts]:
                 prefill_tokens=s.prefill_tokens if s else None,
                 finished=s.finished if s else None,
                 finished_tokens=s.finished_tokens if s else None,
+                finished_bounded=s.finished_bounded if s else None,
             ))
         out.append(PoolFacts(pv.name, tuple(pool.models), tuple(endpoints), saturated=pv.saturated))
     return out

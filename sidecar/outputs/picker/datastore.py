@@ -146,6 +146,7 @@ class EndpointFacts:
     prefill_tokens: float | None = None  # prompt tokens prefilled, cached ones excluded
     finished: float | None = None  # requests finished
     finished_tokens: float | None = None  # tokens they generated
+    finished_bounded: float | None = None  # requests finished because they reached their max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +219,7 @@ class Datastore:
                 kept.learner.observe(running=facts.running, itl_sum=facts.itl_sum, itl_count=facts.itl_count,
                                      prefill_s=facts.prefill_seconds, prefill_tokens=facts.prefill_tokens,
                                      finished=facts.finished, finished_tokens=facts.finished_tokens,
+                                     finished_bounded=facts.finished_bounded,
                                      policy=self.cost)
                 entry.endpoints[facts.address] = kept
             fresh[pool.name] = entry

@@ -32,7 +32,8 @@
                                                 _token_seconds (the recent time per output token), _batch
                                                 (the running batch it was measured at),
                                                 _prefill_seconds_per_token (per uncached prompt token),
-                                                _output_tokens (a request generates, on average)
+                                                _output_tokens (a request generates, on average),
+                                                _bounded_share (of requests that ran to their max_tokens)
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (admission.Pressure)
     confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
                                                 (also while the saturation verdict holds, which this omits)
@@ -89,6 +90,8 @@ _LEARNED: tuple[tuple[str, str, Callable[[Learner], float | None]], ...] = (
     ("prefill_seconds_per_token", "The endpoint's prefill time per uncached prompt token, learned",
      lambda lr: lr.k),
     ("output_tokens", "Tokens a request generates on average at the endpoint, learned", lambda lr: lr.out),
+    ("bounded_share", "The share of the endpoint's requests that ran to their max_tokens (the engine's finish "
+     "reasons): how far a request's max_tokens predicts its answer", lambda lr: lr.bound),
 )
 
 

@@ -43,7 +43,7 @@ from typing import Protocol
 from .admission import Admission, WaitBudgets
 from .datastore import Endpoint
 from .lateness import LATE_S
-from .predict import CostPolicy, Estimate, Prediction, Workload, pool_estimates, predict
+from .predict import CostPolicy, Estimate, Prediction, Workload, expected_output, pool_estimates, predict
 from .prompt import CHARS_PER_TOKEN, PromptInfo
 
 __all__ = ["COST_KEYS", "FILTERS", "POLICY_KEYS", "SCORERS", "Pick", "PickRequest", "Picker", "PickerPolicy",
@@ -64,7 +64,7 @@ POLICY_KEYS: Mapping[str, type[float] | type[int]] = {
 # ... and these fields of its CostPolicy (predict.py)
 COST_KEYS: Mapping[str, type[float] | type[int]] = {
     "externality": float, "queue_externality": float, "growth": float, "prefill_ratio": float,
-    "default_output": int}
+    "default_output": int, "output_cap": float}
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +187,7 @@ class PickerPolicy:
                     number = COST_KEYS[key](raw)
                 except ValueError as exc:
                     raise ValueError(f"--picker {key}: {raw!r} is not a {COST_KEYS[key].__name__}") from exc
-                if not (0 <= number <= 1e6) or (key == "default_output" and number <= 0):
+                if not (0 <= number <= 1e6) or (key in ("default_output", "output_cap") and number <= 0):
                     raise ValueError(f"--picker {key}: {raw} is out of range")
                 cost[key] = number
                 continue
@@ -406,7 +406,11 @@ class Picker:
         prompt = req.prompt
         prompt_tokens = prompt.prompt_tokens if prompt is not None else 1
         wanted = prompt.max_tokens if prompt is not None and prompt.max_tokens else None
-        output = float(wanted) if wanted else statistics.median(est.out for est in estimates)
+        typical = statistics.median(est.out for est in estimates)
+        bounds = [est.bound for est in estimates if est.bound is not None]
+        # max_tokens bounds the answer; how far it says its length, the engines' finish reasons tell
+        output = (expected_output(float(wanted), typical, statistics.median(bounds) if bounds else None,
+                                  policy.cost.output_cap) if wanted else typical)
         cached = []
         for e in cands:
             n = e.index.match(req.hashes) if req.hashes else 0
