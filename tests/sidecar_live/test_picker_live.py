@@ -75,12 +75,16 @@ def picks(sidecar: SidecarProcess, reason: str | None = None) -> float:
     return total
 
 
-def chat(rig: Rig, messages: list[dict[str, str]], *, max_tokens: int = 4, headers: dict[str, str] | None = None,
-         timeout: float = 30.0) -> tuple[int, str]:
+def chat(rig: Rig, messages: list[dict[str, str]], *, max_tokens: int | None = 4,
+         headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, str]:
+    """(status, the worker that answered); `max_tokens` None: the body sets none."""
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": "sim-model", "messages": messages, "max_tokens": max_tokens}).encode()
+    fields: dict[str, Any] = {"model": "sim-model", "messages": messages}
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    body = json.dumps(fields).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{rig.port}/v1/chat/completions", data=body, method="POST",
                                  headers={"content-type": "application/json", **(headers or {})})
     try:
@@ -251,6 +255,33 @@ def _until_learned_output(rig: Rig, warm_tokens: int, at_least: float) -> None:
         out = _learned_output(rig)
         return len(out) == 2 and min(out) >= at_least
     assert poll(learned, timeout=60), (_learned_output(rig), rig.sidecar.log_tail())
+
+
+def _bounded_shares(rig: Rig) -> list[float]:
+    prefix = "confgen_picker_learned_bounded_share{"
+    return [float(line.rsplit(" ", 1)[1]) for line in rig.sidecar.metrics().splitlines() if line.startswith(prefix)]
+
+
+def test_the_picker_learns_how_many_answers_run_to_their_max_tokens_from_the_engines(tmp_path: Path) -> None:
+    """The simulated vLLM engines report why requests finished as vLLM does (request_success_total by
+    finished_reason): an answer asked with max_tokens runs to it ("length"), one without stops on its own
+    ("stop"). The picker learns the share per worker from their metrics (how far a request's max_tokens
+    predicts its answer): all of them while every request sets max_tokens, less once answers without it
+    come in."""
+    with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
+        def bounded_only() -> bool:
+            assert chat(rig, [{"role": "user", "content": "bounded"}], max_tokens=4)[0] == 200
+            shares = _bounded_shares(rig)
+            return len(shares) == 2 and min(shares) == 1.0
+        assert poll(bounded_only, timeout=30), (_bounded_shares(rig), rig.sidecar.log_tail())
+
+        sent = iter(range(1000))
+
+        def some_stopped() -> bool:  # distinct prompts: no prefix keeps them on one worker
+            assert chat(rig, [{"role": "user", "content": f"unbounded {next(sent)}"}], max_tokens=None)[0] == 200
+            shares = _bounded_shares(rig)
+            return len(shares) == 2 and max(shares) < 0.9
+        assert poll(some_stopped, timeout=60), (_bounded_shares(rig), rig.sidecar.log_tail())
 
 
 def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:

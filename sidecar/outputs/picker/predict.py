@@ -131,8 +131,8 @@ def expected_output(max_tokens: float, typical: float, bound: float | None, cap:
     """The tokens a request asking for at most `max_tokens` is expected to generate, in a pool whose
     answers average `typical` tokens. max_tokens is a bound, not a length: clients send 1,024 or 4,096
     for answers of a few hundred tokens, and taken as the length such a bound makes every worker a
-    request joins look seconds slower (bench/results/max-tokens-bound: 25 points of prefix hits lost
-    and 56-1,928 requests refused at 80 % load in the virtual-time sweep). Where the engines say what
+    request joins look seconds slower (bench/results/max-tokens-bound: 14-47 points of prefix hits lost
+    and 12-1,928 requests refused at 80 % load in the virtual-time sweep). Where the engines say what
     share of answers ran to their bound (`bound`), that share is expected to reach max_tokens and the
     rest to stop at the typical answer (never past the bound); where none says, max_tokens at most
     `cap` times the typical answer."""
