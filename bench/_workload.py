@@ -249,6 +249,16 @@ def build_chat(spec: ChatSpec) -> list[dict[str, Any]]:
     return _index(out)
 
 
+def loosely_bounded(requests: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
+    """The same requests from clients that send `max_tokens` as a generous bound (SDK defaults, front-ends
+    that cap the worst case): each answer keeps its own length, which the simulator stops at with finish
+    reason "stop" (`x-sim-answer-tokens`, the model's end of sequence), where the bound is not reached."""
+    for r in requests:
+        r["headers"] = {**r["headers"], "x-sim-answer-tokens": str(r["out"])}
+        r["body"] = {**r["body"], "max_tokens": max(max_tokens, r["out"])}
+    return requests
+
+
 def build_agents(spec: AgentSpec) -> list[dict[str, Any]]:
     """The requests of an AgentSpec: system = one shared context (instructions and tool
     definitions, identical for every request of that agent), user = the request's own task."""

@@ -1,6 +1,8 @@
 """Prefix-cache affinity: conversations from plain OpenAI clients (no header), the same with
-`x-session-id`, agent-style long shared contexts, and conversations mixed with one-shot
-requests, on 4 equal workers whose engines keep a vLLM-like block prefix cache.
+`x-session-id`, agent-style long shared contexts, conversations mixed with one-shot
+requests, and the plain conversations from clients that send a generous max_tokens (`bound`:
+4,096 for answers of 16-48 tokens, which stop on their own), on 4 equal workers whose engines
+keep a vLLM-like block prefix cache.
 
 Every workload runs on several seeds (a fresh fleet, fresh caches and fresh arrivals per
 seed, identical across setups); every figure is given pooled over the seeds' measured
@@ -52,6 +54,7 @@ FLEET = FleetPlan("prefix", "4 equal workers with block prefix caches", (1.0, 1.
                   decode_ms=20, prefix_cache_mode="blocks", kv_cache_tokens=KV_TOKENS)
 LOAD = 0.8
 HIT_REF = 0.5  # the load is LOAD x what the fleet serves when this share of prompt tokens is cached
+LOOSE_MAX_TOKENS = 4096  # the bound the `bound` workload's clients send (answers of 16-48 tokens)
 
 RECOMMENDED = Setup("rec", "confgen render (ring_hash on x-session-id, load bound) + confgen-sidecar (recommended)",
                     "product", SESSION_BALANCING)
@@ -77,6 +80,10 @@ def _conversations(header: bool) -> Callable[[float, float, int], list[dict[str,
                                                                    session_header=header))
 
 
+def _bounded(rate: float, duration: float, seed: int) -> list[dict[str, Any]]:
+    return wl.loosely_bounded(_conversations(False)(rate, duration, seed), LOOSE_MAX_TOKENS)
+
+
 def _agents(rate: float, duration: float, seed: int) -> list[dict[str, Any]]:
     return wl.build_agents(wl.AgentSpec(rate=rate, duration_s=duration, seed=seed))
 
@@ -94,6 +101,8 @@ WORKLOADS = (
     Workload("agents", "agents: long shared system + tool contexts, distinct tasks", _agents,
              ("cache_aware", "power_of_two")),
     Workload("mix", "conversations (plain clients) mixed 1:1 with one-shot requests", _mix, ("cache_aware",)),
+    Workload("bound", "the plain conversations from clients that send max_tokens 4096 (answers stop short of it)",
+             _bounded, ("cache_aware",)),
 )
 QUICK = ("plain",)
 QUICK_PEERS = ("cache_aware",)  # quick is a harness check within make bench-quick's 4 minutes

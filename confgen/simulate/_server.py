@@ -3,6 +3,12 @@
 The engines are pure (`_engine`); this module feeds them arrivals stamped with the event
 loop's clock, arms one timer per worker for the next step end (no per-token loop, nothing
 runs while a worker is idle) and turns the engine's progress into HTTP responses.
+
+An answer is `max_tokens` tokens long (finish reason "length"), or, without `max_tokens`, a length the
+prompt seeds (finish reason "stop"). A client may say how long its answer is with the header
+`x-sim-answer-tokens: N` (a positive integer): an answer shorter than `max_tokens` then stops there on
+its own (finish reason "stop"), as a model's does at its end-of-sequence token, so `max_tokens` is only
+the bound (benchmarks of clients that send a generous bound).
 """
 
 from __future__ import annotations
@@ -492,6 +498,7 @@ class SimWorker:
                 raise _BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             text, tokens = _chat_prompt(body) if chat else _completion_prompt(body)
             max_tokens = _max_tokens(body, chat)
+            answer = _answer_tokens(request)
         except _BadRequest as exc:
             self._failures["validation" if exc.status == 400 else "not_found"] += 1
             return self._error(exc.status, exc.message, exc.kind, exc.param)
@@ -515,6 +522,8 @@ class SimWorker:
             default = self.spec.default_max_tokens
             max_tokens = rng.randint(max(1, default // 4), default)
             finish_reason = "stop"
+        if answer is not None and answer < max_tokens:
+            max_tokens, finish_reason = answer, "stop"
         pending = self._submit(text, tokens, max_tokens, key, model, finish_reason, rng)
         stream = bool(body.get("stream", False))
         options = body.get("stream_options") or {}
@@ -747,6 +756,17 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
         raise _BadRequest(400, "max_tokens must be a positive integer", "BadRequestError",
                           "max_tokens")  # fmt: skip
     return value
+
+
+def _answer_tokens(request: web.Request) -> int | None:
+    """The answer's own length the client sent (`x-sim-answer-tokens`), None without one."""
+    raw = request.headers.get("x-sim-answer-tokens")
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
+        raise _BadRequest(400, "x-sim-answer-tokens must be a positive integer", "BadRequestError",
+                          "x-sim-answer-tokens")  # fmt: skip
+    return int(raw)
 
 
 def _prefix_key(text: str, chars: int) -> str:

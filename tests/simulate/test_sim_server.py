@@ -49,6 +49,35 @@ def test_unknown_model_is_an_openai_404() -> None:
     asyncio.run(run())
 
 
+def test_an_answer_the_client_says_is_shorter_than_max_tokens_stops_on_its_own() -> None:
+    """x-sim-answer-tokens: N below max_tokens ends the answer at N tokens with finish reason "stop" (a
+    model's end of sequence; max_tokens only bounds it), counted so in vLLM's request_success_total; at
+    or above max_tokens the bound holds ("length"); a value that is not a positive integer is a 400."""
+    spec = FleetSpec((WorkerSpec(name="w", **FAST),))
+
+    async def run() -> None:
+        async with Fleet(spec) as fleet, session() as s:
+            url = fleet.urls[0]
+
+            async def answer(tokens: str) -> tuple[int, dict[str, Any]]:
+                async with s.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 64},
+                                  headers={"x-sim-answer-tokens": tokens}) as r:
+                    return r.status, json.loads(await r.text())
+            status, body = await answer("5")
+            assert status == 200 and body["usage"]["completion_tokens"] == 5
+            assert body["choices"][0]["finish_reason"] == "stop"
+            status, body = await answer("500")
+            assert status == 200 and body["usage"]["completion_tokens"] == 64
+            assert body["choices"][0]["finish_reason"] == "length"
+            for bad in ("0", "-3", "five", "1e3"):
+                assert (await answer(bad))[0] == 400, bad
+            samples = await scrape(s, url)
+            reasons = {labels["finished_reason"]: v for labels, v in samples["vllm:request_success_total"]}
+            assert reasons["stop"] == 1 and reasons["length"] == 1
+
+    asyncio.run(run())
+
+
 def test_sse_framing_ends_with_done_and_carries_usage() -> None:
     """Streaming: one data chunk per token, usage chunk with include_usage, then [DONE]."""
     spec = FleetSpec((WorkerSpec(**FAST),))
