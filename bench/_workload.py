@@ -254,8 +254,9 @@ def loosely_bounded(requests: list[dict[str, Any]], max_tokens: int) -> list[dic
     that cap the worst case): each answer keeps its own length, which the simulator stops at with finish
     reason "stop" (`x-sim-answer-tokens`, the model's end of sequence), where the bound is not reached."""
     for r in requests:
-        r["headers"] = {**r["headers"], "x-sim-answer-tokens": str(r["out"])}
-        r["body"] = {**r["body"], "max_tokens": max(max_tokens, r["out"])}
+        r["out"] = out = r.get("out", r["body"]["max_tokens"])
+        r["headers"] = {**r["headers"], "x-sim-answer-tokens": str(out)}
+        r["body"] = {**r["body"], "max_tokens": max(max_tokens, out)}
     return requests
 
 

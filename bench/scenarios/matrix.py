@@ -58,6 +58,12 @@ def run_fleet(ctx: Context, plan: FleetPlan, warmup_s: float, window_s: float,
     per_seed: dict[str, list[dict[str, Any]]] = {}
     for seed in seeds or [ctx.seed]:
         requests = _build(plan, rate, count, seed)
+        # --set matrix_max_tokens=N: clients send max_tokens N, a bound their answers stop short of
+        loose = int(ctx.option("matrix_max_tokens", 0))
+        if loose:
+            from .._workload import loosely_bounded
+
+            requests = loosely_bounded(requests, loose)
         deadline = requests[-1]["t"] + 1.0
         for s in setups(ctx, plan):
             tag = f"mx-{plan.key}-{s.key}-{seed}"
