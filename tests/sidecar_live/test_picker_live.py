@@ -286,8 +286,9 @@ def test_the_picker_learns_how_many_answers_run_to_their_max_tokens_from_the_eng
 
 def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
     """The fault: the sidecar's process stopped (SIGSTOP) while eight requests arrive, until every stream has
-    sent its headers to it (Envoy's `streams_started` past `started` by 8) and 60 ms have passed; then
-    resumed. Their statuses."""
+    sent its headers to it (Envoy's `streams_started` past `started` by 8) and 60 ms more have passed (so the
+    last of them is 60 ms old, past the 20 ms late rule, however slowly the eight arrived); then resumed.
+    Their statuses."""
     import signal
     import time
 
@@ -295,11 +296,10 @@ def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
     pid = rig.sidecar.proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        stalled_at = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(chat, rig, [{"role": "user", "content": f"late {i}"}]) for i in range(8)]
             assert poll(lambda: _ext_proc(rig, "streams_started") - started >= 8, timeout=10)
-            time.sleep(max(0.0, stalled_at + 0.06 - time.monotonic()))  # the stall itself (the fault)
+            time.sleep(0.06)  # the stall itself (the fault): the last request 60 ms old when the picker runs
             os.kill(pid, signal.SIGCONT)
             return [f.result(timeout=30)[0] for f in futures]
     finally:
