@@ -267,18 +267,25 @@ def test_the_picker_learns_how_many_answers_run_to_their_max_tokens_from_the_eng
     finished_reason): an answer asked with max_tokens runs to it ("length"), one without stops on its own
     ("stop"). The picker learns the share per worker from their metrics (how far a request's max_tokens
     predicts its answer): all of them while every request sets max_tokens, less once answers without it
-    come in."""
+    come in. Requests go two at a time, distinct, so that both workers serve some (one alone would go to
+    whichever the picker measured faster, every time)."""
+    sent = iter(range(10_000))
+
+    def pair(max_tokens: int | None) -> None:
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(chat, rig, [{"role": "user", "content": f"answer {next(sent)}"}],
+                                   max_tokens=max_tokens) for _ in range(2)]
+            assert [f.result()[0] for f in answers] == [200, 200]
+
     with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
         def bounded_only() -> bool:
-            assert chat(rig, [{"role": "user", "content": "bounded"}], max_tokens=4)[0] == 200
+            pair(4)
             shares = _bounded_shares(rig)
             return len(shares) == 2 and min(shares) == 1.0
         assert poll(bounded_only, timeout=30), (_bounded_shares(rig), rig.sidecar.log_tail())
 
-        sent = iter(range(1000))
-
-        def some_stopped() -> bool:  # distinct prompts: no prefix keeps them on one worker
-            assert chat(rig, [{"role": "user", "content": f"unbounded {next(sent)}"}], max_tokens=None)[0] == 200
+        def some_stopped() -> bool:
+            pair(None)
             shares = _bounded_shares(rig)
             return len(shares) == 2 and max(shares) < 0.9
         assert poll(some_stopped, timeout=60), (_bounded_shares(rig), rig.sidecar.log_tail())
