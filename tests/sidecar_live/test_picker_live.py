@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @contextlib.contextmanager
 def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
-               extra_args: Sequence[str] = ()) -> Iterator[Rig]:
+               extra_args: Sequence[str] = (), ready_tokens: int = 4) -> Iterator[Rig]:
+    """`ready_tokens`: the answers asked for until the picker has picked one (what a worker learns first)."""
     with run_fleet_in_thread(FleetSpec(workers=tuple(workers), seed=5)) as fleet:
         port, admin, listen, grpc_port = free_port(), free_port(), free_port(), free_port()
         text = fleet_topology(
@@ -54,16 +55,16 @@ def picker_rig(tmp: Path, workers: Sequence[WorkerSpec], *, capacity: int = 8,
                 sidecar.wait_ready()
                 rig = Rig(fleet, proxy, sidecar, topo_path, xds, port, admin,
                           extra={"grpc_port": grpc_port, "socket": str(tmp / "sockets" / "grpc.sock")})
-                assert poll(lambda: _picker_ready(rig), timeout=30), sidecar.log_tail()
+                assert poll(lambda: _picker_ready(rig, ready_tokens), timeout=30), sidecar.log_tail()
                 yield rig
             finally:
                 code = sidecar.stop()
             assert code == 0, f"sidecar exited {code} on SIGTERM:\n{sidecar.log_tail()}"
 
 
-def _picker_ready(rig: Rig) -> bool:
+def _picker_ready(rig: Rig, tokens: int = 4) -> bool:
     """The picker has the fleet view: a request gets picked (counted by reason)."""
-    status, _ = chat(rig, [{"role": "user", "content": "warm up"}])
+    status, _ = chat(rig, [{"role": "user", "content": "warm up"}], max_tokens=tokens)
     return status == 200 and picks(rig.sidecar) > 0
 
 
@@ -246,14 +247,15 @@ def _learned_output(rig: Rig) -> list[float]:
 
 def _until_learned_output(rig: Rig, warm_tokens: int, at_least: float) -> None:
     """Answers of `warm_tokens`, two at a time (one a worker of a two-worker rig whose workers take one
-    each), until the picker has learned answers of `at_least` tokens on every worker, 60 s at most."""
+    each, where admission lets the second in), until every worker whose answers the picker learned has
+    answers of `at_least` tokens or more (one it learned none of takes the pool's), 60 s at most."""
     def learned() -> bool:
         with ThreadPoolExecutor(2) as pool:
             sent = [pool.submit(chat, rig, [{"role": "user", "content": f"warm {i}"}], max_tokens=warm_tokens)
                     for i in range(2)]
             [f.result() for f in sent]
         out = _learned_output(rig)
-        return len(out) == 2 and min(out) >= at_least
+        return bool(out) and min(out) >= at_least
     assert poll(learned, timeout=60), (_learned_output(rig), rig.sidecar.log_tail())
 
 
@@ -340,27 +342,31 @@ def _refused(sidecar: SidecarProcess) -> float:
 
 
 def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_its_headers(tmp_path: Path) -> None:
-    """Admission always on (`admission_gate=0`) with no wait allowed (`budget_standard=0`): once both
-    one-slot workers decode a long answer, a request's predicted start is past its budget (429). Then the
+    """Admission always on (`admission_gate=0`) with a budget of 5 % of a service time (`budget_standard=0.05`:
+    ~150 ms, past the predicted delay a worker a little slower than the other adds, short of a slot's
+    wait): once both one-slot workers decode a long answer, a request's predicted start is past its budget
+    (429). Then the
     picker's process is stopped (SIGSTOP) while eight requests arrive; their headers reach it late. Each
     is refused on its headers (the picker's immediate response, one message a stream), not passed to
     Envoy's balancer unadmitted, and none waits Envoy's message timeout; the long answers complete."""
     import time
 
+    # the rig's first answers 150 tokens too, so no worker starts from a short mean
     with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=1), capacity=1,
-                    extra_args=["--picker", "admission_gate=0", "--picker", "budget_standard=0",
-                                "--picker", "hold=0"]) as rig:
+                    extra_args=["--picker", "admission_gate=0", "--picker", "budget_standard=0.05",
+                                "--picker", "hold=0"], ready_tokens=150) as rig:
         # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot for
         # seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
         _until_predicted(rig, warm_tokens=150)
         # ... on both workers: the wait it predicts is the shorter of the two (one that learned only the
         # rig's 4-token answers predicts 80 ms, which a stall on a loaded machine outlasts), so two at a time
-        # (one a worker) until each has learned answers of 50 tokens or more (a wait of a second or more)
+        # until each that learned any has learned answers of 50 tokens or more (a wait of a second or more;
+        # one that learned none takes the pool's)
         _until_learned_output(rig, warm_tokens=150, at_least=50.0)
         with ThreadPoolExecutor(2) as long_pool:
             # two answers of 500 tokens (10 s at 20 ms a step): both slots taken for the rest of the test.
             # One may be refused at once while the engines' last report still shows the warm-up running
-            # (a zero budget allows no wait at all): sent again until two are placed.
+            # (the budget allows no slot's wait): sent again until two are placed.
             long: list[Any] = []
             for attempt in range(40):
                 placed = picks(rig.sidecar)
