@@ -345,9 +345,8 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
     """Admission always on (`admission_gate=0`) with a budget of 5 % of a service time (`budget_standard=0.05`:
     ~150 ms, past the predicted delay a worker a little slower than the other adds, short of a slot's
     wait): once both one-slot workers decode a long answer, a request's predicted start is past its budget
-    (429). Then the
-    picker's process is stopped (SIGSTOP) while eight requests arrive; their headers reach it late. Each
-    is refused on its headers (the picker's immediate response, one message a stream), not passed to
+    (429). Then the picker's process is stopped (SIGSTOP) while eight requests arrive; their headers reach
+    it late. Each is refused on its headers (the picker's immediate response, one message a stream), not passed to
     Envoy's balancer unadmitted, and none waits Envoy's message timeout; the long answers complete."""
     import time
 
