@@ -763,7 +763,9 @@ def _answer_tokens(request: web.Request) -> int | None:
     raw = request.headers.get("x-sim-answer-tokens")
     if raw is None:
         return None
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
+    # at most 7 digits before int(): a longer string of digits is over the bound anyway, and int() refuses
+    # one of over 4,300 digits with a ValueError (a header may carry 8 KB)
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 7) or not 1 <= int(raw) <= 1_000_000:
         raise _BadRequest(400, "x-sim-answer-tokens must be a positive integer", "BadRequestError",
                           "x-sim-answer-tokens")  # fmt: skip
     return int(raw)

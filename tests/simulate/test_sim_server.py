@@ -69,7 +69,7 @@ def test_an_answer_the_client_says_is_shorter_than_max_tokens_stops_on_its_own()
             status, body = await answer("500")
             assert status == 200 and body["usage"]["completion_tokens"] == 64
             assert body["choices"][0]["finish_reason"] == "length"
-            for bad in ("0", "-3", "five", "1e3"):
+            for bad in ("0", "-3", "five", "1e3", "1000001", "9" * 5000):
                 assert (await answer(bad))[0] == 400, bad
             samples = await scrape(s, url)
             reasons = {labels["finished_reason"]: v for labels, v in samples["vllm:request_success_total"]}
