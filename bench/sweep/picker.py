@@ -170,9 +170,8 @@ class _Sim:
                 kv_blocks=self.fleet.kv_tokens // BLOCK, itl_sum=itl.total, itl_count=float(itl.count),
                 prefill_seconds=pre.total, prefill_tokens=float(c.prompt_tokens - c.prefix_hits_tokens),
                 finished=float(gen.count), finished_tokens=gen.total,
-                # vLLM's finish reasons: answers run to the max_tokens the clients send, or (--max-tokens, a
-                # looser bound) stop short of it
-                finished_bounded=None if not self.reasons else 0.0 if self.max_tokens else float(gen.count)))
+                # vLLM's finish reasons (`reasons`: TGI and llama.cpp report none)
+                finished_bounded=float(c.requests_finished.get("length", 0)) if self.reasons else None))
         for store in self.stores:
             store.update([PoolFacts("pool", ("m",), tuple(facts))], {"m": "pool", None: "pool"})
         if self.router == "lr":
@@ -289,7 +288,9 @@ def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.
         if worker is None:
             records.append((now, None, turn.traffic_class))
             return
+        # an answer runs to the max_tokens its client sends, or (--max-tokens, a looser bound) stops short of it
         req = EngineRequest(f"r{len(pending)}-{now}", prompt_tokens=len(turn.blocks) * BLOCK, max_tokens=turn.output,
+                            finish_reason="stop" if sim.max_tokens else "length",
                             arrival=now, cache_key=turn.blocks)
         pending[id(req)] = (turn, worker, k, predicted)
         classes_by_id[id(req)] = turn.traffic_class

@@ -240,8 +240,9 @@ def _until_predicted(rig: Rig, warm_tokens: int) -> None:
     assert poll(predicted, timeout=30), rig.sidecar.log_tail()
 
 
-def _learned_output(rig: Rig) -> list[float]:
-    prefix = "confgen_picker_learned_output_tokens{"
+def _learned(rig: Rig, name: str) -> list[float]:
+    """Each endpoint's `confgen_picker_learned_<name>` (absent where not measured yet)."""
+    prefix = f"confgen_picker_learned_{name}{{"
     return [float(line.rsplit(" ", 1)[1]) for line in rig.sidecar.metrics().splitlines() if line.startswith(prefix)]
 
 
@@ -254,14 +255,9 @@ def _until_learned_output(rig: Rig, warm_tokens: int, at_least: float) -> None:
             sent = [pool.submit(chat, rig, [{"role": "user", "content": f"warm {i}"}], max_tokens=warm_tokens)
                     for i in range(2)]
             [f.result() for f in sent]
-        out = _learned_output(rig)
+        out = _learned(rig, "output_tokens")
         return bool(out) and min(out) >= at_least
-    assert poll(learned, timeout=60), (_learned_output(rig), rig.sidecar.log_tail())
-
-
-def _bounded_shares(rig: Rig) -> list[float]:
-    prefix = "confgen_picker_learned_bounded_share{"
-    return [float(line.rsplit(" ", 1)[1]) for line in rig.sidecar.metrics().splitlines() if line.startswith(prefix)]
+    assert poll(learned, timeout=60), (_learned(rig, "output_tokens"), rig.sidecar.log_tail())
 
 
 def test_the_picker_learns_how_many_answers_run_to_their_max_tokens_from_the_engines(tmp_path: Path) -> None:
@@ -282,15 +278,15 @@ def test_the_picker_learns_how_many_answers_run_to_their_max_tokens_from_the_eng
     with picker_rig(tmp_path, worker_specs(["a", "b"])) as rig:
         def bounded_only() -> bool:
             pair(4)
-            shares = _bounded_shares(rig)
+            shares = _learned(rig, "bounded_share")
             return len(shares) == 2 and min(shares) == 1.0
-        assert poll(bounded_only, timeout=30), (_bounded_shares(rig), rig.sidecar.log_tail())
+        assert poll(bounded_only, timeout=30), (_learned(rig, "bounded_share"), rig.sidecar.log_tail())
 
         def some_stopped() -> bool:
             pair(None)
-            shares = _bounded_shares(rig)
+            shares = _learned(rig, "bounded_share")
             return len(shares) == 2 and max(shares) < 0.9
-        assert poll(some_stopped, timeout=60), (_bounded_shares(rig), rig.sidecar.log_tail())
+        assert poll(some_stopped, timeout=60), (_learned(rig, "bounded_share"), rig.sidecar.log_tail())
 
 
 def _sent_to_a_stalled_picker(rig: Rig, started: float) -> list[int]:
