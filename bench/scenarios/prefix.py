@@ -324,8 +324,8 @@ def rows_kind(key: str) -> bool:
 
 def run(ctx: Context) -> Result:
     res = Result(NAME, TITLE)
-    warmup_s = ctx.option("prefix_warmup_s", ctx.scale(4, 3))
-    window_s = ctx.option("prefix_window_s", ctx.scale(5, 5))
+    warmup_s = ctx.option("prefix_warmup_s", ctx.scale(4, 2))
+    window_s = ctx.option("prefix_window_s", ctx.scale(5, 3))
     own, unknown = policy_setups()
     chosen = [w for w in WORKLOADS if not ctx.quick or w.key in QUICK]
     # --set prefix_workloads=N: the first N workloads only (plain conversations first);

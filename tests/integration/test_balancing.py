@@ -37,7 +37,7 @@ def test_least_request_sends_slow_worker_fewer_requests_than_round_robin(tmp_pat
     same three workers (one at speed 0.1), its share of requests is well below the share
     round robin gives it."""
     workers = tuple(
-        WorkerSpec(name=name, models=MODELS, speed=speed, decode_ms=20.0, max_num_seqs=16)
+        WorkerSpec(name=name, models=MODELS, speed=speed, decode_ms=6.0, max_num_seqs=16)
         for name, speed in (("fast0", 1.0), ("fast1", 1.0), ("slow", 0.1))
     )
     with stack(LR_TOPOLOGY, FleetSpec(workers=workers, seed=3), tmp_path / "out") as s:
