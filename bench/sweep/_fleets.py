@@ -14,6 +14,8 @@ MIXES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "prompt": ((1500, 6000), (16, 96)),
     "output": ((50, 400), (200, 600)),
     "bench": ((64, 1024), (16, 64)),  # the real bench's one-shot requests (bench._workload.WorkloadSpec)
+    "bench_prompt": ((768, 3072), (4, 16)),  # its prompt-heavy fleet's (bench/scenarios/_fleets.MATRIX)
+    "bench_output": ((32, 256), (32, 96)),  # its output-heavy fleet's
 }
 PREFILL_MS_PER_1K = 60.0
 DECODE_GROWTH = 0.03

@@ -119,8 +119,12 @@ def _blocks(prefix: str, n: int) -> list[str]:
 
 class _Sim:
     def __init__(self, fleet: Fleet, router: str, seed: int, policy: PickerPolicy, max_tokens: int = 0,
-                 reasons: bool = True) -> None:
+                 reasons: bool = True, verdict: bool = True) -> None:
         self.fleet = fleet
+        # the pool's saturation verdict as the picker sees it: True (the gate always open, as the
+        # overload tables measure admission), False (never: the picker's own pressure and spike rules
+        # alone open it, as at 78 % on the real bench where the verdict stays off)
+        self.verdict = verdict
         self.max_tokens = max_tokens  # the bound the clients send (0: each answer's exact length)
         self.reasons = reasons  # the engines report why requests finished (vLLM); else as TGI, llama.cpp
         self.rng = random.Random(seed * 104729 + 7)
@@ -199,7 +203,8 @@ class _Sim:
                             history_chars=t.history_tokens * CHARS_PER_TOKEN,
                             home_chars=t.home_tokens * CHARS_PER_TOKEN)
         hashes = [_hash(b) for b in t.blocks]
-        pick = picker.pick(PickRequest("pool", prompt, hashes, traffic_class=t.traffic_class), store.endpoints("pool"))
+        pick = picker.pick(PickRequest("pool", prompt, hashes, traffic_class=t.traffic_class, saturated=self.verdict),
+                           store.endpoints("pool"))
         if pick.refused_for_s is not None:
             return None, k, pick.predicted
         chosen = pick.endpoints[0]
@@ -222,14 +227,14 @@ def _oneshot(rng: random.Random, mix: str, t: float, i: int) -> Turn:
 def run(fleet: Fleet, workload: str, router: str, seed: int, *, load: float = 0.8, requests: int = 2400,
         policy: PickerPolicy | None = None, mix: str = "chat",
         surge: tuple[float, float, float] | None = None, classes: tuple[float, float] = (0.0, 0.0),
-        bursty: bool = False, max_tokens: int = 0, reasons: bool = True) -> Result:
+        bursty: bool = False, max_tokens: int = 0, reasons: bool = True, verdict: bool = True) -> Result:
     """`surge`: (start s, seconds, load) of a one-shot surge over `load`; `classes`: the shares
     of critical and sheddable requests (the rest standard); `bursty`: the one-shot arrivals on/off
     as the real bench's bursty fleet (bench._workload.bursty: 2 s at 1.75x the mean, 2 s at 0.25x);
     `max_tokens`: the max_tokens every client sends, a bound its answers stop short of (0: each request's
     exact answer length, as the bench's clients send); `reasons`: the engines report how many answers ran
     to their max_tokens (vLLM's finish reasons; TGI and llama.cpp do not)."""
-    sim = _Sim(fleet, router, seed, policy or PickerPolicy(), max_tokens, reasons)
+    sim = _Sim(fleet, router, seed, policy or PickerPolicy(), max_tokens, reasons, verdict)
     rng = random.Random(seed)
     # capacity: requests/s a worker sustains with full batches (as bench.sweep's Shape estimates)
     shot_capacity = Shape("x", fleet.speeds, fleet.seqs, mix=mix, decode_ms=fleet.decode_ms).capacity_rps()
@@ -395,6 +400,21 @@ BENCH_FLEETS = (
     Fleet("bench 12 (4x1, 4x0.75, 4x0.5), seqs 12", (1.0,) * 4 + (0.75,) * 4 + (0.5,) * 4, 12, 20.0,
           KV_CACHE_TOKENS),
 )
+# The real bench's one-shot matrix (bench/scenarios/_fleets.MATRIX) where every worker has the same
+# slots: its speeds, slots, decode step and request mixes (prompt-heavy and output-heavy their own),
+# bursty arrivals on its bursty fleet; `--matrix-fleets` runs the routing tables on these at 78 %.
+MATRIX_FLEETS = (
+    (Fleet("bench wide (1, 1, 0.35), seqs 8", (1.0, 1.0, 0.35), 8, 20.0, KV_CACHE_TOKENS), "bench", False),
+    (Fleet("bench narrow (1, 0.9, 0.8, 0.8), seqs 16", (1.0, 0.9, 0.8, 0.8), 16, 40.0, KV_CACHE_TOKENS), "bench",
+     False),
+    (Fleet("bench equal (4x1), seqs 8", (1.0,) * 4, 8, 25.0, KV_CACHE_TOKENS), "bench", False),
+    (Fleet("bench prompt-heavy (1, 1, 0.5), seqs 8", (1.0, 1.0, 0.5), 8, 20.0, KV_CACHE_TOKENS), "bench_prompt",
+     False),
+    (Fleet("bench output-heavy (1, 0.7, 0.5), seqs 8", (1.0, 0.7, 0.5), 8, 15.0, KV_CACHE_TOKENS), "bench_output",
+     False),
+    (Fleet("bench bursty (1, 1, 0.5), seqs 8", (1.0, 1.0, 0.5), 8, 20.0, KV_CACHE_TOKENS), "bench", True),
+)
+MATRIX_LOAD = 0.78  # bench/scenarios/_fleets.FleetPlan.load
 SURGES = ((1.18, 30.0), (1.5, 15.0), (3.0, 5.0))
 BASE = 0.78
 SURGE_AT = 60.0
@@ -482,6 +502,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--overload", action="store_true", help="the admission table instead of the routing tables")
     ap.add_argument("--bench-fleets", action="store_true",
                     help="--overload on the real bench's fleets and one-shot mix (decode 20 ms)")
+    ap.add_argument("--matrix-fleets", action="store_true",
+                    help="one-shot routing on the real bench's matrix fleets (same slots everywhere) at 78 %%")
     args = ap.parse_args(argv)
     global DIAGNOSE
     DIAGNOSE = args.diagnose
@@ -495,10 +517,14 @@ def main(argv: Sequence[str]) -> int:
             args.out.write_text(text)
         print(text)
         return 0
-    for workload in args.workloads.split(","):
-        cases: list[tuple[Fleet, str]] = ([(f, "chat") for f in CHAT_FLEETS] if workload != "oneshot"
-                                          else _fleets_oneshot())
-        for fleet, mix in cases:
+    workloads = ["oneshot"] if args.matrix_fleets else args.workloads.split(",")
+    for workload in workloads:
+        cases: list[tuple[Fleet, str, bool]] = (
+            list(MATRIX_FLEETS) if args.matrix_fleets else
+            [(f, "chat", False) for f in CHAT_FLEETS] if workload != "oneshot" else
+            [(f, m, False) for f, m in _fleets_oneshot()])
+        load = MATRIX_LOAD if args.matrix_fleets else 0.8
+        for fleet, mix, bursty in cases:
             if args.fleets and args.fleets not in fleet.name:
                 continue
             lines.append(f"\n### {workload} on {fleet.name}" + (f" ({mix} mix)" if workload == "oneshot" else ""))
@@ -507,8 +533,9 @@ def main(argv: Sequence[str]) -> int:
                          "predicted) | refused |")
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
             for router in args.routers.split(","):
-                results = [run(fleet, workload, router, s, requests=args.requests, policy=policy, mix=mix,
-                               max_tokens=args.max_tokens, reasons=not args.no_finish_reasons)
+                results = [run(fleet, workload, router, s, load=load, requests=args.requests, policy=policy, mix=mix,
+                               bursty=bursty, max_tokens=args.max_tokens, reasons=not args.no_finish_reasons,
+                               verdict=not args.matrix_fleets)
                            for s in seeds]
                 merged = Result([x for r in results for x in r.lat], [x for r in results for x in r.ttft],
                                 statistics.fmean(r.hits for r in results),
