@@ -132,6 +132,77 @@ def test_peer_loads_count_until_replaced_dropped_or_stale() -> None:
     assert (a.peers, a.bypass, load_of(a)) == (4.0, 2.0, 6.0)
 
 
+def test_one_replica_over_two_links_counts_once_and_its_last_batch_wins() -> None:
+    """A dual-stack name (an A and an AAAA record) or one peer listed twice: two links to one replica,
+    each carrying its whole map. Counted once, by the replica the batches name."""
+    store, clock = _store(), _Clock()
+    loads = PeerLoads(store, clock, stale_s=1.0)
+    a, b = store.endpoints("chat")
+    loads.set(1, {"chat": {a.address: 3}}, "r1")
+    loads.set(2, {"chat": {a.address: 3}}, "r1")  # the same replica's map over its second link
+    assert a.peers == 3.0
+    loads.set(1, {"chat": {a.address: 1, b.address: 1}}, "r1")
+    assert (a.peers, b.peers) == (1.0, 1.0)
+    loads.set(3, {"chat": {a.address: 2}}, "r2")  # another replica adds its own
+    assert a.peers == 3.0
+    loads.drop(2)  # a link that no longer carries r1's latest map: nothing changes
+    assert (a.peers, b.peers) == (3.0, 1.0)
+    loads.drop(1)  # the link r1's latest map came on: gone until its next batch on another link
+    assert (a.peers, b.peers) == (2.0, 0.0)
+
+
+class _FakeTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when the test says (the expiry timers use it)."""
+
+    now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+class _SilentContext:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def test_a_peer_that_goes_silent_with_its_stream_open_counts_for_nothing_after_stale_s() -> None:
+    """A frozen or partitioned replica's stream can stay open for the transport's keepalive (~40 s);
+    its counts must not: they expire stale_s after its last batch, with no other batch to trigger it."""
+    loop = _FakeTimeLoop()
+    store = _store()
+    loads = PeerLoads(store, loop.time, stale_s=1.0)
+    servicer = PeerServicer(store, loads, replica="me")
+    a, _ = store.endpoints("chat")
+    resume = asyncio.Event()
+
+    async def batches():  # type: ignore[no-untyped-def]
+        yield encode("r1", [], {"chat": {a.address: 4}})
+        await resume.wait()  # silent, the stream still open
+        yield encode("r1", [], {"chat": {a.address: 1}})
+
+    async def main() -> None:
+        task = asyncio.ensure_future(servicer.share(batches(), _SilentContext()))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert a.peers == 4.0
+        loop.now += 0.9  # within stale_s: still counted
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert a.peers == 4.0
+        loop.now += 0.2  # past it
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert a.peers == 0.0 and servicer.streams == 1  # expired, the stream itself untouched
+        resume.set()  # it speaks again: counted again
+        await asyncio.wait_for(task, 5)
+        assert servicer.streams == 0 and a.peers == 0.0  # its stream ended
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
 def _short_socket_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="cg-peer-"))  # 0700, short enough for a socket path
     os.chmod(path, 0o700)

@@ -9,6 +9,8 @@ import random
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from sidecar.outputs.picker.datastore import BlockLRU, Datastore, EndpointFacts, PoolFacts
 from sidecar.outputs.picker.extproc import DESTINATION, PickerServicer, _Stream
@@ -276,6 +278,77 @@ def test_a_body_over_the_cap_is_left_to_the_proxy_and_not_held() -> None:
         assert len(duplex.body) == 0
     svc.finish(duplex)
     assert metrics.unpicked.labels(reason="body_too_large")._value.get() == 2
+
+
+# A client's body decides nothing but its own pick: an exception while deciding would end the stream
+# and Envoy (failure_mode_allow) would send the request on unpicked and unadmitted.
+HOSTILE_BODIES = (
+    b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}',  # a lone surrogate
+    b'{"model": "m", "prompt": "hi", "max_tokens": 1' + b"0" * 400 + b"}",  # past a float
+    b'{"model": "m", "prompt": "hi", "max_completion_tokens": 1' + b"0" * 4000 + b"}",
+    b'{"model": "m", "prompt": "hi", "max_tokens": 1' + b"0" * 300 + b"}",  # a float, absurd
+    b'{"model": "m\\udfff", "prompt": "\\ud800\\udbff", "max_tokens": 5}',
+)
+
+
+def test_hostile_bodies_are_picked_for_like_any_other() -> None:
+    """Found by review: a lone surrogate in `model` raised UnicodeEncodeError and a max_tokens of 400
+    digits OverflowError, out of the decision (the stream ended UNKNOWN with the exception's text)."""
+    for rule in ("predicted", "weighted"):
+        svc = _servicer(_facts("10.0.0.1:8000", token_latency_s=0.02), _facts("10.0.0.2:8000", token_latency_s=0.03))
+        svc.picker = Picker(PickerPolicy(rule=rule), rng=random.Random(3))
+        for body in HOSTILE_BODIES:
+            st = svc.open("chat")
+            svc._step(st, _headers())
+            (out,) = svc._step(st, _body(body))
+            assert _destination(out, "request_body") is not None, (rule, body[:60])
+            assert st.endpoint is not None and st.endpoint.in_flight == 1
+            if rule == "predicted":
+                assert st.predicted is not None and st.predicted < 1e9  # bounded, not 1e297 seconds
+            svc.finish(st)
+            assert sum(e.in_flight for e in svc.store.endpoints("chat")) == 0
+    from sidecar.outputs.picker.prompt import MAX_TOKENS
+
+    prompt = parse_body(HOSTILE_BODIES[1])
+    assert prompt is not None and prompt.max_tokens == MAX_TOKENS
+
+
+_ANY_TEXT = hs.text(hs.characters(codec=None, categories=None), max_size=12)  # surrogates included
+_JSON = hs.recursive(hs.none() | hs.booleans() | hs.integers() | hs.floats(allow_nan=False) | _ANY_TEXT,
+                     lambda inner: hs.lists(inner, max_size=4) | hs.dictionaries(_ANY_TEXT, inner, max_size=4),
+                     max_leaves=12)
+_FIELD = hs.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "role", "content"])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(hs.dictionaries(_FIELD, _JSON | hs.integers(min_value=-(10**500), max_value=10**500)
+                       | hs.lists(hs.fixed_dictionaries({"role": _ANY_TEXT, "content": _JSON}), max_size=3),
+                       max_size=5))
+def test_any_json_body_is_decided_without_an_exception(fields: dict[str, object]) -> None:
+    """Any JSON object a client sends (any types in the fields the picker reads, lone surrogates, integers
+    of hundreds of digits) is decided (a pick, or left to the proxy), never an exception."""
+    svc = _servicer(_facts("10.0.0.1:8000", token_latency_s=0.02), _facts("10.0.0.2:8000", token_latency_s=0.03))
+    body = json.dumps({"model": "m", **fields}).encode("utf-8", "surrogatepass")
+    st = svc.open("chat")
+    svc._step(st, _headers())
+    (out,) = svc._step(st, _body(body))
+    assert out.HasField("request_body")
+    svc.finish(st)
+    assert sum(e.in_flight for e in svc.store.endpoints("chat")) == 0
+
+
+def test_pool_metadata_names_only_a_pool_the_picker_serves() -> None:
+    """The gRPC metadata naming a pool is a caller's hint: a name the picker does not serve is ignored
+    (the model's pool is used), so no caller grows the picker's per-pool state with names."""
+    svc = _servicer(_facts("10.0.0.1:8000"), _facts("10.0.0.2:8000"))
+    st = svc.open("no-such-pool")
+    svc._step(st, _headers())
+    (out,) = svc._step(st, _body(_chat([{"role": "user", "content": "hi"}])))
+    assert _destination(out, "request_body") is not None and st.pool == "chat"
+    svc.finish(st)
+    late = svc.open("no-such-pool-either")
+    assert svc._pool_of(late, None) is None
+    svc.finish(late)
 
 
 # -- over real gRPC: the stream's bounds and its end ---------------------------------------

@@ -231,6 +231,10 @@ class Datastore:
     def pools(self) -> Mapping[str, Sequence[Endpoint]]:
         return {name: list(p.endpoints.values()) for name, p in self._pools.items()}
 
+    def serves(self, pool: str | None) -> bool:
+        """Is this one of the picker's pools."""
+        return pool in self._pools
+
     def saturated(self, pool: str) -> bool:
         """The pool's saturation verdict as of the last update (False for a pool not known)."""
         entry = self._pools.get(pool)

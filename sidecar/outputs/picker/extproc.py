@@ -104,7 +104,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 PICKER_FILTER_NAME = "envoy.filters.http.ext_proc"  # the key Envoy files the request attributes under
-POOL_METADATA = "x-confgen-pool"  # gRPC initial metadata confgen's render sends per route
+# gRPC initial metadata naming the request's pool: a caller's hint, taken only for a pool the picker
+# serves (confgen's render sends none: the matched route's name says the pool)
+POOL_METADATA = "x-confgen-pool"
 
 _MODE = processing_mode_pb2.ProcessingMode
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -438,7 +440,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         else the proxy's, else the one its model routes to (None: not the picker's)."""
         named, pool = self.store.pool_of_route(st.route)
         if not named:
-            pool = st.pool or self.store.pool_for(model)
+            pool = st.pool if self.store.serves(st.pool) else self.store.pool_for(model)
         return pool
 
     def _untaken(self, st: _Stream) -> pb.ProcessingResponse | None:

@@ -10,7 +10,8 @@ streams to each peer, every `flush_s`:
   which the peer adds to that endpoint's prefix index as if it had sent the request itself;
 - its requests in flight per endpoint (the whole map, every batch: a heartbeat when idle),
   which the peer counts as load beside its own until the next batch replaces it, or drops
-  when the stream ends or falls silent for `stale_s`.
+  when the stream ends or falls silent for `stale_s` (a timer, not the next batch of someone
+  else); per replica, so one replica reached over two links counts once (`PeerLoads`).
 
 Targets: `unix:PATH` (a peer on this host), `HOST:PORT` (one peer over mTLS), or `dns:HOST:PORT`:
 every address HOST resolves to, resolved again every `resolve_s` (a Kubernetes headless Service
@@ -153,29 +154,47 @@ def decode(data: bytes) -> Batch:
 
 
 class PeerLoads:
-    """The peers' requests in flight, per stream, summed onto the datastore's endpoints."""
+    """The peers' requests in flight, per replica, summed onto the datastore's endpoints.
+
+    Keyed by the replica a batch names, not by the stream it came on: one replica reached over two
+    links (a dual-stack name resolving to an A and an AAAA record, or one peer listed twice) sends its
+    whole map on each, and counting both would count its requests twice; the latest batch wins. A
+    replica whose batches stop (frozen, partitioned: its stream may stay open for the transport's
+    keepalive, ~40 s) counts for nothing `stale_s` after its last batch (`expire_after`)."""
 
     def __init__(self, store: Datastore, clock: Callable[[], float], stale_s: float) -> None:
         self._store = store
         self._clock = clock
-        self._stale_s = stale_s
-        self._streams: dict[int, tuple[float, Mapping[str, Mapping[str, int]]]] = {}
+        self.stale_s = stale_s
+        # replica (or "#stream" for a batch naming none) -> (the stream it came on, when, its map)
+        self._replicas: dict[str, tuple[int, float, Mapping[str, Mapping[str, int]]]] = {}
 
-    def set(self, stream: int, loads: Mapping[str, Mapping[str, int]]) -> None:
-        self._streams[stream] = (self._clock(), loads)
+    def set(self, stream: int, loads: Mapping[str, Mapping[str, int]], replica: str | None = None) -> None:
+        self._replicas[replica or f"#{stream}"] = (stream, self._clock(), loads)
         self.apply()
 
     def drop(self, stream: int) -> None:
-        if self._streams.pop(stream, None) is not None:
+        """The stream ended: the loads it last brought count no more (another link of the same replica
+        brings them again with its next batch)."""
+        gone = [key for key, (owner, _, _) in self._replicas.items() if owner == stream]
+        for key in gone:
+            del self._replicas[key]
+        if gone:
             self.apply()
 
+    def expire_after(self, delay_s: float | None = None) -> asyncio.TimerHandle:
+        """Run `apply` once `delay_s` (default: just past stale_s) has passed on the running loop: the
+        receiver arms this after each batch, so a replica gone silent expires on time."""
+        return asyncio.get_running_loop().call_later(
+            self.stale_s * 1.01 + 0.001 if delay_s is None else delay_s, self.apply)
+
     def apply(self) -> None:
-        """Every endpoint's `peers` from the live streams (a stream silent for stale_s counts for nothing)."""
+        """Every endpoint's `peers` from the live replicas (one silent for stale_s counts for nothing)."""
         now = self._clock()
-        for key in [k for k, (at, _) in self._streams.items() if now - at > self._stale_s]:
-            del self._streams[key]
+        for key in [k for k, (_, at, _) in self._replicas.items() if now - at > self.stale_s]:
+            del self._replicas[key]
         totals: dict[tuple[str, str], int] = {}
-        for _, loads in self._streams.values():
+        for _, _, loads in self._replicas.values():
             for pool, per in loads.items():
                 for address, n in per.items():
                     totals[(pool, address)] = totals.get((pool, address), 0) + n
@@ -205,6 +224,7 @@ class PeerServicer:
                                 "confgen picker peers: a peer presents this sidecar's own certificate")
         stream = next(self._ids)
         self.streams += 1
+        expiry: asyncio.TimerHandle | None = None
         try:
             async for data in requests:
                 try:
@@ -215,10 +235,15 @@ class PeerServicer:
                 if batch.replica == self.replica:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"confgen picker peers: {SELF}")
                 applied = self._store.add_placements(batch.picks)
-                self._loads.set(stream, batch.in_flight)
+                self._loads.set(stream, batch.in_flight, batch.replica)
+                if expiry is not None:
+                    expiry.cancel()
+                expiry = self._loads.expire_after()
                 if self._on_batch is not None:
                     self._on_batch(applied, len(batch.picks) - applied)
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self.streams -= 1
             self._loads.drop(stream)
         return b""

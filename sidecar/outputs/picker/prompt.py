@@ -20,6 +20,11 @@ ids are visited, whatever the body holds. A body cut this way keeps its whole si
 `PromptInfo.chars` (estimated from the body's length), which is what the prompt's token
 count is read from. Measured (bench: 100,000 `messages` entries, 2 MB): 54 ms of parse and
 hash before the bound, the JSON parse alone (~12 ms) after.
+
+Any body is a client's: a `max_tokens` of hundreds of digits is read as `MAX_TOKENS` (past any
+model's context; as a float it would overflow the prediction), and a `model` that is not valid
+UTF-8 (a lone surrogate, which JSON allows) is hashed as it is, never an exception that would
+leave the request to the proxy unadmitted.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
 
-__all__ = ["MAX_ITEMS", "PromptInfo", "block_hashes", "parse_body"]
+__all__ = ["MAX_ITEMS", "MAX_TOKENS", "PromptInfo", "block_hashes", "parse_body"]
 
 CHARS_PER_TOKEN = 4
 MAX_ITEMS = 4096  # messages, content parts and token ids visited per body, at most
+MAX_TOKENS = 1 << 24  # a larger max_tokens is read as this: more than any model's context
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +116,7 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+            return min(value, MAX_TOKENS)
     return None
 
 
@@ -136,7 +142,8 @@ def _messages(messages: list[Any], budget: _Budget) -> tuple[str, int, int]:
 
 
 def _home(model: str | None, head: str) -> int:
-    digest = blake2b(head.encode("utf-8", "surrogatepass"), digest_size=8, key=(model or "").encode()[:64])
+    key = (model or "").encode("utf-8", "surrogatepass")[:64]
+    digest = blake2b(head.encode("utf-8", "surrogatepass"), digest_size=8, key=key)
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -184,7 +191,7 @@ def parse_body(raw: bytes, *, max_chars: int = 64 * 256, max_items: int = MAX_IT
 
 def block_hashes(text: str, model: str | None, *, block_chars: int = 64, max_blocks: int = 256) -> list[int]:
     """Chained hashes of the prompt's blocks (see the module docstring)."""
-    prev = blake2b((model or "").encode(), digest_size=8).digest()
+    prev = blake2b((model or "").encode("utf-8", "surrogatepass"), digest_size=8).digest()
     out: list[int] = []
     data = text.encode("utf-8", "surrogatepass")
     step = block_chars  # bytes: equal to characters for ASCII, and stable for any text
