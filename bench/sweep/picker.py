@@ -23,6 +23,8 @@ is a function of (fleet, workload, router, seed, overrides).
 - Workloads: `chat` (conversations from plain clients: one shared system prompt, 6-12 turns,
   each turn sent a think time after the previous one ended), `oneshot` (independent prompts of
   the sweep's mixes, Poisson arrivals), `mix` (half of each, the same clients).
+- `--matrix-fleets`: one-shot on the real bench's matrix fleets instead (their speeds, slots, decode
+  step and mixes, at 78 %, the saturation verdict off as it stays there; bench/results/matrix-virtual).
 """
 
 from __future__ import annotations
