@@ -3,11 +3,14 @@
 An aiohttp client with one session and a timeout on every call; None or False answers mean
 Envoy could not be asked. Used by the file publisher and its limiter, and built by `main`.
 Envoy's admin is reached at `unix:/path/to/envoy-admin.sock` (its Unix socket, the default: only
-Envoy's user can connect) or at an `http://host:port` URL (`admin_session`).
+Envoy's user can connect) or at an `http://host:port` URL (`admin_session`). Its JSON answers are
+read to at most `JSON_CAP` bytes and parsed with the nesting an answer of Envoy's has; anything else
+(larger, deeper, not JSON) is an answer that could not be had (None), never an exception.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -17,6 +20,7 @@ import aiohttp
 __all__ = ["UNIX_PREFIX", "EnvoyAdmin", "admin_session"]
 
 UNIX_PREFIX = "unix:"
+JSON_CAP = 16 << 20  # a filtered /stats or /runtime answer is kilobytes
 _SOCKET_BASE = "http://envoy-admin"  # the URL's host names nothing when the connector is a Unix socket
 
 
@@ -27,6 +31,26 @@ def admin_session(admin: str, timeout: aiohttp.ClientTimeout) -> tuple[aiohttp.C
         connector = aiohttp.UnixConnector(path=admin.removeprefix(UNIX_PREFIX))
         return aiohttp.ClientSession(connector=connector, timeout=timeout), _SOCKET_BASE
     return aiohttp.ClientSession(timeout=timeout), admin.rstrip("/")
+
+
+class _NotJson(Exception):
+    pass
+
+
+async def _json(resp: aiohttp.ClientResponse) -> Any:
+    """The answer's JSON, or _NotJson: past JSON_CAP bytes, nested past Python's recursion limit, or not
+    JSON at all."""
+    if resp.content_length is not None and resp.content_length > JSON_CAP:
+        raise _NotJson
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(256 << 10):
+        body += chunk
+        if len(body) > JSON_CAP:
+            raise _NotJson
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # ValueError: UnicodeDecodeError and JSONDecodeError too
+        raise _NotJson from exc
 
 
 class EnvoyAdmin:
@@ -58,8 +82,8 @@ class EnvoyAdmin:
             async with self._session.get(url, params={"filter": pattern, "format": "json"}) as resp:
                 if resp.status != 200:
                     return None
-                body: Any = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+                body: Any = await _json(resp)
+        except (aiohttp.ClientError, TimeoutError, _NotJson):
             return None
         out: dict[str, int | str] = {}
         for item in body.get("stats", []) if isinstance(body, dict) else []:
@@ -76,8 +100,8 @@ class EnvoyAdmin:
             async with self._session.get(f"{self.base_url}/runtime") as resp:
                 if resp.status != 200:
                     return None
-                body: Any = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+                body: Any = await _json(resp)
+        except (aiohttp.ClientError, TimeoutError, _NotJson):
             return None
         entries = body.get("entries", {}) if isinstance(body, dict) else {}
         if not isinstance(entries, dict):

@@ -64,8 +64,11 @@ class GrpcLimits:
     max_connection_idle_s: float = 600.0
     max_connection_age_s: float | None = 3600.0  # connections are re-made (spreads load after restarts)
     max_connection_age_grace_s: float = 600.0  # streams in flight may finish (a generation's length)
-    max_connections: int | None = None  # connections accepted at once (None: grpc's default)
-    handshake_timeout_s: float | None = None  # TCP + TLS handshake, then the HTTP/2 preface
+    # Connections accepted at once, and the TCP + TLS handshake then the HTTP/2 preface: before a
+    # client proves anything it holds a descriptor, so both are bounded on every server (grpc's own
+    # defaults: no cap, 120 s). Envoys hold a few connections each (one per worker thread at most).
+    max_connections: int | None = 4096
+    handshake_timeout_s: float | None = 10.0
     max_concurrent_rpcs: int | None = None  # on the whole server (RESOURCE_EXHAUSTED beyond)
     # What a client may send ahead of what the server reads, per stream: a fixed window (no
     # BDP growth), so a stream that is not read holds at most that much. None: grpc's BDP.

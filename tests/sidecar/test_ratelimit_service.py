@@ -159,6 +159,34 @@ def test_token_budgets_check_with_cost_0_and_charge_at_stream_end(redis: RedisPr
     assert asyncio.run(run()) == [OK, OK, OK, OVER, OK, OK]
 
 
+def test_a_charge_past_envoys_bound_is_counted_at_the_bound_and_the_store_stays_up(redis: RedisProcess) -> None:
+    """Found by review: a direct caller's stream-end charge of 1e17 tokens (a hits_addend Envoy never sends:
+    it stops at 1e9) overflowed Redis's INCRBY; the service took the script error for a store outage, ran
+    on its local floor and journalled the charge, whose every replay failed alike. Now it counts 1e9."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> list[Any]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        try:
+            out = []
+            for _ in range(3):
+                out.append(await service.ShouldRateLimit(_request(_descriptor("client/bob/0", "bob", "m1",
+                                                                              hits=10**17)), None))
+            out.append(await service.ShouldRateLimit(_request(_descriptor("client/bob/0", "bob", "m1", hits=0)),
+                                                     None))
+            return out
+        finally:
+            await service.close()
+
+    answers = asyncio.run(run())
+    assert answers[-1].overall_code == OVER  # counted: bob's 100 tokens are spent
+    assert registry.get_sample_value("confgen_sidecar_ratelimit_decisions_total",
+                                     {"code": "over_limit", "store": "counted"}) == 1
+    assert not registry.get_sample_value("confgen_sidecar_ratelimit_store_failures_total")
+
+
 def test_reservations_hold_a_token_budget_to_one_request_over(redis: RedisProcess) -> None:
     """Requests in flight reserve their estimate (max output + body bytes / 4 for a total budget):
     a request is admitted only while spent + reserved < budget; its charge releases it."""

@@ -62,6 +62,33 @@ def test_serves_an_added_service_and_caps_message_size() -> None:
     asyncio.run(main())
 
 
+def test_every_server_bounds_connections_and_their_handshake() -> None:
+    """Found by review: the picker's and rate limit service's server took grpc's defaults (no cap on
+    connections, 120 s to finish a handshake): 3,000 TCP connections that never began TLS held 3,000
+    descriptors. Every server now has both bounds unless its profile sets its own (ADS: 2,000, 10 s);
+    here with a short handshake and a cap of 4, a client that connects and sends nothing is closed."""
+    defaults = dict(GrpcLimits().options())
+    assert defaults["grpc.max_allowed_incoming_connections"] == 4096
+    assert defaults["grpc.server_handshake_timeout_ms"] == 10_000
+
+    async def main() -> tuple[float, bytes]:
+        server = GrpcServer(GrpcSettings("127.0.0.1", 0, GrpcLimits(handshake_timeout_s=0.5, max_connections=4)))
+        server.add(_register(_echo()), "echo")
+        port = await server.start()
+        loop = asyncio.get_running_loop()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            started = loop.time()
+            got = await asyncio.wait_for(reader.read(), 10)  # closed by the server: b"" (or its GOAWAY)
+            writer.close()
+            return loop.time() - started, got
+        finally:
+            await server.stop(0)
+
+    took, _ = asyncio.run(main())
+    assert took < 5.0, took
+
+
 def test_a_taken_port_is_a_config_error() -> None:
     async def main() -> None:
         first = GrpcServer(GrpcSettings("127.0.0.1", 0))

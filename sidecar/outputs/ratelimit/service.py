@@ -522,8 +522,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         if budget.limit.per_model:
             model = entries.get(MODEL_KEY, ANY_MODEL)
             model = model if model in table.models else ANY_MODEL
-        # per-descriptor hits_addend wins (0 = check only); else the request's, where 0 means 1
+        # per-descriptor hits_addend wins (0 = check only); else the request's, where 0 means 1; at most
+        # Envoy's own bound (a direct caller's 1e17 would overflow Redis's INCRBY and stall the journal)
         cost = int(descriptor.hits_addend.value) if descriptor.HasField("hits_addend") else request_addend or 1
+        cost = min(cost, _MAX_ESTIMATE)
         window = budget.window_seconds
         start = int(now // window)
         ttl = max(1, math.ceil((start + 1) * window - now)) + 1

@@ -73,6 +73,9 @@ class AdsBounds:
     # message from its length prefix, before buffering it.
     max_receive_bytes: int = 1024 * 1024
     handshake_timeout_s: float = 10.0  # TCP + TLS handshake, then the HTTP/2 preface
+    # a stream that has not named its node by then is ended (DEADLINE_EXCEEDED): one that sends nothing
+    # would otherwise hold one of `max_streams` for good (Envoy names it in its first request, at once)
+    first_request_s: float = 10.0
     idle_timeout_s: float = 300.0  # a connection with no stream open is closed after this
     log_burst: int = 20  # lines one client (node id or peer address) can cause per window
     log_window_s: float = 60.0
@@ -227,6 +230,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
                    handle: Callable[[Any], None], step: Callable[[], list[Any]]) -> AsyncIterator[Any]:
         listener = self._cache.listen(stream.wake)
         reader = asyncio.create_task(stream.read(requests, handle))
+        first = asyncio.get_running_loop().call_later(self.bounds.first_request_s, self._first_due, stream)
         try:
             while True:
                 await stream.wake.wait()
@@ -243,6 +247,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
                 if stream.closed:
                     return
         finally:
+            first.cancel()
             self._cache.unlisten(listener)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -250,6 +255,13 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             if stream.node is not None:
                 self.nodes.disconnect(stream.node)
                 self.say(stream.node, logging.INFO, "xds.disconnected", node=stream.node, protocol=stream.protocol)
+
+    def _first_due(self, stream: _Stream) -> None:
+        """`first_request_s` after the stream opened: ended unless it has named its node."""
+        if stream.node is None and stream.refused is None and not stream.closed:
+            stream.refused = _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"no first request naming the node within {self.bounds.first_request_s:g} s")
+            stream.wake.set()
 
     # -- state of the world ---------------------------------------------------------------
 
@@ -332,6 +344,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
         subscribe = {str(n) for n in request.resource_names_subscribe}
         unsubscribe = {str(n) for n in request.resource_names_unsubscribe}
         state = types.get(type_url)
+        created = state is None
         if state is None:
             state = types[type_url] = _DeltaType()
             state.wildcard = "*" in subscribe or (type_url in _WILDCARD_TYPES and not subscribe)
@@ -345,13 +358,28 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ign
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"more than {limit} resource names for {SHORT[type_url]}")
         self._check_names(type_url, state.names)
-        if any(len(n) > self.bounds.max_name for n in state.known):
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a resource name longer than {self.bounds.max_name}")
+        if created:
+            self._bound_known(type_url, state)
         nonce = str(request.response_nonce)
         version = state.nonces.pop(nonce, None) if nonce else None
         if version is None:
             return  # no nonce, an unknown one, or one already answered
         self._answer(stream, type_url, version, request)
+
+    def _bound_known(self, type_url: str, state: _DeltaType) -> None:
+        """What Envoy says it holds on a reconnect (`initial_resource_versions`) is kept where it may be
+        answered: a served name, one it subscribes to, or for a wildcard type a name to tell it was
+        removed, at most `max_unknown_names` of those (the first in order; a topology that dropped more
+        while the control plane was away leaves the rest in Envoy, unrouted). Never refused for that: every
+        Envoy reconnects with such a list after a restart. A name past `max_name` is refused."""
+        if any(len(n) > self.bounds.max_name for n in state.known):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a resource name longer than {self.bounds.max_name}")
+        have = self._cache.resources(type_url)
+        kept = {n: v for n, v in state.known.items() if n in have or n in state.names}
+        if state.wildcard:
+            gone = sorted(n for n in state.known if n not in kept)[: self.bounds.max_unknown_names]
+            kept.update((n, state.known[n]) for n in gone)
+        state.known = kept
 
     def _check_names(self, type_url: str, names: Iterable[str]) -> None:
         """What a stream keeps per type is bounded by what is served: few unknown names, none too long."""
