@@ -24,9 +24,10 @@ NAMES = 4_000  # ~0.86 MiB of names a request: under the 1 MiB message cap
 STREAMS = 10
 
 
-async def _serving(bounds: AdsBounds) -> tuple[Any, AdsServicer, int]:
+async def _serving(bounds: AdsBounds, on_nodes: asyncio.Event | None = None) -> tuple[Any, AdsServicer, int]:
     loop = asyncio.get_running_loop()
-    servicer = AdsServicer(XdsCache(), Nodes(loop.time), bounds, loop.time)
+    nodes = Nodes(loop.time, on_nodes.set if on_nodes is not None else None)
+    servicer = AdsServicer(XdsCache(), nodes, bounds, loop.time)
     server = ads_server(servicer, GrpcSettings("127.0.0.1", 0))
     port = await server.start()
     return server, servicer, port
@@ -68,7 +69,8 @@ def test_a_delta_reconnect_listing_unserved_resources_holds_almost_nothing() -> 
         return {f"pool-{i:02d}-{j:05d}-" + "x" * 190: "1" for j in range(NAMES)}
 
     async def main() -> tuple[int, int]:
-        server, servicer, port = await _serving(AdsBounds())
+        connected = asyncio.Event()
+        server, servicer, port = await _serving(AdsBounds(), connected)
         stop = asyncio.Event()
         tracemalloc.start()
         # a connection each: the server allows 8 streams on one
@@ -89,7 +91,8 @@ def test_a_delta_reconnect_listing_unserved_resources_holds_almost_nothing() -> 
             async with asyncio.timeout(30):
                 # a node is connected within the call that applies its request (one step of this loop)
                 while len(servicer.nodes.view()) < 2 * STREAMS:
-                    await asyncio.sleep(0.05)
+                    connected.clear()
+                    await connected.wait()
             return tracemalloc.get_traced_memory()[0] - base, sum(servicer.refused.values())
         finally:
             tracemalloc.stop()
