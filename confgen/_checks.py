@@ -7,6 +7,7 @@ file. They run only on a model that decoded cleanly, so every value here is well
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -81,6 +82,22 @@ def check(topo: Topology, sections: frozenset[str] = frozenset()) -> list[Findin
         found.extend(checker(topo))
     found.extend(_edge_checks.check(topo, reserved_header))
     return found
+
+
+def envoy_refuses_path(path: str) -> str | None:
+    """Why Envoy refuses to read a file at `path`, whatever the machine (None: it may read it). Envoy
+    canonicalises every file path it loads and refuses one under /dev (but /dev/fd/), /sys or /proc, by
+    string prefix ("Invalid path": source/common/filesystem/posix/filesystem_impl.cc, illegalPath; so
+    /system/x and /devices/x too). Here without the symlinks only the machine that runs Envoy knows."""
+    if path.startswith("/dev/fd/"):
+        return None
+    canonical = posixpath.normpath(path)
+    canonical = "/" + canonical.lstrip("/")  # normpath keeps a leading "//"; the kernel does not
+    for prefix in ("/dev", "/sys", "/proc"):
+        if canonical.startswith(prefix):
+            return (f"{path!r}: Envoy reads no file whose path starts with {prefix} (it refuses /dev, /sys and "
+                    "/proc, by prefix, but /dev/fd/)")
+    return None
 
 
 def _dupes(items: list[str]) -> set[str]:
@@ -305,6 +322,10 @@ def _grpc_transport(topo: Topology) -> Iterator[Finding]:
         path = "sidecar.grpc_tls" if side.grpc_tls is not None else "envoy.xds.tls"
         yield from ((f"{path}.server_names[{i}]", f"{n!r} is listed twice", ERROR)
                     for i, n in enumerate(tls.server_names) if n in tls.server_names[:i])
+        for key in ("cert", "key", "ca"):
+            reason = envoy_refuses_path(getattr(tls, key))
+            if reason is not None:
+                yield f"{path}.{key}", reason, ERROR
         if side.grpc_plaintext_loopback:
             yield "sidecar.grpc_plaintext_loopback", "unused: with grpc_tls the gRPC surfaces are mutual TLS", WARNING
         return

@@ -114,12 +114,27 @@ def _listener_field(topo: Topology, listener: str, sub: str) -> str:
     return f"listeners[{names.index(listener)}]" if listener in names else "listeners"
 
 
+_INVALID_PATH = re.compile(r"Invalid path: (?P<path>\S+)")
+
+
+def _file_field(topo: Topology, path: str) -> str:
+    """The topology field naming a file Envoy reads ("Invalid path": not readable on this machine, or under
+    /dev, /sys or /proc), "" when none names it."""
+    for where, tls in (("sidecar.grpc_tls", topo.sidecar.grpc_tls), ("envoy.xds.tls", topo.envoy.xds.tls)):
+        for key in ("cert", "key", "ca"):
+            if tls is not None and getattr(tls, key) == path:
+                return f"{where}.{key}"
+    return ""
+
+
 def explain_envoy(text: str, bootstrap: Mapping[str, Any], topo: Topology) -> Refusal:
     """(topology field, short message) for one error record of `envoy --mode validate`
     run on `bootstrap` (the static bootstrap the check inlined)."""
     located = _envoy_path(text)
     if located is None:
-        return Refusal("", f"Envoy refused it: {_first_line(text)}")
+        first = _first_line(text)
+        invalid = _INVALID_PATH.search(first)
+        return Refusal(_file_field(topo, invalid.group("path")) if invalid else "", f"Envoy refused it: {first}")
     path, reason = located
     message = f"Envoy refused {path}: {reason}" if reason else f"Envoy refused {path}"
     static = bootstrap.get("static_resources", {})

@@ -9,13 +9,18 @@ the inlined static bootstrap, as `confgen validate --envoy` runs it) and the rea
 
 from __future__ import annotations
 
+import tempfile
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
 
 from confgen import verify
 from confgen.cli import TARGETS, render_files
 from confgen.errors import DeployError, TopologyError
+from confgen.model import Topology, grpc_tls
 from confgen.topology import parse
+from tests.support.certs import CertAuthority
 
 
 @dataclass
@@ -27,6 +32,31 @@ class Outcome:
 
 def _crash(where: str) -> str:
     return f"traceback in {where}:\n{traceback.format_exc(limit=6)}"
+
+
+@cache
+def _tls_files() -> tuple[str, str, str]:
+    """A throwaway client certificate, its key and its CA (one per process, removed with it)."""
+    directory = Path(tempfile.mkdtemp(prefix="confgen-fuzz-tls-"))
+    ca = CertAuthority.create(directory)
+    leaf = ca.issue("envoy", ["DNS:envoy"])
+    return str(leaf.cert), str(leaf.key), str(ca.cert)
+
+
+def _with_real_tls(topo: Topology) -> Topology:
+    """The topology with its gRPC TLS files replaced by real ones on this machine. Envoy reads them when it
+    checks a config, so a path that is well formed but holds no file here is refused by the real Envoy and
+    not by plain validate, which reads no file (the deploy machine has them): not a disagreement. What is
+    wrong with a path whatever the machine (a component past 255, /dev) validate refuses before this."""
+    tls = grpc_tls(topo)
+    if tls is None:
+        return topo
+    cert, key, ca = _tls_files()
+    real = replace(tls, cert=cert, key=key, ca=ca)
+    sidecar = replace(topo.sidecar, grpc_tls=real) if topo.sidecar.grpc_tls is not None else topo.sidecar
+    xds = topo.envoy.xds
+    envoy = replace(topo.envoy, xds=replace(xds, tls=real)) if xds.tls is not None else topo.envoy
+    return replace(topo, sidecar=sidecar, envoy=envoy)
 
 
 def judge(text: bytes, *, proxies: bool = True, name: str = "mutant.yaml") -> Outcome:
@@ -58,6 +88,7 @@ def judge(text: bytes, *, proxies: bool = True, name: str = "mutant.yaml") -> Ou
     except Exception:  # noqa: BLE001
         out.problems.append(_crash("validate --nginx (unsupported)"))
     if proxies and not out.problems:
+        topo = _with_real_tls(topo)
         for target in ("envoy", "nginx"):
             try:
                 refused = verify.verify(topo, target)

@@ -70,3 +70,18 @@ def test_nginx_refusal_in_an_upstream_file_names_the_pool(tmp_path: Path) -> Non
     assert path == "pools[0]"
     assert message.startswith(f"nginx refused {rel}:")
     assert str(tmp_path) not in message
+
+
+def test_a_tls_file_envoy_cannot_read_is_named_by_its_field(tmp_path: Path) -> None:
+    """`validate --envoy` on a machine without the gRPC TLS files (they live where Envoy runs): the real
+    Envoy's "Invalid path" comes back at the field naming the file, not at the file's top."""
+    from confgen import verify
+
+    text = (EXAMPLE.read_text() + "\nsidecar:\n  grpc_tls: {cert: /run/confgen-none/tls.crt, key: "
+            "/run/confgen-none/tls.key, ca: /run/confgen-none/ca.crt}\n")
+    source = tmp_path / "topology.yaml"
+    source.write_text(text)
+    topo, _ = load(source)
+    refused = verify.verify(topo, "envoy")
+    assert refused and refused[0].field.startswith("sidecar.grpc_tls."), refused
+    assert "Invalid path: /run/confgen-none/" in refused[0].message
