@@ -112,9 +112,22 @@ def _later_duplicates(path: str, items: list[str], what: str, key: str = "name")
         seen.add(item)
 
 
+# Envoy route names confgen gives its own routes (the picker and the limits find a route's class and
+# budgets by the name Envoy matched: a user route of the same name would take another's class).
+RESERVED_ROUTES = {"default": "the default_pool's route", "models-list": "the GET /v1/models route"}
+# Envoy cluster names confgen gives its own clusters: pool names start with a letter or digit, so only the
+# "confgen_" prefix can collide (a duplicate cluster: Envoy refuses the whole CDS).
+RESERVED_POOL_PREFIX = "confgen_"
+
+
 def _duplicates(topo: Topology) -> Iterator[Finding]:
     yield from _later_duplicates("pools", [p.name for p in topo.pools], "pool name")
     yield from _later_duplicates("routes", [r.name for r in topo.routes], "route name")
+    yield from ((f"routes[{i}].name", f"{r.name!r} is reserved: the name of {RESERVED_ROUTES[r.name]}", ERROR)
+                for i, r in enumerate(topo.routes) if r.name in RESERVED_ROUTES)
+    yield from ((f"pools[{i}].name", f"names starting with {RESERVED_POOL_PREFIX!r} are reserved for confgen's own "
+                 "Envoy clusters (confgen_sidecar_grpc, confgen_xds)", ERROR)
+                for i, p in enumerate(topo.pools) if p.name.startswith(RESERVED_POOL_PREFIX))
     yield from _later_duplicates("listeners", [lst.name for lst in topo.listeners], "listener name")
     binds = [f"{lst.address}:{lst.port}" for lst in topo.listeners]
     yield from _later_duplicates("listeners", binds, "listen address", key="port")
@@ -289,9 +302,6 @@ def _xds(topo: Topology) -> Iterator[Finding]:
             yield f"envoy.xds.servers[{i}]", f"{parts[0]!r} is neither an IP address nor a DNS name", ERROR
     yield from ((f"envoy.xds.servers[{i}]", f"{s!r} is listed twice", ERROR)
                 for i, s in enumerate(xds.servers) if s in xds.servers[:i])
-    if xds.mode == "ads":
-        yield from ((f"pools[{i}].name", "the name confgen_xds is the control plane's cluster in mode ads", ERROR)
-                    for i, p in enumerate(topo.pools) if p.name == "confgen_xds")
     if xds.tls is not None:
         if topo.sidecar.grpc_tls is None:
             yield ("envoy.xds.tls", "deprecated: write it as sidecar.grpc_tls, the one TLS block of ADS, the picker "

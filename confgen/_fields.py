@@ -31,6 +31,8 @@ PATTERNS: dict[str, tuple[str, str]] = {
     "text": (r"[A-Za-z0-9 .,:!?()/_+-]{1,512}", "plain text: letters, digits, spaces and . , : ! ? ( ) / _ + -"),
     "label": (r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}", "letters, digits and . _ / - (1-63)"),
     "cookie": (r"[A-Za-z0-9_-]{1,64}", "letters, digits, '_' and '-'"),
+    "k8s_name": (r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?",
+                 "a Kubernetes object name: lowercase letters, digits and '-' (1-63), alphanumeric at both ends"),
     "k8s_label_value": (r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
                         "a Kubernetes label value: letters, digits and - _ . (1-63), alphanumeric at both ends"),
     "image": (

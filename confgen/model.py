@@ -706,7 +706,7 @@ class NginxOptions:
 
 @dataclass(frozen=True)
 class Kubernetes:
-    namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="name")
+    namespace: str = field("default", doc="Namespace of the rendered objects.", pattern="k8s_name")
     replicas: int = field(2, doc="Proxy pods (each runs Envoy and the sidecar; with envoy.xds.mode ads, Envoy "
                           "alone, and this is the HPA's minimum).", minimum=1, maximum=1000)
     envoy_max_replicas: int = field(
@@ -717,13 +717,13 @@ class Kubernetes:
         None,
         doc="Secret holding the API keys: an entry per auth.api_keys[].env name, and per key file its file "
         "name (default: confgen-<name>-api-keys). The manifests only reference it; render needs no key.",
-        pattern="name",
+        pattern="k8s_name",
     )
     admin_token_secret: str | None = field(
         None,
         doc="Secret whose entry `token` the sidecar requires on POST /drain and /undrain; bound on the pod's "
         "address, those endpoints are off without it.",
-        pattern="name",
+        pattern="k8s_name",
     )
     termination_grace_seconds: int = field(
         180,
@@ -753,7 +753,7 @@ class Kubernetes:
     redis_image: str = field("redis:7.2-alpine", doc="Image of the rendered Redis.", pattern="image")
     gateway: str | None = field(
         None, doc="gateway-api target: the Gateway (in kubernetes.namespace) the rendered HTTPRoute attaches to.",
-        pattern="name",
+        pattern="k8s_name",
     )
     prometheus_url: str = field(
         "http://prometheus-operated.monitoring.svc:9090",

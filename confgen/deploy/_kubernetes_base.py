@@ -41,10 +41,16 @@ RESOURCES: dict[str, dict[str, dict[str, str]]] = {
 
 Obj = dict[str, Any]
 
+# Port names confgen gives its own ports (a listener of the same name would be the port a Service's
+# targetPort finds first in the pod: the pickers' Service reaching Envoy's listener).
+RESERVED_PORT_NAMES = frozenset({"metrics", "grpc", "xds", "redis"})
+
+
 def _port_name(name: str) -> str:
-    """An IANA service name (Kubernetes port names): 1-15 of [a-z0-9-], a letter, no '--'."""
+    """An IANA service name (Kubernetes port names): 1-15 of [a-z0-9-], a letter, no '--'; never one of
+    RESERVED_PORT_NAMES (then a slug and a digest, as for a name that is not one)."""
     slug = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", name.lower())).strip("-")
-    if slug == name and len(slug) <= 15 and re.search("[a-z]", slug) and slug != "metrics":
+    if slug == name and len(slug) <= 15 and re.search("[a-z]", slug) and slug not in RESERVED_PORT_NAMES:
         return slug
     digest = hashlib.sha256(name.encode()).hexdigest()[:4]
     return f"{slug[:8].strip('-')}-{digest}".lstrip("-") if re.search("[a-z]", slug[:8]) else f"l-{digest}"

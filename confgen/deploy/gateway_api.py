@@ -81,7 +81,12 @@ def gateway_problems(topo: Topology) -> list[tuple[str, str]]:
     problems = []
     if topo.kubernetes.gateway is None:
         problems.append(("kubernetes.gateway", "name the Gateway (in kubernetes.namespace) the HTTPRoute attaches to"))
+    named: dict[str, int] = {}
     for i, pool in picked:
+        other = named.setdefault(_pool_name(pool), i)
+        if other != i:  # dns_label maps "_" to "-": the second object would replace the first
+            problems.append((f"pools[{i}].name", f"its InferencePool would be named {_pool_name(pool)!r}, as "
+                             f"pools[{other}]'s is ({topo.pools[other].name!r}): rename one"))
         if not pool.pod_labels:
             problems.append((f"pools[{i}].pod_labels", "an InferencePool selects its pods by label: give the labels "
                              "of this pool's worker pods (the ones its workers' headless Service selects)"))

@@ -245,6 +245,31 @@ pools:
     assert not (tmp_path / "k").exists()
 
 
+def test_a_listener_named_as_one_of_confgens_ports_gets_another_port_name() -> None:
+    """Found by review: a listener named grpc gave Envoy's container a port named grpc beside the sidecar's,
+    and the pickers' Service (targetPort: grpc) reached Envoy's listener. Every port name in a pod is its own."""
+    text = """\
+version: 1
+name: ports
+listeners: [{name: grpc, port: 8080}, {name: metrics, port: 8081}, {name: xds, port: 8082}]
+sidecar: {grpc_tls: {cert: /etc/tls/tls.crt, key: /etc/tls/tls.key, ca: /etc/tls/ca.crt}}
+pools:
+  - name: chat
+    engine: vllm
+    models: [m1]
+    balancing: {policy: prefix_affinity}
+    workers: ["10.0.0.1:8000"]
+"""
+    topo, _ = parse_topology(text.encode(), "t.yaml")
+    for doc in docs_of(render_kubernetes(topo)):
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        if pod:
+            names = [p["name"] for c in pod["containers"] for p in c.get("ports", [])]
+            assert len(names) == len(set(names)), names
+            envoy = next(c for c in pod["containers"] if c["name"] == "envoy")
+            assert not {p["name"] for p in envoy.get("ports", [])} & {"grpc", "metrics", "xds", "redis"}
+
+
 def test_monitoring_objects_carry_the_shipped_rules_and_dashboard() -> None:
     """With kubernetes.monitoring the render adds a ServiceMonitor scraping the sidecar's
     /metrics and Envoy's relayed /envoy/stats on the metrics Service (selected by its labels,

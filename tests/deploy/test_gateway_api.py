@@ -126,6 +126,20 @@ def test_the_pool_picks_with_the_rendered_picker_over_mutual_tls() -> None:
                                           "name": "chat"}]}  # default_pool takes requests naming no model
 
 
+def test_two_pools_whose_inference_pools_would_share_a_name_are_refused() -> None:
+    """Found by review: pools llama_8b and llama-8b both became InferencePool llama-8b (a Kubernetes name
+    has no "_"): applied, the second replaced the first and its HTTPRoute rule sent the first's models to
+    the second's pods."""
+    two = ONE.replace("pools:\n", "pools:\n  - name: llama_8b\n    engine: vllm\n    models: [n]\n"
+                      "    balancing: {policy: prefix_affinity}\n    pod_labels: {app: other}\n"
+                      "    workers: [\"other.inference.svc.cluster.local:8000\"]\n")
+    topo, _ = parse_topology(two.encode(), "t.yaml")
+    with pytest.raises(DeployError) as err:
+        render_gateway_api(topo)
+    assert [p for p, _ in err.value.problems] == ["pools[1].name"]
+    assert "'llama-8b'" in err.value.problems[0][1]
+
+
 def test_what_cannot_be_a_pool_is_refused_at_its_place(tmp_path: Path) -> None:
     """No pool label selector, no Gateway, no pool with the picker, ADS mode: render exits 1 with
     file:line:col and writes nothing."""
