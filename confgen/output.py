@@ -4,15 +4,18 @@ A render is complete in memory before anything is written. Then:
 - a new output directory is built beside its final place and renamed into it, so it
   appears whole or not at all;
 - an existing one (maybe watched by a running Envoy, whose inotify watches follow the
-  directory's inode, so the directory itself must stay) has each file replaced atomically
-  (temp file in the same directory, fsync, rename, fsync the directory), in the order
-  the target gives (`Target.write_rank`; Envoy: EDS before the clusters naming it,
-  clusters before the routes naming them). Files of the previous render that are no
-  longer produced are removed last, in the reverse order.
+  directory's inode, so the directory itself must stay) has each changed file written to a
+  temp file beside it and fsynced first, all of them; only then is each renamed over its
+  file (and the directory fsynced), in the order the target gives (`Target.write_rank`;
+  Envoy: EDS before the clusters naming it, clusters before the routes naming them). A
+  write that fails (disk full, a quota, a directory where a file goes) fails before any
+  file is replaced, and its temp files are removed. Files of the previous render that are
+  no longer produced are removed last, in the reverse order.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -33,8 +36,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so readers see the old or the new content, never a mix."""
+def _stage(path: Path, data: bytes, mode: int) -> Path:
+    """`data` in a temp file beside `path`, on disk (fsynced) with `mode`: ready to be renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -43,9 +46,19 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         Path(tmp).chmod(mode)
-        Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so readers see the old or the new content, never a mix."""
+    tmp = _stage(path, data, mode)
+    try:
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
@@ -91,10 +104,28 @@ def write_tree(
         if not out_dir.is_dir():
             raise OutputError(f"{out_dir} exists and is not a directory")
         previous = _previous_files(out_dir)
-        for rel in sorted(files, key=order):
-            target = out_dir / rel
-            if not target.exists() or target.read_bytes() != files[rel]:
-                atomic_write(target, files[rel], mode)
+        changed = [rel for rel in sorted(files, key=order)
+                   if not (out_dir / rel).is_file() or (out_dir / rel).read_bytes() != files[rel]]
+        staged: list[tuple[Path, Path]] = []
+        try:
+            for rel in changed:  # every new content on disk before any file is replaced
+                if (out_dir / rel).is_dir():  # the rename would fail: fail now, before any
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(out_dir / rel))
+                staged.append((_stage(out_dir / rel, files[rel], mode), out_dir / rel))
+        except BaseException:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
+                if tmp.parent != out_dir and not any(tmp.parent.iterdir()):
+                    tmp.parent.rmdir()  # made for a file of this render (a new pool's EDS)
+            raise
+        for i, (tmp, target) in enumerate(staged):
+            try:
+                tmp.replace(target)
+            except BaseException:
+                for left, _ in staged[i:]:
+                    left.unlink(missing_ok=True)
+                raise
+            _fsync_dir(target.parent)
         for rel in sorted(previous - set(files), key=order, reverse=True):
             stale = out_dir / rel
             stale.unlink(missing_ok=True)
@@ -105,7 +136,8 @@ def write_tree(
             return
         atomic_write(out_dir / MANIFEST, manifest)
     except OSError as exc:
-        raise OutputError(f"cannot write {out_dir}: {exc.strerror or exc}") from exc
+        where = exc.filename if exc.filename else out_dir
+        raise OutputError(f"cannot write {where}: {exc.strerror or exc}") from exc
 
 
 def _previous_files(out_dir: Path) -> set[str]:

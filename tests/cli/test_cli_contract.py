@@ -163,6 +163,26 @@ def test_render_into_existing_dir_removes_a_dropped_pool(tmp_path: Path) -> None
     assert _tree(out) == _tree(tmp_path / "fresh")
 
 
+def test_a_re_render_that_cannot_write_one_file_replaces_none(tmp_path: Path) -> None:
+    """Found by review: a re-render that failed on one file (here a directory where lds.json goes; a full
+    disk alike) had already replaced the files before it, leaving a mix of two renders. Every new content
+    is now on disk before any file is replaced: the failure replaces nothing, leaves no temp file or
+    new directory, and names the file it could not write."""
+    out = tmp_path / "out"
+    topo = _write(tmp_path, TWO_POOLS)
+    assert _run("render", topo, "-o", out).returncode == 0
+    (out / "lds.json").unlink()
+    (out / "lds.json").mkdir()
+    (out / "lds.json" / "x").write_text("in the way")
+    before = _tree(out)
+    topo.write_text(TWO_POOLS + "  - name: gamma\n    engine: vllm\n    models: [c]\n    workers: [127.0.0.1:8002]\n")
+    done = _run("render", topo, "-o", out)
+    assert done.returncode == 1 and "lds.json" in done.stderr, done.stderr
+    assert _tree(out) == before
+    assert not (out / "eds" / "gamma").exists()
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
 def test_render_check_detects_drift(tmp_path: Path) -> None:
     """`render --check DIR` exits 0 on a fresh render; after an edit, a deleted file and an
     extra file it exits 1 naming each (differs/missing/extra), and writes nothing."""
