@@ -193,22 +193,50 @@ class PoolSaturation:
     batch: float = 0.0  # what the workers in rotation can run at once (0: unknown, the capacity is used)
 
 
+def _trimmed(values: list[float], caps: list[int]) -> list[float]:
+    """`values` (per worker) with the largest per declared slot counted up to one batch of its own (its
+    declared slots), beyond that as far as the next largest: what one worker reports past every other
+    worker of its pool moves the pool by its own share at most (a worker may misreport its load, as a
+    compromised or broken engine does: its queue of 1e12 made the whole pool shed, its 1e12 running would
+    have raised the batch past any shedding). A load the fleet really has shows on more than one worker;
+    a pool of one is its own."""
+    if len(values) < 2:
+        return values
+    per_slot = [v / max(c, 1) for v, c in zip(values, caps, strict=True)]
+    top = max(range(len(values)), key=per_slot.__getitem__)
+    second = max(q for i, q in enumerate(per_slot) if i != top)
+    out = list(values)
+    out[top] = min(values[top], max(second, 1.0) * max(caps[top], 1))
+    return out
+
+
 def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: SaturationPolicy,
            max_utilization: float) -> PoolSaturation:
-    """`workers`: (headroom, declared capacity) of each worker in rotation."""
+    """`workers`: (headroom, declared capacity) of each worker in rotation. The pool's waiting and in-flight
+    figures take each worker's as reported, but the one that reports the most per slot counts at most as
+    much as the next (`_trimmed`)."""
     capacity = fresh_capacity = full_capacity = 0
-    waiting = in_flight = batch = 0.0
+    batch = 0.0
+    fresh: list[tuple[Headroom, int]] = []
     for headroom, cap in workers:
         capacity += cap
         if not headroom.fresh(now, policy):
             batch += cap
             continue
-        batch += headroom.batch(cap, policy)
+        fresh.append((headroom, cap))
         fresh_capacity += cap
-        waiting += headroom.waiting
-        in_flight += headroom.waiting + headroom.running
         if headroom.full:
             full_capacity += cap
+    caps = [cap for _, cap in fresh]
+    queued = _trimmed([h.waiting for h, _ in fresh], caps)
+    # running past the declared slots raises the batch (an engine that runs more than declared); by as much
+    # as the next worker's at the most
+    beyond = _trimmed([max(0.0, h.running - cap) for h, cap in fresh], caps)
+    running = [min(h.running, cap + extra) for (h, cap), extra in zip(fresh, beyond, strict=True)]
+    waiting = sum(queued)
+    in_flight = waiting + sum(running)
+    for (headroom, cap), run in zip(fresh, running, strict=True):
+        batch += min(headroom.batch(cap, policy), max(float(cap), run))
     share = full_capacity / capacity if capacity else 0.0
     saturated = capacity > 0 and share >= max_utilization - 1e-9
     return PoolSaturation(saturated=saturated, full_share=share, capacity=capacity, fresh_capacity=fresh_capacity,

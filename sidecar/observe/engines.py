@@ -47,7 +47,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from confgen.errors import ConfgenError
 
@@ -215,6 +215,15 @@ ENGINE_KINDS: Final[frozenset[str]] = frozenset(_ENGINES)
 
 _DP_LABELS: Final = ("engine", "dp_rank")
 _ESCAPES: Final = {"n": "\n", "\\": "\\", '"': '"'}
+# A quoted label value, escapes included, matched in one pass (the unrolled loop: linear in its length; a
+# value of a million escapes took 2.8 s when each escape searched on to the closing quote again).
+_LABEL_VALUE: Final = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
+_ESCAPE: Final = re.compile(r"\\(.)", re.S)
+_MAX_LABEL_DIGITS: Final = 12  # a count in a label (vLLM's num_gpu_blocks): more digits is no count
+
+
+def _unescape(m: re.Match[str]) -> str:
+    return _ESCAPES.get(m.group(1), "\\" + m.group(1))
 
 _Series = tuple[dict[str, str], float]
 
@@ -284,7 +293,7 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
     kv_blocks = None
     if spec.kv_blocks is not None:
         blocks = [labels.get(spec.kv_blocks[1], "") for labels, _ in _find_series(text, prefix + spec.kv_blocks[0])]
-        numbers = [float(b) for b in blocks if b.isascii() and b.isdigit()]
+        numbers = [float(b) for b in blocks if b.isascii() and b.isdigit() and len(b) <= _MAX_LABEL_DIGITS]
         kv_blocks = sum(numbers) if numbers else None
     prefill_tokens = field(spec.prompt_tokens)
     if prefill_tokens is not None and spec.prompt_includes_cached:
@@ -295,7 +304,7 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         finished = _aggregate((_find_series(text, prefix + base + "_count"), "sum"))[0]
         if finished is not None and finished_tokens is not None:
             break
-    return LoadSample(
+    return _finite_only(LoadSample(
         running=running[0],
         waiting=waiting[0],
         kv_usage=None if kv is None else min(kv, 1.0),
@@ -314,7 +323,16 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         finished=finished,
         finished_tokens=finished_tokens,
         finished_bounded=_labelled(text, prefix, spec.bounded),
-    )
+    ))
+
+
+def _finite_only(sample: LoadSample) -> LoadSample:
+    """The sample with every optional figure that is not a finite number dropped (None: not reported). Each
+    is finite as read; one computed from two (misses + hits past a float's range) may not be, and nothing
+    downstream may see infinity (int(inf) and round(nan) raise)."""
+    changes: dict[str, Any] = {f.name: None for f in dataclasses.fields(sample)
+                               if isinstance(value := getattr(sample, f.name), float) and not math.isfinite(value)}
+    return dataclasses.replace(sample, **changes) if changes else sample
 
 
 def _labelled(text: str, prefix: str, spec: tuple[str, str, str] | None) -> float | None:
@@ -494,22 +512,12 @@ def _parse_labels(s: str) -> tuple[dict[str, str], int] | None:
             i += 1
         if i >= n or s[i] != '"':
             return None
-        i += 1
-        parts: list[str] = []
-        while True:  # a quoted value may hold `}`, `,`, spaces and escapes
-            quote = s.find('"', i)
-            if quote == -1:
-                return None
-            backslash = s.find("\\", i, quote)
-            if backslash == -1:
-                parts.append(s[i:quote])
-                i = quote + 1
-                break
-            parts.append(s[i:backslash])
-            escaped = s[backslash + 1 : backslash + 2]
-            parts.append(_ESCAPES.get(escaped, "\\" + escaped))
-            i = backslash + 2
-        labels[key] = "".join(parts)
+        value = _LABEL_VALUE.match(s, i)  # a quoted value may hold `}`, `,`, spaces and escapes
+        if value is None:
+            return None
+        raw = value.group(1)
+        labels[key] = _ESCAPE.sub(_unescape, raw) if "\\" in raw else raw
+        i = value.end()
         while i < n and s[i] in " \t":
             i += 1
         if i < n and s[i] == ",":
@@ -548,4 +556,6 @@ def _aggregate(found: tuple[list[_Series], _Combine]) -> tuple[float | None, int
     if not groups:
         return None, 0
     total = sum(groups.values())
+    if not math.isfinite(total):  # finite parts past a float's range together (1e308 + 1e308): not a figure
+        return None, 0
     return (total / len(groups) if combine == "mean" else total), len(groups)

@@ -159,9 +159,9 @@ def test_on_saturation_the_limit_goes_at_once_to_full_batches_and_half_a_batch_w
 
 
 def test_the_batch_is_what_the_engines_run_not_only_what_is_declared() -> None:
-    """A worker running more than its declared slots counts what it runs; one whose KV cache
-    is full with requests waiting counts what it runs (fewer); one without fresh metrics
-    counts its declared slots."""
+    """A worker running more than its declared slots counts what it runs (up to a batch more than
+    the next worker: see the next test); one whose KV cache is full with requests waiting counts
+    what it runs (fewer); one without fresh metrics counts its declared slots."""
     more = Headroom().observe(LoadSample(running=12, waiting=0, kv_usage=0.3), 1.0, 8, POLICY)
     kv_bound = Headroom().observe(LoadSample(running=5, waiting=3, kv_usage=0.95), 1.0, 8, POLICY)
     kv_idle = Headroom().observe(LoadSample(running=5, waiting=0, kv_usage=0.95), 1.0, 8, POLICY)
@@ -170,6 +170,31 @@ def test_the_batch_is_what_the_engines_run_not_only_what_is_declared() -> None:
     assert pool.in_flight == 12 + 8 + 5
     assert setpoint(pool, 96, 1, POLICY, active=25) == 50  # 1.5 x 33 = 49.5, rounded half up
     assert setpoint(pool, 96, 1, POLICY, active=15) == 40  # 10 in flight came from elsewhere
+
+
+def test_one_worker_reporting_far_more_than_the_rest_moves_nothing_for_them() -> None:
+    """Found by review: one worker reporting a queue of 1e12 made its pool saturated and the in-flight
+    limit 1; one reporting 1e12 running would have raised the batch past any shedding. The worker that
+    reports most per slot counts one batch of its own at most beyond what the next one reports: the pool
+    moves by that worker's own share, as if it reported a batch waiting or a batch more running."""
+    honest = Headroom().observe(LoadSample(running=6, waiting=1, kv_usage=0.3), 1.0, 8, POLICY)
+    fleet = [(honest, 8), (honest, 8), (honest, 8)]
+    for lie, bounded in ((LoadSample(running=6, waiting=1e12, kv_usage=0.3),
+                          LoadSample(running=6, waiting=8, kv_usage=0.3)),
+                         (LoadSample(running=1e12, waiting=1, kv_usage=0.3),
+                          LoadSample(running=16, waiting=1, kv_usage=0.3))):
+        pool = assess([*fleet, (Headroom().observe(lie, 1.0, 8, POLICY), 8)], 1.0, POLICY, 0.8)
+        same = assess([*fleet, (Headroom().observe(bounded, 1.0, 8, POLICY), 8)], 1.0, POLICY, 0.8)
+        assert (pool.waiting, pool.in_flight, pool.batch) == (same.waiting, same.in_flight, same.batch), pool
+        watch = QueueWatch()
+        for t in range(10):
+            watch = watch.observe(pool, float(t), POLICY)
+        assert not watch.on and not pool.saturated
+        assert setpoint(pool, 96, 1, POLICY, active=30) == setpoint(same, 96, 1, POLICY, active=30) > 1
+    # a pool of one is its own: its queue counts whole
+    alone = assess([(Headroom().observe(LoadSample(running=6, waiting=1e12, kv_usage=0.3), 1.0, 8, POLICY), 8)],
+                   1.0, POLICY, 0.8)
+    assert alone.waiting == 1e12
 
 
 def test_load_that_bypasses_this_envoy_is_taken_off_its_share() -> None:

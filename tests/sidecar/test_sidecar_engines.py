@@ -354,3 +354,38 @@ def test_vllm_requests_that_ran_to_their_max_tokens_from_the_finish_reasons() ->
     assert extract("vllm", stops_only.encode()).finished_bounded == 0.0  # type: ignore[union-attr]
     assert extract("vllm", _body("vllm_v1_dp2.prom")).finished_bounded is None  # type: ignore[union-attr]
     assert extract("tgi", _body("tgi.prom")).finished_bounded is None  # type: ignore[union-attr]
+
+
+def test_figures_past_a_floats_range_are_not_reported_never_infinite() -> None:
+    """Found by review, each ended the sidecar's loop: a num_gpu_blocks label of 400 nines (read as
+    infinity, then int() of it), two data-parallel engines' waiting of 1e308 each (their sum infinite,
+    then round(nan) in the weights), prefix misses + hits past a float. A sum past the range is no
+    figure (running/waiting: the body's load is unknown); an optional one is not reported."""
+    head = b'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+    blocks = head + b'vllm:cache_config_info{engine="0",num_gpu_blocks="' + b"9" * 400 + b'"} 1.0\n'
+    sample = extract("vllm", blocks)
+    assert sample is not None and sample.kv_blocks is None
+    for name in (b"waiting", b"running"):
+        huge = (b'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 1\n'
+                b'vllm:num_requests_waiting{engine="0"} 0\nvllm:num_requests_waiting{engine="1"} 0\n')
+        huge = huge.replace(b"num_requests_" + name + b'{engine="0"} ' + (b"1" if name == b"running" else b"0"),
+                            b"num_requests_" + name + b'{engine="0"} 1e308')
+        huge = huge.replace(b"num_requests_" + name + b'{engine="1"} ' + (b"1" if name == b"running" else b"0"),
+                            b"num_requests_" + name + b'{engine="1"} 1e308')
+        with pytest.raises(MetricsFormatError):
+            extract("vllm", huge)
+
+
+def test_a_label_value_of_a_million_escapes_parses_in_one_pass() -> None:
+    """Found by review: each escape searched on to the closing quote again, so a 2 MB value of `\\\\` pairs
+    held the event loop for seconds on every probe (1 MB: 2.8 s). One pass now, and the value is unescaped."""
+    import time
+
+    value = b"\\\\" * (1 << 20)  # 2 MiB of escaped backslashes
+    body = (b'vllm:num_requests_running{engine="0",junk="' + value + b'"} 3\n'
+            b'vllm:num_requests_waiting{engine="0"} 1\n')
+    started = time.process_time()
+    sample = extract("vllm", body)
+    took = time.process_time() - started
+    assert sample is not None and sample.running == 3 and sample.waiting == 1
+    assert took < 1.0, took
