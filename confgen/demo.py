@@ -222,7 +222,11 @@ def run_demo(requests: int, keep: Path | None = None) -> int:
         fleet = stack.enter_context(run_fleet_in_thread(FleetSpec(workers=workers, seed=7)))
         base = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="confgen-demo-")))
-        base.mkdir(parents=True, exist_ok=True)
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # --keep names a file, or a place it may not write
+            print(f"confgen demo: --keep {base}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         port, sidecar_port = runtime.free_port(), runtime.free_port()
         text = demo_topology(None, port, [f"127.0.0.1:{w.port}" for w in fleet.workers], sidecar_port)
         rendered = _render_validated(base, text)
@@ -418,7 +422,11 @@ def run_prefix_demo(keep: Path | None = None) -> int:
         urls, sidecar_url = {}, ""
         for name, fleet in fleets.items():
             base = root / name
-            base.mkdir(parents=True, exist_ok=True)
+            try:
+                base.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # --keep names a file, or a place it may not write
+                print(f"confgen demo: --keep {root}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
             port, admin = runtime.free_port(), runtime.free_port()
             sidecar = (runtime.free_port(), runtime.free_port()) if name == "prefix_affinity" else None
             text = _prefix_topology(f"demo-{name.replace('_', '-')}", admin, port,

@@ -48,20 +48,25 @@ def _near(path: str, leaf: str) -> bool:
 
 
 def load(path: str | Path) -> tuple[Topology, list[Diagnostic]]:
-    """Read and parse a topology file (refusing oversized files before reading them whole)."""
+    """Read and parse a topology file, never more than `_yaml.MAX_BYTES` of it: a larger one is refused
+    unread (its size), and a pipe or a device, whose size says nothing (/dev/zero), is read only that far."""
     file = Path(path)
     name = str(path)
+
+    def too_large(what: str) -> TopologyError:
+        return TopologyError([Diagnostic(name, 1, 1, "", f"{what}; a topology may be at most "
+                                         f"{_yaml.MAX_BYTES // (1024 * 1024)} MiB")])
+
     try:
         size = file.stat().st_size
         if size > _yaml.MAX_BYTES:
-            raise TopologyError([Diagnostic(
-                name, 1, 1, "",
-                f"file is {size / (1024 * 1024):.1f} MiB; a topology may be at most "
-                f"{_yaml.MAX_BYTES // (1024 * 1024)} MiB",
-            )])
-        text = file.read_bytes()
+            raise too_large(f"file is {size / (1024 * 1024):.1f} MiB")
+        with file.open("rb") as fh:
+            text = fh.read(_yaml.MAX_BYTES + 1)
     except OSError as exc:
         raise TopologyError([Diagnostic(name, 0, 0, "", f"cannot read: {exc.strerror}")]) from exc
+    if len(text) > _yaml.MAX_BYTES:
+        raise too_large(f"more than {_yaml.MAX_BYTES // (1024 * 1024)} MiB read")
     return parse(text, name)
 
 

@@ -52,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace) -> FleetSpec:
     """The FleetSpec the flags (or the --config file, with --seed/--control-port on top) say."""
     if args.config is not None:
-        with args.config.open(encoding="utf-8") as handle:
-            data: Any = yaml.safe_load(handle)
+        try:
+            with args.config.open(encoding="utf-8") as handle:
+                data: Any = yaml.safe_load(handle)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise SpecError(f"{args.config}: cannot read a fleet YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise SpecError(f"{args.config}: expected a mapping at the top level")
         if args.seed is not None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -182,10 +183,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--envoy-admin", help="Envoy's admin: unix:PATH (its Unix socket) or http://host:port (default: "
                    "from the topology: envoy-admin.sock in the xDS directory unless admin.socket or "
                    "admin.address/port say otherwise)")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between probe cycles (default 2)")
+    p.add_argument("--interval", type=_number(0.05, 3600), default=2.0,
+                   help="seconds between probe cycles (default 2; 0.05-3600)")
     p.add_argument("--jitter", type=float, default=0.1, help="fraction of the interval to jitter by (0.1)")
     p.add_argument("--max-concurrency", type=int, default=64, help="probes in flight at once (64)")
-    p.add_argument("--probe-deadline", type=float, help="seconds for one whole probe (default: 0.75 * interval)")
+    p.add_argument("--probe-deadline", type=_number(0.01, 3600),
+                   help="seconds for one whole probe (default: 0.75 * interval)")
     p.add_argument("--body-cap", type=int, default=1024 * 1024, help="largest metrics body read, bytes (1 MiB)")
     p.add_argument("--listen", help="host:port of the sidecar's own HTTP server (default: the topology's "
                    "sidecar.address:sidecar.port, where the rendered proxy asks it for /v1/models; another port "
@@ -202,9 +205,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--saturation", action="append", default=[], metavar="KEY=VALUE",
                    help="override a SaturationPolicy field (repeatable), e.g. --saturation queue_enter=2 "
                    "(stale_after_s defaults to 2.5 x --interval); every key: docs/settings.md")
-    p.add_argument("--publish-debounce", type=float, default=0.1, help="min seconds between writes of a pool")
-    p.add_argument("--confirm-timeout", type=float, default=2.0, help="seconds to wait for Envoy to apply a write")
-    p.add_argument("--watch-debounce", type=float, default=0.2, help="seconds to let topology events settle")
+    p.add_argument("--publish-debounce", type=_number(0.0, 3600), default=0.1,
+                   help="min seconds between writes of a pool")
+    p.add_argument("--confirm-timeout", type=_number(0.0, 3600), default=2.0,
+                   help="seconds to wait for Envoy to apply a write")
+    p.add_argument("--watch-debounce", type=_number(0.0, 3600), default=0.2,
+                   help="seconds to let topology events settle")
     p.add_argument("--ingresses", type=int, default=1, metavar="N",
                    help="Envoys that share the fleet, each with its own sidecar (default 1). Envoy file target: "
                    "while a pool is saturated this Envoy's in-flight limit is its 1/N share, "
@@ -219,7 +225,7 @@ def parser() -> argparse.ArgumentParser:
                    help="least severe level logged (default INFO)")
     p.add_argument("--admin-token-file", type=Path, metavar="PATH",
                    help="file holding the bearer token POST /drain and /undrain require (16-512 token "
-                   "characters). Without a token they answer only on a loopback --listen")
+                   "characters). Without a token they are off (403), on a loopback --listen too")
     p.add_argument("--admin-token-env", metavar="NAME",
                    help="environment variable holding that token (instead of --admin-token-file)")
     p.add_argument("--serve-xds", metavar="HOST:PORT|unix",
@@ -290,6 +296,21 @@ def _split_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _number(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number within [low, high] (nan, inf and 1e400 are refused with the flag's
+    name, not a traceback; an interval of a microsecond would spin a core)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not within {low:g}..{high:g}")
+        return value
+
+    return parse
+
+
 def _override(policy: _P, pairs: Sequence[str], flag: str) -> _P:
     """`policy` with KEY=VALUE pairs applied, each value converted to the field's type."""
     if not pairs:
@@ -305,6 +326,8 @@ def _override(policy: _P, pairs: Sequence[str], flag: str) -> _P:
             changes[key] = kind(raw)
         except ValueError as exc:
             raise ConfigError(f"{flag} {key}: {raw!r} is not a {kind.__name__}") from exc
+        if isinstance(changes[key], float) and not math.isfinite(changes[key]):
+            raise ConfigError(f"{flag} {key}: {raw!r} is not a finite number")
     try:
         return dataclasses.replace(policy, **changes)
     except ValueError as exc:

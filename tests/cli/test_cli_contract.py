@@ -108,6 +108,28 @@ def test_missing_envoy_binary_exits_3() -> None:
     assert "CONFGEN_ENVOY=/nonexistent is not an executable file" in result.stderr
 
 
+def test_a_check_that_cannot_run_still_reports_every_finding() -> None:
+    """Found by review: with --format json, exit 3 printed nothing: the five errors of an invalid file were
+    lost, and a script saw only "a tool is missing". Every file's findings are said (json and text), no file
+    is called ok when a check asked for did not run, and the exit is still 3."""
+    env = _env(CONFGEN_ENVOY="/nonexistent")
+    result = _run("validate", "--envoy", "--format", "json", FIVE_ERRORS, EXAMPLES[0], env=env)
+    assert result.returncode == 3
+    report = json.loads(result.stdout)
+    assert len([d for d in report if d["severity"] == "error" and d["file"] == str(FIVE_ERRORS)]) == 5, report
+    text = _run("validate", "--envoy", EXAMPLES[0], FIVE_ERRORS, env=env)
+    assert text.returncode == 3 and ": ok" not in text.stdout
+    assert text.stderr.count(f"{FIVE_ERRORS}:") >= 5
+
+
+def test_a_device_or_a_pipe_is_read_no_further_than_a_topology_may_be() -> None:
+    """Found by review: `validate /dev/zero` held 8 GB before it was killed (the size check reads st_size,
+    0 for a device or a pipe). It reads 4 MiB and one byte at the most, then refuses."""
+    result = _run("validate", "/dev/zero")
+    assert result.returncode == 1
+    assert "/dev/zero:1:1: <document>: more than 4 MiB read; a topology may be at most 4 MiB" in result.stderr
+
+
 def test_every_error_is_printed_at_once() -> None:
     """A file with 5 independent errors prints exactly 5 `file:line:col: path: message`
     lines in one run, sorted by place."""

@@ -70,11 +70,11 @@ def test_overrides() -> None:
     (["--weights", "smoothing=0"], "--weights: kv_knee and smoothing"),
     (["--weights", "max_weight=100000"], "--weights: max_weight within"),
     (["--hysteresis", "sustain=0"], "--hysteresis: threshold and min_step must be >= 0, sustain >= 1"),
-    (["--interval", "0"], "interval and probe deadline must be > 0"),
     (["--jitter", "1"], "jitter must be within"),
     (["--max-concurrency", "0"], "max concurrency must be >= 1"),
     (["--body-cap", "10"], "body cap >= 1024"),
-    (["--publish-debounce", "-1"], "debounces and timeouts must be >= 0"),
+    (["--health", "probe_interval_s=nan"], "--health probe_interval_s: 'nan' is not a finite number"),
+    (["--saturation", "inflight_interval_s=inf"], "is not a finite number"),
     (["--ingresses", "0"], "ingresses must be >= 1"),
     # a peer's placements steer routing: never plaintext beyond loopback, never a malformed target
     (["--picker-peer", "10.0.0.2:9110"], "--picker-peer 10.0.0.2:9110: a peer over TCP needs --grpc-tls-cert"),
@@ -107,6 +107,12 @@ def test_picker_peers_over_a_unix_socket_or_loopback_plaintext_when_chosen() -> 
 @pytest.mark.parametrize("args", [
     [],  # --topology is required
     [*TOPO, "--interval", "fast"],
+    # found by review: -1 and inf were tracebacks, nan probed once and never again, 1e-6 spun a core
+    *([*TOPO, flag, value] for flag in ("--interval", "--probe-deadline", "--publish-debounce", "--confirm-timeout",
+                                        "--watch-debounce")
+      for value in ("nan", "inf", "1e400", "-1")),
+    [*TOPO, "--interval", "0"],
+    [*TOPO, "--interval", "0.000001"],
     [*TOPO, "--ingresses", "1.5"],
     [*TOPO, "--log-format", "xml"],
     [*TOPO, "--no-such-flag"],
