@@ -5,6 +5,9 @@ runs in the loop's executor, never blocking the loop) under a timeout; every add
 returns becomes an endpoint (a headless Service name gives one per pod). When a lookup
 fails the last good answer is kept, so a DNS outage never empties a pool.
 
+A name answers at most `MAX_ADDRESSES` addresses (the first in order; the rest dropped and said in the
+log): a DNS answer is not a worker's to make the probe loop thousands of endpoints long.
+
 IPv4 is preferred, as Envoy's own `V4_PREFERRED` for strict_dns pools: when a name has
 IPv4 addresses only those are used, else its IPv6 ones. A dual-stack name (`localhost`
 is often 127.0.0.1 and ::1) is one server listening on one family more often than two:
@@ -24,7 +27,9 @@ from typing import Any
 from confgen.model import is_ip
 from sidecar.logs import log_event
 
-__all__ = ["GetAddrInfo", "Resolver", "prefer_ipv4"]
+__all__ = ["MAX_ADDRESSES", "GetAddrInfo", "Resolver", "prefer_ipv4"]
+
+MAX_ADDRESSES = 1024  # one name's addresses taken (a headless Service of a large pool: ~hundreds of pods)
 
 _log = logging.getLogger("sidecar.observe.resolve")
 
@@ -66,8 +71,14 @@ class Resolver:
         addresses = prefer_ipv4({str(info[4][0]) for info in infos if is_ip(str(info[4][0]))})
         if not addresses:
             return self._last_good.get(key, ())
+        if len(addresses) > MAX_ADDRESSES:
+            if len(self._last_good.get(key, ())) != MAX_ADDRESSES:
+                log_event(_log, logging.WARNING, "dns.too_many", host=host, answered=len(addresses),
+                          taken=MAX_ADDRESSES)
+            addresses = addresses[:MAX_ADDRESSES]
         if self._last_good.get(key) != addresses:
-            log_event(_log, logging.INFO, "dns.changed", host=host, addresses=list(addresses))
+            log_event(_log, logging.INFO, "dns.changed", host=host, addresses=list(addresses[:16]),
+                      count=len(addresses))
         self._last_good[key] = addresses
         return addresses
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.observe.resolve import Resolver, prefer_ipv4
+from sidecar.observe.resolve import MAX_ADDRESSES, Resolver, prefer_ipv4
 
 
 class FakeDns:
@@ -50,6 +50,16 @@ def test_every_address_becomes_an_endpoint_sorted_and_unique() -> None:
     dns = FakeDns()
     dns.table["workers.svc"] = ["10.0.0.9", "10.0.0.2", "10.0.0.9", "10.0.0.10"]
     assert run(Resolver(1.0, dns), "workers.svc") == ("10.0.0.10", "10.0.0.2", "10.0.0.9")
+
+
+def test_a_name_answering_thousands_of_addresses_gives_at_most_max_addresses() -> None:
+    """Found by review: one lookup answering 65,000 addresses made 65,000 probed endpoints, each with the
+    pool's whole capacity, and a log line listing them all. At most MAX_ADDRESSES, said once."""
+    dns = FakeDns()
+    dns.table["huge.svc"] = [f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(65_000)]
+    resolver = Resolver(1.0, dns)
+    first = run(resolver, "huge.svc")
+    assert len(first) == MAX_ADDRESSES and run(resolver, "huge.svc") == first
 
 
 def test_ipv4_preferred_over_ipv6_like_envoy() -> None:
