@@ -127,6 +127,8 @@ async def _send(request: web.Request, relay: _Relay, answer: _Answer) -> web.Str
     except TimeoutError:  # the client does not take it: cut, not held
         if request.transport is not None:
             request.transport.abort()
+    except ConnectionResetError:  # the client went away mid-answer (aiohttp's ClientConnectionResetError)
+        pass
     return resp
 
 

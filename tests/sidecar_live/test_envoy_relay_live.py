@@ -221,3 +221,39 @@ def test_asks_that_arrive_during_a_fetch_share_it() -> None:
 
     statuses, hits = asyncio.run(scenario())
     assert statuses == [200] * 5 and hits == 1
+
+
+def test_a_client_that_goes_away_mid_answer_frees_its_slot_without_an_error(
+        envoy: EnvoyProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """A scraper that resets its connection while ~4 MB are being sent: the relay's slot is free again and
+    nothing is logged as an error (the reset is the client's, not a fault of the relay)."""
+    import struct
+
+    async def scenario() -> tuple[int, int]:
+        app = web.Application()
+        add_envoy_relay(app, envoy.admin_url, max_relays=1)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /envoy/stats HTTP/1.1\r\nHost: relay\r\n\r\n")
+            await writer.drain()
+            await reader.readexactly(1024)  # the answer is under way
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            writer.close()
+            for _ in range(200):  # the handler sees the reset and returns
+                if app[_RELAY].sending == 0:
+                    break
+                await asyncio.sleep(0.01)
+            status, _, _ = await get(f"http://127.0.0.1:{port}/envoy/stats")
+            return app[_RELAY].sending, status
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level("ERROR"):
+        sending, status = asyncio.run(scenario())
+    assert sending == 0 and status == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.records
