@@ -48,13 +48,15 @@ def test_killing_a_worker_under_load_fails_no_request_and_stops_its_traffic(tmp_
         victim = s.worker("b")
         victim_host = f"127.0.0.1:{victim.port}"
         crashed_at: list[float] = []
+        cut: list[int] = []  # requests in flight on b when it crashed
 
         def crash_soon() -> None:
             # Wait until the victim is mid-generation, so the crash cuts requests in flight.
-            wait_until(lambda: victim.stats()["running"] > 0, timeout=5, interval=0.01)
+            busy = wait_until(lambda: victim.stats()["running"] > 0, timeout=5, interval=0.01)
             in_flight = victim.stats()["in_flight"]
             victim.crash()
             crashed_at.append(time.monotonic())
+            cut.append(in_flight if busy else 0)
             print(f"crashed b with {in_flight} requests in flight")
 
         start = time.monotonic()
@@ -64,6 +66,7 @@ def test_killing_a_worker_under_load_fails_no_request_and_stops_its_traffic(tmp_
                          count=240, concurrency=8, max_seconds=5)  # fmt: skip
         killer.join(timeout=10)
         assert crashed_at, "the crash never happened"
+        assert cut and cut[0] > 0, "b was not mid-generation when it crashed: the test did not cut a request"
         crash_t = crashed_at[0] - start
         failed = [(t, a.status, a.body[:200]) for t, a in answers if a.status != 200]
         print(f"{len(answers)} requests, {len(failed)} failed, by worker {dict(by_worker(answers))}, "

@@ -99,7 +99,7 @@ def test_unchanged_endpoints_are_not_rewritten(tmp_path: Path) -> None:
         await wait_for(lambda: publisher.publishes[POOL] == 1)
         inode = (tmp_path / layout.eds_path(POOL)).stat().st_ino
         publisher.offer(POOL, list(reversed(eps(5, 3))))  # same set, other order
-        await asyncio.sleep(0.1)
+        await publisher.close(grace_s=10.0)  # any write the offer started has finished
         assert publisher.publishes[POOL] == 1
         assert (tmp_path / layout.eds_path(POOL)).stat().st_ino == inode
 
@@ -110,7 +110,7 @@ def test_unchanged_endpoints_are_not_rewritten(tmp_path: Path) -> None:
         assert found is not None and found[1] == sorted(eps(5, 3))
         assert publisher.adopt(POOL) == found[1]
         publisher.offer(POOL, eps(5, 3))
-        await asyncio.sleep(0.1)
+        await publisher.close(grace_s=10.0)  # any write the offer started has finished
         assert publisher.publishes[POOL] == 0
 
     asyncio.run(with_publisher(tmp_path, 0.0, restarted))
