@@ -914,6 +914,9 @@ def is_loopback_host(host: str) -> bool:
 
 
 MAX_SOCKET_PATH = 107  # bytes: sockaddr_un.sun_path (108) with its terminating NUL, on Linux
+# A worker's DNS name stands for at most this many addresses (confgen-sidecar takes no more of one answer;
+# nginx's upstream zones are sized to hold them): a headless Service of a large pool is hundreds of pods.
+MAX_NAME_ADDRESSES = 1024
 GRPC_SOCKET = "grpc.sock"  # the endpoint picker and the rate limit service
 XDS_SOCKET = "xds.sock"  # ADS
 

@@ -90,9 +90,19 @@ def _render(
         files[upstream_path(pool)] = render_upstream(pool, servers, templates=templates, **options)
     ngx = templates.filters["ngx"]
     for rel, entries in ctx.maps.items():
-        lines = [f'"Bearer {ngx(key)}" {ngx(value)};' for key, value in entries]
+        lines = [f'"{key_pattern(ngx(key))}" {ngx(value)};' for key, value in entries]
         files[rel] = ("\n".join(lines) + "\n").encode()
     return files
+
+
+def key_pattern(key: str) -> str:
+    """The map entry matching `Authorization: Bearer <key>`: a case-sensitive regex (nginx folds a map's
+    string keys to lower case: a key matched whatever its letters' case, about a bit of strength lost a
+    letter, and two keys differing only in case stopped nginx starting; a hashed key of some lengths also
+    overflowed map_hash_bucket_size). The scheme is case-insensitive, as HTTP's are. A key's characters
+    (secrets.BEARER_TOKEN) need no escape but `.` and `+`, written as classes (no backslash in the file)."""
+    body = "".join(f"[{c}]" if c in ".+" else c for c in key)
+    return f"~^[Bb][Ee][Aa][Rr][Ee][Rr] +{body}$"
 
 
 def render(topo: Topology, *, config_dir: str, secrets: Mapping[str, str] | None = None) -> dict[str, bytes]:

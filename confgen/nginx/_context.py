@@ -16,7 +16,7 @@ from .._fields import Duration
 from .._openai import MODEL_CONTENT_TYPES, REPLIES, canned_body, error_body, models_body, retry_after_seconds
 from ..balancing import is_hashing, nginx_method
 from ..limits import local_client_limits, local_listener_limit
-from ..model import NGINX_CAP_MAX, Pool, RateLimit, Topology, admin_tcp, is_ip, split_address
+from ..model import MAX_NAME_ADDRESSES, NGINX_CAP_MAX, Pool, RateLimit, Topology, admin_tcp, is_ip, split_address
 from ..plan import Plan, PlannedRoute, plan
 from .upstream import UpstreamServer, upstream_name, upstream_path
 
@@ -56,10 +56,12 @@ def burst(limit: RateLimit) -> int:
 
 
 # An upstream's shared-memory zone holds its peers: 256k held ~330 of them (measured), and
-# the sidecar may publish more addresses than the topology names (a DNS name -> several).
+# the sidecar may publish more addresses than the topology names: a DNS name, as many as it
+# takes of one answer (MAX_NAME_ADDRESSES; at 8 a name, a headless Service past ~340 pods made
+# every later upstream file fail `nginx -t`: "no memory in upstream zone").
 ZONE_BASE_KB = 256
 ZONE_KB_PER_ADDRESS = 2
-ZONE_ADDRESSES_PER_NAME = 8
+ZONE_ADDRESSES_PER_NAME = MAX_NAME_ADDRESSES
 
 
 def zone_kb(pool: Pool) -> int:
@@ -126,10 +128,15 @@ def upstream_options(pool: Pool) -> dict[str, Any]:
     }
 
 
-def _hash_var(pool: Pool, index: int) -> str | None:
+def _hash_var(pool: Pool, index: int, client_header: str | None = None) -> str | None:
+    """The variable a hashing pool hashes on. On the header that carries the authenticated client id
+    (`auth.client_header`): that id, not the client's own copy of the header (nginx sets the header
+    toward the workers only), so a caller neither chooses its worker nor piles onto one, as with Envoy."""
     hash_on = pool.balancing.hash_on
     if hash_on is None or not is_hashing(pool.balancing.policy):
         return None
+    if hash_on.header is not None and hash_on.header == client_header:
+        return "confgen_client"
     if hash_on.header is not None:
         return "http_" + hash_on.header.replace("-", "_")
     return f"confgen_hash_{index}"
@@ -180,7 +187,11 @@ def _key_limits(topo: Topology, secrets: Mapping[str, str]) -> tuple[list[dict[s
 
 
 def _bucket_size(secrets: Mapping[str, str]) -> int:
-    longest = max((len(k) for k in secrets.values()), default=0) + len("Bearer ") + 16
+    """map_hash_bucket_size for a hash of "Bearer <key>" strings: nginx needs a pointer, then each element
+    (a pointer, the length and the name, 8-aligned) in a bucket. The key maps are regexes now
+    (`key_pattern`), so this only keeps any string entry of that length fitting."""
+    name = max((len(k) for k in secrets.values()), default=0) + len("Bearer ")
+    longest = 16 + (name + 2 + 7) // 8 * 8
     size = 64
     while size < longest:
         size *= 2
@@ -211,7 +222,7 @@ def build_context(
             "upstream": upstream_name(pool.name),
             "include": upstream_path(pool.name),
             "balance": method,
-            "hash_var": _hash_var(pool, index),
+            "hash_var": _hash_var(pool, index, topo.auth.client_header if topo.auth is not None else None),
             "cookie": cookie,
             "inflight": topo.in_flight_cap(pool, NGINX_CAP_MAX),
             "zone_kb": zone_kb(pool),

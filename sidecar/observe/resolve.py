@@ -24,12 +24,12 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from confgen.model import is_ip
+from confgen.model import MAX_NAME_ADDRESSES, is_ip
 from sidecar.logs import log_event
 
 __all__ = ["MAX_ADDRESSES", "GetAddrInfo", "Resolver", "prefer_ipv4"]
 
-MAX_ADDRESSES = 1024  # one name's addresses taken (a headless Service of a large pool: ~hundreds of pods)
+MAX_ADDRESSES = MAX_NAME_ADDRESSES  # one name's addresses taken (nginx's upstream zones hold as many)
 
 _log = logging.getLogger("sidecar.observe.resolve")
 

@@ -225,6 +225,23 @@ def test_render_check_detects_drift(tmp_path: Path) -> None:
     assert _tree(out) == before
 
 
+def test_a_drift_check_never_prints_an_api_key(tmp_path: Path) -> None:
+    """Found by review: `render --check DIR --diff` after a key rotation printed the old and the new key
+    (nginx's key map as a unified diff, Envoy's credentials as JSON values) into the CI log. The change is
+    said without them: nginx's map by a count of lines, Envoy's keys by a short digest."""
+    old_key, new_key = "sk-old-0123456789abcdef", "sk-new-0123456789abcdef"
+    topo = _write(tmp_path, WITH_KEY)
+    for target in ("nginx", "envoy"):
+        out = tmp_path / f"out-{target}"
+        assert _run("render", topo, "-o", out, "--target", target,
+                    env=_env(CONFGEN_TEST_KEY_WEB=old_key)).returncode == 0
+        drift = _run("render", topo, "--check", out, "--diff", "--target", target, "--config-dir", out.resolve(),
+                     env=_env(CONFGEN_TEST_KEY_WEB=new_key))
+        assert drift.returncode == 1, drift.stderr
+        assert "differs" in drift.stderr
+        assert old_key not in drift.stdout + drift.stderr and new_key not in drift.stdout + drift.stderr, target
+
+
 def test_render_check_of_missing_dir_reports_every_file(tmp_path: Path) -> None:
     """--check against a directory that does not exist exits 1 listing every file missing."""
     result = _run("render", EXAMPLES[0], "--check", tmp_path / "nope")

@@ -250,6 +250,29 @@ routes:
 """
 
 
+def test_api_keys_match_with_their_case_and_any_length(tmp_path: Path) -> None:
+    """Found by review: nginx folds a map's string keys to lower case, so a key matched in any case, and two
+    keys differing only in case stopped nginx starting (printing a key in its error); a 40-character key (an
+    `openssl rand -hex 20`) overflowed map_hash_bucket_size. Each key now matches itself only, as Envoy's
+    check does; the scheme in any case, as HTTP's."""
+    upper, lower = "AbcdefghijKLMNOP12345", "abcdefghijklmnop12345"
+    forty = "0123456789abcdef0123456789abcdef01234567"
+    with TinyBackend("plain") as plain:
+        secrets = {"web": upper, "intern": lower, "ops": forty}
+        keyed = "\nauth:\n  api_keys:\n    - {client: web, env: K_WEB}\n    - {client: intern, env: K_INTERN}\n" \
+                "    - {client: ops, env: K_OPS}\n"
+        with running_nginx(_topology(_pool("p", [f"127.0.0.1:{plain.port}"]), keyed), tmp_path,
+                           secrets=secrets) as ngx:
+            seen = []
+            for key in (upper, lower, forty, upper.upper(), lower.upper()):
+                status, _, _ = request(ngx.url + CHAT, _chat(), {"authorization": f"Bearer {key}"})
+                client = {k.lower(): v for k, v in plain.requests[-1]["headers"].items()}.get("x-confgen-client")
+                seen.append((status, client if status == 200 else None))
+            scheme = request(ngx.url + CHAT, _chat(), {"authorization": f"bearer {upper}"})[0]
+    assert seen == [(200, "web"), (200, "intern"), (200, "ops"), (401, None), (401, None)], seen
+    assert scheme == 200
+
+
 def test_api_keys_401_403_and_forwarded_client(tmp_path: Path) -> None:
     """401 JSON without or with a wrong key; 403 off a route's allow list; the worker gets the
     client id (a forged copy overwritten) and never the key."""

@@ -137,7 +137,7 @@ def test_api_keys_must_be_bearer_tokens() -> None:
     with pytest.raises(SecretError):
         nginx.render(topo, config_dir="/etc/x", secrets={"a": 'k";x'})
     files = nginx.render(topo, config_dir="/etc/x", secrets={"a": "sk-abc_DEF.123+/=="})
-    assert files["auth/clients.map"] == b'"Bearer sk-abc_DEF.123+/==" a;\n'
+    assert files["auth/clients.map"] == b'"~^[Bb][Ee][Aa][Rr][Ee][Rr] +sk-abc_DEF[.]123[+]/==$" a;\n'
     assert b"sk-abc" not in files["nginx.conf"]
 
 
@@ -204,3 +204,19 @@ def test_429_and_404_bodies_match_the_envoy_target() -> None:
     assert json.dumps(envoy_429, sort_keys=True, separators=(",", ":")) in conf
     js = nginx.render(topo, config_dir="/etc/x", secrets=None)["njs/confgen.js"].decode()
     assert "does not exist or is not served here." in js
+
+
+def test_hashing_on_the_client_id_header_hashes_on_the_authenticated_id() -> None:
+    """Found by review: a pool hashing on `auth.client_header` hashed on the client's own copy of it
+    ($http_x_confgen_client), so a caller chose its worker, or piled onto one. It hashes on the id the key
+    proved ($confgen_client), as Envoy does; another header stays the client's (a session id)."""
+    text = MINIMAL.replace("    workers: [127.0.0.1:8000]\n", "    workers: [127.0.0.1:8000, 127.0.0.1:8001]\n"
+                           "    balancing: {policy: ring_hash, hash_on: {header: x-confgen-client}}\n")
+    keyed = text + "auth: {api_keys: [{client: a, env: K}]}\n"
+    topo, _ = parse_topology(keyed.encode())
+    conf = nginx.render(topo, config_dir="/etc/x", secrets={"a": "sk-abcdefghijklmnop"})["nginx.conf"].decode()
+    assert "hash $confgen_client consistent;" in conf and "$http_x_confgen_client" not in conf
+    session = text.replace("x-confgen-client", "x-session-id") + "auth: {api_keys: [{client: a, env: K}]}\n"
+    topo, _ = parse_topology(session.encode())
+    conf = nginx.render(topo, config_dir="/etc/x", secrets={"a": "sk-abcdefghijklmnop"})["nginx.conf"].decode()
+    assert "hash $http_x_session_id consistent;" in conf

@@ -74,6 +74,10 @@ _CANDIDATE = ".{name}.sidecar-candidate"  # beside the live file; a dot name ngi
 class _Outcome:
     ok: bool
     detail: str
+    # nginx -t ran and refused the candidate (a config error); False for a test that could not run or
+    # finish (no binary, a timeout, a file that could not be prepared): tried again next time, not kept
+    # refused until the render changes
+    refused: bool = False
 
 
 
@@ -302,11 +306,16 @@ class NginxPublisher:
                 await asyncio.to_thread(_unlink_all, made)
         except _IncludeMissingError as exc:
             self.failures["include"] += 1
-            outcome = _Outcome(False, str(exc))
+            outcome = _Outcome(False, str(exc), refused=True)
         except OSError as exc:
             self.failures["test"] += 1
             outcome = _Outcome(False, f"cannot prepare the test: {exc}")
         if outcome.ok:
+            return outcome
+        if not outcome.refused:  # the test did not run or finish: the same candidate is tried again
+            log_event(_log, logging.ERROR, "nginx.test_unavailable", pools=sorted(batch),
+                      conf=str(self.settings.conf), error=outcome.detail.splitlines()[:3],
+                      note="nothing written; the candidate is tried again on the next cycle")
             return outcome
         for pool, data in batch.items():
             self.rejections[pool] += 1
@@ -368,7 +377,8 @@ class NginxPublisher:
         self.failures["test"] += 1
         text = (err + out).decode(errors="replace")
         lines = [line for line in text.splitlines() if NGINX_PROBLEM.search(line)]
-        return _Outcome(False, "\n".join(lines) or text.strip() or f"nginx -t exited {proc.returncode}")
+        return _Outcome(False, "\n".join(lines) or text.strip() or f"nginx -t exited {proc.returncode}",
+                        refused=True)
 
     async def _install(self, batch: Mapping[str, bytes]) -> bool:
         """Replace the live files with the checked bytes, all before the one reload."""
