@@ -278,6 +278,20 @@ def test_crashed_worker_is_marked_down_by_one_reload_without_losing_in_flight_re
         assert not any(f":{pb}" in t for t in tried()), tried()
 
 
+def test_an_upstream_file_re_rendered_by_hand_is_corrected_on_the_next_cycles(tmp_path: Path) -> None:
+    """Found by review: the sidecar remembered what it last wrote, so after an operator re-rendered the
+    directory (`confgen render --target nginx`, which writes every worker up) a dead worker stayed up in
+    nginx: the sidecar's candidate equalled its memory. It compares with the file as it is now."""
+    with nginx_rig(tmp_path, _fleet()) as rig:
+        original = rig.upstream.read_bytes()
+        pb = rig.fleet.worker("b").port
+        rig.fleet.worker("b").crash()
+        assert poll(lambda: pb in rig.down_ports(), timeout=15)
+        rig.upstream.write_bytes(original)  # the hand re-render: every worker up again
+        assert rig.down_ports() == set()
+        assert poll(lambda: pb in rig.down_ports(), timeout=15)  # marked down again by the sidecar
+
+
 def test_weight_jitter_under_changing_load_never_reloads(tmp_path: Path) -> None:
     """Load that comes and goes moves the sidecar's load weights (seen in /state), but the
     upstream file (health only, static weights) keeps its bytes and inode and nginx is never

@@ -208,12 +208,16 @@ class NginxPublisher:
         return self.settings.directory / upstream_path(pool)
 
     def _live(self, pool: str) -> bytes | None:
-        if pool not in self._written:
-            try:
-                self._written[pool] = self._path(pool).read_bytes()
-            except FileNotFoundError:
-                self._written[pool] = None
-        return self._written[pool]
+        """What the live file holds now, read again each time (blocking: from `_render_offers`' thread): an
+        operator who re-renders the directory by hand (`confgen render --target nginx`, as the sidecar's own
+        problem text advises) replaces it under the sidecar, and a memory of it would then say "unchanged"
+        to the very candidate that would mark a dead worker down again."""
+        try:
+            data: bytes | None = self._path(pool).read_bytes()
+        except FileNotFoundError:
+            data = None
+        self._written[pool] = data
+        return data
 
     def _schedule(self) -> None:
         if self._flusher is None or self._flusher.done():
