@@ -54,3 +54,27 @@ def test_a_test_that_cannot_finish_refuses_nothing_and_a_real_refusal_is_kept(tm
     assert not ok and not refused and kept == {}  # tried again next time
     assert good
     assert real_refusal and list(real_kept) == ["chat"]
+
+
+def test_one_pools_bad_file_holds_back_no_other_pool_and_is_blamed_alone(tmp_path: Path) -> None:
+    """Found by review: a batch of several pools' candidates that nginx -t refused was refused whole, every
+    pool blamed and kept refused. Each pool is then tested alone: the good ones go ahead, the bad one alone
+    is kept refused."""
+    topo, _ = parse(TOPOLOGY.replace(b'pools: [{name: chat', b'pools: [{name: other, engine: vllm, models: [o], '
+                                     b'workers: ["127.0.0.1:8001"]}, {name: chat'), "t.yaml")
+    up = tmp_path / "upstreams"
+    up.mkdir()
+    for pool in ("chat", "other"):
+        (up / f"{pool}.conf").write_text("server 127.0.0.1:8000;\n")
+    conf = tmp_path / "nginx.conf"
+    conf.write_text("events {}\nhttp {\n" + "".join(
+        f" upstream {pool} {{\n  include {up / (pool + '.conf')};\n }}\n" for pool in ("chat", "other")) + "}\n")
+    settings = NginxSettings(directory=tmp_path, conf=conf, prefix=tmp_path, pid=99999, binary=find_nginx())
+    publisher = NginxPublisher(settings, lambda: topo)
+    good, bad = b"server 127.0.0.1:8000 down;\nserver 127.0.0.1:8001;\n", b"server 127.0.0.1:8000 max_fails=x;\n"
+
+    async def main() -> dict[str, bytes]:
+        return await publisher._checked({"chat": good, "other": bad})
+
+    assert asyncio.run(main()) == {"chat": good}
+    assert publisher._refused == {"other": bad}

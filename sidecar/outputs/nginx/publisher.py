@@ -271,10 +271,21 @@ class NginxPublisher:
             if batch:
                 batch = await self._drop_unincluded(batch)
             if batch:
-                checked = await self._check(batch)
-                if not checked.ok or not await self._install(batch):
+                batch = await self._checked(batch)
+                if not batch or not await self._install(batch):
                     continue
             await self._reload()
+
+    async def _checked(self, batch: Mapping[str, bytes]) -> dict[str, bytes]:
+        """The part of `batch` nginx -t accepts: all of it, or, when it refuses a batch of several pools,
+        each pool tested alone (one pool's bad file must not hold back the others' changes, nor be blamed
+        on them); empty when the test could not run."""
+        checked = await self._check(batch, record=len(batch) == 1)
+        if checked.ok:
+            return dict(batch)
+        if not checked.refused or len(batch) == 1:
+            return {}
+        return {pool: data for pool, data in batch.items() if (await self._check({pool: data})).ok}
 
     async def _drop_unincluded(self, batch: Mapping[str, bytes]) -> dict[str, bytes]:
         """`batch` without the pools nginx.conf does not include (a pool a topology reload added:
@@ -300,8 +311,9 @@ class NginxPublisher:
                       "only rewrites the pools' upstream files")
         return kept
 
-    async def _check(self, batch: Mapping[str, bytes]) -> _Outcome:
-        """`nginx -t` on the live nginx.conf with `batch`'s candidates in place of the live files."""
+    async def _check(self, batch: Mapping[str, bytes], record: bool = True) -> _Outcome:
+        """`nginx -t` on the live nginx.conf with `batch`'s candidates in place of the live files; a refusal
+        is recorded against each of its pools (`record`: else the caller tests them one by one)."""
         try:
             shadow, made = await asyncio.to_thread(self._write_candidates, batch)
             try:
@@ -320,6 +332,8 @@ class NginxPublisher:
             log_event(_log, logging.ERROR, "nginx.test_unavailable", pools=sorted(batch),
                       conf=str(self.settings.conf), error=outcome.detail.splitlines()[:3],
                       note="nothing written; the candidate is tried again on the next cycle")
+            return outcome
+        if not record:
             return outcome
         for pool, data in batch.items():
             self.rejections[pool] += 1
