@@ -103,8 +103,14 @@ class Tracker:
             tracked.share, tracked.labels = worker.weight, labels
             return
         adopted = self.adopted.pop(key, None)
+        state: EndpointState | None = None
         if adopted is not None:
-            state = EndpointState.adopt(adopted.health, now)
+            try:
+                state = EndpointState.adopt(adopted.health, now)
+            except ValueError as exc:  # a file on disk with a health no publisher writes: start afresh
+                log_event(_log, logging.WARNING, "endpoint.not_adopted", pool=key.pool, worker=key.worker,
+                          reason=str(exc)[:200])
+        if adopted is not None and state is not None:
             self.tracked[key] = Tracked(state, capacity, worker.zone, pool.engine, worker.weight, labels,
                                         weight=adopted.weight)
         else:

@@ -220,6 +220,8 @@ _ESCAPES: Final = {"n": "\n", "\\": "\\", '"': '"'}
 _LABEL_VALUE: Final = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
 _ESCAPE: Final = re.compile(r"\\(.)", re.S)
 _MAX_LABEL_DIGITS: Final = 12  # a count in a label (vLLM's num_gpu_blocks): more digits is no count
+_MAX_LOAD: Final = 1e9  # requests running or waiting on one engine: past it a report is not a load
+_MAX_FIGURE: Final = 1e15  # any other figure (a counter's tokens, seconds): past it not reported
 
 
 def _unescape(m: re.Match[str]) -> str:
@@ -267,6 +269,10 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         if bad is not None:
             raise MetricsFormatError(f"invalid value {bad} for {prefix}{f.names[0]}: the load is unknown")
     running, waiting = _aggregate(running_found), _aggregate(waiting_found)
+    for f, (value, _) in ((spec.running, running), (spec.waiting, waiting)):
+        if value is not None and value > _MAX_LOAD:  # sums of these over a fleet must stay numbers
+            raise MetricsFormatError(f"implausible value {value:g} for {prefix}{f.names[0]} (over {_MAX_LOAD:g} "
+                                     "requests): the load is unknown")
     if running[0] is None or waiting[0] is None:
         if running[0] is None and waiting[0] is None:
             prefix = spec.prefixes[0]
@@ -327,11 +333,13 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
 
 
 def _finite_only(sample: LoadSample) -> LoadSample:
-    """The sample with every optional figure that is not a finite number dropped (None: not reported). Each
-    is finite as read; one computed from two (misses + hits past a float's range) may not be, and nothing
-    downstream may see infinity (int(inf) and round(nan) raise)."""
+    """The sample with every optional figure that is not a finite number of at most `_MAX_FIGURE` dropped
+    (None: not reported). Each is finite as read; one computed from two (misses + hits past a float's range)
+    may not be, a huge one summed over a fleet may overflow, and nothing downstream may see infinity
+    (int(inf) and round(nan) raise)."""
     changes: dict[str, Any] = {f.name: None for f in dataclasses.fields(sample)
-                               if isinstance(value := getattr(sample, f.name), float) and not math.isfinite(value)}
+                               if isinstance(value := getattr(sample, f.name), float)
+                               and not (math.isfinite(value) and abs(value) <= _MAX_FIGURE)}
     return dataclasses.replace(sample, **changes) if changes else sample
 
 

@@ -394,3 +394,20 @@ def test_a_label_value_of_a_million_escapes_parses_in_one_pass() -> None:
     # one pass: ~0.4 s here (a regex step and an unescape per pair), ~20x the plain read; the quadratic
     # search took ~11 s (500x)
     assert escaped < 60 * plain + 0.5, (escaped, plain)
+
+
+def test_a_load_past_a_billion_requests_is_not_a_load() -> None:
+    """Found by review: one worker reporting 1e308 running and 1e308 waiting (each finite) overflowed the
+    pool's sums to infinity, then round() and floor() of it ended the sidecar (ADS limits, the in-flight
+    setpoint). Past 1e9 requests on one engine the body's load is unknown; any other figure past 1e15 is
+    not reported."""
+    for body in (b"vllm:num_requests_running 1e308\nvllm:num_requests_waiting 1e308\n",
+                 b"vllm:num_requests_running 1\nvllm:num_requests_waiting 2e9\n"):
+        with pytest.raises(MetricsFormatError, match="implausible"):
+            extract("vllm", body)
+    sample = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+                             b"vllm:generation_tokens_total 1e300\n")
+    assert sample is not None and sample.generated_tokens is None
+    sample = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+                             b"vllm:generation_tokens_total 123456789\n")
+    assert sample is not None and sample.generated_tokens == 123456789
