@@ -71,7 +71,12 @@ class Drains:
         self._saved = current
 
     def set(self, topo: Topology, pool: str, worker: str, drained: bool) -> bool:
-        """Admin drain/undrain of a worker as written in the topology; False when unknown."""
+        """Admin drain/undrain of a worker as written in the topology; False when unknown (an undrain of a
+        drain still held, for a worker the topology no longer has, is done: it would come back drained)."""
+        if not drained and (pool, worker) in self._admin:
+            self._admin.discard((pool, worker))
+            log_event(_log, logging.INFO, "worker.undrain", pool=pool, worker=worker)
+            return True
         try:
             known = any(w.address == worker for w in topo.pool(pool).workers)
         except KeyError:
@@ -89,6 +94,8 @@ class Drains:
         """Drain the endpoints the topology or the admin drains, undrain the others."""
         # One pass over the topology, not one per endpoint (thousands of endpoints per cycle).
         planned = {(p.name, w.address) for p in topo.pools for w in p.workers if w.drain}
+        if self._admin:  # a worker the topology dropped takes its drain with it (as a restart's load() does)
+            self._admin &= {(p.name, w.address) for p in topo.pools for w in p.workers}
         for key, t in tracked:
             wanted = (key.pool, key.worker) in planned or (key.pool, key.worker) in self._admin
             if wanted and not t.state.drained:
