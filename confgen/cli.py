@@ -244,9 +244,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   if d.severity is Severity.ERROR or (args.strict and d.severity is Severity.WARNING)]
         if errors:
             status = EXIT_INVALID
-        if args.format == "json":
+        if args.format == "json":  # under --strict a warning is an error, and says so
             report.extend({"file": d.file, "line": d.line, "column": d.col, "path": d.path,
-                           "severity": str(d.severity), "message": d.message} for d in findings)
+                           "severity": "error" if args.strict and d.severity is Severity.WARNING
+                           else str(d.severity), "message": d.message} for d in findings)
         else:
             _print_diagnostics(findings, sys.stderr if errors else sys.stdout)
             if not errors and not unavailable:

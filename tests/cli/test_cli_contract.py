@@ -147,13 +147,17 @@ def test_every_error_is_printed_at_once() -> None:
 
 def test_validate_json_format_and_strict_warnings(tmp_path: Path) -> None:
     """--format json lists each finding with file, line, column, path, severity and message;
-    --strict turns a warning into exit 1."""
+    --strict turns a warning into exit 1, and in json into an error (a tool filtering on severity sees
+    why the exit is 1)."""
     dns = _write(tmp_path, TWO_POOLS.replace("127.0.0.1:8001", "worker.example.internal:8001"))
     result = _run("validate", "--format", "json", dns)
     assert result.returncode == 0
     report = json.loads(result.stdout)
     assert [(r["path"], r["severity"], r["line"]) for r in report] == [("pools[1].workers", "warning", 14)]
     assert _run("validate", "--strict", dns).returncode == 1
+    strict = _run("validate", "--strict", "--format", "json", dns)
+    assert strict.returncode == 1
+    assert [(r["path"], r["severity"]) for r in json.loads(strict.stdout)] == [("pools[1].workers", "error")]
 
 
 # -- render: atomic, deterministic, stale files, drift ------------------------------------

@@ -170,11 +170,11 @@ def test_a_pools_admission_budgets_decode_and_validate_says_where_they_do_nothin
     assert main(["validate", "--strict", "--format", "json", str(path)]) != 0
     report = json.loads(capsys.readouterr().out)
     found = [r for r in report if r["path"] == "pools[0].admission"]
-    assert [r["severity"] for r in found] == ["warning"] and "do nothing" in found[0]["message"], report
+    assert [r["severity"] for r in found] == ["error"] and "do nothing" in found[0]["message"], report  # strict
     path.write_text(_text(pool="    admission: {standard: 0.2, sheddable: 0.5}"))
     assert main(["validate", "--strict", "--format", "json", str(path)]) != 0
     report = json.loads(capsys.readouterr().out)
-    assert [r["path"] for r in report if r["severity"] == "warning"] == ["pools[0].admission.sheddable"], report
+    assert [r["path"] for r in report if r["severity"] == "error"] == ["pools[0].admission.sheddable"], report
     path.write_text(_text(pool="    admission: {standard: -1}"))
     assert main(["validate", str(path)]) != 0
     err = capsys.readouterr()
