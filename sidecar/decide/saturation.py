@@ -213,8 +213,8 @@ def _trimmed(values: list[float], caps: list[int]) -> list[float]:
 def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: SaturationPolicy,
            max_utilization: float) -> PoolSaturation:
     """`workers`: (headroom, declared capacity) of each worker in rotation. The pool's waiting and in-flight
-    figures take each worker's as reported, but the one that reports the most per slot counts at most as
-    much as the next (`_trimmed`)."""
+    figures take each worker's as reported, but the one that reports the most per slot counts a batch of its
+    own at most beyond what the next one reports (`_trimmed`)."""
     capacity = fresh_capacity = full_capacity = 0
     batch = 0.0
     fresh: list[tuple[Headroom, int]] = []
@@ -229,8 +229,7 @@ def assess(workers: Iterable[tuple[Headroom, int]], now: float, policy: Saturati
             full_capacity += cap
     caps = [cap for _, cap in fresh]
     queued = _trimmed([h.waiting for h, _ in fresh], caps)
-    # running past the declared slots raises the batch (an engine that runs more than declared); by as much
-    # as the next worker's at the most
+    # running past the declared slots raises the batch (an engine that runs more than declared), trimmed alike
     beyond = _trimmed([max(0.0, h.running - cap) for h, cap in fresh], caps)
     running = [min(h.running, cap + extra) for (h, cap), extra in zip(fresh, beyond, strict=True)]
     waiting = sum(queued)
