@@ -186,18 +186,6 @@ def _key_limits(topo: Topology, secrets: Mapping[str, str]) -> tuple[list[dict[s
     return limits, maps
 
 
-def _bucket_size(secrets: Mapping[str, str]) -> int:
-    """map_hash_bucket_size for a hash of "Bearer <key>" strings: nginx needs a pointer, then each element
-    (a pointer, the length and the name, 8-aligned) in a bucket. The key maps are regexes now
-    (`key_pattern`), so this only keeps any string entry of that length fitting."""
-    name = max((len(k) for k in secrets.values()), default=0) + len("Bearer ")
-    longest = 16 + (name + 2 + 7) // 8 * 8
-    size = 64
-    while size < longest:
-        size *= 2
-    return size
-
-
 def build_context(
     topo: Topology,
     *,
@@ -261,7 +249,6 @@ def build_context(
         "access_log": f"{test_prefix}/access.log" if test else "/dev/stdout",
         "auth": None if topo.auth is None else {
             "client_header": topo.auth.client_header,
-            "bucket_size": _bucket_size(secrets),
         },
         "global_limit": None if (listener_limit := local_listener_limit(topo)) is None else {
             "rate": rate(listener_limit), "burst": burst(listener_limit),
