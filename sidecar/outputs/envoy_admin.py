@@ -17,7 +17,9 @@ from typing import Any, Self
 
 import aiohttp
 
-__all__ = ["UNIX_PREFIX", "EnvoyAdmin", "admin_session"]
+from confgen.errors import ConfgenError
+
+__all__ = ["UNIX_PREFIX", "BodyTooLarge", "EnvoyAdmin", "admin_session", "whole_body"]
 
 UNIX_PREFIX = "unix:"
 JSON_CAP = 16 << 20  # a filtered /stats or /runtime answer is kilobytes
@@ -33,6 +35,22 @@ def admin_session(admin: str, timeout: aiohttp.ClientTimeout) -> tuple[aiohttp.C
     return aiohttp.ClientSession(timeout=timeout), admin.rstrip("/")
 
 
+class BodyTooLarge(ConfgenError):
+    """An admin answer longer than the reader's cap."""
+
+
+async def whole_body(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """Every byte of `resp`'s body (to its end), or BodyTooLarge past `cap` (never more than that read)."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise BodyTooLarge
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(256 << 10):
+        body += chunk
+        if len(body) > cap:
+            raise BodyTooLarge
+    return bytes(body)
+
+
 class _NotJson(Exception):
     pass
 
@@ -40,16 +58,9 @@ class _NotJson(Exception):
 async def _json(resp: aiohttp.ClientResponse) -> Any:
     """The answer's JSON, or _NotJson: past JSON_CAP bytes, nested past Python's recursion limit, or not
     JSON at all."""
-    if resp.content_length is not None and resp.content_length > JSON_CAP:
-        raise _NotJson
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(256 << 10):
-        body += chunk
-        if len(body) > JSON_CAP:
-            raise _NotJson
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # ValueError: UnicodeDecodeError and JSONDecodeError too
+        return json.loads(await whole_body(resp, JSON_CAP))
+    except (BodyTooLarge, ValueError, RecursionError) as exc:  # ValueError: JSON's and UTF-8's errors too
         raise _NotJson from exc
 
 

@@ -31,30 +31,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from sidecar.outputs.envoy_admin import admin_session
+from sidecar.outputs.envoy_admin import BodyTooLarge, admin_session, whole_body
 
 __all__ = ["BODY_CAP", "add_envoy_relay"]
 
 BODY_CAP = 64 << 20
 MAX_RELAYS = 4  # answers being sent at once (Prometheus HA pairs scrape twice; the kubelet's probe)
-_CHUNK = 256 << 10
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _whole_body(resp: aiohttp.ClientResponse, cap: int) -> bytes:
-    """Every byte of `resp`'s body (to its end), or _TooLarge past `cap`."""
-    if resp.content_length is not None and resp.content_length > cap:
-        raise _TooLarge
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(_CHUNK):
-        body += chunk
-        if len(body) > cap:
-            raise _TooLarge
-    return bytes(body)
-
 
 _Answer = tuple[int, str, bytes]  # status, content type, body
 
@@ -82,9 +64,9 @@ class _Relay:
         assert self.session is not None
         try:
             async with self.session.get(self.base + path) as resp:
-                body = await _whole_body(resp, self.cap)
+                body = await whole_body(resp, self.cap)
                 return resp.status, resp.headers.get("Content-Type", "text/plain"), body
-        except _TooLarge:
+        except BodyTooLarge:
             return _error(502, f"envoy admin answered more than {self.cap} bytes for {path}")
         except TimeoutError:
             return _error(504, f"envoy admin did not answer {path} in time")
