@@ -416,3 +416,59 @@ def test_close_ends_the_journal_flusher_even_when_its_wake_and_the_cancel_land_t
         await service.close()
 
     asyncio.run(run())
+
+
+def test_a_charge_redis_refuses_is_dropped_and_the_journal_replays_past_it(redis: RedisProcess) -> None:
+    """Redis back, but one journaled charge touches a key something else rewrote with another type
+    (WRONGTYPE: refused again on every try): that entry is dropped and counted, the charges after it
+    are applied, and the store is not taken for down. Before, the replay stopped at it for good and
+    every later charge piled up behind it until the journal was full."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> dict[str, Any]:
+        service = _service(redis, clock, registry)
+        await service.start()
+        out: dict[str, Any] = {}
+        try:
+            alice = _request(_descriptor("per_key/0", "alice"))
+            assert (await service.ShouldRateLimit(alice, None)).overall_code == OK  # alice's key exists
+            assert (await service.ShouldRateLimit(check("a", max_output="50", body_bytes="40"), None)
+                    ).overall_code == OK
+            _pause(redis)
+            assert (await service.ShouldRateLimit(alice, None)).overall_code == OK  # the floor: journaled
+            await service.ShouldRateLimit(end("a", 37), None)  # journaled after alice's
+            await service.settled()
+            _pause(redis, resume=True)
+            client = redis_client(redis)
+            try:
+                keys = [k for k in client.scan_iter(match="confgen:*") if b":alice:" in k]
+                assert len(keys) == 1, keys
+                client.delete(keys[0])
+                client.rpush(keys[0], b"not a counter")
+            finally:
+                client.close()
+            clock.mono += 0.3  # past the backoff the pause caused
+            out["replayed"] = await service.flush()
+            out["left"] = registry.get_sample_value("confgen_sidecar_ratelimit_journal_entries")
+            out["dropped"] = registry.get_sample_value("confgen_sidecar_ratelimit_charges_dropped_total")
+            client = redis_client(redis)
+            try:  # bob's token counter (alice's key is the list now)
+                out["spent"] = sum(int(client.get(k) or 0) for k in client.scan_iter(match="confgen:*:bob:*")
+                                   if not k.endswith((b":r", b":r:z")))
+            finally:
+                client.close()
+            # alice's next request is refused by Redis (her key): decided on the floor, and the store is not
+            # taken for down: bob's next check is counted by Redis, not decided on the floor for a backoff
+            before = registry.get_sample_value("confgen_sidecar_ratelimit_decisions_total",
+                                               {"code": "ok", "store": "counted"}) or 0
+            assert (await service.ShouldRateLimit(alice, None)).overall_code == OK
+            await service.ShouldRateLimit(check("b", max_output="50", body_bytes="40"), None)
+            out["counted"] = (registry.get_sample_value("confgen_sidecar_ratelimit_decisions_total",
+                                                        {"code": "ok", "store": "counted"}) or 0) - before
+        finally:
+            await service.close()
+        return out
+
+    out = asyncio.run(run())
+    assert out == {"replayed": 1, "left": 0, "dropped": 1, "spent": 37, "counted": 1}, out

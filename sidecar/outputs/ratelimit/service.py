@@ -80,7 +80,7 @@ from sidecar.logs import log_event
 from sidecar.outputs.contract import BudgetAnswer, Descriptor, OutputStatus
 from sidecar.outputs.ratelimit.journal import Journal
 from sidecar.outputs.ratelimit.local import LocalCounter
-from sidecar.outputs.ratelimit.store import Credentials, Decision, Op, RedisCounter, StoreUnavailable
+from sidecar.outputs.ratelimit.store import Credentials, Decision, Op, RedisCounter, StoreRefused, StoreUnavailable
 
 __all__ = ["METRIC_NAMES", "RateLimitService", "rate_limit_headers"]
 
@@ -180,7 +180,8 @@ class _Metrics:
             "Journal entries applied to the store once it answered again", registry=registry)
         self.dropped = Counter(
             "confgen_sidecar_ratelimit_charges_dropped_total",
-            "Charges that could reach neither the store nor the journal (full, or its file failing)",
+            "Charges that could reach neither the store nor the journal (full, or its file failing), or that "
+            "Redis refused on replay",
             registry=registry)
         self.store_up.set(1)
 
@@ -212,6 +213,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._counter_for: LimitStore | None = None
         self._down_until = 0.0
         self._up = True  # the last store call succeeded (logged on each change)
+        self._refusal_logged_at = -math.inf  # the last "Redis refused a call" log (at most one a minute)
         self._retired: list[RedisCounter] = []
 
     # -- the output's lifecycle --------------------------------------------------------------
@@ -296,11 +298,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     async def flush(self) -> int:
         """Replay the journal into the store, oldest first; the entries applied. Stops at the
-        first store failure (the rest stay for the next try)."""
+        first store failure (the rest stay for the next try); an entry Redis refuses (it is up, and would
+        refuse it again) is dropped and counted, and the replay goes on."""
         async with self._flush_lock:
             counter = self._counter
             table = self._table_now()
-            applied = 0
+            applied = refused = 0
             while counter is not None and self._journal.size:
                 batch = await self._journal.oldest()
                 done: list[int] = []
@@ -308,9 +311,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     for row_id, at, ops in batch:
                         if ops:
                             late = max(0, int(self._wall() - at))
-                            result = await counter.decide([replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops],
-                                                          at)
-                            self._count_charges(table, ops, result, replayed=True)
+                            try:
+                                result = await counter.decide(
+                                    [replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops], at)
+                            except StoreRefused as exc:  # Redis is up and will refuse it again: dropped
+                                refused += 1
+                                self._metrics.dropped.inc()
+                                log_event(_log, logging.ERROR, "ratelimit.journal_entry_refused", error=str(exc),
+                                          keys=[op.key for op in ops][:4],
+                                          note="Redis refused this charge; dropped, the entries after it replayed")
+                            else:
+                                self._count_charges(table, ops, result, replayed=True)
                         done.append(row_id)
                 except StoreUnavailable as exc:
                     self._store_failed(counter, exc)
@@ -321,9 +332,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 applied += len(done)
                 if not batch:
                     break
-            if applied:
+            applied -= refused
+            if applied or refused:
                 self._metrics.replayed.inc(applied)
-                log_event(_log, logging.INFO, "ratelimit.journal_replayed", entries=applied,
+                log_event(_log, logging.INFO, "ratelimit.journal_replayed", entries=applied, refused=refused,
                           left=self._journal.size)
             self._metrics.journal.set(self._journal.size)
             return applied
@@ -558,6 +570,9 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._metrics.store_in_flight.inc()
         try:
             result = await counter.decide(ops, self._wall())
+        except StoreRefused as exc:  # this call only: the store is up for the others, no backoff
+            self._store_refused(counter, exc)
+            return None
         except StoreUnavailable as exc:
             self._store_failed(counter, exc)
             return None
@@ -572,6 +587,18 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         if self._journal.size:
             self._wake.set()  # the store answers: replay what it missed
         return result
+
+    def _store_refused(self, counter: RedisCounter, exc: StoreRefused) -> None:
+        """Redis refused one call (e.g. a budget's key written by something else with another type): that
+        request falls back to the floor and its charge to the journal, which drops it on replay; logged at
+        most once a minute (every request of the budget is refused alike)."""
+        self._metrics.store_failures.inc()
+        now = self._clock()
+        if now >= self._refusal_logged_at + 60.0:
+            self._refusal_logged_at = now
+            log_event(_log, logging.ERROR, "ratelimit.store_refused", redis=counter.address, error=str(exc),
+                      note="the request is decided on the local floor; its charge is journaled and dropped if "
+                      "Redis refuses it again")
 
     def _store_failed(self, counter: RedisCounter, exc: StoreUnavailable) -> None:
         self._metrics.store_failures.inc()

@@ -51,11 +51,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from confgen.errors import ConfgenError
 
-__all__ = ["Credentials", "Decision", "Mode", "Op", "RedisCounter", "StoreUnavailable"]
+__all__ = ["Credentials", "Decision", "Mode", "Op", "RedisCounter", "StoreRefused", "StoreUnavailable"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,17 @@ class StoreUnavailable(ConfgenError):
     """Redis did not answer in time or refused (translated at the edge; the service fails open)."""
 
 
+class StoreRefused(StoreUnavailable):
+    """Redis answered and refused this call for what it touches (a key of another type, a count out of
+    range): the store is up, and the same call would be refused again (a journal entry is dropped, not
+    retried for ever)."""
+
+
+# An error reply Redis gives for the call itself ("ERR ...", "WRONGTYPE ..."); the others (OOM, BUSY,
+# READONLY, LOADING, MASTERDOWN, NOREPLICAS, ...) are the server's state and pass
+_REFUSAL = ("ERR ", "WRONGTYPE ")
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     key: str
@@ -245,6 +256,9 @@ class RedisCounter:
         try:
             async with asyncio.timeout(self.timeout_s):
                 raw = await self._script(keys=[op.key for op in ops], args=args)
+        except ResponseError as exc:
+            kind = StoreRefused if str(exc).startswith(_REFUSAL) else StoreUnavailable
+            raise kind(f"{type(exc).__name__}: {exc}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
         values = [int(v) for v in raw]
