@@ -341,3 +341,30 @@ def test_a_held_requests_wait_counts_the_other_pickers_lobbies_as_deep_as_its_ow
     # (the engines' queues 0 + those ahead + itself) over what the pool serves: 4 ahead-and-itself alone, 7 with
     # the other lobby's 3
     assert waits[2] / waits[1] == pytest.approx(7 / 4)
+
+
+def test_waiters_of_a_pool_a_reload_removed_are_left_to_the_proxy_at_once() -> None:
+    """A topology reload removes the pool while requests wait for its slots: nothing will ever free one
+    there, so they are answered without a pick at the lobby's next tick (outcome `gone`), not after
+    `hold_max_s` (before: 2 s of waiting for each, then a pick in a pool that no longer exists)."""
+    loop = _Loop()
+    svc, store = _servicer(loop, HOLD)
+
+    async def main() -> None:
+        streams = [_Stream(svc, f"r{i}") for i in range(6)]
+        for s in streams:
+            s.start()
+            await _settle()
+        assert streams[4].held and streams[5].held and svc.lobby.depth("chat") == 2
+        store.update([PoolFacts("other", ("m2",), ())])  # the reload: "chat" is gone
+        loop.now += 0.05  # one tick, far short of hold_max_s
+        await _settle()
+        assert svc.lobby.depth("chat") == 0
+        for s in streams[4:]:
+            assert any(out.WhichOneof("response") == "request_body" for out in s.answers), s.answers
+            assert not s.picked and not s.refused
+        outcomes = {s.labels["outcome"]: s.value for f in svc.metrics.held.collect() for s in f.samples
+                    if s.name.endswith("_total")}
+        assert outcomes == {"gone": 2}
+
+    _run(loop, main)

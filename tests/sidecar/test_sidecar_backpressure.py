@@ -5,16 +5,19 @@ releases to the safety cap."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from confgen.envoy import breaker_runtime_keys
+from confgen.envoy import breaker_runtime_keys, shed_runtime_key
+from confgen.runtime import EnvoyProcess
 from sidecar.decide.saturation import (
     Admission,
     Headroom,
     InflightWatch,
+    PoolLoad,
     PoolSaturation,
     QueueWatch,
     SaturationPolicy,
@@ -491,3 +494,35 @@ def test_the_watch_loop_runs_until_cancelled_and_a_failure_is_logged_not_raised_
     assert steady_calls >= 3 and failing_calls == 3
     failed = [r for r in caplog.records if "task.failed" in r.getMessage()]
     assert len(failed) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_pool_the_limiter_stops_limiting_gets_its_rendered_breakers_back() -> None:
+    """A real Envoy's admin runtime: the limiter posts a pool's breaker overrides and its shed share;
+    once the pool leaves the cycle's loads (a reload made it strict_dns, or removed it) the overrides
+    are removed, so the cluster's rendered breakers apply again (before, the last limit stayed in
+    Envoy's admin layer for good, and a shedding pool switched to strict_dns kept refusing at it)."""
+    bootstrap = {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "layered_runtime": {"layers": [{"name": "static", "static_layer": {}},
+                                       {"name": "admin", "admin_layer": {}}]},
+        "static_resources": {"clusters": [{"name": name, "type": "STATIC", "connect_timeout": "1s",
+                                           "load_assignment": {"cluster_name": name, "endpoints": []}}
+                                          for name in ("chat", "code")]},
+    }
+    keys = (*breaker_runtime_keys("chat"), shed_runtime_key("chat"))
+
+    async def run(url: str) -> tuple[dict[str, str], dict[str, str]]:
+        async with EnvoyAdmin(url) as admin:
+            limiter = InflightLimiter(admin, 1, sheddable=lambda: ("chat",))
+            loads = {pool: PoolLoad(96, sat(full_share=1.0, capacity=16)) for pool in ("chat", "code")}
+            await limiter.set_limits(loads, 0.0)
+            before = await admin.runtime() or {}
+            await limiter.set_limits({"code": loads["code"]}, 1.0)  # chat is no longer the limiter's
+            after = await admin.runtime() or {}
+            assert "chat" not in limiter.in_force and limiter.in_force.get("code")
+        return ({k: v for k, v in before.items() if k in keys}, {k: v for k, v in after.items() if k in keys})
+
+    with EnvoyProcess(bootstrap) as envoy:
+        before, after = asyncio.run(run(envoy.admin_url))
+    assert set(before) == set(keys), before
+    assert after == {}, after

@@ -113,6 +113,7 @@ class InflightLimiter:
         self.in_force: dict[str, int] = {}  # pool -> limit Envoy confirmed
         self.shed: dict[str, dict[str, int]] = {}  # pool -> reason -> refusals seen in Envoy's overflow counter
         self._watching: asyncio.Task[None] | None = None
+        self._posted: set[str] = set()  # pools whose runtime keys this limiter has posted to Envoy
 
     async def start(self) -> None:
         """Start the in-flight watch between cycles (`watch_loop`; none when the interval is 0)."""
@@ -170,10 +171,12 @@ class InflightLimiter:
         return watch is not None and watch.on
 
     async def set_limits(self, loads: Mapping[str, PoolLoad], now: float) -> None:
-        """Compute every pool's limit and set those Envoy does not hold yet."""
-        if not loads:
-            return
+        """Compute every pool's limit and set those Envoy does not hold yet; a pool limited before and no
+        longer in `loads` (a reload made it strict_dns, or removed it) gets its rendered breakers back."""
         async with self._lock:
+            await self._retire([pool for pool in self._posted if pool not in loads])
+            if not loads:
+                return
             counters = await self._counters(list(loads))
             wanted: dict[str, int] = {}
             shares: dict[str, int] = {}
@@ -224,6 +227,24 @@ class InflightLimiter:
             if wanted:
                 await self._set(wanted, {p: self._loads[p] for p in wanted}, shares)
 
+    async def _retire(self, pools: Collection[str]) -> None:
+        """Remove the runtime overrides this limiter set for `pools` from Envoy's admin layer (an empty
+        value removes a key): their clusters' breakers are the rendered ones again, and a pool of the same
+        name added later starts from them, not from a limit set for another fleet. Kept for the next cycle
+        when Envoy does not take it."""
+        if not pools:
+            return
+        keys = {key: "" for pool in pools for key in (*breaker_runtime_keys(pool), shed_runtime_key(pool))}
+        if not await self._admin.set_runtime(keys):
+            log_event(_log, logging.WARNING, "limit.unretired", admin=self._admin.base_url, pools=sorted(pools),
+                      note="Envoy did not take the removal; tried again next cycle")
+            return
+        for pool in pools:
+            self._posted.discard(pool)
+            self.forget(pool)
+            log_event(_log, logging.INFO, "limit.retired", pool=pool,
+                      note="no longer limited by the sidecar: the cluster's rendered circuit breakers apply")
+
     async def _set(self, wanted: Mapping[str, int], loads: Mapping[str, PoolLoad],
                    shares: Mapping[str, int] | None = None) -> None:
         """Post the limits (and shed shares) Envoy does not hold yet, read them back into
@@ -238,6 +259,8 @@ class InflightLimiter:
                    if runtime.get(key) != str(limit)}
         changes.update({shed_runtime_key(pool): str(percent) for pool, percent in shares.items()
                         if runtime.get(shed_runtime_key(pool), "0") != str(percent)})
+        self._posted.update(wanted)
+        self._posted.update(shares)
         if changes and not await self._admin.set_runtime(changes):
             log_event(_log, logging.ERROR, "limit.refused", admin=self._admin.base_url, keys=sorted(changes))
         after = await self._admin.runtime() if changes else runtime

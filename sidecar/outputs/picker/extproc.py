@@ -92,7 +92,7 @@ from sidecar.outputs.contract import Budgets
 from .budgets import RouteChecks, budget_metadata, refusal_headers
 from .datastore import Datastore, Endpoint
 from .lateness import LATE_S, Lateness, parse_request_time
-from .lobby import Lobby
+from .lobby import Lobby, Outcome
 from .metrics import PickerMetrics
 from .prompt import MAX_ITEMS, block_hashes, parse_body
 from .scheduling import Pick, Picker, PickRequest, free_slots
@@ -516,10 +516,13 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _on_tick(self) -> None:
         """While anyone waits: slots freed where this picker does not see a release (a peer's request,
         one that bypassed the picker, a new endpoint) wake waiters; admission opened (the pressure, a
-        spike, the daemon's verdict) wakes them all to be decided."""
+        spike, the daemon's verdict) wakes them all to be decided; a pool gone from the fleet view wakes
+        its waiters to be left to the proxy."""
         self._tick = None
         for pool in self.lobby.pools():
-            if self.picker.admission.admitting(pool) or self.store.saturated(pool):
+            if not self.store.serves(pool):  # a topology reload removed it: nothing will free a slot there
+                self.lobby.open(pool, Outcome.GONE)
+            elif self.picker.admission.admitting(pool) or self.store.saturated(pool):
                 self.lobby.open(pool)
             else:
                 self._wake(pool)

@@ -12,8 +12,9 @@ decided at once with the time it waited counted in its delay (placed, or refused
 Per pool, one queue per class (standard ahead of sheddable; critical never waits here), first come
 first served within it. A waiter is woken when a slot frees (the servicer calls `wake` on every
 release and on a short tick while anyone waits), when admission opens (`open`), or at `hold_max_s`
-(then placed as if it had not waited: an engine queue). Woken waiters count against the free slots
-until they are placed, so one free slot wakes one waiter.
+(then placed as if it had not waited: an engine queue), or when its pool leaves the fleet view (a
+topology reload removed it: answered without a pick at once, not at `hold_max_s`). Woken waiters count
+against the free slots until they are placed, so one free slot wakes one waiter.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Outcome(StrEnum):
     SLOT = "slot"  # a slot freed
     OPEN = "open"  # admission opened: decided with its wait counted
     DEADLINE = "deadline"  # hold_max_s passed: placed as it comes
+    GONE = "gone"  # the pool left the picker's fleet view (a topology reload removed it): left to the proxy
 
 
 @dataclass(eq=False, slots=True)
@@ -119,14 +121,15 @@ class Lobby:
                 woken += 1
         return woken
 
-    def open(self, pool: str) -> int:
-        """Admission opened in the pool: wake every waiter to be decided now; how many."""
+    def open(self, pool: str, outcome: Outcome = Outcome.OPEN) -> int:
+        """Admission opened in the pool (or the pool is gone: `outcome`): wake every waiter to be decided
+        now; how many."""
         queues = self._queues.get(pool)
         if not queues:
             return 0
         woken = 0
         for queue in queues.values():
             while queue:
-                self._wake(queue[0], Outcome.OPEN)
+                self._wake(queue[0], outcome)
                 woken += 1
         return woken

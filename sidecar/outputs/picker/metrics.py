@@ -49,7 +49,8 @@
                                                 was taken, by what ended the wait: slot (one freed), open
                                                 (admission opened: placed or refused with the wait counted),
                                                 deadline (hold_max_s: placed into an engine's queue),
-                                                reset (the stream ended while it waited)
+                                                gone (a topology reload removed the pool: left to the
+                                                proxy at once), reset (the stream ended while it waited)
     confgen_picker_held_seconds                 how long each held request waited, histogram
     confgen_picker_lobby{pool}                  requests waiting in the picker now
     confgen_picker_budget_checks_total{code}    global budgets decided in the picker's call (budgets.py): ok,
@@ -174,7 +175,8 @@ class PickerMetrics:
         self.budget_checks = Counter("confgen_picker_budget_checks", "Global budgets decided in the picker's "
                                      "call, by answer", ["code"], registry=reg)
         self.held = Counter("confgen_picker_held", "Requests held in the picker while every slot was taken, by "
-                            "what ended the wait: slot, open (admission opened), deadline", ["pool", "outcome"],
+                            "what ended the wait: slot, open (admission opened), deadline, gone (pool removed), reset",
+                            ["pool", "outcome"],
                             registry=reg)
         self.held_seconds = Histogram("confgen_picker_held_seconds", "How long each held request waited in the "
                                       "picker", buckets=_HELD_BUCKETS, registry=reg)

@@ -101,6 +101,8 @@ class RtdsLimiter:
         """Every pool's limit (and shed share) for this cycle, into the RTDS layer. The control plane
         has no Envoy's own in-flight count to watch between probes: the engines' reports, once per
         cycle, are what it sees."""
+        for gone in [pool for pool in self._admissions.pools() if pool not in loads]:
+            self.forget(gone)  # no longer limited (strict_dns now, or removed): the layer below leaves it out
         ingresses = max(1, self._publisher.nodes.counted())
         wanted: dict[str, int] = {}
         shares: dict[str, int] = {}
