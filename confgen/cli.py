@@ -5,6 +5,7 @@ Exit codes scripts can trust:
   1  the input is invalid, the output drifted, or a real proxy rejected the output
   2  usage error (bad flags, unreadable arguments)
   3  a check could not run (e.g. the envoy or nginx binary is missing)
+  4  the output could not be written (a path in the way, no space, no permission): nothing replaced
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .errors import (
 from .model import Topology, admin_on_loopback, admin_on_tcp, admin_tcp, join_address
 from .topology import load
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_OUTPUT = 0, 1, 2, 3, 4
 TARGETS = targets.names()
 
 
@@ -192,9 +193,9 @@ def cmd_render(args: argparse.Namespace) -> int:
                   "them: set them, or add --placeholder-secrets to write placeholders instead (CI drift "
                   "checks; never deploy those)", file=sys.stderr)
         return EXIT_INVALID
-    except OutputError as exc:
-        print(f"confgen: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except OutputError as exc:  # the topology is fine: the machine's side (scripts may retry elsewhere)
+        print(f"confgen: {exc} (nothing replaced)", file=sys.stderr)
+        return EXIT_OUTPUT
     print(f"wrote {_files(len(files))} to {args.out}", file=sys.stderr)
     return EXIT_OK
 

@@ -11,6 +11,9 @@
     shutdown  on SIGTERM/SIGINT: everything started is undone in reverse by one exit stack
               (the watcher, the gRPC server, each output's `close`, the HTTP server, the
               sessions); exit 0
+
+Exit codes: 0 stopped by a signal; 1 the topology is invalid; 2 refused to start for its flags or what
+they name (a bad value, a publisher the topology does not take, an address or socket it cannot bind).
 """
 
 from __future__ import annotations

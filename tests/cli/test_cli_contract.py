@@ -203,7 +203,8 @@ def test_a_re_render_that_cannot_write_one_file_replaces_none(tmp_path: Path) ->
     before = _tree(out)
     topo.write_text(TWO_POOLS + "  - name: gamma\n    engine: vllm\n    models: [c]\n    workers: [127.0.0.1:8002]\n")
     done = _run("render", topo, "-o", out)
-    assert done.returncode == 1 and "lds.json" in done.stderr, done.stderr
+    # 4: the output could not be written (1 would tell a script the topology is invalid)
+    assert done.returncode == 4 and "lds.json" in done.stderr and "nothing replaced" in done.stderr, done.stderr
     assert _tree(out) == before
     assert not (out / "eds" / "gamma").exists()
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
