@@ -429,11 +429,13 @@ class SimWorker:
         return web.Response(status=200)
 
     async def _sglang_health(self) -> web.Response:
-        """SGLang's health runs a one-token generation: a stalled engine fails it."""
+        """SGLang's health runs a one-token generation: a stalled engine fails it. Like the real handler it
+        looks for the answer only after `sglang_health_poll_s` (1 s), so a healthy answer takes that long."""
         pending = self._submit(prompt_text="health", prompt_tokens=1, max_tokens=1, key=None,
                                model=self.spec.models[0], finish_reason="length")  # fmt: skip
         try:
             async with asyncio.timeout(_SGLANG_HEALTH_TIMEOUT_S):
+                await asyncio.sleep(self.spec.sglang_health_poll_s)
                 await self._wait_finished(pending)
         except TimeoutError:
             self._abort(pending)

@@ -103,6 +103,9 @@ class WorkerSpec:
     initial_fault: FaultSpec | None = None
     fault_schedule: tuple[ScheduledFault, ...] = ()
     metrics_variant: MetricsVariant = "default"
+    # SGLang's health handler looks for its one-token generation's answer once a second (first look after 1 s):
+    # its /health answers after this long at the earliest, as the real one does
+    sglang_health_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         # Python callers may pass a list; keep the spec hashable and immutable.

@@ -54,7 +54,7 @@ from typing import Self
 import aiohttp
 from yarl import URL
 
-from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics
+from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics, health_floor_s
 from sidecar.observe.result import Outcome, ProbeResult
 
 __all__ = ["LoopLag", "ProbeReport", "Prober", "Target"]
@@ -62,6 +62,7 @@ __all__ = ["LoopLag", "ProbeReport", "Prober", "Target"]
 _ACCEPT_METRICS = "text/plain;version=0.0.4"  # OpenMetrics makes prometheus_client mangle ':'
 _HEADERS = {"Accept-Encoding": "identity"}
 _URL_CACHE = 65_536
+_FLOOR_MARGIN_S = 0.5  # beyond an engine's health floor: the deadline of its health probe is at least floor + this
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,10 @@ class Prober:
                     at = self._clock()
                     return ProbeReport(ProbeResult(at, Outcome.OK, sample=sample, health_checked=False),
                                        None, "", at - started)
-            deadline = loop.time() + self._deadline_s
+            # an engine whose healthy answer takes a fixed time by design (SGLang's one-second poll) gets that
+            # time beyond the deadline, and only what exceeds it counts as its latency
+            floor = health_floor_s(target.engine, target.health_path)
+            deadline = loop.time() + max(self._deadline_s, floor + _FLOOR_MARGIN_S)
             lag_at_health = self._lag.late_s()
             try:
                 status, latency = await self._health(target, deadline)
@@ -219,7 +223,7 @@ class Prober:
                                        "loop_late", f"the sidecar's event loop ran {lost:.2f} s late during the probe",
                                        at - started)
                 return ProbeReport(ProbeResult(at, outcome), kind, detail, at - started)
-            latency = max(0.0, latency - (self._lag.late_s() - lag_at_health))  # the worker's part of it
+            latency = max(0.0, latency - (self._lag.late_s() - lag_at_health) - floor)  # the worker's part of it
             if not 200 <= status < 300:
                 at = self._clock()
                 result = ProbeResult(at, Outcome.HTTP_STATUS, health_latency_s=latency, http_status=status)

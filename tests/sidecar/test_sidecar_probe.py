@@ -103,3 +103,25 @@ def test_a_blocked_event_loop_changes_no_verdict() -> None:
     for report in (late, slow):
         state = EndpointState.adopt(Status.HEALTHY, report.result.at - 1)
         assert state.observe(report.result, policy).published is Status.HEALTHY
+
+
+def test_sglang_health_second_is_neither_a_timeout_nor_slowness() -> None:
+    """SGLang's /health answers after its one-second poll at the earliest (the simulated engine polls like
+    the real handler). With the short deadline a fast probe interval gives (0.4 s), every probe used to
+    time out (the pool all UNHEALTHY), and with a long one every worker read 1 s slow (DEGRADED). The
+    health probe now waits the poll out and counts only what exceeds it; a stopped engine still fails."""
+
+    async def go(port: int, deadline_s: float) -> ProbeReport:
+        async with Prober(max_concurrency=4, deadline_s=deadline_s, body_cap=1 << 20) as prober:
+            return await prober.probe(Target("127.0.0.1", port, "sglang", "/health", "/metrics"))
+
+    with run_fleet_in_thread(FleetSpec(workers=(WorkerSpec(name="a", engine="sglang"),), seed=1)) as fleet:
+        port = fleet.workers[0].port
+        short, long = asyncio.run(go(port, 0.4)), asyncio.run(go(port, 5.0))
+        fleet.workers[0].set_fault("stall")
+        stalled = asyncio.run(go(port, 0.4))
+    for report in (short, long):
+        assert report.result.outcome is Outcome.OK, report
+        assert report.result.health_latency_s is not None and report.result.health_latency_s < 0.15, report
+        assert report.result.sample is not None
+    assert stalled.result.outcome is Outcome.TIMEOUT, stalled

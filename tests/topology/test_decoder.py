@@ -233,3 +233,21 @@ def test_alias_bombs_and_recursion_are_refused_quickly(tmp_path: Path, text: str
     result = _run(["validate", str(file)], timeout=15)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [f"{file}:1:1: <document>: {message}"]
+
+
+def test_an_sglang_pool_whose_health_timeout_is_under_its_poll_is_warned() -> None:
+    """SGLang's /health answers after its one-second poll at the earliest: the proxy's active check with a
+    1 s timeout fails every healthy worker. Warned at the field (not an error: the path may be served by
+    something else); 1.5 s and a custom path say nothing, nor do other engines."""
+
+    def warnings(engine: str, timeout: str, path: str = "") -> list[str]:
+        health = f"{{timeout: {timeout}{', path: ' + path if path else ''}}}"
+        text = BASE.replace("engine: vllm", f"engine: {engine}") + f"    health: {health}\n"
+        _, found = parse(text.encode(), "t.yaml")
+        return [f"{d.path}: {d.message}" for d in found]
+
+    assert any(w.startswith("pools[0].health.timeout: sglang's /health answers after 1 s")
+               for w in warnings("sglang", "1s")), warnings("sglang", "1s")
+    assert not warnings("sglang", "1500ms")
+    assert not warnings("sglang", "1s", "/v1/models")
+    assert not warnings("vllm", "1s")
