@@ -255,7 +255,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         # the HPA scales on CPU utilisation, relative to this request
         "resources": k8s_mod.RESOURCES["envoy"],
         "securityContext": k8s_mod._restricted(bind_low_ports=any(lst.port < 1024 for lst in topo.listeners)),
-        "readinessProbe": {"tcpSocket": {"port": topo.listeners[0].port}, "periodSeconds": 5},
+        "readinessProbe": {"tcpSocket": {"port": k8s_mod.served_listeners(topo)[0].port}, "periodSeconds": 5},
         "livenessProbe": k8s_mod.envoy_liveness(topo),
     }
     deployment = {
@@ -288,7 +288,7 @@ def _envoys(plan: k8s_mod._Plan) -> list[Obj]:
         "metadata": plan.meta(plan.base, "envoy"),
         "spec": {"selector": _selector(plan, "envoy"),
                  "ports": [{"name": k8s_mod._port_name(lst.name), "port": lst.port, "targetPort": lst.port}
-                           for lst in topo.listeners]},
+                           for lst in k8s_mod.served_listeners(topo)]},
     }
     hpa = {
         "apiVersion": "autoscaling/v2",

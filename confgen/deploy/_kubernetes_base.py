@@ -16,7 +16,7 @@ from typing import Any
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
 from ..limits import needs_store
-from ..model import Topology, admin_reach, grpc_tls
+from ..model import Listener, Topology, admin_reach, grpc_tls, is_loopback_host
 
 TOPOLOGY_DIR = "/etc/confgen/topology"
 XDS_DIR = "/var/run/confgen/envoy"
@@ -44,6 +44,14 @@ Obj = dict[str, Any]
 # Port names confgen gives its own ports (a listener of the same name would be the port a Service's
 # targetPort finds first in the pod: the pickers' Service reaching Envoy's listener).
 RESERVED_PORT_NAMES = frozenset({"metrics", "grpc", "xds", "redis"})
+
+
+def served_listeners(topo: Topology) -> list[Listener]:
+    """The listeners other pods can reach: one bound to loopback answers only inside its own pod, so a Service
+    port or a probe on it would never connect (all of them when every listener is loopback: a Service needs a
+    port)."""
+    reachable = [lst for lst in topo.listeners if not is_loopback_host(lst.address)]
+    return reachable or list(topo.listeners)
 
 
 def _port_name(name: str) -> str:

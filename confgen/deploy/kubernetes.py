@@ -37,7 +37,14 @@ from collections.abc import Callable
 
 from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
-from ..model import Pool, Topology, admin_reach, grpc_socket_dir, grpc_transport, join_address
+from ..model import (
+    Pool,
+    Topology,
+    admin_reach,
+    grpc_socket_dir,
+    grpc_transport,
+    join_address,
+)
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems
@@ -63,6 +70,7 @@ from ._kubernetes_base import (
     dns_label,
     envoy_liveness,
     envoy_tls_mounts,
+    served_listeners,
     sidecar_resources,
     spread,
 )
@@ -123,8 +131,10 @@ def _envoy_container(plan: _Plan, bootstrap: str) -> Obj:
         "resources": RESOURCES["envoy"],
         "securityContext": _restricted(bind_low_ports=any(lst.port < 1024 for lst in topo.listeners)),
         # Envoy's own /ready (503 once health is failed for the drain), relayed by the sidecar:
-        # the admin interface stays on the pod's loopback.
-        "readinessProbe": {"httpGet": {"path": "/envoy/ready", "port": "metrics"},
+        # the admin interface stays on the pod's loopback. The sidecar's port by number: the kubelet
+        # resolves a named probe port in the probed container's own ports only (`metrics` is the sidecar
+        # container's, so a name here left Envoy never Ready).
+        "readinessProbe": {"httpGet": {"path": "/envoy/ready", "port": topo.sidecar.port},
                            "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": envoy_liveness(topo),
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", wait]}}},
@@ -328,7 +338,7 @@ def _deployment(plan: _Plan) -> Obj:
 def _service(plan: _Plan) -> Obj:
     """The clients' Service: the listeners only (the sidecar's port is on its own Service)."""
     ports = [{"name": _port_name(lst.name), "port": lst.port, "targetPort": lst.port}
-             for lst in plan.topo.listeners]
+             for lst in served_listeners(plan.topo)]
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -116,7 +116,15 @@ def test_every_container_has_resources_probes_and_a_drain_on_stop() -> None:
         assert set(c["resources"]) == {"requests", "limits"}, c["name"]
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
     envoy, sidecar = pod["containers"]
-    assert envoy["readinessProbe"]["httpGet"] == {"path": "/envoy/ready", "port": "metrics"}
+    # by number: the kubelet resolves a probe's port name in the probed container's ports only, and
+    # `metrics` is the sidecar container's (a name here left Envoy never Ready)
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/envoy/ready", "port": topo.sidecar.port}
+    assert {p["name"] for p in envoy["ports"]}.isdisjoint({"metrics"})
+    for c in pod["containers"]:  # every named probe port is the probed container's own
+        names = {p["name"] for p in c.get("ports", [])}
+        for probe in ("readinessProbe", "livenessProbe"):
+            port = next(iter(c.get(probe, {}).values()), {}).get("port") if probe in c else None
+            assert not isinstance(port, str) or port in names, (c["name"], probe, port)
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     grace = pod["terminationGracePeriodSeconds"]
     assert grace == topo.kubernetes.termination_grace_seconds
