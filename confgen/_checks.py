@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from . import _edge_checks
 from ._fields import COMPILED
-from ._names import dns_label
+from ._names import object_base
 from ._pod_fit import loopback_store
 from .balancing import POLICIES, choose, grpc_wanted, is_hashing, picker_wanted, uses_picker
 from .errors import Severity
@@ -268,7 +268,7 @@ def _ads_servers(topo: Topology, sections: frozenset[str]) -> Iterator[Finding]:
     xds = topo.envoy.xds
     if xds.mode != "ads" or not xds.servers:
         return
-    control = f"{dns_label(f'confgen-{topo.name}')}-xds"
+    control = f"{object_base(topo.name)}-xds"
     namespace = topo.kubernetes.namespace
     first = split_address(xds.servers[0])
     port = first[1] if first is not None else 18000

@@ -7,7 +7,7 @@ file. Imports only the model, so the checks take it without a cycle.
 
 from __future__ import annotations
 
-from ._names import dns_label
+from ._names import object_base
 from .model import Kubernetes, Topology, is_loopback_host, split_address
 
 __all__ = ["DEFAULT_SIDECAR_IMAGE", "loopback_store", "unpublished_image"]
@@ -35,7 +35,7 @@ def loopback_store(topo: Topology) -> list[Finding]:
     return [("limits.store.redis",
              f"{store.redis} is the pod's own loopback in Kubernetes, where no Redis runs: every global limit would "
              "fail open. Set kubernetes.redis: true and limits.store.redis: "
-             f"{dns_label(f'confgen-{topo.name}')}-redis:6379 (the rendered Redis), or name your Redis Service")]
+             f"{object_base(topo.name)}-redis:6379 (the rendered Redis), or name your Redis Service")]
 
 
 def unpublished_image(topo: Topology) -> list[Finding]:

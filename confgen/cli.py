@@ -264,7 +264,7 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
     """Where `balancing.policy: auto` could not give a pool the endpoint picker, and why; where the
     Kubernetes proxy pods (a `kubernetes:` section set, file mode) would each pick alone; and an Envoy
     admin on TCP."""
-    from ._names import dns_label
+    from ._names import object_base
     from .balancing import AUTO, POLICIES, choose, uses_picker
     from .deploy.kubernetes import pickers_peered, pickers_service
     from .model import Kubernetes
@@ -277,7 +277,7 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
     replicas = topo.kubernetes.replicas
     picked = [p.name for p in topo.pools if uses_picker(topo, p)]
     if topo.kubernetes != Kubernetes() and topo.envoy.xds.mode == "files" and replicas > 1 and picked:
-        base = dns_label(f"confgen-{topo.name}")
+        base = object_base(topo.name)
         if pickers_peered(topo):
             notes.append(("kubernetes.replicas",
                           f"the {replicas} proxy pods' endpoint pickers ({', '.join(picked)}) are each other's peers "

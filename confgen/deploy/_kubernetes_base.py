@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import __version__
 from .._names import dns_label as dns_label  # re-exported: the renders name objects with it
+from .._names import object_base as object_base
 from ..limits import needs_store
 from ..model import Listener, Topology, admin_reach, grpc_tls, is_loopback_host
 

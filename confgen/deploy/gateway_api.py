@@ -44,6 +44,7 @@ from ._kubernetes_base import (
     _restricted,
     _store_env,
     dns_label,
+    object_base,
 )
 
 __all__ = ["EPP_TLS_DIR", "MODEL_HEADER", "gateway_problems", "render_gateway_api"]
@@ -243,7 +244,7 @@ def render_gateway_api(topo: Topology) -> dict[str, bytes]:
     cannot be expressed."""
     if problems := gateway_problems(topo):
         raise DeployError(problems)
-    plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
+    plan = _Plan(topo, object_base(topo.name))
     docs = [*_epp(plan), *(_inference_pool(plan, p) for _, p in gateway_pools(topo)), _route(plan)]
     return {
         "gateway-api.yaml": "---\n".join(dump(doc) for doc in docs).encode(),

@@ -70,6 +70,7 @@ from ._kubernetes_base import (
     dns_label,
     envoy_liveness,
     envoy_tls_mounts,
+    object_base,
     served_listeners,
     sidecar_resources,
     spread,
@@ -598,7 +599,7 @@ def _redis_objects(plan: _Plan) -> list[Obj]:
 
 def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     """The manifests; DeployError (field path, reason) when the topology cannot be expressed."""
-    plan = _Plan(topo, dns_label(f"confgen-{topo.name}"))
+    plan = _Plan(topo, object_base(topo.name))
     hpas = _hpas(plan)
     if topo.envoy.xds.mode == "ads" and (unfit := ads_problems(plan)):
         raise DeployError(unfit)

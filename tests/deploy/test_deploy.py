@@ -719,3 +719,44 @@ def test_the_proxys_services_and_budget_never_select_the_redis_pods_beside_it() 
         picks_proxy, picks_redis = selector.items() <= proxy.items(), selector.items() <= redis.items()
         assert picks_proxy != picks_redis, (name, selector)  # one kind of pod, never both
         assert picks_redis == (name == "Service/confgen-global-limits-redis"), name
+
+
+LONGEST = "n" * 63  # the longest topology name the schema allows
+
+
+def _long_named(case: str) -> tuple[Topology, dict[str, bytes], str]:
+    from confgen._names import object_base
+    from confgen.deploy.gateway_api import render_gateway_api
+
+    if case == "ads":
+        base = object_base(LONGEST)
+        text = ADS.replace("name: fleet", f"name: {LONGEST}").replace(
+            "confgen-fleet-xds-0.confgen-fleet-xds", f"{base}-xds-0.{base}-xds")
+        topo, _ = parse_topology(text.encode(), "t.yaml")
+        return topo, render_kubernetes(topo), "kubernetes.yaml"
+    if case == "gateway-api":
+        text = (ROOT / "tests/golden/inputs/gateway-api.yaml").read_text().replace("name: gie", f"name: {LONGEST}")
+        topo, _ = parse_topology(text.encode(), "t.yaml")
+        return topo, render_gateway_api(topo), "gateway-api.yaml"
+    text = (ROOT / f"tests/golden/inputs/{case}.yaml").read_text()
+    text = re.sub(r"(?m)^name: .*$", f"name: {LONGEST}", text, count=1)
+    topo, _ = parse_topology(text.encode(), "t.yaml")
+    return monitored(topo), render_kubernetes(monitored(topo)), "kubernetes.yaml"
+
+
+@pytest.mark.parametrize("case", ["ads", "gateway-api", "global-limits", "picker-peers"])
+def test_every_object_a_63_character_topology_name_gives_is_a_name_kubernetes_takes(case: str) -> None:
+    """Found by review: the base `confgen-<name>` was cut to 63 and suffixes went after it, so a topology
+    name of 48+ characters (the schema allows 63) gave Services like `<63>-metrics` the API server refuses,
+    while validate said ok. Every Service is a DNS-1035 label of at most 63, a StatefulSet name leaves its
+    pods' controller-revision-hash label room (52), every other name is at most 253."""
+    _, files, name = _long_named(case)
+    docs = docs_of(files, name)
+    assert docs
+    for doc in docs:
+        kind, obj = doc["kind"], doc["metadata"]["name"]
+        if kind == "Service":
+            assert len(obj) <= 63 and DNS_1123_LABEL.fullmatch(obj), (kind, obj)
+        elif kind == "StatefulSet":
+            assert len(obj) <= 52, (kind, obj)
+        assert len(obj) <= 253, (kind, obj)
