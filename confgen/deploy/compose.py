@@ -25,6 +25,10 @@ def render_compose(topo: Topology) -> dict[str, bytes]:
     store_env = [store.password_env] if store is not None and store.password_env is not None else []
     topology_file = "/etc/confgen/topology.yaml"
     shared = ["./topology.yaml:/etc/confgen/topology.yaml:ro", "xds:" + XDS_DIR]
+    # API keys held in files: render reads them, and the sidecar again when a topology change re-renders the
+    # listeners. Bound read-only at the path the topology names (the file must be readable by uid 101).
+    key_files = sorted({k.file for k in (topo.auth.api_keys if topo.auth else []) if k.file is not None})
+    shared += [f"{path}:{path}:ro" for path in key_files]
     # Envoy calls the sidecar's gRPC services on its Unix socket: one volume at the socket directory's
     # parent in both (the sidecar makes its 0700 directory there; both images run as uid 101)
     wanted = grpc_wanted(topo)
@@ -99,4 +103,7 @@ def _redis_service(topo: Topology) -> dict[str, object]:
         shell = " ".join(shlex.quote(word) for word in command)
         service["command"] = ["sh", "-c", f'exec {shell} --requirepass "$${store.password_env}"']
         service["environment"] = [store.password_env]
+        # the image's entrypoint drops to its redis user only when its first argument is redis-server: through
+        # the shell it would stay root, on the host's network
+        service["user"] = "999:999"
     return {**service, "network_mode": "host", "restart": "unless-stopped"}

@@ -112,6 +112,21 @@ def test_every_confgen_service_resolves_to_a_command_line_its_program_accepts(ex
     assert not accepted(docker_argv(old, dockerfile_config(ROOT / "sidecar" / "Dockerfile")))
 
 
+def test_api_keys_held_in_files_are_mounted_where_render_and_the_sidecar_read_them() -> None:
+    """Found by review: example 04 names a key by `file: /run/secrets/batch-jobs-key`, and compose mounted
+    only the topology and the xDS volume: the render service failed reading it, so neither the sidecar nor
+    Envoy (both waiting for render to complete) ever started. Each key file is bound read-only at its path
+    in render and sidecar, and nowhere else (Envoy gets the rendered config, not the key files)."""
+    topo, _ = load_topology(ROOT / "examples" / "04-multi-model-fallback.yaml")
+    files = sorted({k.file for k in topo.auth.api_keys if k.file is not None}) if topo.auth else []
+    assert files, "the example holds a key in a file"
+    services = yaml.safe_load(render_compose(topo)["compose.yaml"])["services"]
+    for name in ("render", "sidecar"):
+        for path in files:
+            assert f"{path}:{path}:ro" in services[name]["volumes"], (name, services[name]["volumes"])
+    assert not any(path in v for v in services["envoy"]["volumes"] for path in files)
+
+
 def test_kubernetes_containers_of_the_confgen_image_name_their_program() -> None:
     """Kubernetes: `command` replaces ENTRYPOINT, `args` CMD. Every container of the confgen
     image names confgen or confgen-sidecar and its arguments are accepted."""
