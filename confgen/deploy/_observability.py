@@ -42,10 +42,11 @@ def dashboard() -> Obj:
 
 
 def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dict[str, str],
-                       labels: dict[str, str] | None = None) -> list[Obj]:
+                       labels: dict[str, str] | None = None, *, relay: bool = True) -> list[Obj]:
     """ServiceMonitor (of the Service `selector` picks), PrometheusRule and the dashboard
     ConfigMap for one proxy Deployment; `labels` (kubernetes.monitoring_labels) go on all three,
-    after confgen's own, so the Prometheus and Grafana that select by label find them."""
+    after confgen's own, so the Prometheus and Grafana that select by label find them. `relay`: the
+    sidecar serves its Envoy's stats at /envoy/stats (file mode; an ADS control plane has no Envoy)."""
 
     def monitoring_meta(name: str) -> Obj:
         data = meta(name, "monitoring")
@@ -58,9 +59,11 @@ def kubernetes_objects(meta: Callable[[str, str], Obj], base: str, selector: dic
         "metadata": monitoring_meta(base),
         "spec": {
             "selector": {"matchLabels": selector},
+            # both scrapes share port, job and instance: the path as a label keeps their `up` series apart
             "endpoints": [
-                {"port": "metrics", "path": "/metrics", "interval": "15s"},
-                {"port": "metrics", "path": "/envoy/stats", "interval": "15s"},
+                {"port": "metrics", "path": path, "interval": "15s",
+                 "relabelings": [{"sourceLabels": ["__metrics_path__"], "targetLabel": "metrics_path"}]}
+                for path in ("/metrics", *(["/envoy/stats"] if relay else []))
             ],
         },
     }

@@ -31,6 +31,7 @@ plane, Envoy without sidecars) is an addition: it reuses `_restricted`, `_envoy_
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -386,10 +387,23 @@ def _scaled(topo: Topology) -> list[tuple[int, Pool]]:
     return [(i, p) for i, p in enumerate(topo.pools) if p.autoscale is not None]
 
 
-def queue_query(pool: str | None = None) -> str:
-    """The pool's queue: each worker counted once however many proxy replicas report it."""
-    match = f'{{pool="{pool}"}}' if pool is not None else ""
+def queue_query(pool: str | None = None, namespace: str | None = None) -> str:
+    """The pool's queue: each worker counted once however many proxy replicas report it; only the series
+    scraped in `namespace` when given (a same-named pool of another namespace, staging beside production,
+    must not scale this one)."""
+    labels = [f'{key}="{value}"' for key, value in (("pool", pool), ("namespace", namespace)) if value is not None]
+    match = "{" + ",".join(labels) + "}" if labels else ""
     return f"sum by (pool) (max by (pool, worker) (llm_queue_depth{match}))"
+
+
+# How fast the worker count may move, the same for the HPA and the KEDA overlay (KEDA's own default would
+# scale down 100 % every 15 s after 5 minutes, cutting long generations): up 2 pods a minute at once, down one
+# pod every two minutes after five minutes of less demand.
+SCALE_BEHAVIOR: Obj = {
+    "scaleUp": {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+    "scaleDown": {"stabilizationWindowSeconds": 300,
+                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+}
 
 
 def target_value(pool: Pool) -> float:
@@ -440,12 +454,7 @@ def _hpas(plan: _Plan) -> list[Obj]:
                     "target": {"type": "AverageValue", "averageValue": _quantity(target_value(pool))},
                 },
             }],
-            "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": 0,
-                            "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
-                "scaleDown": {"stabilizationWindowSeconds": 300,
-                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
-            },
+            "behavior": copy.deepcopy(SCALE_BEHAVIOR),
         }
     return _autoscalers(plan, "autoscaling/v2", "HorizontalPodAutoscaler", spec)
 
@@ -473,13 +482,14 @@ def _scaled_objects(plan: _Plan) -> list[Obj]:
             "scaleTargetRef": {"apiVersion": ref["apiVersion"], "kind": ref["kind"], "name": name},
             "minReplicaCount": pool.autoscale.min_replicas,
             "maxReplicaCount": pool.autoscale.max_replicas,
-            "cooldownPeriod": 300,
+            # the HPA KEDA makes moves like the one the base renders (cooldownPeriod acts only to and from zero)
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": copy.deepcopy(SCALE_BEHAVIOR)}},
             "triggers": [{
                 "type": "prometheus",
                 "metricType": "AverageValue",
                 "metadata": {
                     "serverAddress": plan.topo.kubernetes.prometheus_url,
-                    "query": queue_query(pool.name),
+                    "query": queue_query(pool.name, plan.topo.kubernetes.namespace),
                     "threshold": repr(target_value(pool)),
                 },
             }],
@@ -582,7 +592,7 @@ def _redis_objects(plan: _Plan) -> list[Obj]:
     }
     # only the pods whose sidecars count in it talk to it: the proxy pods, or with ADS the control plane's
     counting = {**plan.selector, "app.kubernetes.io/component": "control-plane"} \
-        if plan.topo.envoy.xds.mode == "ads" else plan.labels("proxy")
+        if plan.topo.envoy.xds.mode == "ads" else _proxy_pods(plan)  # no version label: old pods keep Redis
     policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -614,7 +624,7 @@ def render_kubernetes(topo: Topology) -> dict[str, bytes]:
     if topo.kubernetes.monitoring:
         docs += _observability.kubernetes_objects(
             plan.meta, plan.base, {**plan.selector, "app.kubernetes.io/component": scraped},
-            dict(topo.kubernetes.monitoring_labels))
+            dict(topo.kubernetes.monitoring_labels), relay=topo.envoy.xds.mode != "ads")
     redis_problems = _redis_problems(plan)
     if topo.kubernetes.redis and not redis_problems:
         docs += _redis_objects(plan)

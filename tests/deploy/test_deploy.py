@@ -176,8 +176,14 @@ def test_hpa_adapter_rule_and_keda_overlay_share_one_deduplicated_queue_signal()
     scaled = docs_of(files, "keda/scaledobjects.yaml")
     assert [s["kind"] for s in scaled] == ["ScaledObject"]
     trigger = scaled[0]["spec"]["triggers"][0]
-    assert trigger["metadata"]["query"] == 'sum by (pool) (max by (pool, worker) (llm_queue_depth{pool="llama-70b"}))'
+    # the namespace's series only (the adapter's <<.LabelMatchers>> carry it for the HPA): a same-named pool of
+    # another namespace must not scale this one
+    assert trigger["metadata"]["query"] == ('sum by (pool) (max by (pool, worker) '
+                                            '(llm_queue_depth{pool="llama-70b",namespace="inference"}))')
     assert trigger["metadata"]["threshold"] == "3.2" and trigger["metricType"] == "AverageValue"
+    # the HPA KEDA makes moves like the base's (KEDA's default scales down 100 % every 15 s)
+    assert scaled[0]["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == spec["behavior"]
+    assert "cooldownPeriod" not in scaled[0]["spec"]  # it acts only to and from zero replicas
     assert scaled[0]["spec"]["scaleTargetRef"]["name"] == "vllm-70b"
     overlay = yaml.safe_load(files["keda/kustomization.yaml"])
     assert overlay["resources"] == ["kubernetes.yaml", "scaledobjects.yaml"]
@@ -291,6 +297,14 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboard() -> None:
     monitor = by_kind(docs, "ServiceMonitor")[0]["spec"]
     assert [(e["port"], e["path"]) for e in monitor["endpoints"]] == [("metrics", "/metrics"),
                                                                        ("metrics", "/envoy/stats")]
+    # the two scrapes share port, job and instance: the path labels their `up` series apart (the sidecar-down
+    # alert counts /metrics only)
+    for endpoint in monitor["endpoints"]:
+        assert endpoint["relabelings"] == [{"sourceLabels": ["__metrics_path__"], "targetLabel": "metrics_path"}]
+    # an ADS control plane relays no Envoy's stats: its /envoy/stats would be a 404, `up` 0 for good
+    ads, _ = parse_topology(ADS.encode(), "t.yaml")
+    ads_monitor = by_kind(docs_of(render_kubernetes(ads)), "ServiceMonitor")[0]["spec"]
+    assert [e["path"] for e in ads_monitor["endpoints"]] == ["/metrics"]
     public, metrics = by_kind(docs, "Service")
     assert monitor["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
     assert not monitor["selector"]["matchLabels"].items() <= public["metadata"]["labels"].items()
@@ -397,8 +411,10 @@ def test_kubernetes_renders_a_redis_for_the_global_limits_when_asked() -> None:
     pod = redis[0]["spec"]["template"]["spec"]
     assert violations(pod) == []
     assert "--save" in pod["containers"][0]["args"]
-    assert redis[2]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] \
-        == "proxy"
+    admitted = redis[2]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert admitted["app.kubernetes.io/component"] == "proxy"
+    # no version label: during a confgen upgrade's rollout the old pods, still serving, keep their Redis
+    assert "app.kubernetes.io/version" not in admitted
     assert [c["name"] for c in pod_of(docs)["containers"]] == ["envoy", "sidecar"]
     without = docs_of(render_kubernetes(_with_store("redis.example:6379", redis=False)))
     assert not [d for d in without if d["metadata"]["name"].endswith("-redis")]  # an existing Redis, by address
