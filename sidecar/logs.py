@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -59,6 +60,36 @@ def configure(fmt: str, level: str, stream: TextIO) -> None:
     root.setLevel(level)
     # aiohttp's access log would print a line per scrape of /metrics.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # aiohttp's server logs a request it cannot parse at ERROR with a traceback and the client's bytes (one line
+    # of 460,000 characters seen; 200 such connections wrote 24 MB in 0.04 s): clipped, no traceback, at most a
+    # burst a minute
+    logging.getLogger("aiohttp.server").addFilter(_ClientNoise(time.monotonic))
+
+
+class _ClientNoise(logging.Filter):
+    """What a client makes a library log: the message clipped to 300 characters, no traceback, at most
+    `burst` records a `window_s` (the next one after says how many were dropped)."""
+
+    def __init__(self, clock: Callable[[], float], burst: int = 20, window_s: float = 60.0) -> None:
+        super().__init__()
+        self._clock, self._burst, self._window_s = clock, burst, window_s
+        self._since = -math.inf
+        self._count = self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now >= self._since + self._window_s:
+            self._since, self._count = now, 0
+        self._count += 1
+        if self._count > self._burst:
+            self._dropped += 1
+            return False
+        text = clip(record.getMessage(), 300)
+        if self._dropped:
+            text += f" ({self._dropped} more dropped before this one)"
+            self._dropped = 0
+        record.msg, record.args, record.exc_info, record.exc_text, record.stack_info = text, None, None, None, None
+        return True
 
 
 def clip(text: str, limit: int) -> str:
