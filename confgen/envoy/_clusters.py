@@ -316,6 +316,9 @@ def upstream_mtls(cert: str, key: str, ca: str, server_names: list[str]) -> Json
 # (pool names hold no '.'); a short timeout, because its absence has an answer of its own.
 SIDECAR_CLUSTER = "confgen.sidecar"
 SIDECAR_TIMEOUT = "1s"
+# Connections Envoy opens to the sidecar for /v1/models at once: a burst of listings queues in Envoy (answers
+# take milliseconds) instead of opening a connection each, within the sidecar's share for one address (32).
+SIDECAR_MAX_CONNECTIONS = 16
 
 
 def sidecar_cluster(topo: Topology) -> Json:
@@ -324,6 +327,8 @@ def sidecar_cluster(topo: Topology) -> Json:
         "name": SIDECAR_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",
+        "circuit_breakers": {"thresholds": [{"max_connections": SIDECAR_MAX_CONNECTIONS,
+                                             "max_pending_requests": 1024}]},
         "load_assignment": {"cluster_name": SIDECAR_CLUSTER,
                             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
     })

@@ -299,3 +299,13 @@ def test_json_depth() -> None:
     assert json_depth(b"[[[]]]") == 3
     assert json_depth(b"[" * 2000) == 2000
     assert json_depth(b"") == 0
+
+
+def test_envoy_lists_models_within_the_sidecars_share_for_one_address() -> None:
+    """Envoy beside the sidecar asks it for /v1/models from loopback, one address: its cluster opens at most
+    half of what the sidecar accepts from one address (a burst of listings queues in Envoy), so a burst never
+    meets the per-address cap, and a local client still has connections left."""
+    from confgen.envoy._clusters import SIDECAR_MAX_CONNECTIONS
+    from sidecar.serve.bounds import HttpBounds
+
+    assert HttpBounds().max_per_peer // 2 >= SIDECAR_MAX_CONNECTIONS
