@@ -77,6 +77,9 @@ class EndpointView:
     last_error: str | None
     errors: Mapping[str, int]
     serving: bool = True  # in rotation and not known to be failing (one kept in only by the ejection cap is not)
+    # its probes say it fails (the health state machine's UNHEALTHY), whatever is published: with every
+    # endpoint of a pool failing, or past the ejection cap, it stays published at its last status
+    failing: bool = False
     token_latency_s: float | None = None  # smoothed time per output token (the weights' speed), when measured
     capacity: int = 0  # the worker's concurrent sequences (`Pool.capacity_of`)
 

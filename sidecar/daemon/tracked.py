@@ -210,4 +210,5 @@ def _view(k: EndpointKey, t: Tracked) -> EndpointView:
         if t.decision else t.state.published in (Status.HEALTHY, Status.DEGRADED),
         token_latency_s=t.trend.token_latency_s,
         capacity=t.capacity,
+        failing=t.state.status is Status.UNHEALTHY and not t.state.drained,
     )

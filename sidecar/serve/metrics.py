@@ -51,6 +51,8 @@ METRIC_NAMES = (
     _PREFIX + "shed_requests_total",
     _PREFIX + "sheddable_refused_ratio",
     _PREFIX + "endpoint_health",
+    _PREFIX + "endpoint_serving",
+    _PREFIX + "endpoint_failing",
     _PREFIX + "endpoint_running_requests",
     _PREFIX + "endpoint_waiting_requests",
     _PREFIX + "endpoint_kv_cache_usage_ratio",
@@ -84,6 +86,13 @@ class SidecarCollector(Collector):
                                        "requests queue (max of slot use and KV use / knee).", labels=["pool"])
         health = GaugeMetricFamily(_PREFIX + "endpoint_health", "1 for the endpoint's published EDS status.",
                                    labels=[*_EP, "state"])
+        serving = GaugeMetricFamily(_PREFIX + "endpoint_serving", "1 while the endpoint is in rotation and not "
+                                    "known to be failing (0: failing, drained, or kept in only by the ejection "
+                                    "cap); what the alerts count, not the published status.", labels=_EP)
+        failing = GaugeMetricFamily(_PREFIX + "endpoint_failing", "1 while the endpoint's probes say it fails "
+                                    "(UNHEALTHY in the health state machine, not drained), whatever is published: "
+                                    "with a whole pool failing the sidecar stands back and publishes none of it "
+                                    "UNHEALTHY.", labels=_EP)
         running = GaugeMetricFamily(_PREFIX + "endpoint_running_requests", "Sequences running (last sample).",
                                     labels=_EP)
         waiting = GaugeMetricFamily(_PREFIX + "endpoint_waiting_requests", "Requests waiting (last sample).",
@@ -185,6 +194,8 @@ class SidecarCollector(Collector):
                 labels = [pool.name, ep.key.worker, f"{ep.key.address}:{ep.key.port}"]
                 for state in Status:
                     health.add_metric([*labels, state.value.lower()], 1.0 if ep.status == state.value else 0.0)
+                serving.add_metric(labels, 1.0 if ep.serving else 0.0)
+                failing.add_metric(labels, 1.0 if ep.failing else 0.0)
                 if ep.sample is not None:
                     running.add_metric(labels, ep.sample.running)
                     waiting.add_metric(labels, ep.sample.waiting)
@@ -207,9 +218,9 @@ class SidecarCollector(Collector):
         cycles.add_metric([], snap.cycles)
         ready.add_metric([], 0.0 if snap.not_ready else 1.0)
         problems.add_metric([], float(len(snap.problems)))
-        yield from (build, queue, saturation, health, running, waiting, kv, weight, durations, errors, publishes,
-                    rejected, reloads, cycles, ready, problems, stale, write_failures, external, limit, saturated,
-                    ttft, tpot, output_tokens, shedding, signal, past, shed, share)
+        yield from (build, queue, saturation, health, serving, failing, running, waiting, kv, weight, durations,
+                    errors, publishes, rejected, reloads, cycles, ready, problems, stale, write_failures, external,
+                    limit, saturated, ttft, tpot, output_tokens, shedding, signal, past, shed, share)
 
 class _WithoutCreated(Collector):
     """`registry`'s families with their `<name>_created` samples left out."""

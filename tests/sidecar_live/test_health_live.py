@@ -232,3 +232,25 @@ def test_hashing_pools_keep_the_rendered_weights(tmp_path: Path, policy: str) ->
                 job.result(timeout=30)
         if policy != "least_request":
             assert rig.envoy_host(ps).get("weight") == "4"  # and Envoy holds the rendered weight
+
+
+def test_a_whole_pool_failing_is_failing_in_the_metrics_though_published_as_it_was(tmp_path: Path) -> None:
+    """Found by review: with every worker of a pool failing the sidecar ejects none (more likely its own view
+    is wrong; Envoy's checks decide) and keeps them published HEALTHY, so alerts on the published status never
+    fired in a whole-pool outage. `endpoint_failing` says what the probes say (1 for each), `endpoint_serving`
+    0, while `endpoint_health` still shows what is published."""
+    with live_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=4)) as rig:
+        ports = [rig.worker_port(n) for n in ("a", "b")]
+        rig.fleet.worker("a").crash()
+        rig.fleet.worker("b").crash()
+
+        def sample(name: str, port: int) -> float | None:
+            for line in rig.sidecar.metrics().splitlines():
+                if line.startswith(name + "{") and f':{port}"' in line and 'state="' not in line:
+                    return float(line.rsplit(" ", 1)[1])
+            return None
+
+        assert poll(lambda: all(sample("confgen_sidecar_endpoint_failing", p) == 1.0 for p in ports), timeout=10)
+        assert all(sample("confgen_sidecar_endpoint_serving", p) == 0.0 for p in ports)
+        published = {rig.sidecar.endpoint(p)["status"] for p in ports}
+        assert published <= {"HEALTHY", "DEGRADED"}, published  # the sidecar stood back
