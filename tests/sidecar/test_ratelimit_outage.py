@@ -472,3 +472,45 @@ def test_a_charge_redis_refuses_is_dropped_and_the_journal_replays_past_it(redis
 
     out = asyncio.run(run())
     assert out == {"replayed": 1, "left": 0, "dropped": 1, "spent": 37, "counted": 1}, out
+
+
+def test_store_up_follows_redis_back_without_any_request(redis: RedisProcess) -> None:
+    """Found by review: `store_up` went back to 1 only on a live request, so one slow call in a quiet period
+    kept it 0 (and ConfgenRateLimitStoreDown paging) until traffic returned. The journal's flusher asks Redis
+    (PING) while it is taken for down: up again with no request, and down again while it does not answer."""
+    _flush(redis)
+    clock, registry = Clock(), CollectorRegistry()
+
+    async def run() -> list[float | None]:
+        topo = _topology(redis.address)
+        service = RateLimitService(lambda: topo, registry, clock.monotonic, wall=clock.time, backoff_s=0.25,
+                                   flush_interval_s=0.02)
+        up = lambda: registry.get_sample_value("confgen_sidecar_ratelimit_store_up")  # noqa: E731
+        seen: list[float | None] = []
+
+        async def until(value: float) -> None:
+            async with asyncio.timeout(10):
+                while up() != value:
+                    clock.mono += 0.3  # past each backoff: the flusher's next look may ask
+                    await asyncio.sleep(0.02)
+
+        await service.start()
+        try:
+            _pause(redis)
+            await service.ShouldRateLimit(_request(_descriptor("per_key/0", "alice")), None)  # times out: down
+            seen.append(up())
+            _pause(redis, resume=True)
+            await until(1.0)  # no request since
+            seen.append(up())
+            _pause(redis)
+            await until(0.0)
+            seen.append(up())
+            _pause(redis, resume=True)
+            await until(1.0)
+            seen.append(up())
+        finally:
+            _pause(redis, resume=True)
+            await service.close()
+        return seen
+
+    assert asyncio.run(run()) == [0.0, 1.0, 0.0, 1.0]

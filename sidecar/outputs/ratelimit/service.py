@@ -213,6 +213,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._counter_for: LimitStore | None = None
         self._down_until = 0.0
         self._up = True  # the last store call succeeded (logged on each change)
+        self._answered_at = -math.inf  # the last store call that answered (the flusher PINGs when none lately)
         self._refusal_logged_at = -math.inf  # the last "Redis refused a call" log (at most one a minute)
         self._retired: list[RedisCounter] = []
 
@@ -315,12 +316,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                                 result = await counter.decide(
                                     [replace(op, ttl_s=max(1, op.ttl_s - late)) for op in ops], at)
                             except StoreRefused as exc:  # Redis is up and will refuse it again: dropped
+                                self._store_answered(counter)
                                 refused += 1
                                 self._metrics.dropped.inc()
                                 log_event(_log, logging.ERROR, "ratelimit.journal_entry_refused", error=str(exc),
                                           keys=[op.key for op in ops][:4],
                                           note="Redis refused this charge; dropped, the entries after it replayed")
                             else:
+                                self._store_answered(counter)
                                 self._count_charges(table, ops, result, replayed=True)
                         done.append(row_id)
                 except StoreUnavailable as exc:
@@ -349,7 +352,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 async with asyncio.timeout(self._flush_interval_s):
                     await self._wake.wait()
             self._wake.clear()
-            if self._journal.size and self._clock() >= self._down_until:
+            if self._clock() < self._down_until:
+                continue
+            quiet = self._clock() - self._answered_at >= self._flush_interval_s
+            if (not self._up or quiet) and (counter := self._counter) is not None:
+                # no request may come to tell the store is back (a quiet hour after one slow call), or gone:
+                # asked here when no call answered lately, so store_up (and its alert) follows the store, not
+                # the traffic
+                try:
+                    await counter.ping()
+                except StoreUnavailable as exc:
+                    self._store_failed(counter, exc)
+                    continue
+                self._store_answered(counter)
+            if self._journal.size:
                 try:
                     await self.flush()
                 except (sqlite3.Error, OSError) as exc:
@@ -579,6 +595,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         finally:
             self._metrics.store_in_flight.dec()
         self._metrics.latency.observe(self._clock() - started)
+        self._store_answered(counter)
+        return result
+
+    def _store_answered(self, counter: RedisCounter) -> None:
+        """The store answered a call (a decision, a replay or the flusher's PING): up again."""
+        self._answered_at = self._clock()
         if not self._up:
             log_event(_log, logging.INFO, "ratelimit.store_up", redis=counter.address)
         self._up = True
@@ -586,7 +608,6 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self._down_until = 0.0
         if self._journal.size:
             self._wake.set()  # the store answers: replay what it missed
-        return result
 
     def _store_refused(self, counter: RedisCounter, exc: StoreRefused) -> None:
         """Redis refused one call (e.g. a budget's key written by something else with another type): that

@@ -266,6 +266,14 @@ class RedisCounter:
         return Decision(values[0:2 * n:2], values[1:2 * n:2], bool(values[2 * n]), values[2 * n + 1:3 * n + 1],
                         values[3 * n + 1:])
 
+    async def ping(self) -> None:
+        """One PING within the bound; StoreUnavailable when Redis does not answer it."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
     async def close(self) -> None:
         await self._redis.aclose()
         if self._sentinel is not None:
