@@ -67,6 +67,9 @@ POLICIES: dict[str, BalancingPolicy] = {
 # Engines whose metrics the picker's predictor learns from (queue, KV cache, token timings:
 # sidecar/observe/engines.py). `openai` is any OpenAI-compatible server: no metrics to learn from.
 PREDICTABLE_ENGINES = frozenset({"vllm", "sglang", "tgi", "llamacpp"})
+# ... of which these report no time per output token (TGI: only a per-request mean histogram): the picker
+# cannot predict a finish time there and places by load and prefix (its fallback rule)
+_NO_TOKEN_TIMING = frozenset({"tgi"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,9 @@ def choose(topo: Topology, pool: Pool) -> Choice:
     blocker = _picker_blocker(topo, pool)
     if blocker:
         return Choice("least_request", f"auto is least_request here: {blocker}")
+    if pool.engine in _NO_TOKEN_TIMING:
+        return Choice("prefix_affinity", "auto is the endpoint picker (prefix_affinity); tgi reports no per-token "
+                      "timing, so it places requests by load and prefix (its fallback rule), not by predicted finish")
     return Choice("prefix_affinity", "auto is the endpoint picker (prefix_affinity): it predicts each request's "
                   f"finish time on every worker from what {pool.engine} reports")
 

@@ -203,6 +203,8 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         prefix_hits=_Field(("prompt_tokens_cached_total",)),
         prefix_misses=_Field(("prompt_tokens_total",)),
         generated_tokens=_Field(("n_decode_total",)),
+        # generation time over the tokens generated (both counted as each request completes): seconds a token
+        token_latency=(("tokens_predicted_seconds_total", "tokens_predicted_total"),),
         output_tokens=_Field(("tokens_predicted_total",)),
         prefill_seconds=_Field(("prompt_seconds_total",)),
         prompt_tokens=_Field(("prompt_tokens_total",)),

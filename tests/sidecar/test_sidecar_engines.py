@@ -248,14 +248,16 @@ def test_mutated_bodies_only_raise_metrics_format_error() -> None:
 def test_token_latency_is_the_itl_histograms_sum_and_count() -> None:
     """The inter-token latency histogram's _sum/_count are picked by exact name (not a
     _bucket line, not another histogram), summed over data-parallel engines; an engine
-    without such a histogram (TGI, llama.cpp) reports None for both."""
+    without a per-token sum (TGI: a per-request mean) reports None for both. llama.cpp's are its generation
+    seconds and tokens (found by review: without them a llama.cpp pool was never predicted)."""
     sample = extract("vllm", _body("vllm_v1_dp2.prom"))
     assert sample is not None
     assert sample.token_latency_s == pytest.approx(2042.015 + 3582.525)
     assert sample.token_latency_n == 3645.0 + 3749.0
-    for kind, name in (("tgi", "tgi.prom"), ("llamacpp", "llamacpp.prom")):
-        other = extract(kind, _body(name))
-        assert other is not None and other.token_latency_s is None and other.token_latency_n is None
+    tgi = extract("tgi", _body("tgi.prom"))
+    assert tgi is not None and tgi.token_latency_s is None and tgi.token_latency_n is None
+    llama = extract("llamacpp", _body("llamacpp.prom"))
+    assert llama is not None and (llama.token_latency_s, llama.token_latency_n) == (98123.5, 4.81234e+06)
 
 
 def test_token_latency_sum_and_count_come_from_one_family() -> None:
