@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import stat
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +42,14 @@ _log = logging.getLogger("sidecar.daemon")
 
 
 def _load(config: SidecarConfig, path: Path) -> tuple[Topology, list[Diagnostic]]:
-    """Load a topology for a reload (blocking: run in a thread)."""
+    """Load a topology for a reload (blocking: run in a thread); a FIFO or device put at the path is refused
+    unread (opening a FIFO blocks until someone writes it)."""
+    try:
+        regular = stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        regular = True  # the loader says why it cannot read it
+    if not regular:
+        raise TopologyError([Diagnostic(str(path), 0, 0, "", "not a regular file (a FIFO, a device?): not read")])
     topo, warnings = load_topology(path)
     if (problem := publisher_mismatch(config, topo)) is not None:
         raise ConfigError(problem)  # the reload is refused; the running topology stays
