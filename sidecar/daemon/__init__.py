@@ -119,6 +119,8 @@ class Daemon:
             for key, report in zip(keys, reports, strict=True):
                 tracker.observe(key, report)
             result = await self._outputs.run(self._topo, tracker, self._drains, self._clock)
+            if self._drains.unsaved():  # a reload dropped a drained worker: a restart must not drain it again
+                await asyncio.to_thread(self._drains.save, self._topo)
             self._cycles += 1
             self._outputs.update(self.view())
             return result

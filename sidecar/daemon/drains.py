@@ -55,6 +55,10 @@ class Drains:
                   dropped=sorted(f"{p}/{w}" for p, w in pairs - known)[:20])
         return len(self._admin)
 
+    def unsaved(self) -> bool:
+        """The admin drains differ from what the file holds (a drain call, or a reload dropped a worker)."""
+        return frozenset(self._admin) != self._saved
+
     def save(self, topo: Topology) -> None:
         """Blocking: write the admin drains when they changed (atomically, beside the published files)."""
         path = drains_file_for(self._config, topo)

@@ -53,3 +53,21 @@ def test_drain_survives_a_restart(tmp_path: Path) -> None:
         assert poll(lambda: _status(rig, port) == "HEALTHY", timeout=10)
         # the sidecar's tree writes leave it alone (not in their manifest); `render --diff` skips dot files
         assert ".confgen-drains.json" not in (rig.xds_dir / ".confgen-files").read_text()
+
+
+def test_a_drain_a_reload_dropped_is_not_restored_by_a_restart(tmp_path: Path) -> None:
+    """Found by review: a reload that drops a drained worker dropped its drain in the running process, but the
+    drains file was written only on drain calls: a restart drained the worker again once it was back in the
+    topology. The file follows the running drains at the next cycle."""
+    with live_rig(tmp_path, worker_specs(["w1", "w2"])) as rig:
+        port = rig.worker_port("w1")
+        worker = f"127.0.0.1:{port}"
+        status, body = rig.sidecar.post("/drain", {"pool": "chat", "worker": worker})
+        assert status == 200, body
+        drains = rig.xds_dir / ".confgen-drains.json"
+        assert json.loads(drains.read_text())["drains"] == [{"pool": "chat", "worker": worker}]
+        text = rig.topology_path.read_text()
+        kept = "".join(line for line in text.splitlines(keepends=True) if line.strip() != f"- {worker}")
+        assert kept != text
+        rig.topology_path.write_text(kept)
+        assert poll(lambda: json.loads(drains.read_text())["drains"] == [], timeout=10), drains.read_text()
