@@ -40,6 +40,10 @@ _MAX_INT_DIGITS = 30
 _FLOAT_TEXT = re.compile(r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 _TAG_WORDS = {_INT: "a number", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
+# a mapping whose values take a pattern has keys of this one (Kubernetes labels: keys have their own syntax)
+_KEY_PATTERN = {"k8s_label_value": "k8s_label_key"}
+# tags YAML 1.1 gives plain scalars on its own (a date, a lone `=`): what to call them in a message
+_IMPLICIT_TAG_WORDS = {"tag:yaml.org,2002:timestamp": "a date", "tag:yaml.org,2002:value": "a value key"}
 
 
 class _Invalid:
@@ -154,6 +158,10 @@ class Decoder:
     def decode(self, node: yaml.Node, tp: Any, path: str, pattern: str | None) -> Any:
         self.marks.setdefault(path, mark_of(node))
         if node.tag not in _KNOWN_TAGS:
+            implicit = _IMPLICIT_TAG_WORDS.get(node.tag) if isinstance(node, yaml.ScalarNode) else None
+            if implicit is not None and not getattr(node, "style", None):  # no tag written: YAML resolved one
+                return self.error(node, path, f"YAML reads the unquoted {_show(str(node.value))} as {implicit}: "
+                                  "quote it if it is meant as text")
             return self.error(node, path, f"the tag {node.tag!r} is not allowed")
         origin = typing.get_origin(tp)
         if origin in (Union, types.UnionType):
@@ -292,10 +300,10 @@ class Decoder:
         ok = True
         for key, (key_node, value_node) in pairs.items():
             sub = path_join(path, key)
-            if self._check_pattern(key_node, sub, key, "label") is INVALID:
+            if self._check_pattern(key_node, sub, key, _KEY_PATTERN.get(pattern or "", "label")) is INVALID:
                 ok = False
                 continue
-            value = self._str(value_node, sub, pattern)
+            value = self.decode(value_node, str, sub, pattern)  # its tag checked, as every value's
             if isinstance(value, _Invalid):
                 ok = False
             else:

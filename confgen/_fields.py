@@ -35,6 +35,10 @@ PATTERNS: dict[str, tuple[str, str]] = {
                  "a Kubernetes object name: lowercase letters, digits and '-' (1-63), alphanumeric at both ends"),
     "k8s_label_value": (r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
                         "a Kubernetes label value: letters, digits and - _ . (1-63), alphanumeric at both ends"),
+    "k8s_label_key": (r"(?=[^/]{1,253}/|[^/]*$)([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                      r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
+                      "a Kubernetes label key: an optional DNS prefix and '/', then letters, digits and - _ . (1-63), "
+                      "alphanumeric at both ends"),
     "image": (
         r"[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[a-f0-9]{64})?",
         "a container image reference (registry/name:tag or @sha256:digest)",

@@ -7,6 +7,7 @@ nodes it visits). Sizes are bounded before parsing starts.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import yaml
@@ -33,6 +34,9 @@ def mark_of(node: yaml.Node) -> Mark:
     return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+_HIDDEN = re.compile("[\u0085\u2028\u2029]")
+
+
 def compose(text: bytes, filename: str) -> tuple[yaml.Node | None, list[Diagnostic]]:
     """Parse one YAML document into nodes; on failure return the diagnostics instead."""
     if len(text) > MAX_BYTES:
@@ -54,6 +58,15 @@ def compose(text: bytes, filename: str) -> tuple[yaml.Node | None, list[Diagnost
     except UnicodeDecodeError as exc:
         line = text.count(b"\n", 0, exc.start) + 1
         return None, [Diagnostic(filename, line, 1, "", f"not UTF-8: {exc.reason}")]
+    if hidden := _HIDDEN.search(decoded):
+        # YAML 1.1 breaks lines at these; grep, diff viewers and most editors do not: a key after one reads
+        # as part of a comment to a reviewer while the loader applies it. Refused, as NUL is.
+        offset = hidden.start()
+        line = decoded.count("\n", 0, offset) + 1
+        col = offset - (decoded.rfind("\n", 0, offset) + 1) + 1
+        return None, [Diagnostic(filename, line, col, "", f"character U+{ord(hidden.group()):04X} (a line break to "
+                                 "YAML, not to most tools: what follows it could hide in a comment) is not allowed; "
+                                 "use a plain newline")]
     try:
         nodes = list(yaml.compose_all(decoded, Loader=_Loader))
     except yaml.MarkedYAMLError as exc:

@@ -89,9 +89,10 @@ class Plan:
 def fallback_chain(topo: Topology, pool: Pool) -> list[Pool]:
     """The pool and the pools it falls back to, in order (stops at a cycle or unknown)."""
     by_name = {p.name: p for p in topo.pools}
-    chain = [pool]
-    while chain[-1].fallback in by_name and by_name[chain[-1].fallback] not in chain:
-        chain.append(by_name[chain[-1].fallback])
+    chain, seen = [pool], {pool.name}  # names, not pools: comparing whole pools made a long chain cubic
+    while (nxt := chain[-1].fallback) in by_name and nxt not in seen:
+        chain.append(by_name[nxt])
+        seen.add(nxt)
     return chain
 
 

@@ -28,7 +28,9 @@ def _type_schema(tp: Any, pattern: str | None, defs: dict[str, Any]) -> dict[str
     if origin is list:
         return {"type": "array", "items": _type_schema(typing.get_args(tp)[0], pattern, defs)}
     if origin is dict:
-        return {"type": "object", "additionalProperties": _type_schema(str, pattern, defs)}
+        key = "k8s_label_key" if pattern == "k8s_label_value" else "label"  # as confgen._decode reads the keys
+        return {"type": "object", "additionalProperties": _type_schema(str, pattern, defs),
+                "propertyNames": _type_schema(str, key, defs)}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

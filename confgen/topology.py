@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import _checks, _yaml
-from ._decode import Decoder, _Invalid
+from ._decode import MAX_ERRORS, Decoder, _Invalid
 from .errors import Diagnostic, Severity, TopologyError
 from .model import Topology
 
@@ -30,9 +30,13 @@ def parse(text: bytes, filename: str = "<topology>") -> tuple[Topology, list[Dia
     found = list(decoder.diagnostics)
     sections = frozenset(path for path in decoder.marks if path and "." not in path and "[" not in path)
     for path, message, severity in _checks.check(topo, sections):
-        if any(_near(path, leaf) for leaf in decoder.defaulted):
+        if decoder.defaulted and any(_near(path, leaf) for leaf in decoder.defaulted):
             continue  # it may be judging a default that stands in for a reported value
-
+        if len(found) >= MAX_ERRORS:  # 150,000 duplicate workers printed as many lines (23 s)
+            mark = _nearest_mark(decoder.marks, path)
+            found.append(Diagnostic(filename, mark.line, mark.col, "",
+                                    f"stopped after {MAX_ERRORS} findings; fix these first", Severity(severity)))
+            break
         mark = _nearest_mark(decoder.marks, path)
         found.append(Diagnostic(filename, mark.line, mark.col, path, message, Severity(severity)))
     if any(d.severity is Severity.ERROR for d in found):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,64 @@ def test_an_sglang_pool_whose_health_timeout_is_under_its_poll_is_warned() -> No
     assert not warnings("sglang", "1500ms")
     assert not warnings("sglang", "1s", "/v1/models")
     assert not warnings("vllm", "1s")
+
+
+def test_a_label_value_yaml_reads_as_a_date_or_a_value_key_is_an_error_not_a_traceback() -> None:
+    """Found by review: `labels: {since: 2024-01-01}` (YAML 1.1 resolves an unquoted date to a timestamp) ended
+    validate with a KeyError traceback, exit 1 and nothing on stdout with --format json. Each is an error at its
+    place, saying what YAML made of it."""
+    text = BASE.replace("workers: [127.0.0.1:8000]", "workers:\n      - address: 127.0.0.1:8000\n"
+                        "        labels: {since: 2024-01-01, gpu: =, ok: a100}")
+    errors = _errors(text)
+    assert errors == [
+        "t.yaml:12:25: pools[0].workers[0].labels.since: YAML reads the unquoted '2024-01-01' as a date: quote it "
+        "if it is meant as text",
+        "t.yaml:12:42: pools[0].workers[0].labels.gpu: YAML reads the unquoted '=' as a value key: quote it if it "
+        "is meant as text",
+    ], errors
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\u0085"])
+def test_a_line_break_only_yaml_sees_is_refused(char: str) -> None:
+    """Found by review: YAML 1.1 breaks lines at U+2028, U+2029 and U+0085, grep and diff viewers do not: a key
+    after one inside what reads as a comment was applied (`allow_clients` hidden in `# TGI box`), validate said
+    ok. Refused where it stands, as NUL is."""
+    text = BASE.replace("    workers: [127.0.0.1:8000]\n",
+                        f"    workers: [127.0.0.1:8000]   # box{char}    allow_clients: [interns]\n")
+    errors = _errors(text)
+    assert len(errors) == 1 and errors[0].startswith("t.yaml:10:38:") and f"U+{ord(char):04X}" in errors[0], errors
+
+
+def test_a_long_fallback_chain_is_checked_in_about_linear_time() -> None:
+    """Found by review: a chain p0 -> p1 -> ... of 400 pools took 14.7 s to validate (800: 90 s), the chain's
+    membership test comparing whole pools. Names now: 400 pools in well under a second here, bounded at 5 s."""
+    lines = ["version: 1", "name: t", "envoy: {max_eds_files: 1000}", "listeners: [{name: public, port: 8080}]",
+             "pools:"]
+    for i in range(400):
+        lines += [f"  - name: p{i}", "    engine: vllm", f"    models: [m{i}, shared]",
+                  f"    workers: [10.0.{i // 250}.{i % 250 + 1}:8000]"]
+        if i < 399:
+            lines.append(f"    fallback: p{i + 1}")
+    started = time.monotonic()
+    topo, _ = parse(("\n".join(lines) + "\n").encode(), "t.yaml")
+    assert len(topo.pools) == 400
+    assert time.monotonic() - started < 5.0
+
+
+def test_kubernetes_label_keys_follow_kubernetes_syntax() -> None:
+    """Found by review: pod_labels and monitoring_labels keys took any `label` (a/b/c, Ab_/c, x.), which the
+    API server refuses while validate and render said ok."""
+    good = BASE + "kubernetes: {monitoring_labels: {release: kps, app.kubernetes.io/part-of: x}}\n"
+    parse(good.encode(), "t.yaml")
+    for key in ("a/b/c", "Ab_/c", "x.", "-x"):
+        errors = _errors(BASE + f"kubernetes: {{monitoring_labels: {{{key}: v}}}}\n")
+        assert any("a Kubernetes label key" in e for e in errors), (key, errors)
+
+
+def test_cross_field_findings_stop_at_the_cap_like_the_decoders() -> None:
+    """Found by review: 150,000 duplicate workers printed 149,999 lines (23 s). The checks' findings stop at
+    MAX_ERRORS too, saying so."""
+    workers = ", ".join(["127.0.0.1:8000"] * (MAX_ERRORS + 100))
+    errors = _errors(BASE.replace("workers: [127.0.0.1:8000]", f"workers: [{workers}]"))
+    assert len(errors) == MAX_ERRORS + 1, len(errors)
+    assert errors[-1].endswith(f"stopped after {MAX_ERRORS} findings; fix these first")
