@@ -55,6 +55,8 @@ EPP_TLS_DIR = "/etc/confgen/epp-tls"
 LOCAL_XDS_PORT = 18000  # the publisher's ADS port, on the pod's loopback only (no Envoy connects to it)
 MODEL_HEADER = "X-Gateway-Model-Name"  # what the extension's body-based router sets from the body's model
 MAX_MATCHES = 8  # HTTPRoute: matches per rule
+MAX_RULES = 16  # HTTPRoute: rules per route (the CRD's maxItems), and at most 128 matches in all
+MAX_ROUTE_MATCHES = 128
 
 
 def gateway_pools(topo: Topology) -> list[tuple[int, Pool]]:
@@ -96,6 +98,13 @@ def gateway_problems(topo: Topology) -> list[tuple[str, str]]:
         if len(picked) > 1 and len(pool.served_names) > MAX_MATCHES:
             problems.append((f"pools[{i}].models", f"an HTTPRoute rule matches at most {MAX_MATCHES} model names "
                              f"({MODEL_HEADER}); this pool serves {len(pool.served_names)}"))
+    if len(picked) > 1:
+        rules = len(picked) + (1 if any(p.name == topo.default_pool for _, p in picked) else 0)
+        matches = sum(len(p.served_names) for _, p in picked) + (rules - len(picked))
+        if rules > MAX_RULES or matches > MAX_ROUTE_MATCHES:
+            problems.append(("pools", f"the HTTPRoute would have {rules} rules and {matches} matches; the Gateway "
+                             f"API allows {MAX_RULES} rules and {MAX_ROUTE_MATCHES} matches in one route: put "
+                             "fewer pools on the picker in this topology, or split it"))
     if topo.envoy.xds.mode == "ads":
         problems.append(("envoy.xds.mode", "the gateway's picker runs on its own (render --target gateway-api); "
                          "with mode ads the control plane of --target kubernetes already serves the picker"))

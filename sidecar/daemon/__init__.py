@@ -171,6 +171,13 @@ class Daemon:
         await self.cycle()
         return True
 
+    def drained_by_topology(self, pool: str, worker: str) -> bool:
+        """The topology itself drains this worker (`drain: true`): no admin call undrains it."""
+        try:
+            return any(w.address == worker and w.drain for w in self._topo.pool(pool).workers)
+        except KeyError:
+            return False
+
     def set_drain(self, pool: str, worker: str, drained: bool) -> bool:
         """Admin drain/undrain of a worker as written in the topology; False when unknown."""
         return self._drains.set(self._topo, pool, worker, drained)

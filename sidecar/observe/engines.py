@@ -143,6 +143,9 @@ class _Engine:
     # `prompt_includes_cached`), and a per-request generated-tokens histogram (base name).
     prefill_seconds: _Field | None = None
     prompt_tokens: _Field | None = None
+    # the load gauges appear only once the engine served a request (TGI): their absence beside the engine's
+    # other series is an idle engine
+    idle_unreported: bool = False
     prompt_includes_cached: bool = True
     generation_hist: tuple[str, ...] = ()
     # (counter, label, value): the requests finished because they reached their max_tokens
@@ -191,6 +194,7 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         tpot=("request_mean_time_per_token_duration",),
         output_tokens=_Field(("request_generated_tokens_sum",)),
         generation_hist=("request_generated_tokens",),
+        idle_unreported=True,
     ),
     # llama-server --metrics (checked against the real server, tests/realengine): busy slots
     # and deferred requests; no KV gauge at all (KV use is None); the prompt cache as tokens
@@ -290,6 +294,11 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         if value is not None and value > _MAX_LOAD:  # sums of these over a fleet must stay numbers
             raise MetricsFormatError(f"implausible value {value:g} for {prefix}{f.names[0]} (over {_MAX_LOAD:g} "
                                      "requests): the load is unknown")
+    if (spec.idle_unreported and running[0] is None and waiting[0] is None
+            and any(raw.startswith(p) or f"\n{p}" in raw for p in spec.prefixes)):
+        # TGI creates its queue and batch gauges at its first request: an engine that has served none yet
+        # reports its other series only. Nothing has run there: idle, not a bad scrape.
+        running, waiting = (0.0, 1), (0.0, 1)
     if running[0] is None or waiting[0] is None:
         if running[0] is None and waiting[0] is None:
             prefix = spec.prefixes[0]

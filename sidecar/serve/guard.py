@@ -20,8 +20,10 @@ Prometheus and the kubelet reach them without credentials.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,9 +34,11 @@ from aiohttp import web
 from confgen.secrets import BEARER_TOKEN, read_key_file
 from sidecar.config import ConfigError
 from sidecar.config.tls import is_loopback
+from sidecar.logs import log_event
 
 __all__ = ["GUARD", "MutationGuard", "guarded", "is_loopback", "json_depth", "json_object", "load_token"]
 
+_log = logging.getLogger("sidecar.serve.guard")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = 4096  # a drain call is a pool and a worker name
 MAX_JSON_DEPTH = 8  # a drain call is one flat object
@@ -51,6 +55,11 @@ def load_token(file: Path | None, env: str | None) -> str | None:
         except OSError as exc:
             raise ConfigError(f"--admin-token-file {file}: {exc.strerror or exc}") from exc
         where = f"--admin-token-file {file}"
+        with contextlib.suppress(OSError):
+            if file.stat().st_mode & 0o077:  # read at startup only: rotating it takes a restart
+                log_event(_log, logging.WARNING, "startup.token_file_open", file=str(file),
+                          mode=oct(file.stat().st_mode & 0o777),
+                          note="the admin token file is readable beyond its owner: chmod 600 it")
     elif env is not None:
         token = os.environ.get(env, "").strip()
         where = f"--admin-token-env {env}"

@@ -192,6 +192,10 @@ async def _set_drain(request: web.Request, drained: bool) -> web.Response:
     if not isinstance(pool, str) or not isinstance(worker, str) or not pool or not worker:
         return web.json_response({"error": "pool and worker are required (JSON body or query parameters)"},
                                  status=400)
+    if not drained and daemon.drained_by_topology(pool, worker):
+        # it would stay DRAINING: say so rather than answer "drained": false
+        return web.json_response({"error": f"the topology drains {worker!r} in pool {pool!r} (drain: true): "
+                                           "remove that there to undrain it"}, status=409)
     if not daemon.set_drain(pool, worker, drained):
         return web.json_response({"error": f"no worker {worker!r} in pool {pool!r}"}, status=404)
     await daemon.republish()

@@ -140,6 +140,25 @@ def test_two_pools_whose_inference_pools_would_share_a_name_are_refused() -> Non
     assert "'llama-8b'" in err.value.problems[0][1]
 
 
+def test_more_picker_pools_than_one_http_route_holds_are_refused() -> None:
+    """Found by review: 17 picker pools made an HTTPRoute of 17 rules (the API allows 16: refused at apply)
+    while render said nothing. Refused at render; 16 render, and their route validates."""
+
+    def topology(n: int) -> str:
+        pools = "".join(f"  - name: p{i}\n    engine: vllm\n    models: [m{i}]\n    balancing: {{policy: "
+                        f"prefix_affinity}}\n    pod_labels: {{app: p{i}}}\n"
+                        f"    workers: [\"p{i}.inference.svc.cluster.local:8000\"]\n" for i in range(n))
+        return ONE.split("pools:\n")[0] + "pools:\n" + pools
+
+    topo, _ = parse_topology(topology(16).encode(), "t.yaml")
+    route = by_kind(docs_of(render_gateway_api(topo)), "HTTPRoute")[0]
+    assert len(route["spec"]["rules"]) == 16 and schema_errors(route) == []
+    topo, _ = parse_topology(topology(17).encode(), "t.yaml")
+    with pytest.raises(DeployError) as err:
+        render_gateway_api(topo)
+    assert [p for p, _ in err.value.problems] == ["pools"] and "17 rules" in err.value.problems[0][1]
+
+
 def test_what_cannot_be_a_pool_is_refused_at_its_place(tmp_path: Path) -> None:
     """No pool label selector, no Gateway, no pool with the picker, ADS mode: render exits 1 with
     file:line:col and writes nothing."""

@@ -413,3 +413,16 @@ def test_a_load_past_a_billion_requests_is_not_a_load() -> None:
     sample = extract("vllm", b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
                              b"vllm:generation_tokens_total 123456789\n")
     assert sample is not None and sample.generated_tokens == 123456789
+
+
+def test_a_tgi_that_has_served_nothing_yet_is_idle_not_a_bad_scrape() -> None:
+    """Found by review: TGI creates tgi_queue_size and tgi_batch_current_size at its first request, so a fresh
+    TGI's scrape raised "no tgi_batch_current_size" (logged bad_metrics each cycle). Its other series present
+    and those two absent: idle. Without any tgi_ series, or for another engine, still an error."""
+    fresh = b"# TYPE tgi_request_count counter\ntgi_request_count 0\ntgi_batch_max_total_tokens 16000\n"
+    sample = extract("tgi", fresh)
+    assert sample is not None and (sample.running, sample.waiting) == (0.0, 0.0)
+    with pytest.raises(MetricsFormatError):
+        extract("tgi", b"# nothing of tgi here\nprocess_cpu_seconds_total 1\n")
+    with pytest.raises(MetricsFormatError):
+        extract("vllm", b"vllm:prompt_tokens_total 0\n")
