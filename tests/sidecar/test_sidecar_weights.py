@@ -263,16 +263,21 @@ def test_weights_are_stable_under_a_steady_load() -> None:
 
 
 def test_engines_without_a_latency_signal_keep_speed_one() -> None:
-    """TGI and llama.cpp export no inter-token latency pair: their trend has no speed, so a
-    half-speed one keeps the full weight, exactly what a sample without speed gets; in a
-    pool with a measured worker, the unmeasured one counts as full speed."""
+    """TGI exports no per-token latency pair (a per-request mean only): its trend has no speed, so a
+    half-speed one keeps the full weight, exactly what a sample without speed gets; in a pool with a
+    measured worker, the unmeasured one counts as full speed. llama.cpp's generation seconds and tokens
+    are one (read since review): its half-speed worker weighs less."""
     policy = replace(POLICY, waiting_penalty=0.0)
-    for kind in ("tgi", "llamacpp"):
-        workers = {"a": _SimWorker(kind, 1.0, 4), "b": _SimWorker(kind, 0.5, 4)}
-        history = _drive(workers, policy, 10.0)
-        sample = workers["b"].scrape()
-        assert sample is not None and sample.token_latency_s is None
-        assert history[-1]["a"] == history[-1]["b"] == weight(sample, 64, None, policy)
+    workers = {"a": _SimWorker("tgi", 1.0, 4), "b": _SimWorker("tgi", 0.5, 4)}
+    history = _drive(workers, policy, 10.0)
+    sample = workers["b"].scrape()
+    assert sample is not None and sample.token_latency_s is None
+    assert history[-1]["a"] == history[-1]["b"] == weight(sample, 64, None, policy)
+    workers = {"a": _SimWorker("llamacpp", 1.0, 4), "b": _SimWorker("llamacpp", 0.5, 4)}
+    history = _drive(workers, policy, 10.0)
+    sample = workers["b"].scrape()
+    assert sample is not None and sample.token_latency_s is not None
+    assert history[-1]["a"] > history[-1]["b"]
     assert relative_speeds({"measured": 0.08, "unknown": None, "slow": 0.16}) == {
         "measured": 1.0, "unknown": 1.0, "slow": 0.5}
     assert relative_speeds({"x": None}) == {"x": 1.0}

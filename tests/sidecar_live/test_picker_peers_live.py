@@ -120,7 +120,7 @@ def test_each_picker_knows_the_other_s_placements_and_turns_through_either_go_ho
             assert status == 200
             homes[i][worker] += 1
         sent = a.metric("confgen_picker_peer_placements_total", 'kind="sent"')
-        assert sent >= n + 1  # the warm-up and the first turns
+        assert sent >= n  # the first turns (the warm-up's, before the peers linked, may not have been sent)
         assert poll(lambda: b.metric("confgen_picker_peer_placements_total", 'kind="applied"')
                     >= a.metric("confgen_picker_peer_placements_total", 'kind="sent"'), timeout=10)
         assert b.metric("confgen_picker_peer_placements_total", 'kind="skipped"') == 0
