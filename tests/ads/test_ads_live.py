@@ -171,6 +171,7 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         served = rig.sidecar.state()["xds"]["versions"]
         assert poll(lambda: rig.sidecar.state()["xds"]["nodes"]["envoy-4"]["acked"].get("lds") == served["lds"],
                     timeout=5)
+        assert 'confgen_sidecar_xds_node_in_sync{node="envoy-4",type="lds"} 1.0' in rig.sidecar.metrics()
 
         # A listener Envoy refuses (an address it cannot bind) is NACKed by every Envoy, reported, and the
         # listener in force keeps serving.
@@ -186,6 +187,9 @@ def test_one_control_plane_many_envoys(tmp_path: Path) -> None:
         metrics = rig.sidecar.metrics()
         line = f'confgen_sidecar_xds_node_nacked{{node="envoy-0",type="lds",version="{nacked["version"]}"}} 1.0'
         assert line in metrics, metrics
+        # the version it accepted is no longer the one served (one series per Envoy and type, whatever the versions)
+        assert 'confgen_sidecar_xds_node_in_sync{node="envoy-0",type="lds"} 0.0' in metrics, metrics
+        assert "confgen_sidecar_xds_node_acked" not in metrics
         assert re.search(r'confgen_sidecar_xds_nacks_total\{node="envoy-3",type="lds"\} 1.0', metrics)
         assert Counter(rig.send()[0] for _ in range(20)) == {200: 20}
 

@@ -2,7 +2,9 @@
 
     confgen_sidecar_xds_connected_nodes                 Envoys with an open ADS stream
     confgen_sidecar_xds_resource_version{type,version}  1 for the version served of each type
-    confgen_sidecar_xds_node_acked{node,type,version}   1 for the version each Envoy last accepted
+    confgen_sidecar_xds_node_in_sync{node,type}         1 while an Envoy's last accepted version is the served one
+                                                        (no version label: a series per version and Envoy churned
+                                                        the TSDB at every change; the versions are in /state)
     confgen_sidecar_xds_node_nacked{node,type,version}  1 while an Envoy refuses a version (it keeps its last ACK)
     confgen_sidecar_xds_nacks_total{node,type}          NACKs by Envoy and type (connected Envoys)
     confgen_sidecar_xds_responses_total{type}           responses sent over all streams
@@ -38,8 +40,9 @@ class XdsCollector(Collector):
         connected = GaugeMetricFamily(_P + "connected_nodes", "Envoys with an open ADS stream.")
         served = GaugeMetricFamily(_P + "resource_version", "1 for the version served of each type.",
                                    labels=["type", "version"])
-        acked = GaugeMetricFamily(_P + "node_acked", "1 for the version each Envoy last accepted.",
-                                  labels=["node", "type", "version"])
+        in_sync = GaugeMetricFamily(_P + "node_in_sync", "1 while the version an Envoy last accepted is the one "
+                                    "served (0: it has not accepted the newest yet, or refused it).",
+                                    labels=["node", "type"])
         nacked = GaugeMetricFamily(_P + "node_nacked", "1 while an Envoy refuses a version (it keeps its last "
                                    "accepted one).", labels=["node", "type", "version"])
         nacks = CounterMetricFamily(_P + "nacks", "NACKs by Envoy and type.", labels=["node", "type"])
@@ -61,12 +64,13 @@ class XdsCollector(Collector):
             updates.add_metric([kind], view.updates.get(kind, 0))
         for node in view.nodes:
             for type_url, version in sorted(node.acked.items()):
-                acked.add_metric([node.node, SHORT.get(type_url, type_url), version], 1.0)
+                kind = SHORT.get(type_url, type_url)
+                in_sync.add_metric([node.node, kind], 1.0 if view.versions.get(kind) == version else 0.0)
             for type_url, nack in sorted(node.nacked.items()):
                 nacked.add_metric([node.node, SHORT.get(type_url, type_url), nack.version], 1.0)
             for type_url, count in sorted(node.nacks.items()):
                 nacks.add_metric([node.node, SHORT.get(type_url, type_url)], count)
-        yield from (connected, served, acked, nacked, nacks, responses, updates, counted, refused, suppressed)
+        yield from (connected, served, in_sync, nacked, nacks, responses, updates, counted, refused, suppressed)
 
 
 def register_xds(registry: CollectorRegistry, view: Callable[[], XdsView]) -> XdsCollector:
