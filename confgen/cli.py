@@ -31,7 +31,7 @@ from .errors import (
     VerifyError,
 )
 from .model import Topology, admin_on_loopback, admin_on_tcp, admin_tcp, join_address
-from .topology import load
+from .topology import parse
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_OUTPUT = 0, 1, 2, 3, 4
 TARGETS = targets.names()
@@ -103,16 +103,38 @@ def _print_diagnostics(diagnostics: Sequence[Diagnostic], stream: TextIO) -> Non
         print(diag, file=stream)
 
 
-def _unreadable(paths: Sequence[Path]) -> list[str]:
-    """A usage error per topology argument that cannot be opened (exit 2, not 1: no input was judged)."""
-    problems = []
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """A topology argument and its bytes, read once: a named pipe gives them once (opened to check it, then
+    again to read it, it lost what its writer sent and blocked), and every pinned finding reads these."""
+
+    path: Path
+    text: bytes
+
+    def pin(self, findings: Sequence[tuple[str, str]], severity: Severity = Severity.WARNING) -> list[Diagnostic]:
+        from .topology import pin
+
+        return pin(self.path, findings, severity, text=self.text)
+
+
+def _read_sources(paths: Sequence[Path]) -> tuple[list[_Source], list[str], list[Diagnostic]]:
+    """Each argument's bytes; a usage error per one that cannot be opened (exit 2, not 1: no input was judged);
+    the size refusals as diagnostics of their file."""
+    from .topology import read
+
+    sources: list[_Source] = []
+    problems: list[str] = []
+    refused: list[Diagnostic] = []
     for path in paths:
         try:
-            with path.open("rb"):
-                pass
-        except OSError as exc:
-            problems.append(f"confgen: cannot read {path}: {exc.strerror or exc}")
-    return problems
+            sources.append(_Source(path, read(path)))
+        except TopologyError as exc:
+            if any(d.line == 0 for d in exc.diagnostics):  # could not be read at all
+                reason = exc.diagnostics[0].message.removeprefix("cannot read: ")
+                problems.append(f"confgen: cannot read {path}: {reason}")
+            else:
+                refused += exc.diagnostics
+    return sources, problems, refused
 
 
 def _config_dir(topo: Topology, target: targets.Target, args: argparse.Namespace, out: Path) -> str:
@@ -126,45 +148,46 @@ def render_files(topo: Topology, target: str, config_dir: str, secrets: dict[str
     return targets.get(target).render(topo, config_dir, secrets)
 
 
-def _target_warnings(path: Path, target: targets.Target, topo: Topology) -> list[Diagnostic]:
+def _target_warnings(source: _Source, target: targets.Target, topo: Topology) -> list[Diagnostic]:
     found = target.warnings(topo)
     if not found:
         return []
-    from .topology import pin
-
-    return pin(path, found)
+    return source.pin(found)
 
 
-def _target_refusals(path: Path, target: targets.Target, topo: Topology) -> list[Diagnostic]:
+def _target_refusals(source: _Source, target: targets.Target, topo: Topology) -> list[Diagnostic]:
     """What `target` cannot render at all, as errors pinned to the topology."""
     found = target.refusals(topo)
     if not found:
         return []
-    from .topology import pin
-
-    return sorted(pin(path, found, Severity.ERROR))
+    return sorted(source.pin(found, Severity.ERROR))
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     from . import secrets as secret_mod
     from .output import diff_tree, write_tree
 
-    for problem in _unreadable([args.topology]):
+    read, unreadable, refused = _read_sources([args.topology])
+    for problem in unreadable:
         print(problem, file=sys.stderr)
         return EXIT_USAGE
+    if refused:
+        _print_diagnostics(refused, sys.stderr)
+        return EXIT_INVALID
+    source = read[0]
     try:
-        topo, warnings = load(args.topology)
+        topo, warnings = parse(source.text, str(source.path))
     except TopologyError as exc:
         _print_diagnostics(exc.diagnostics, sys.stderr)
         return EXIT_INVALID
     target = targets.get(args.target)
     if args.admin_loopback:
         topo = admin_on_loopback(topo)
-    refusals = _target_refusals(args.topology, target, topo)
+    refusals = _target_refusals(source, target, topo)
     if refusals:
         _print_diagnostics(refusals, sys.stderr)
         return EXIT_INVALID
-    warnings = sorted([*warnings, *_target_warnings(args.topology, target, topo)])
+    warnings = sorted([*warnings, *_target_warnings(source, target, topo)])
     _print_diagnostics(warnings, sys.stderr)
     if args.diff and args.check is None:
         print("confgen: --diff goes with --check DIR", file=sys.stderr)
@@ -185,9 +208,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         has_keys = topo.auth is not None and keys is not None
         write_tree(files, args.out, mode=0o600 if has_keys else 0o644, rank=target.write_rank)
     except (SecretError, DeployError) as exc:
-        from .topology import pin
-
-        _print_diagnostics(pin(args.topology, exc.problems, Severity.ERROR), sys.stderr)
+        _print_diagnostics(source.pin(exc.problems, Severity.ERROR), sys.stderr)
         if isinstance(exc, SecretError):
             print("confgen: the rendered files hold the API keys, read now from where the topology names "
                   "them: set them, or add --placeholder-secrets to write placeholders instead (CI drift "
@@ -202,31 +223,35 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .secrets import check_sources
-    from .topology import pin
 
-    unreadable = _unreadable(args.topology)
+    read, unreadable, refused = _read_sources(args.topology)
     if unreadable:
         print("\n".join(unreadable), file=sys.stderr)
         return EXIT_USAGE
     status = EXIT_OK
     unavailable = False  # a real-proxy check could not run: exit 3, once every file's findings are said
     report: list[dict[str, object]] = []
+    texts = {s.path: s for s in read}
     for path in args.topology:
+        source = texts.get(path)
         try:
-            topo, diags = load(path)
+            if source is None:  # refused unparsed (its size)
+                raise TopologyError([d for d in refused if d.file == str(path)])
+            topo, diags = parse(source.text, str(path))
         except TopologyError as exc:
             diags, topo = list(exc.diagnostics), None
         findings = list(diags)
         checked: list[str] = []  # what a real proxy accepted, said before "ok"
-        if topo is not None and (sources := check_sources(topo)):
-            findings += pin(path, sources, Severity.ERROR)
-        if topo is not None:
-            findings += pin(path, _policy_notes(topo), Severity.NOTE)
+        if source is not None and topo is not None and (sources := check_sources(topo)):
+            findings += source.pin(sources, Severity.ERROR)
+        if source is not None and topo is not None:
+            findings += source.pin(_policy_notes(topo), Severity.NOTE)
         chosen = ([t for t in targets.verifiable() if getattr(args, t.name)]
                   if topo is not None and not unavailable else [])
         for target in chosen:
             assert topo is not None and target.verify is not None
-            refusals = _target_refusals(path, target, topo)
+            assert source is not None  # a topology was parsed from it
+            refusals = _target_refusals(source, target, topo)
             if refusals:
                 findings += refusals
                 continue
@@ -237,8 +262,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 unavailable = True
                 checked = []  # not "ok": a check asked for did not run
                 break
-            findings += _refusals(path, target.name, problems)
-            findings += _target_warnings(path, target, topo)
+            findings += _refusals(source, target.name, problems)
+            findings += _target_warnings(source, target, topo)
             if not problems:
                 checked.append(f"{path}: {target.name}: accepted by {target.verify_help.removeprefix('also run ')}")
         errors = [d for d in findings
@@ -301,12 +326,10 @@ def _policy_notes(topo: Topology) -> list[tuple[str, str]]:
     return notes
 
 
-def _refusals(path: Path, target: str, refused: Sequence[Refusal]) -> list[Diagnostic]:
+def _refusals(source: _Source, target: str, refused: Sequence[Refusal]) -> list[Diagnostic]:
     """A real proxy's refusals pinned to the topology field that led there (the file's top,
     named <target>, when no field can be named)."""
-    from .topology import pin
-
-    pinned = pin(path, [(r.field, r.message) for r in refused], Severity.ERROR)
+    pinned = source.pin([(r.field, r.message) for r in refused], Severity.ERROR)
     return [d if d.path else dataclasses.replace(d, path=f"<{target}>") for d in pinned]
 
 

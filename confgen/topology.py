@@ -54,6 +54,12 @@ def _near(path: str, leaf: str) -> bool:
 def load(path: str | Path) -> tuple[Topology, list[Diagnostic]]:
     """Read and parse a topology file, never more than `_yaml.MAX_BYTES` of it: a larger one is refused
     unread (its size), and a pipe or a device, whose size says nothing (/dev/zero), is read only that far."""
+    return parse(read(path), str(path))
+
+
+def read(path: str | Path) -> bytes:
+    """A topology file's bytes, read once (a pipe gives them once), at most `_yaml.MAX_BYTES`; TopologyError
+    when it cannot be read or is larger."""
     file = Path(path)
     name = str(path)
 
@@ -71,7 +77,7 @@ def load(path: str | Path) -> tuple[Topology, list[Diagnostic]]:
         raise TopologyError([Diagnostic(name, 0, 0, "", f"cannot read: {exc.strerror}")]) from exc
     if len(text) > _yaml.MAX_BYTES:
         raise too_large(f"more than {_yaml.MAX_BYTES // (1024 * 1024)} MiB read")
-    return parse(text, name)
+    return text
 
 
 def _nearest_mark(marks: dict[str, _yaml.Mark], path: str) -> _yaml.Mark:
@@ -85,12 +91,14 @@ def _nearest_mark(marks: dict[str, _yaml.Mark], path: str) -> _yaml.Mark:
 
 
 def pin(
-    path: str | Path, findings: Iterable[tuple[str, str]], severity: Severity = Severity.WARNING
+    path: str | Path, findings: Iterable[tuple[str, str]], severity: Severity = Severity.WARNING,
+    text: bytes | None = None,
 ) -> list[Diagnostic]:
-    """Diagnostics for (field path, message) pairs about the topology in `path`, each placed
-    at the field's line and column (findings a renderer makes after loading)."""
+    """Diagnostics for (field path, message) pairs about the topology in `path` (its bytes `text` when
+    already read: a pipe gives them once), each placed at the field's line and column (findings a renderer
+    makes after loading)."""
     name = str(path)
-    node, _ = _yaml.compose(Path(path).read_bytes(), name)
+    node, _ = _yaml.compose(read(path) if text is None else text, name)
     decoder = Decoder(name)
     if node is not None:
         decoder.decode_root(node, Topology)

@@ -371,3 +371,27 @@ def test_a_mistyped_control_plane_address_is_warned_about(tmp_path: Path) -> Non
     assert "servers[0]: warning: 'confgen-fleet-xds-0.confgen-fleet-xds.inferenc.svc' is not a name" in lines[0]
     assert "confgen-fleet-xds-0.confgen-fleet-xds.inference.svc:18000" in lines[0]
     assert "envoy.xds.servers[1]: warning: port 18001 differs" in lines[1]
+
+
+def test_a_topology_from_a_named_pipe_is_read_once(tmp_path: Path) -> None:
+    """Found by review: `confgen validate FIFO` opened the pipe to check it was readable (its writer's bytes
+    lost), then blocked for good opening it again; its findings would have read it a third time. Each
+    argument is read once: validate and render work from a pipe, and a warning is still pinned to its line."""
+    import os
+    import threading
+
+    text = (ROOT / "examples" / "07-prefix-affinity.yaml").read_bytes()
+    for command in (["validate"], ["render", "-o", str(tmp_path / "out")]):
+        fifo = tmp_path / "topology.fifo"
+        os.mkfifo(fifo)
+        writer = threading.Thread(target=fifo.write_bytes, args=(text,))
+        writer.start()
+        try:
+            done = _run(command[0], fifo, *command[1:])
+        finally:
+            if writer.is_alive():  # confgen never opened it: unblock the writer
+                with fifo.open("rb") as fh:
+                    fh.read()
+            writer.join(timeout=10)
+            fifo.unlink()
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
