@@ -290,7 +290,10 @@ def _ext_proc(metadata: Json | None = None) -> Json:
     is not sent to it, but the trailers mode keeps the gRPC stream open until the response
     ends, which is how it counts requests in flight."""
     return extension(PICKER_FILTER, "extensions.filters.http.ext_proc.v3.ExternalProcessor", {
-        "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
+        # the picker answers an admission refusal with SHED_STATUS, which the local reply maps to 429
+        # `overloaded` keeping its retry-after (its own 429 was taken for a rate limit's and rewritten)
+        "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER},
+                         "initial_metadata": [{"key": "x-confgen-shed-status", "value": str(SHED_STATUS)}]},
         "failure_mode_allow": True,
         "message_timeout": PICKER_TIMEOUT,
         "max_message_timeout": f"{PICKER_MAX_HOLD_S}s",
@@ -591,7 +594,7 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
             "virtual_hosts": [{"name": "inference", "domains": ["*"], "routes": routes(topo, plan)}],
         },
         "http_filters": _filters(topo, lst, secrets, plan.restricted, shedding),
-        "local_reply_config": local_reply_config(topo, shedding=shedding),
+        "local_reply_config": local_reply_config(topo, shedding=shedding, picker=picker_wanted(topo)),
         "access_log": [extension(
             "envoy.access_loggers.stdout",
             "extensions.access_loggers.stream.v3.StdoutAccessLog",

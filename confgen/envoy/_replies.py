@@ -12,9 +12,10 @@ from ..model import Topology
 from ._proto import Json
 
 META_NS = "confgen"  # dynamic-metadata namespace the request's `model` is written to
-# The status of the shed share's refusals (`_listener._shed_config`): a code Envoy never answers
-# on its own, so the mapper below can tell them from a rate limit's 429 (whose RL flag is set only
-# after the reply is mapped) and make them 429 `overloaded`. 507 (Insufficient Storage): the local
+# The status of the shed share's refusals (`_listener._shed_config`) and of the endpoint picker's (sent to it
+# as stream metadata, x-confgen-shed-status): a code Envoy never answers on its own, so the mapper below can
+# tell them from a rate limit's 429 (whose RL flag is set only after the reply is mapped) and make them 429
+# `overloaded`. 507 (Insufficient Storage): the local
 # rate limit filter takes only codes of envoy.type.v3.StatusCode.
 SHED_STATUS = 507
 
@@ -66,8 +67,9 @@ def _models_fallback(topo: Topology) -> list[Json]:
     }]
 
 
-def local_reply_config(topo: Topology, *, shedding: bool) -> Json:
-    """`shedding`: some pool gets a shed share (`Plan.sheddable_pools`, from the render's plan)."""
+def local_reply_config(topo: Topology, *, shedding: bool, picker: bool = False) -> Json:
+    """`shedding`: some pool gets a shed share (`Plan.sheddable_pools`, from the render's plan); `picker`: the
+    endpoint picker answers its admission refusals with SHED_STATUS too (and its own retry-after)."""
     mappers: list[Json] = [
         *_models_fallback(topo),
         # First: a failed attempt whose retry was refused by the retry budget carries UO too,
@@ -82,12 +84,13 @@ def local_reply_config(topo: Topology, *, shedding: bool) -> Json:
             "headers_to_add": _retry_after(topo),
             "body_format_override": _json_format(error_body("overloaded")),
         },
-        *([{  # a sheddable request refused by its pool's shed share (the route's direct_response)
+        *([{  # a sheddable request refused by its pool's shed share (the route's direct_response), or a
+            # request the picker's admission refused (with its own retry-after: kept)
             "filter": _status(SHED_STATUS),
             "status_code": 429,
-            "headers_to_add": _retry_after(topo),
+            "headers_to_add": _retry_after(topo, keep=True),
             "body_format_override": _json_format(error_body("overloaded")),
-        }] if shedding else []),
+        }] if shedding or picker else []),
         {  # local rate limit: its RL flag is set after the reply is mapped, so match the status
             "filter": _status(429),
             "headers_to_add": _retry_after(topo, keep=needs_store(topo)),

@@ -110,7 +110,12 @@ def test_render_gives_sheddable_routes_the_shed_share_after_the_critical_copy() 
     routes, filters = _routes(plain.format(admin=1, port=2, a=3))
     assert SHED_FILTER not in filters and all("+shed" not in _kind(r) for r in routes)
     topo, _ = parse_topology(plain.format(admin=1, port=2, a=3).encode(), "classes.yaml")
-    assert "507" not in envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)["lds.json"].decode()
+    lds = envoy.render(topo, config_dir="/etc/confgen", secrets=SECRETS)["lds.json"].decode()
+    # no shed share without sheddable traffic: a 507 left is the endpoint picker's refusal status (sent to it as
+    # stream metadata, mapped to 429 `overloaded`), there only where the picker is
+    from confgen.balancing import picker_wanted
+
+    assert ("507" in lds) == picker_wanted(topo) == ("x-confgen-shed-status" in lds)
 
 
 def _set_runtime(proc: EnvoyProcess, values: dict[str, int]) -> None:

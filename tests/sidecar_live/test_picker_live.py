@@ -76,6 +76,21 @@ def picks(sidecar: SidecarProcess, reason: str | None = None) -> float:
     return total
 
 
+def _raw_chat(rig: Rig, messages: list[dict[str, str]]) -> tuple[int, str | None, Any]:
+    """(status, retry-after, the JSON body) of one chat request."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "sim-model", "messages": messages, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{rig.port}/v1/chat/completions", data=body, method="POST",
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers.get("retry-after"), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("retry-after"), json.loads(err.read())
+
+
 def chat(rig: Rig, messages: list[dict[str, str]], *, max_tokens: int | None = 4,
          headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, str]:
     """(status, the worker that answered); `max_tokens` None: the body sets none."""
@@ -378,7 +393,12 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
             timeouts = _ext_proc(rig, "message_timeouts")
             # picked and refused: the wait it predicts stands for the requests the picker will answer late
             # (drained one second per second since), so the stall follows at once
-            assert chat(rig, [{"role": "user", "content": "on time"}])[0] == 429
+            # what the client sees (found by review: Envoy's local reply took the picker's 429 for a rate
+            # limit's: body rate_limit_error, the topology's fixed retry-after): load shedding, the picker's wait
+            status, retry, answer = _raw_chat(rig, [{"role": "user", "content": "on time"}])
+            assert status == 429, (status, answer)
+            assert (answer["error"]["type"], answer["error"]["code"]) == ("server_overloaded", "overloaded"), answer
+            assert retry is not None and 1 <= int(retry) <= 60, retry
             started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
             results = _sent_to_a_stalled_picker(rig, started)
             assert results == [429] * 8, (results, unpicked(rig.sidecar, "behind") - behind,

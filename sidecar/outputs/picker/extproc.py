@@ -107,6 +107,12 @@ PICKER_FILTER_NAME = "envoy.filters.http.ext_proc"  # the key Envoy files the re
 # gRPC initial metadata naming the request's pool: a caller's hint, taken only for a pool the picker
 # serves (confgen's render sends none: the matched route's name says the pool)
 POOL_METADATA = "x-confgen-pool"
+# Sent by confgen's rendered Envoy on each stream (grpc_service.initial_metadata, confgen.envoy): the status
+# to answer a refusal with, one Envoy never answers on its own, which its local reply maps to 429 `overloaded`
+# keeping this picker's retry-after (a 429 of ours was taken for a rate limit's: its body and retry-after
+# replaced). Without it (a gateway calling the picker as its EPP) the refusal is a 429 as it stands.
+SHED_STATUS_METADATA = "x-confgen-shed-status"
+_SHED_STATUSES = frozenset({"507"})
 
 _MODE = processing_mode_pb2.ProcessingMode
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -177,7 +183,7 @@ class _Stream:
 
     __slots__ = ("body", "body_ended", "checked", "client", "endpoint", "expired", "first", "headers", "lateness",
                  "mode", "peer", "pending", "phase", "picked_at", "pool", "predicted", "response_ended", "route",
-                 "sent_at", "skip", "streamed_response", "subset", "task", "trailers")
+                 "sent_at", "shed_status", "skip", "streamed_response", "subset", "task", "trailers")
 
     def __init__(self, pool: str | None) -> None:
         self.pool = pool
@@ -204,6 +210,7 @@ class _Stream:
         self.headers: dict[str, str] | None = None  # the request headers its budgets' check reads (a route with one)
         self.checked: tuple[tuple[str, str], ...] | None = None  # its budgets admitted it: the x-ratelimit-* headers
         self.pending: PickRequest | None = None  # held in the lobby: the pick to make when it is woken
+        self.shed_status: int = http_status_pb2.TooManyRequests  # a refusal's status (SHED_STATUS_METADATA)
 
     @property
     def decided(self) -> bool:
@@ -273,8 +280,9 @@ def _forwarded(msg: pb.ProcessingRequest) -> dict[str, dict[str, str]]:
             for ns, struct in msg.metadata_context.filter_metadata.items()}
 
 
-def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
-    """429 at once: the earliest predicted start is `past_budget_s` beyond the class's budget."""
+def _overloaded(past_budget_s: float, status: int = http_status_pb2.TooManyRequests) -> pb.ProcessingResponse:
+    """429 at once (or `status`, which the proxy maps to it): the earliest predicted start is `past_budget_s`
+    beyond the class's budget."""
     retry = str(max(1, min(60, math.ceil(past_budget_s))))
     headers = pb.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=retry.encode()),
@@ -282,7 +290,7 @@ def _overloaded(past_budget_s: float) -> pb.ProcessingResponse:
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
                                    append_action=_OVERWRITE)])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests), headers=headers,
+        status=http_status_pb2.HttpStatus(code=status), headers=headers,
         body=_OVERLOADED, details="confgen picker: predicted wait past the class's budget"))
 
 
@@ -424,7 +432,7 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Admission's 429, counted by pool and class; the proxy answers it and ends the stream."""
         self.metrics.refused.labels(pool=pool, **{"class": traffic_class}).inc()
         st.phase = Phase.CLOSED
-        return _overloaded(past_budget_s)
+        return _overloaded(past_budget_s, st.shed_status)
 
     def _late_headers(self, st: _Stream) -> list[pb.ProcessingResponse | _Hold]:
         """A request whose headers reached the picker late: no pick, and nothing more of it sent here (the
@@ -636,8 +644,12 @@ class PickerServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
-        pool = next((v for k, v in context.invocation_metadata() or () if k == POOL_METADATA), None)
+        metadata = context.invocation_metadata() or ()
+        pool = next((v for k, v in metadata if k == POOL_METADATA), None)
         st = self.open(pool if isinstance(pool, str) else None)
+        shed = next((v for k, v in metadata if k == SHED_STATUS_METADATA), None)
+        if isinstance(shed, str) and shed in _SHED_STATUSES:
+            st.shed_status = int(shed)
         st.peer = context.peer() or ""
         loop = asyncio.get_running_loop()
         st.task = asyncio.current_task()
