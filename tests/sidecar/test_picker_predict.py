@@ -279,6 +279,24 @@ def test_overrides_name_the_rule_and_the_cost_weights() -> None:
         PickerPolicy().with_overrides(["externality=-1"])
 
 
+def test_a_pool_down_to_one_serving_endpoint_is_still_admitted() -> None:
+    """Found by review: with one candidate left the picker took a shortcut ("only") past prediction and
+    admission, so a pool down to its last worker (when overload comes) refused nothing for any class. Its
+    one endpoint's wait is predicted and admitted like any: refused past the budget, never critical; with a
+    free slot placed, still said "only"."""
+    down = EndpointFacts(address="e1:1", serving=False, capacity=2, token_latency_s=0.02)
+    store = _store(_facts("e0:1", token_latency_s=0.02, capacity=2, running=2.0, waiting=6.0), down)
+    picker = Picker(rng=random.Random(1))
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    for cls, refused in (("critical", False), ("standard", True), ("sheddable", True)):
+        pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class=cls), store.endpoints("chat"))
+        assert (pick.refused_for_s is not None) is refused, (cls, pick)
+        assert refused or (pick.reason, [e.address for e in pick.endpoints]) == ("only", ["e0:1"])
+    idle = _store(_facts("e0:1", token_latency_s=0.02, capacity=2, running=0.0))
+    pick = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes), idle.endpoints("chat"))
+    assert pick.refused_for_s is None and pick.reason == "only"
+
+
 def test_engine_counters_the_picker_learns_from() -> None:
     vllm = extract("vllm", (FIXTURES / "vllm_0.10_both_names.prom").read_bytes())
     assert vllm is not None and vllm.prefill_seconds and vllm.finished and vllm.finished_tokens

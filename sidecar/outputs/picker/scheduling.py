@@ -389,13 +389,17 @@ class Picker:
         blocks = len(req.hashes)
         if not cands:
             return Pick((), "none", 0, blocks)
+        if self.policy.rule == "predicted":
+            # one endpoint left too: nothing to choose, but its wait is still predicted and admitted (a pool
+            # down to its last worker is when overload comes; the shortcut let every request past admission)
+            predicted = self._predicted(req, cands)
+            if predicted is not None:
+                if len(cands) == 1 and predicted.refused_for_s is None:
+                    return replace(predicted, reason="only")
+                return predicted
         if len(cands) == 1:
             e = cands[0]
             return Pick((e,), "only", e.index.match(req.hashes), blocks)
-        if self.policy.rule == "predicted":
-            predicted = self._predicted(req, cands)
-            if predicted is not None:
-                return predicted
         return self._weighted(req, cands)
 
     def _predicted(self, req: PickRequest, cands: list[Endpoint]) -> Pick | None:
@@ -499,7 +503,7 @@ class Picker:
         requests arrive at the spike rule's rate (place it now, do not hold); False: hold it; None: the
         pool is not predicted (place it now by the weighted rule)."""
         cands = self._candidates(req, endpoints)
-        if len(cands) < 2 or self.policy.rule != "predicted":
+        if not cands or self.policy.rule != "predicted":
             return None
         estimates = self._estimates(cands)
         if estimates is None:
