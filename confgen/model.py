@@ -245,7 +245,13 @@ class Retries:
 class Timeouts:
     connect: Duration = field(_d("2s"), doc="TCP connect timeout to a worker.", minimum=_POSITIVE)
     request: Duration = field(_d("0s"), doc="Whole-request limit; 0s means none (a long generation must not be cut).")
-    idle: Duration = field(_d("60s"), doc="Longest silence between two chunks of a streamed answer.")
+    idle: Duration = field(
+        _d("10m"),
+        doc="Longest silence from a worker: before the first byte of an answer (a non-streamed answer sends "
+        "nothing until it is complete; a stream nothing until its first token, after queueing and prefill) and "
+        "between two chunks of a stream. 10 minutes, as the OpenAI SDK's own timeout: a minute cut non-streamed "
+        "generations past 60 s after the GPU had done the work.",
+    )
 
 
 @dataclass(frozen=True)
