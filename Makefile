@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 
-.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools chromium-tools llama-tools llama-server
+.PHONY: demo test lint bench bench-quick golden clean prometheus-tools redis-tools openssl-tools chromium-tools kubectl-tools llama-tools llama-server
 
 $(BIN)/python:
 	@echo "==> creating the virtual environment in $(VENV)"
@@ -84,7 +84,12 @@ llama-server: $(STAMP)
 # CONTRIBUTING.md. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) prometheus-tools redis-tools openssl-tools chromium-tools llama-server
+# The deploy tests build every rendered kustomization with the real `kubectl kustomize` (Debian's
+# kubernetes-client; no cluster needed).
+kubectl-tools:
+	$(call debian-tools,kubectl,kubernetes-client,the Kubernetes render tests)
+
+test: $(STAMP) prometheus-tools redis-tools openssl-tools chromium-tools kubectl-tools llama-server
 	$(BIN)/ruff check confgen sidecar tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
