@@ -208,9 +208,13 @@ def _common_lb(topo: Topology, plan: Plan, pool: Pool) -> Json:
     common: Json = {}
     if plan.pool(pool.name).hashing:
         common["consistent_hashing_lb_config"] = {"hash_balance_factor": pool.balancing.hash_balance_factor}
-    if pool.fallback is not None or topo.last_resort is not None:
-        # With somewhere better to go, never spray traffic over workers known to be down.
-        common["healthy_panic_threshold"] = {"value": 0.0}
+    # Never spray traffic over workers known to be down: Envoy's default (panic at 50 % unhealthy) sent two
+    # thirds of a pool's requests to its two dead workers of three, where the retry budget ran out (25 of 40
+    # concurrent requests 503, measured in review), while the survivor could have queued them and admission
+    # shed the excess. The sidecar already keeps every endpoint published when all of a pool fail (its view
+    # more likely wrong than the pool dead), so the safety net panic mode stands for is there. With nowhere
+    # to go (every worker down), the answer is the fallback pool, the last resort or 503 `no_healthy`.
+    common["healthy_panic_threshold"] = {"value": 0.0}
     return common
 
 

@@ -59,3 +59,21 @@ def test_extreme_caps_render_in_range_and_the_real_proxies_accept_them(workers: 
     assert "limit_conn confgen_inflight 1000;" in conf
     assert verify_envoy(topo) == []
     assert verify_nginx(topo) == []
+
+
+def test_no_pool_sprays_traffic_over_workers_known_to_be_down() -> None:
+    """Found by review: a pool without a fallback kept Envoy's 50 % panic threshold, so with two of three workers
+    down Envoy spread requests over all three (25 of 40 concurrent requests 503, the retry budget spent on the
+    dead ones). Every pool's panic threshold is 0: the healthy workers take the traffic, admission sheds."""
+    from pathlib import Path
+
+    from confgen import load_topology
+
+    root = Path(__file__).resolve().parents[2]
+    for example in sorted((root / "examples").glob("*.yaml")):
+        topo, _ = load_topology(example)
+        cds = json.loads(envoy.render(topo, config_dir="/etc/confgen")["cds.json"])
+        pools = {p.name for p in topo.pools}
+        for resource in cds["resources"]:
+            if resource["name"] in pools:
+                assert resource["common_lb_config"]["healthy_panic_threshold"] == {"value": 0.0}, (example, resource)
