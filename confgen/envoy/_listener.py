@@ -234,6 +234,8 @@ def _filters(topo: Topology, lst: Listener, secrets: Mapping[str, str], restrict
 
 
 PICKER_FILTER = "envoy.filters.http.ext_proc"
+# The largest JSON answer whose usage the token budgets read (json_to_metadata buffers it whole)
+RESPONSE_BUFFER_BYTES = 16 * 1024 * 1024
 ROUTE_NAME_ATTRIBUTE = "xds.route_name"
 # when Envoy received the request (RFC 3339, microseconds): the picker answers a request that
 # reached it late without a pick (PICKER_LATE_MODE), so Envoy balances it now
@@ -616,7 +618,11 @@ def listener(topo: Topology, plan: Plan, lst: Listener, secrets: Mapping[str, st
     return typed("config.listener.v3.Listener", {
         "name": lst.name,
         "address": {"socket_address": {"address": lst.address, "port_value": lst.port}},
-        "per_connection_buffer_limit_bytes": lst.max_request_bytes,  # json_to_metadata buffers the body
+        # json_to_metadata buffers the request body (the buffer filter caps it at max_request_bytes first), and
+        # with token budgets the JSON answer too, for its usage: an embeddings batch or an answer with logprobs
+        # past 2 MiB was a plain-text 500 after the work was done
+        "per_connection_buffer_limit_bytes": max(lst.max_request_bytes, RESPONSE_BUFFER_BYTES)
+        if _ratelimit.uses_tokens(topo) else lst.max_request_bytes,
         "filter_chains": [{"filters": [extension(
             "envoy.filters.network.http_connection_manager",
             "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",

@@ -77,3 +77,28 @@ def test_no_pool_sprays_traffic_over_workers_known_to_be_down() -> None:
         for resource in cds["resources"]:
             if resource["name"] in pools:
                 assert resource["common_lb_config"]["healthy_panic_threshold"] == {"value": 0.0}, (example, resource)
+
+
+def test_a_listener_that_reads_usage_from_answers_buffers_answers_larger_than_its_request_cap() -> None:
+    """Found by review: with token budgets json_to_metadata buffers each JSON answer for its usage, up to the
+    listener's per-connection limit, which was max_request_bytes (2 MiB): a 3 MB embeddings answer became a
+    plain-text 500 after the work was done. Such a listener buffers up to 16 MiB; the request cap stays the
+    buffer filter's max_request_bytes; a listener without token budgets keeps its cap."""
+    from pathlib import Path
+
+    from confgen import load_topology
+    from confgen.envoy._listener import BODY_LIMIT_FILTER, RESPONSE_BUFFER_BYTES
+
+    root = Path(__file__).resolve().parents[2]
+    for name, reads_usage in (("global-limits", True), ("routing-matrix", False)):
+        topo, _ = load_topology(root / "tests" / "golden" / "inputs" / f"{name}.yaml")
+        lds = json.loads(envoy.render(topo, config_dir="/etc/confgen")["lds.json"])
+        for resource in lds["resources"]:
+            lst = next(x for x in topo.listeners if x.name == resource["name"])
+            limit = resource["per_connection_buffer_limit_bytes"]
+            assert limit == (max(lst.max_request_bytes, RESPONSE_BUFFER_BYTES) if reads_usage
+                             else lst.max_request_bytes), (name, limit)
+            hcm = resource["filter_chains"][0]["filters"][0]["typed_config"]
+            caps = [f["typed_config"]["max_request_bytes"] for f in hcm["http_filters"]
+                    if f["name"] == BODY_LIMIT_FILTER]
+            assert caps == [lst.max_request_bytes], (name, caps)
