@@ -56,6 +56,9 @@ def _dns_assignment(pool: Pool) -> Json:
     return {"cluster_name": pool.name, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
+UPSTREAM_IDLE_TIMEOUT = "4s"
+
+
 def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None) -> Json:
     """The pool's cluster; its EDS comes from a file under `config_dir`, or over ADS when None."""
     cluster: Json = {
@@ -64,6 +67,12 @@ def pool_cluster(topo: Topology, plan: Plan, pool: Pool, config_dir: str | None)
         "ignore_health_on_host_removal": True,
         "circuit_breakers": {"thresholds": _all_thresholds(topo, pool)},
         "common_lb_config": _common_lb(topo, plan, pool),
+        # HTTP/1.1 to the workers, an idle connection closed before the engines' servers close theirs (uvicorn,
+        # vLLM's and SGLang's, after 5 s): reusing one the worker is closing that instant resets the request
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": typed(
+            "extensions.upstreams.http.v3.HttpProtocolOptions",
+            {"common_http_protocol_options": {"idle_timeout": UPSTREAM_IDLE_TIMEOUT},
+             "explicit_http_config": {"http_protocol_options": {}}})},
     }
     if pool.discovery == "eds" and config_dir is None:
         cluster["type"] = "EDS"
