@@ -279,6 +279,24 @@ def test_overrides_name_the_rule_and_the_cost_weights() -> None:
         PickerPolicy().with_overrides(["externality=-1"])
 
 
+def test_on_endpoints_of_one_slot_standard_waits_for_a_slot_and_sheddable_does_not() -> None:
+    """Found by review: on endpoints of one or two slots the least wait the picker predicts once they are
+    full (half a service time and more) is past the standard budget (0.4 of one), so standard was refused
+    exactly when sheddable was (130 % load, one slot: 42 % against 46 %). Standard may always wait that one
+    step; sheddable still takes only an idle slot."""
+    store = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=1, running=1.0) for i in range(2)))
+    picker = Picker(rng=random.Random(1))
+    ask = _chat([SYSTEM, {"role": "user", "content": "q"}])
+    standard = picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes), store.endpoints("chat"))
+    assert standard.refused_for_s is None and standard.endpoints, standard
+    sheddable = PickRequest(ask.pool, ask.prompt, ask.hashes, traffic_class="sheddable")
+    assert picker.pick(sheddable, store.endpoints("chat")).refused_for_s is not None
+    # a queue past that step still refuses standard
+    queued = _store(*(_facts(f"e{i}:1", token_latency_s=0.02, capacity=1, running=1.0, waiting=3.0)
+                      for i in range(2)))
+    assert picker.pick(PickRequest(ask.pool, ask.prompt, ask.hashes), queued.endpoints("chat")).refused_for_s
+
+
 def test_a_pool_down_to_one_serving_endpoint_is_still_admitted() -> None:
     """Found by review: with one candidate left the picker took a shortcut ("only") past prediction and
     admission, so a pool down to its last worker (when overload comes) refused nothing for any class. Its
@@ -343,8 +361,9 @@ def test_a_pools_own_budgets_replace_the_policys_for_that_pool_only() -> None:
     picker.admission.pool_budgets = {"batch": WaitBudgets(standard=10.0, sheddable=0.03)}
     assert refused("chat", "standard") and not refused("batch", "standard")
     assert refused("batch", "sheddable") and not refused("batch", "critical")
+    # chat's standard budget: 0.4 of a service time, floored at a slot's share of one (2 slots: half)
     assert picker.admission.budget("batch", "standard") == pytest.approx(
-        10.0 * picker.admission.budget("chat", "standard") / picker.policy.budget_standard)
+        10.0 * picker.admission.budget("chat", "standard") / max(picker.policy.budget_standard, 1 / 2))
     # a floor in seconds under both classes: a minute is longer than this queue
     picker.admission.pool_budgets = {"batch": WaitBudgets(standard=0.5, sheddable=0.03, floor_s=60.0)}
     assert not refused("batch", "standard") and not refused("batch", "sheddable") and refused("chat", "sheddable")

@@ -61,12 +61,16 @@ class WaitBudgets:
     sheddable: float
     floor_s: float = 0.0
 
-    def of(self, traffic_class: str, service_s: float) -> float | None:
-        """Seconds a request of this class may wait to start; None: never refused (critical)."""
+    def of(self, traffic_class: str, service_s: float, step_s: float = 0.0) -> float | None:
+        """Seconds a request of this class may wait to start; None: never refused (critical). `step_s`: the
+        least wait the pool can predict once its slots are taken (a slot's share of a service time on its
+        endpoint with the fewest): standard traffic may always wait that, else on endpoints of one or two
+        slots every wait but none is past its budget and standard is refused exactly as sheddable is."""
         if traffic_class == "critical":
             return None
-        share = self.sheddable if traffic_class == "sheddable" else self.standard
-        return max(self.floor_s, share * service_s)
+        if traffic_class == "sheddable":
+            return max(self.floor_s, self.sheddable * service_s)
+        return max(self.floor_s, self.standard * service_s, step_s)
 
 
 @dataclass(slots=True)
@@ -143,6 +147,7 @@ class _Pool:
     spike: Spike | None = None
     gate: bool = False  # its pressure or a spike opened admission
     service_s: float | None = None  # the median time a request holds a slot
+    step_s: float = 0.0  # the least wait it predicts once its slots are taken (WaitBudgets.of)
     rushing: bool = False  # arrivals at the spike rule's rate
     standing: tuple[float, float] | None = None  # (when, the best predicted start)
 
@@ -171,7 +176,14 @@ class Admission:
     def budget_at(self, pool: str, traffic_class: str, service_s: float) -> float | None:
         """Seconds a request of this class may wait to start in the pool whose requests hold a slot
         `service_s`; None: never refused."""
-        return self.pool_budgets.get(pool, self._budgets).of(traffic_class, service_s)
+        state = self._pools.get(pool)
+        step = 0.0 if state is None else state.step_s
+        return self.pool_budgets.get(pool, self._budgets).of(traffic_class, service_s, step)
+
+    def slots(self, pool: str, service_s: float, fewest: int) -> None:
+        """The pool's endpoints now: the one with the fewest slots has `fewest` (its least predicted wait
+        once full is service_s / fewest: see WaitBudgets.of)."""
+        self._pool(pool).step_s = service_s / max(1, fewest)
 
     def budget(self, pool: str, traffic_class: str) -> float | None:
         """Seconds a request of this class may be delayed in the pool, as of the picker's last look at

@@ -465,6 +465,7 @@ class Picker:
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
         service, serves = _rates(cands, estimates)
+        self.admission.slots(req.pool, service, min(_slots(e) for e in cands))
         budget = self.admission.budget_at(req.pool, req.traffic_class, service)
         if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
             opened = self.admission.gate(req.pool)
@@ -509,6 +510,7 @@ class Picker:
         if estimates is None:
             return None
         service, serves = _rates(cands, estimates)
+        self.admission.slots(req.pool, service, min(_slots(e) for e in cands))
         req.observed = True
         # the engines' own queues drain first (a request placed at once would wait behind them; once
         # admission is on they hold up to the budget, and a held request would wait behind them too)
