@@ -364,7 +364,7 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
     # the rig's first answers 150 tokens too, so no worker starts from a short mean
     with picker_rig(tmp_path, worker_specs(["a", "b"], max_num_seqs=1), capacity=1,
                     extra_args=["--picker", "admission_gate=0", "--picker", "budget_standard=0.05",
-                                "--picker", "hold=0"], ready_tokens=150) as rig:
+                                "--picker", "budget_step=0", "--picker", "hold=0"], ready_tokens=150) as rig:
         # answers of 150 tokens (3 s): the picker then expects a request in flight to hold its slot for
         # seconds, so the wait it predicts below outlasts the stall (it drains one second per second)
         _until_predicted(rig, warm_tokens=150)
@@ -399,6 +399,8 @@ def test_under_admission_a_request_that_reaches_the_picker_late_is_refused_on_it
             assert status == 429, (status, answer)
             assert (answer["error"]["type"], answer["error"]["code"]) == ("server_overloaded", "overloaded"), answer
             assert retry is not None and 1 <= int(retry) <= 60, retry
+            # and the gauge says admission is on (admission_gate=0: always; it read 0, the pressure's alone)
+            assert 'confgen_picker_admitting{pool="chat"} 1.0' in rig.sidecar.metrics()
             started, sent = _ext_proc(rig, "streams_started"), _ext_proc(rig, "stream_msgs_sent")
             results = _sent_to_a_stalled_picker(rig, started)
             assert results == [429] * 8, (results, unpicked(rig.sidecar, "behind") - behind,

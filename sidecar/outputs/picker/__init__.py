@@ -157,7 +157,8 @@ class PickerService:
         # spike rule counts its own times that many); without, --ingresses of them (the policy's)
         self.picker = picker = Picker(policy, pickers=(lambda: 1 + self.links.connected())
                                       if wiring.config.picker_peers else None)
-        self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.admission.pressures)
+        self.metrics = PickerMetrics(wiring.registry, self.store.pools, picker.admission.pressures,
+                                     lambda pool: picker.admission.admitting(pool) or self.store.saturated(pool))
         # Until the daemon's first view arrives the store is empty: every request is left to
         # the proxy's own balancer (least_request).
         self._lag = LoopLag()

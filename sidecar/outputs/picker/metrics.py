@@ -18,12 +18,16 @@
     confgen_picker_prefix_blocks_total{kind}    requested / matched prompt blocks at the chosen endpoint:
                                                 matched/requested estimates the prefix-cache hit ratio
     confgen_picker_pick_seconds                 time to choose (parse, hash, score), histogram
-    confgen_picker_refused_total{pool,class}    requests answered 429 at once: their predicted delay (queue,
-                                                slower worker) past their class's budget (never critical)
+    confgen_picker_refused_total{pool,class}    requests refused (429 `overloaded`): their predicted delay (queue,
+                                                slower worker) past their class's budget (never critical), at
+                                                once, after waiting in the lobby, or unread (late or over the
+                                                stream cap, by the pool's last prediction)
     confgen_picker_predicted_seconds_total{pool} / confgen_picker_observed_seconds_total{pool}
                                                 predicted and observed time from the pick to the response's
-                                                end, summed over the requests that ended normally; their
-                                                ratio (rate over rate) is the predictor's bias
+                                                end, summed over the requests whose stream ended without an
+                                                error (a client that went away mid-answer is among them: the
+                                                proxy's stream does not tell); their ratio (rate over rate)
+                                                is the predictor's bias
     confgen_picker_prediction_ratio{pool}       observed / predicted per request, histogram (1 = exact)
     confgen_picker_in_flight{pool,endpoint}     requests in flight through the picker, per endpoint
     confgen_picker_index_blocks                 prompt block hashes held in all the indexes
@@ -35,8 +39,8 @@
                                                 _output_tokens (a request generates, on average),
                                                 _bounded_share (of requests that ran to their max_tokens)
     confgen_picker_pressure_seconds{pool}       the pool's best predicted start, smoothed (admission.Pressure)
-    confgen_picker_admitting{pool}              1 while that pressure holds: per-request admission is on
-                                                (also while the saturation verdict holds, which this omits)
+    confgen_picker_admitting{pool}              1 while per-request admission is on in the pool: its pressure
+                                                or a spike holds, or the daemon's saturation verdict
     confgen_picker_offered_load{pool}           requests arriving (through every picker sharing the pool,
                                                 smoothed alike) over what the pool serves: 1 = full; the
                                                 pressure does not close at hold_ratio or more
@@ -98,9 +102,11 @@ _LEARNED: tuple[tuple[str, str, Callable[[Learner], float | None]], ...] = (
 
 class _Live(Collector):
     def __init__(self, pools: Callable[[], Mapping[str, Sequence[Endpoint]]],
-                 pressure: Callable[[], Mapping[str, Pressure]] | None) -> None:
+                 pressure: Callable[[], Mapping[str, Pressure]] | None,
+                 admitting: Callable[[str], bool] | None = None) -> None:
         self._pools = pools
         self._pressure = pressure
+        self._admitting_of = admitting
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily("confgen_picker_in_flight", "Requests in flight through the picker",
@@ -124,14 +130,15 @@ class _Live(Collector):
         if self._pressure is not None:
             level = GaugeMetricFamily("confgen_picker_pressure_seconds", "The pool's best predicted start, "
                                       "smoothed over the picker's pressure_s", labels=["pool"])
-            held = GaugeMetricFamily("confgen_picker_admitting", "1 while the picker's own pressure holds: "
-                                     "per-request admission is on", labels=["pool"])
+            held = GaugeMetricFamily("confgen_picker_admitting", "1 while per-request admission is on in the "
+                                     "pool (its pressure or a spike, or the saturation verdict)", labels=["pool"])
             offered = GaugeMetricFamily("confgen_picker_offered_load", "Requests arriving at the pool (through "
                                         "every picker sharing it, smoothed over pressure_s) over what it serves: "
                                         "1 = full", labels=["pool"])
             for pool, p in sorted(self._pressure().items()):
                 level.add_metric([pool], p.level_s)
-                held.add_metric([pool], 1.0 if p.held else 0.0)
+                on = self._admitting_of(pool) if self._admitting_of is not None else p.held
+                held.add_metric([pool], 1.0 if on else 0.0)
                 offered.add_metric([pool], p.offered)
             yield level
             yield held
@@ -141,11 +148,13 @@ class _Live(Collector):
 class PickerMetrics:
     def __init__(self, registry: CollectorRegistry | None,
                  pools: Callable[[], Mapping[str, Sequence[Endpoint]]] | None = None,
-                 pressure: Callable[[], Mapping[str, Pressure]] | None = None) -> None:
+                 pressure: Callable[[], Mapping[str, Pressure]] | None = None,
+                 admitting: Callable[[str], bool] | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
         self.picks = Counter("confgen_picker_picks", "Picks by reason", ["pool", "reason"], registry=reg)
-        self.unpicked = Counter("confgen_picker_unpicked", "Requests left to the proxy's own balancer",
-                                ["reason"], registry=reg)
+        self.unpicked = Counter("confgen_picker_unpicked", "Requests answered without a pick, by reason: left to "
+                                "the proxy's own balancer (behind and busy: or refused by admission, then in "
+                                "confgen_picker_refused too)", ["reason"], registry=reg)
         self.streams = Counter("confgen_picker_streams", "ext_proc streams opened", registry=reg)
         self.blocks = Counter("confgen_picker_prefix_blocks", "Prompt blocks requested / matched at the chosen "
                               "endpoint", ["kind"], registry=reg)
@@ -160,10 +169,12 @@ class PickerMetrics:
                                 "picker: its age from Envoy's request.time past the floor of recent ages (the "
                                 "picker's own queue, in Envoy, the transport and the process)", buckets=_QUEUE_BUCKETS,
                                 registry=reg)
-        self.refused = Counter("confgen_picker_refused", "Requests refused at once: predicted delay past their "
-                               "class's budget", ["pool", "class"], registry=reg)
+        self.refused = Counter("confgen_picker_refused", "Requests refused (429 overloaded): predicted delay past "
+                               "their class's budget, at once, after the lobby, or unread (late, busy)",
+                               ["pool", "class"], registry=reg)
         self.predicted = Counter("confgen_picker_predicted_seconds", "Predicted seconds from pick to response end, "
-                                 "requests that ended normally", ["pool"], registry=reg)
+                                 "requests whose stream ended without an error (clients that went away "
+                                 "included: the proxy's stream does not tell)", ["pool"], registry=reg)
         self.observed = Counter("confgen_picker_observed_seconds", "Observed seconds from pick to response end, "
                                 "the same requests", ["pool"], registry=reg)
         self.ratio = Histogram("confgen_picker_prediction_ratio", "Observed / predicted time per request",
@@ -184,7 +195,7 @@ class PickerMetrics:
         self._requested = self.blocks.labels(kind="requested")
         self._matched = self.blocks.labels(kind="matched")
         if pools is not None:
-            reg.register(_Live(pools, pressure))
+            reg.register(_Live(pools, pressure, admitting))
 
     def observe_pick(self, pool: str, pick: Pick, seconds: float) -> None:
         self.picks.labels(pool=pool, reason=pick.reason).inc()
