@@ -153,6 +153,11 @@ class _Engine:
     generation_hist: tuple[str, ...] = ()
     # (counter, label, value): the requests finished because they reached their max_tokens
     bounded: tuple[str, str, str] | None = None
+    # With speculative decoding (this counter present) the inter-token histogram gets one observation per
+    # engine step, however many tokens the step accepted: its sum over count is a step, 2-3 tokens. The time
+    # per token is then the decode seconds over the tokens after each request's first (`generation_hist`).
+    speculative: _Field | None = None
+    decode_seconds: _Field | None = None
 
 
 _ENGINES: Final[dict[str, _Engine | None]] = {
@@ -181,6 +186,8 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
         prompt_tokens=_Field(("prompt_tokens_total",)),
         generation_hist=("request_generation_tokens",),
         bounded=("request_success_total", "finished_reason", "length"),
+        speculative=_Field(("spec_decode_num_accepted_tokens_total",)),
+        decode_seconds=_Field(("request_decode_time_seconds_sum",)),
     ),
     "sglang": _Engine(
         prefixes=("sglang:", "sglang_"),
@@ -344,6 +351,10 @@ def extract(engine_kind: str, body: bytes, *, openmetrics: bool = False) -> Load
         finished = _aggregate((_find_series(text, prefix + base + "_count"), "sum"))[0]
         if finished is not None and finished_tokens is not None:
             break
+    if field(spec.speculative) is not None and finished is not None and finished_tokens is not None:
+        decode_s = field(spec.decode_seconds)
+        if decode_s is not None:  # seconds and tokens of the same finished requests, their first token excluded
+            latency_s, latency_n = decode_s, max(0.0, finished_tokens - finished)
     return _finite_only(LoadSample(
         running=running[0],
         waiting=waiting[0],
