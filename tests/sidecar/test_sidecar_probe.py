@@ -122,6 +122,6 @@ def test_sglang_health_second_is_neither_a_timeout_nor_slowness() -> None:
         stalled = asyncio.run(go(port, 0.4))
     for report in (short, long):
         assert report.result.outcome is Outcome.OK, report
-        assert report.result.health_latency_s is not None and report.result.health_latency_s < 0.15, report
+        assert report.result.health_latency_s is not None and report.result.health_latency_s < 0.5, report
         assert report.result.sample is not None
     assert stalled.result.outcome is Outcome.TIMEOUT, stalled
