@@ -31,6 +31,7 @@ from .limits import (
 )
 from .model import (
     GRPC_SOCKET,
+    HEALTH_FLOOR_MARGIN_S,
     MAX_SOCKET_PATH,
     LimitSet,
     LimitStore,
@@ -44,6 +45,7 @@ from .model import (
     grpc_socket_dir,
     grpc_tls,
     grpc_transport,
+    health_floor_s,
     is_ip,
     is_loopback_host,
     limit_list,
@@ -53,10 +55,6 @@ from .plan import primary_pool_for
 
 Finding = tuple[str, str, Severity]  # path, message, severity
 ERROR, WARNING = Severity.ERROR, Severity.WARNING
-# SGLang's health handler looks for its one-token generation's answer once a second (the sidecar's probe knows
-# it too: sidecar.observe.engines): the proxy's active check needs a timeout past that second
-_SGLANG_POLLED_HEALTH = frozenset({"/health", "/health_generate"})
-_SGLANG_HEALTH_MIN_TIMEOUT_S = 1.5
 _HASHING_NAMES = " or ".join(name for name, policy in POLICIES.items() if policy.hashing)
 
 
@@ -521,12 +519,12 @@ def _pool_settings(topo: Topology) -> Iterator[Finding]:
         hc = pool.health
         if hc.enabled and hc.timeout >= hc.interval:
             yield f"{base}.health.timeout", "must be shorter than health.interval", ERROR
-        if (hc.enabled and pool.engine == "sglang" and pool.health_path.split("?", 1)[0] in _SGLANG_POLLED_HEALTH
-                and hc.timeout.seconds < _SGLANG_HEALTH_MIN_TIMEOUT_S):
+        floor = health_floor_s(pool.engine, pool.health_path)
+        if hc.enabled and floor and hc.timeout.seconds < floor + HEALTH_FLOOR_MARGIN_S:
             yield (f"{base}.health.timeout",
-                   f"sglang's {pool.health_path} answers after 1 s at the earliest (it polls for its one-token "
-                   f"generation once a second): a timeout under {_SGLANG_HEALTH_MIN_TIMEOUT_S:g}s fails healthy "
-                   "workers", WARNING)
+                   f"{pool.engine}'s {pool.health_path} answers after {floor:g} s at the earliest (it polls for its "
+                   f"one-token generation once a second): a timeout under {floor + HEALTH_FLOOR_MARGIN_S:g}s fails "
+                   "healthy workers", WARNING)
         if pool.retries.attempts > 0 and not pool.retries.retry_on:
             yield f"{base}.retries.retry_on", "list at least one failure to retry, or set attempts: 0", ERROR
         for name in sorted(_dupes(list(pool.retries.retry_on))):

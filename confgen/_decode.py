@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from ._fields import COMPILED, DURATION_HINT, PATTERNS, Duration, parse_duration, spec_of, yaml_key
+from ._fields import COMPILED, DURATION_HINT, PATTERNS, Duration, key_pattern, parse_duration, spec_of, yaml_key
 from ._yaml import MAX_DEPTH, Mark, mark_of
 from .errors import Diagnostic
 
@@ -40,8 +40,6 @@ _MAX_INT_DIGITS = 30
 _FLOAT_TEXT = re.compile(r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 _TAG_WORDS = {_INT: "a number", _FLOAT: "a number", _BOOL: "a boolean", _NULL: "null"}
-# a mapping whose values take a pattern has keys of this one (Kubernetes labels: keys have their own syntax)
-_KEY_PATTERN = {"k8s_label_value": "k8s_label_key"}
 # tags YAML 1.1 gives plain scalars on its own (a date, a lone `=`): what to call them in a message
 _IMPLICIT_TAG_WORDS = {"tag:yaml.org,2002:timestamp": "a date", "tag:yaml.org,2002:value": "a value key"}
 
@@ -300,7 +298,7 @@ class Decoder:
         ok = True
         for key, (key_node, value_node) in pairs.items():
             sub = path_join(path, key)
-            if self._check_pattern(key_node, sub, key, _KEY_PATTERN.get(pattern or "", "label")) is INVALID:
+            if self._check_pattern(key_node, sub, key, key_pattern(pattern)) is INVALID:
                 ok = False
                 continue
             value = self.decode(value_node, str, sub, pattern)  # its tag checked, as every value's

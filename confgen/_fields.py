@@ -58,6 +58,13 @@ PATTERNS: dict[str, tuple[str, str]] = {
     ),
 }
 COMPILED = {key: re.compile(rx) for key, (rx, _) in PATTERNS.items()}
+# The keys of a mapping whose values take a pattern: `label` unless the values' pattern has keys of its own
+# (Kubernetes labels). The decoder and the JSON Schema both read it.
+_KEY_PATTERNS = {"k8s_label_value": "k8s_label_key"}
+
+
+def key_pattern(value_pattern: str | None) -> str:
+    return _KEY_PATTERNS.get(value_pattern or "", "label")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,20 @@ DEFAULT_HEALTH_PATH: dict[str, str] = {
     "llamacpp": "/health",
     "openai": "/v1/models",
 }
+# Health paths whose healthy answer takes a fixed time by design, and that time: SGLang's /health and
+# /health_generate (0.5.x; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) submit a one-token generation,
+# then poll once a second for the scheduler's answer (sglang/srt/entrypoints/http_server.py, `health_generate`:
+# `await asyncio.sleep(1)` before the first look): a healthy engine answers after 1 s at the earliest. The
+# sidecar's probe waits it out and counts only the excess as latency; `validate` warns on a proxy health check
+# timing out before HEALTH_FLOOR_MARGIN_S past it; the simulated SGLang polls alike.
+HEALTH_POLL_S: dict[str, tuple[frozenset[str], float]] = {"sglang": (frozenset({"/health", "/health_generate"}), 1.0)}
+HEALTH_FLOOR_MARGIN_S = 0.5
+
+
+def health_floor_s(engine: str, path: str) -> float:
+    """Seconds a healthy `engine` takes by design to answer a health request on `path` (0 for most)."""
+    paths, floor = HEALTH_POLL_S.get(engine, (frozenset(), 0.0))
+    return floor if path.split("?", 1)[0] in paths else 0.0
 
 
 def _d(text: str) -> Duration:

@@ -12,7 +12,7 @@ import typing
 from typing import Any, Literal, Union
 
 from ._decode import _hints
-from ._fields import DURATION_HINT, PATTERNS, Duration, spec_of, yaml_key
+from ._fields import DURATION_HINT, PATTERNS, Duration, key_pattern, spec_of, yaml_key
 from .model import Topology, Worker
 
 SCHEMA_ID = "https://confgen.dev/schema/topology.schema.json"
@@ -28,9 +28,8 @@ def _type_schema(tp: Any, pattern: str | None, defs: dict[str, Any]) -> dict[str
     if origin is list:
         return {"type": "array", "items": _type_schema(typing.get_args(tp)[0], pattern, defs)}
     if origin is dict:
-        key = "k8s_label_key" if pattern == "k8s_label_value" else "label"  # as confgen._decode reads the keys
         return {"type": "object", "additionalProperties": _type_schema(str, pattern, defs),
-                "propertyNames": _type_schema(str, key, defs)}
+                "propertyNames": _type_schema(str, key_pattern(pattern), defs)}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

@@ -38,14 +38,7 @@ from collections.abc import Callable
 
 from ..balancing import grpc_wanted, picker_wanted
 from ..errors import DeployError
-from ..model import (
-    Pool,
-    Topology,
-    admin_reach,
-    grpc_socket_dir,
-    grpc_transport,
-    join_address,
-)
+from ..model import Pool, Topology, admin_reach, grpc_socket_dir, grpc_transport, join_address
 from . import _observability
 from ._canonical import dump, topology_yaml
 from ._kubernetes_ads import ads_objects, ads_problems

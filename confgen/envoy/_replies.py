@@ -15,8 +15,8 @@ META_NS = "confgen"  # dynamic-metadata namespace the request's `model` is writt
 # The status of the shed share's refusals (`_listener._shed_config`) and of the endpoint picker's (sent to it
 # as stream metadata, x-confgen-shed-status): a code Envoy never answers on its own, so the mapper below can
 # tell them from a rate limit's 429 (whose RL flag is set only after the reply is mapped) and make them 429
-# `overloaded`. 507 (Insufficient Storage): the local
-# rate limit filter takes only codes of envoy.type.v3.StatusCode.
+# `overloaded`. 507 (Insufficient Storage): the local rate limit filter takes only codes of
+# envoy.type.v3.StatusCode.
 SHED_STATUS = 507
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 from ..errors import SpecError as SpecError  # re-exported: the simulator's modules import it from here
+from ..model import health_floor_s
 
 EngineKind = Literal["vllm", "vllm_v0", "sglang", "tgi", "llamacpp", "openai"]
 ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
@@ -103,9 +104,9 @@ class WorkerSpec:
     initial_fault: FaultSpec | None = None
     fault_schedule: tuple[ScheduledFault, ...] = ()
     metrics_variant: MetricsVariant = "default"
-    # SGLang's health handler looks for its one-token generation's answer once a second (first look after 1 s):
-    # its /health answers after this long at the earliest, as the real one does
-    sglang_health_poll_s: float = 1.0
+    # SGLang's health handler looks for its one-token generation's answer once a second (confgen.model's
+    # HEALTH_POLL_S): its /health answers after this long at the earliest, as the real one does
+    sglang_health_poll_s: float = health_floor_s("sglang", "/health")
 
     def __post_init__(self) -> None:
         # Python callers may pass a list; keep the spec hashable and immutable.

@@ -232,14 +232,6 @@ _ENGINES: Final[dict[str, _Engine | None]] = {
 
 ENGINE_KINDS: Final[frozenset[str]] = frozenset(_ENGINES)
 
-# SGLang's /health and /health_generate (0.5.x; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) submit a
-# one-token generation, then poll once a second for the scheduler's answer (sglang/srt/entrypoints/http_server.py,
-# `health_generate`: `await asyncio.sleep(1)` before the first look): a healthy engine answers after 1 s at the
-# earliest. That second is the handler's design, not the worker's slowness.
-_HEALTH_POLL_S: Final[dict[str, tuple[frozenset[str], float]]] = {
-    "sglang": (frozenset({"/health", "/health_generate"}), 1.0),
-}
-
 _DP_LABELS: Final = ("engine", "dp_rank")
 _ESCAPES: Final = {"n": "\n", "\\": "\\", '"': '"'}
 # A quoted label value, escapes included, matched in one pass (the unrolled loop: linear in its length; a
@@ -255,13 +247,6 @@ def _unescape(m: re.Match[str]) -> str:
     return _ESCAPES.get(m.group(1), "\\" + m.group(1))
 
 _Series = tuple[dict[str, str], float]
-
-
-def health_floor_s(engine_kind: str, path: str) -> float:
-    """Seconds a healthy engine takes by design to answer its health probe on `path` (0 for most): the prober
-    waits that much longer and counts only what exceeds it as the worker's latency."""
-    paths, floor = _HEALTH_POLL_S.get(engine_kind, (frozenset(), 0.0))
-    return floor if path.split("?", 1)[0] in paths else 0.0
 
 
 def has_metrics(engine_kind: str) -> bool:

@@ -54,7 +54,8 @@ from typing import Self
 import aiohttp
 from yarl import URL
 
-from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics, health_floor_s
+from confgen.model import HEALTH_FLOOR_MARGIN_S, health_floor_s
+from sidecar.observe.engines import LoadSample, MetricsFormatError, extract, has_metrics
 from sidecar.observe.result import Outcome, ProbeResult
 
 __all__ = ["LoopLag", "ProbeReport", "Prober", "Target"]
@@ -62,7 +63,6 @@ __all__ = ["LoopLag", "ProbeReport", "Prober", "Target"]
 _ACCEPT_METRICS = "text/plain;version=0.0.4"  # OpenMetrics makes prometheus_client mangle ':'
 _HEADERS = {"Accept-Encoding": "identity"}
 _URL_CACHE = 65_536
-_FLOOR_MARGIN_S = 0.5  # beyond an engine's health floor: the deadline of its health probe is at least floor + this
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +209,7 @@ class Prober:
             # an engine whose healthy answer takes a fixed time by design (SGLang's one-second poll) gets that
             # time beyond the deadline, and only what exceeds it counts as its latency
             floor = health_floor_s(target.engine, target.health_path)
-            deadline = loop.time() + max(self._deadline_s, floor + _FLOOR_MARGIN_S)
+            deadline = loop.time() + max(self._deadline_s, floor + HEALTH_FLOOR_MARGIN_S)
             lag_at_health = self._lag.late_s()
             try:
                 status, latency = await self._health(target, deadline)

@@ -29,6 +29,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from confgen._yaml import MAX_BYTES
 from sidecar.logs import log_event
 
 __all__ = ["TopologyWatcher"]
@@ -36,7 +37,7 @@ __all__ = ["TopologyWatcher"]
 _log = logging.getLogger("sidecar.observe.watch")
 
 
-_MAX_READ = 4 * 1024 * 1024 + 1  # the loader's own cap (confgen._yaml.MAX_BYTES) and one byte more
+_MAX_READ = MAX_BYTES + 1  # the loader's own cap and one byte more
 
 
 def _digest(path: Path) -> str | None:

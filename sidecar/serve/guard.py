@@ -56,9 +56,9 @@ def load_token(file: Path | None, env: str | None) -> str | None:
             raise ConfigError(f"--admin-token-file {file}: {exc.strerror or exc}") from exc
         where = f"--admin-token-file {file}"
         with contextlib.suppress(OSError):
-            if file.stat().st_mode & 0o077:  # read at startup only: rotating it takes a restart
-                log_event(_log, logging.WARNING, "startup.token_file_open", file=str(file),
-                          mode=oct(file.stat().st_mode & 0o777),
+            mode = file.stat().st_mode & 0o777
+            if mode & 0o077:  # read at startup only: rotating it takes a restart
+                log_event(_log, logging.WARNING, "startup.token_file_open", file=str(file), mode=oct(mode),
                           note="the admin token file is readable beyond its owner: chmod 600 it")
     elif env is not None:
         token = os.environ.get(env, "").strip()

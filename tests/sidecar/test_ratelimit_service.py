@@ -280,10 +280,10 @@ def test_the_end_of_an_answer_settles_its_reservation_and_a_refused_request_cost
         client.close()
 
 
-async def _spent(redis: RedisProcess) -> int:
+async def _spent(redis: RedisProcess, match: str = "confgen:*") -> int:
     client = redis_client(redis)
     try:
-        return sum(int(client.get(k) or 0) for k in client.scan_iter(match="confgen:*")
+        return sum(int(client.get(k) or 0) for k in client.scan_iter(match=match)
                    if not k.endswith((b":r", b":r:z")))
     finally:
         client.close()

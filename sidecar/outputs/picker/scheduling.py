@@ -343,13 +343,13 @@ class Pick:
     refused_for_s: float | None = None  # admission: refused, the earliest start this far past its budget
 
 
-def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float]:
-    """The pool's median time one request holds a slot (seconds), and the requests per second its
-    slots serve."""
+def _rates(cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float, int]:
+    """The pool's median time one request holds a slot (seconds), the requests per second its slots
+    serve, and the fewest slots an endpoint has."""
     slots = [_slots(e) for e in cands]
     holds = [est.out * est.tpot(n) + est.k * est.prompt for n, est in zip(slots, estimates, strict=True)]
     serves = sum(n / max(1e-3, h) for n, h in zip(slots, holds, strict=True))
-    return statistics.median(holds), serves
+    return statistics.median(holds), serves, min(slots)
 
 
 def rendezvous(home: int, address: str) -> int:
@@ -470,9 +470,7 @@ class Picker:
         rest = sorted((i for i in range(len(cands)) if i != first), key=lambda i: (costs[i], self._rng.random()))
         costs = [p.cost_s for p in preds]
         order = [first, *rest[: policy.fallbacks]]
-        service, serves = _rates(cands, estimates)
-        if policy.budget_step:
-            self.admission.slots(req.pool, service, min(_slots(e) for e in cands))
+        service, serves = self._rates(req.pool, cands, estimates)
         budget = self.admission.budget_at(req.pool, req.traffic_class, service)
         if req.observed:  # held in the lobby: its arrival counted when it came, the gate as it stands now
             opened = self.admission.gate(req.pool)
@@ -504,6 +502,13 @@ class Picker:
             reason = "prefix" if matched == top else "spill"
         return Pick(tuple(cands[i] for i in order), reason, matched, len(req.hashes), preds[first])
 
+    def _rates(self, pool: str, cands: Sequence[Endpoint], estimates: Sequence[Estimate]) -> tuple[float, float]:
+        """The pool's service time and rate (`_rates`), its fewest slots told to admission (`budget_step`)."""
+        service, serves, fewest = _rates(cands, estimates)
+        if self.policy.budget_step:
+            self.admission.slots(pool, service, fewest)
+        return service, serves
+
     def observe_held(self, req: PickRequest, endpoints: Sequence[Endpoint], ahead: int) -> bool | None:
         """A request about to wait in the lobby behind `ahead` others while every slot is taken: its
         arrival, and the wait predicted for it (the engines' queues, those ahead in the lobby and itself,
@@ -516,9 +521,7 @@ class Picker:
         estimates = self._estimates(cands)
         if estimates is None:
             return None
-        service, serves = _rates(cands, estimates)
-        if self.policy.budget_step:
-            self.admission.slots(req.pool, service, min(_slots(e) for e in cands))
+        service, serves = self._rates(req.pool, cands, estimates)
         req.observed = True
         # the engines' own queues drain first (a request placed at once would wait behind them; once
         # admission is on they hold up to the budget, and a held request would wait behind them too)
